@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# GPU checks in one call: the test suite on the GPU, verify on cuda, the benchmarks.
+# Runs with the machine's own python3 (torch + triton preinstalled, no network): truefuse from
+# this checkout through PYTHONPATH. Logs and results go under $OUT; a short table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_results}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+BENCHES="${BENCHES:-gemm}"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+
+$PY -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -n 25
+tests_rc=${PIPESTATUS[0]}
+$PY -m truefuse verify --device cuda --quiet > "$OUT/verify.log" 2>&1
+verify_rc=$?
+$PY -m truefuse info > "$OUT/info.log" 2>&1
+for b in $BENCHES; do
+  $PY -m truefuse bench "$b" --out "$OUT" > "$OUT/bench_$b.log" 2>&1 || echo "bench $b failed (see bench_$b.log)"
+done
+
+echo "== verify (failures) =="; grep -E "FAIL" "$OUT/verify.log" | head -20; tail -n 1 "$OUT/verify.log"
+for b in $BENCHES; do echo "== bench $b =="; cat "$OUT/bench_$b.log"; done
+echo "tests rc=$tests_rc verify rc=$verify_rc"

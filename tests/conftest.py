@@ -1,0 +1,22 @@
+"""Test session set-up: without a GPU, Triton kernels run in Triton's CPU interpreter.
+
+TRITON_INTERPRET must be set before any kernel module is imported, hence here. The interpreter is
+right for fp32 and wrong for bf16 (DESIGN §8): the Triton backend offers only fp32 on the CPU.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,0 +1,280 @@
+"""truefuse.gemm against gemm_ref: every capability row, the split fallbacks, grouped, errors."""
+
+import pytest
+import torch
+from conftest import requires_cuda
+
+from truefuse import Capability, GemmOutput, gemm, gemm_plan_for, gemm_ref, override_capabilities
+from truefuse.ops.activation import ACTIVATIONS, activation_grad_ref
+from truefuse.ops.gemm_plan import FEATURES, TORCH_CAPABILITIES, TRITON_CAPABILITIES, backend_available
+from truefuse.testing import assert_bitwise, assert_bounded, bounded_report
+
+M, K, N = 70, 40, 37  # tokens, in, out: tails in every tile dimension
+
+
+def _t(shape, dtype, device, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def _d64(v):
+    return v.detach().cpu().double() if isinstance(v, torch.Tensor) else v
+
+
+def _check(a, b, **kw):
+    """Run gemm and assert the bounded contract for every output; return (result, plan)."""
+    out0 = kw.pop("out", None)
+    fresh = (lambda: {"out": out0.clone()}) if out0 is not None else dict
+    got = gemm(a, b, **kw, **fresh())
+    base = gemm_ref(a, b, **kw, **fresh())
+    kw64 = {k: _d64(v) for k, v in kw.items()}
+    if kw.get("out_dtype") is not None:
+        kw64["out_dtype"] = torch.float64
+    if out0 is not None:
+        kw64["out"] = _d64(out0)
+    ref = gemm_ref(_d64(a), _d64(b), **kw64)
+    wrap = lambda r: r if isinstance(r, GemmOutput) else GemmOutput(r, None, None)  # noqa: E731
+    got, base, ref = wrap(got), wrap(base), wrap(ref)
+    assert not torch.isnan(got.out).any()
+    assert_bounded(got.out, ref.out, base.out, "out")
+    if got.grad_bias is not None:
+        assert_bounded(got.grad_bias, ref.grad_bias, base.grad_bias, "grad_bias")
+    if got.pre_activation is not None:
+        assert_bounded(got.pre_activation, ref.pre_activation, base.pre_activation, "pre_activation")
+    return got
+
+
+def _call_for(feature, i, o, device):
+    """Arguments of a gemm call that needs ``feature`` with input dtype i and output dtype o."""
+    x, w = _t((M, K), i, device, 1), _t((N, K), i, device, 2, K**-0.5)
+    dy, pre = _t((M, N), i, device, 3), _t((M, N), i, device, 4)
+    od = None if o == i else o
+    if feature in ("mm", "out_dtype"):
+        return (x, w.t()), {"out_dtype": od}
+    if feature == "accumulate":
+        return (dy.t(), x), {"out": _t((N, K), o, device, 5), "accumulate": True}
+    if feature == "bias":
+        return (x, w.t()), {"bias": _t((N,), i, device, 6), "out_dtype": od}
+    if feature == "activation":
+        return (x, w.t()), {"activation": "gelu", "return_pre_activation": True, "out_dtype": od}
+    if feature == "grad_activation":
+        return (dy.t(), x), {"grad_activation": "gelu", "pre_activation": pre.t(), "out_dtype": od}
+    if feature == "grad_bias":
+        return (dy.t(), x), {"grad_bias": True, "out_dtype": od}
+    if feature == "grouped":
+        splits = [16, 0, 1, 53]
+        return (_t((M, 48), i, device, 7), _t((4, 48, 40), i, device, 8, 48**-0.5)), {"m_splits": splits, "out_dtype": od}
+    raise AssertionError(feature)
+
+
+_ROWS = sorted(
+    [("torch", *r) for r in TORCH_CAPABILITIES] + [("triton", *r) for r in TRITON_CAPABILITIES],
+    key=str,
+)
+
+
+@pytest.mark.parametrize("backend,feature,in_dtype,out_dtype,dev", _ROWS, ids=lambda v: str(v).removeprefix("torch."))
+def test_every_capability_row_against_ref(backend, feature, in_dtype, out_dtype, dev):
+    """Each (feature, dtypes, device) a backend claims to fuse is fused there and bounded by gemm_ref."""
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA row")
+    if not backend_available(backend, dev):
+        pytest.skip(f"{backend} not available on {dev} here")
+    device = torch.device(dev)
+    (a, b), kw = _call_for(feature, in_dtype, out_dtype, device)
+    with override_capabilities(backends=[backend]):
+        p = gemm_plan_for(a, b, **kw)
+        assert p.backend == backend and feature in p.fused, str(p)
+        _check(a, b, **kw)
+
+
+def _wgrad_call(dtype, device, act):
+    dy, x, pre = _t((M, N), dtype, device, 11), _t((M, K), dtype, device, 12), _t((M, N), dtype, device, 13)
+    kw = {"out": _t((N, K), torch.float32, device, 14), "accumulate": True, "grad_bias": True}
+    if act:
+        kw.update(grad_activation=act, pre_activation=pre.t())
+    return dy, x, pre, kw
+
+
+_NO_FUSED_BGRAD_FP32 = [Capability("grad_bias", out_dtype=torch.float32), Capability("grad_activation", out_dtype=torch.float32)]
+
+
+@pytest.mark.parametrize("act", [None, "gelu", "gelu_tanh", "relu", "silu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_platform_without_fused_bgrad_for_fp32_out(dtype, act, device):
+    """A platform without a fused bias-gradient for fp32 output (ROCm hipBLASLt today): the planner
+    splits it, the weight gradient and bias gradient stay right, and the bias-gradient is the one
+    split formula (fp32 sum, after the activation's derivative, cast to the input dtype)."""
+    dy, x, pre, kw = _wgrad_call(dtype, device, act)
+    with override_capabilities(remove=_NO_FUSED_BGRAD_FP32):
+        p = gemm_plan_for(dy.t(), x, **kw)
+        assert "grad_bias" in p.split, str(p)
+        got = _check(dy.t(), x, **kw)
+    # the derivative is taken in the operand's (transposed) layout: CPU ATen's vectorized and scalar
+    # erf differ in the last bit, so the layout is part of the formula
+    d = dy if act is None else activation_grad_ref(dy.t(), pre.t(), act).t()
+    assert_bitwise(got.grad_bias, d.float().sum(0).to(dtype), "split bias-gradient formula")
+
+
+@pytest.mark.parametrize("act", [None, "gelu", "silu"])
+def test_fused_bgrad_chosen_and_agrees_with_split(act, device):
+    """Where a backend fuses the bias-gradient (Triton; on the CPU in fp32 under the interpreter),
+    the planner picks it, and the fused result agrees with the split one within the contract."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not backend_available("triton", device.type):
+        pytest.skip("no Triton backend here")
+    dy, x, pre, kw = _wgrad_call(dtype, device, act)
+    p = gemm_plan_for(dy.t(), x, **kw)
+    assert p.backend == "triton" and not p.split and "grad_bias" in p.fused, str(p)
+    fused = gemm(dy.t(), x, **{**kw, "out": kw["out"].clone()})
+    with override_capabilities(remove=_NO_FUSED_BGRAD_FP32):
+        split = gemm(dy.t(), x, **{**kw, "out": kw["out"].clone()})
+    kw64 = {k: _d64(v) for k, v in kw.items()}
+    ref = gemm_ref(_d64(dy).t(), _d64(x), **kw64)
+    for name in ("out", "grad_bias"):
+        rep = bounded_report(getattr(fused, name), getattr(ref, name), getattr(split, name))
+        assert rep.passed, (name, rep)
+
+
+_ALL_OFF = [Capability(f) for f in FEATURES if f != "mm"]
+
+
+@pytest.mark.parametrize("removed", [[c] for c in _ALL_OFF] + [_ALL_OFF], ids=lambda r: "+".join(c.feature for c in r))
+def test_no_configuration_raises(removed, device):
+    """Take fused features away (one at a time, then all): every request still runs, right."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dy, x, pre, kw = _wgrad_call(dtype, device, "gelu")
+    w = _t((N, K), dtype, device, 20, K**-0.5)
+    with override_capabilities(remove=removed):
+        _check(dy.t(), x, **kw)
+        _check(x, w.t(), bias=_t((N,), dtype, device, 21), activation="silu", return_pre_activation=True)
+        _check(x, w.t(), out_dtype=torch.float32)
+        _check(_t((M, 48), dtype, device, 22), _t((3, 48, 40), dtype, device, 23, 0.2), m_splits=[30, 0, 40])
+
+
+def test_cpu_accumulate_into_fp32_is_planned_as_upcast():
+    """CPU PyTorch has no addmm(out_dtype=fp32) for bf16: the plan upcasts and accumulates in fp32."""
+    dy, x, _, kw = _wgrad_call(torch.bfloat16, torch.device("cpu"), None)
+    kw["grad_bias"] = False
+    with override_capabilities(backends=["torch"]):
+        p = gemm_plan_for(dy.t(), x, **kw)
+        assert p.compute_dtype == torch.float32 and "out_dtype" in p.split and "accumulate" in p.fused
+        got = _check(dy.t(), x, **kw)
+    expect = kw["out"] + dy.float().t() @ x.float()  # exact bf16 products, fp32 sums
+    assert_bounded(got.out, (_d64(kw["out"]) + _d64(dy).t() @ _d64(x)), expect)
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_forward_epilogues(act, device):
+    x, w, bias = _t((M, K), torch.float32, device, 30), _t((N, K), torch.float32, device, 31), _t((N,), torch.float32, device, 32)
+    r = _check(x, w.t(), bias=bias, activation=act, return_pre_activation=True)
+    assert_bitwise(r.pre_activation, torch.addmm(bias, x, w.t()), "pre-activation")
+
+
+def test_out_is_written_in_place_and_ref_reads_only(device):
+    x, w = _t((M, K), torch.float32, device, 40), _t((K, N), torch.float32, device, 41)
+    out = torch.full((M, N), float("nan"), device=device)
+    res = gemm(x, w, out=out)
+    assert res.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+    acc = _t((M, N), torch.float32, device, 42)
+    before = acc.clone()
+    gemm_ref(x, w, out=acc, accumulate=True)
+    assert_bitwise(acc, before, "gemm_ref must not write into out")
+
+
+@pytest.mark.parametrize("splits", [[16, 0, 1, 53], [0, 0, 70, 0], [70]])
+def test_grouped_rows_equals_per_group_gemm(splits, device):
+    dtype = torch.float32
+    x, w = _t((70, 48), dtype, device, 50), _t((len(splits), 48, 40), dtype, device, 51)
+    bias = _t((len(splits), 40), dtype, device, 52)
+    res = gemm(x, w, m_splits=splits, bias=bias)
+    start = 0
+    for g, m in enumerate(splits):
+        assert_bitwise(res[start : start + m], gemm(x[start : start + m], w[g], bias=bias[g]), f"group {g}")
+        start += m
+
+
+def test_grouped_wgrad_per_group(device):
+    splits = [16, 0, 1, 53]
+    dtype = torch.float32
+    dy, x = _t((70, N), dtype, device, 60), _t((70, K), dtype, device, 61)
+    mg = _t((4, N, K), torch.float32, device, 62)
+    res = gemm(dy.t(), x, out=mg.clone(), accumulate=True, grad_bias=True, m_splits=torch.tensor(splits))
+    assert res.out.shape == (4, N, K) and res.grad_bias.shape == (4, N)
+    assert_bitwise(res.out[1], mg[1], "an empty group adds nothing")
+    assert_bitwise(res.grad_bias[1], torch.zeros(N, device=device), "an empty group's bias-gradient")
+    start = 0
+    for g, m in enumerate(splits):
+        one = gemm(dy[start : start + m].t(), x[start : start + m], out=mg[g].clone(), accumulate=True, grad_bias=True)
+        assert_bitwise(res.out[g], one.out, f"group {g}")
+        assert_bitwise(res.grad_bias[g], one.grad_bias, f"group {g} bias")
+        start += m
+
+
+def test_plan_is_readable():
+    x, w = torch.empty(4, 8, dtype=torch.bfloat16), torch.empty(8, 3, dtype=torch.bfloat16)
+    with override_capabilities(backends=["torch"]):
+        p = gemm_plan_for(x, w, bias=torch.empty(3, dtype=torch.bfloat16), activation="gelu")
+    assert str(p) == "torch[bfloat16]: fused mm+bias; split activation"
+
+
+def test_override_nests_and_restores():
+    dy, x, _, kw = _wgrad_call(torch.float32, torch.device("cpu"), None)
+    before = gemm_plan_for(dy.t(), x, **kw)
+    with override_capabilities(remove=[Capability("accumulate")]):
+        with override_capabilities(remove=[Capability("mm", backend="triton")]):
+            inner = gemm_plan_for(dy.t(), x, **kw)
+            assert inner.backend == "torch" and "accumulate" in inner.split
+    assert gemm_plan_for(dy.t(), x, **kw) == before
+    with pytest.raises(ValueError, match="unknown feature"):
+        with override_capabilities(remove=[Capability("nope")]):
+            pass
+
+
+# --- errors: each names the argument, before anything runs ---------------------------------------
+
+_A = torch.randn(8, 4)
+_B = torch.randn(4, 3)
+
+
+@pytest.mark.parametrize(
+    "args,kw,exc,match",
+    [
+        ((_A, torch.randn(5, 3)), {}, ValueError, "a has 4 columns but b has 5 rows"),
+        ((_A, _B.double()), {}, TypeError, "same dtype"),
+        ((_A.int(), _B.int()), {}, TypeError, "a has dtype torch.int32"),
+        ((_A[0], _B), {}, ValueError, "a must be 2-D"),
+        ((_A, torch.randn(2, 4, 3)), {}, ValueError, "needs m_splits"),
+        ((_A, _B), {"out": torch.empty(8, 4)}, ValueError, r"out has shape \(8, 4\), expected \(8, 3\)"),
+        ((_A, _B), {"out": torch.empty(8, 3, dtype=torch.float16)}, TypeError, "out has dtype"),
+        ((_A, _B), {"out": torch.empty(3, 8).t()}, ValueError, "out must be contiguous"),
+        ((_A, _B), {"accumulate": True}, ValueError, "pass out="),
+        ((_A, _B), {"out": torch.empty(8, 3), "accumulate": True, "bias": torch.zeros(3)}, ValueError, "takes no bias"),
+        ((_A, _B), {"activation": "swish"}, ValueError, "activation='swish'"),
+        ((_A, _B), {"grad_activation": "gelu"}, ValueError, "pre_activation go together"),
+        ((_A, _B), {"grad_activation": "gelu", "pre_activation": torch.randn(4, 8)}, ValueError, "pre_activation has shape"),
+        ((_A, _B), {"bias": torch.zeros(4)}, ValueError, r"bias has shape \(4,\), expected \(3,\)"),
+        ((_A, _B), {"return_pre_activation": True}, ValueError, "needs an activation"),
+        ((_A, _B), {"out_dtype": torch.float16}, TypeError, "out_dtype=torch.float16"),
+        ((_A, torch.randn(2, 4, 3)), {"m_splits": [3, 4]}, ValueError, "m_splits sums to 7 but a.shape"),
+        ((_A, torch.randn(2, 4, 3)), {"m_splits": [9, -1]}, ValueError, "negative"),
+        ((_A, torch.randn(2, 4, 3)), {"m_splits": [8]}, ValueError, "m_splits has 1 groups but b has 2"),
+        ((_A, torch.randn(2, 4, 3)), {"m_splits": [4.0, 4.0]}, TypeError, "m_splits must be"),
+        ((_A, torch.randn(2, 4, 3)), {"m_splits": [4, 4], "grad_bias": True}, ValueError, "weight-gradient GEMM"),
+    ],
+)
+def test_bad_input_is_named(args, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        gemm(*args, **kw)
+
+
+def test_out_aliasing_an_input_is_refused():
+    buf = torch.randn(8, 8)
+    with pytest.raises(ValueError, match="out shares memory with a"):
+        gemm(buf[:, :4], torch.randn(4, 8), out=buf)
+
+
+@requires_cuda
+def test_device_mismatch_is_named():
+    with pytest.raises(ValueError, match="a is on cpu but b is on cuda"):
+        gemm(_A, _B.cuda())

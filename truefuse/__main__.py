@@ -1,0 +1,69 @@
+"""Command line: ``python -m truefuse {verify,info,bench}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from truefuse.verify import print_table, verify
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("verify: --device cuda asked for, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    try:
+        rows = verify(device, args.op or None, quiet=args.quiet)
+    except ValueError as e:
+        print(f"verify: {e}", file=sys.stderr)
+        return 2
+    print_table(rows, device)
+    return 0 if rows and all(r.passed for r in rows) else 1
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from truefuse.info import print_info
+
+    print_info()
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from truefuse.bench import run_bench
+
+    return run_bench(args.name, args.providers, args.out, args.quick)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m truefuse", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    v = sub.add_parser("verify", help="check every declared numerics contract on a device")
+    v.add_argument("--device", choices=["cpu", "cuda"], default=_default_device(), help="default: cuda if present, else cpu")
+    v.add_argument("--op", action="append", help="only this op (repeatable), e.g. --op gemm")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
+    v.set_defaults(fn=_cmd_verify)
+
+    i = sub.add_parser("info", help="versions, devices, GEMM capabilities and plans")
+    i.set_defaults(fn=_cmd_info)
+
+    b = sub.add_parser("bench", help="benchmarks (meaningful on a GPU)")
+    b.add_argument("name", help="which benchmark, e.g. gemm")
+    b.add_argument("--providers", nargs="+", help="only these providers")
+    b.add_argument("--out", default="bench_results", help="folder for JSON and PNG results")
+    b.add_argument("--quick", action="store_true", help="small shapes (a smoke run, not a measurement)")
+    b.set_defaults(fn=_cmd_bench)
+
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Benchmarks: ``python -m truefuse bench <name>``; each ``bench_<name>.py`` builds a Sweep."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+
+#: benchmark name -> module defining ``sweep(quick: bool) -> Sweep`` (and optionally CUDA_GRAPH)
+BENCHES = {"gemm": "truefuse.bench.bench_gemm"}
+
+
+def run_bench(name: str, providers: list[str] | None, out_dir: str, quick: bool) -> int:
+    from truefuse.bench.harness import environment
+
+    if name not in BENCHES:
+        print(f"bench: unknown benchmark {name!r}; known: {', '.join(BENCHES)}", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(BENCHES[name])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        print("bench: no GPU here; timings below are a CPU smoke run, not a measurement", file=sys.stderr)
+    sw = mod.sweep(quick or device.type == "cpu")
+    try:
+        sw.run(device, providers, cuda_graph=getattr(mod, "CUDA_GRAPH", False))
+    except ValueError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    paths = sw.save(out_dir, environment())
+    sw.print()
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0

@@ -1,0 +1,168 @@
+"""The one timing harness (DESIGN §7). Every benchmark measures through :func:`measure`.
+
+* time: ``triton.testing.do_bench`` median after warm-up on CUDA, optionally over a CUDA graph
+  replay (``do_bench_cudagraph``) for microsecond ops; on the CPU a wall-clock median (a smoke
+  run: speed is only reported from the GPU machine);
+* memory: peak ``torch.cuda.max_memory_allocated`` during one call, above a baseline taken after
+  the inputs exist;
+* results: one JSON row per (point, provider), a PNG per sweep, and a table with each provider's
+  ratio to the sweep's reference provider measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Measurement:
+    ms: float
+    peak_mb: float | None
+
+
+def measure(fn: Callable[[], object], device: torch.device, *, cuda_graph: bool = False, warmup_ms: int = 25, rep_ms: int = 100) -> Measurement:
+    """Median time of ``fn()`` and its peak memory above what was allocated before it ran."""
+    if device.type != "cuda":
+        fn()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return Measurement(statistics.median(times), None)
+
+    import triton.testing
+
+    torch.cuda.synchronize()
+    fn()  # compile / autotune outside the memory and time measurements
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    if cuda_graph:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+    else:
+        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return Measurement(float(ms), peak)
+
+
+@dataclass
+class Sweep:
+    """A benchmark: points (dicts of parameters) × providers, one reference provider for ratios.
+
+    Attributes:
+        name: file stem of the results (``<name>.json``, ``<name>.png``).
+        points: the parameter dicts, e.g. ``{"M": 8192, "N": 4096, "K": 4096}``.
+        providers: name -> ``make(point, device) -> fn``; ``make`` builds the inputs (outside the
+            timing and memory baseline) and returns the zero-argument call to time.
+        reference: the provider every ratio is taken against.
+        x: the point key plotted on the x axis.
+        flops: optional ``point -> FLOPs`` to report TFLOP/s.
+    """
+
+    name: str
+    points: Sequence[dict]
+    providers: dict[str, Callable[[dict, torch.device], Callable[[], object]]]
+    reference: str
+    x: str
+    flops: Callable[[dict], float] | None = None
+    rows: list[dict] = field(default_factory=list)
+
+    def run(self, device: torch.device, providers: Sequence[str] | None = None, cuda_graph: bool = False) -> list[dict]:
+        names = list(self.providers) if not providers else list(providers)
+        unknown = [p for p in names if p not in self.providers]
+        if unknown:
+            raise ValueError(f"--providers: unknown {unknown}; known: {list(self.providers)}")
+        if self.reference not in names:
+            names.insert(0, self.reference)
+        from rich.progress import track
+
+        for point in track(self.points, description=self.name, transient=True):
+            ref_ms = None
+            for prov in names:
+                fn = self.providers[prov](point, device)
+                m = measure(fn, device, cuda_graph=cuda_graph)
+                del fn
+                if prov == self.reference:
+                    ref_ms = m.ms
+                row = {**point, "provider": prov, "ms": m.ms, "peak_mb": m.peak_mb, "ratio": m.ms / ref_ms if ref_ms else None}
+                if self.flops is not None:
+                    row["tflops"] = self.flops(point) / (m.ms * 1e-3) / 1e12
+                self.rows.append(row)
+        return self.rows
+
+    def save(self, out_dir: str | Path, meta: dict) -> list[Path]:
+        """Write ``<name>.json`` (meta + rows) and ``<name>.png`` (time and memory per provider)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        jpath = out / f"{self.name}.json"
+        jpath.write_text(json.dumps({"meta": meta, "rows": self.rows}, indent=1))
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for prov in dict.fromkeys(r["provider"] for r in self.rows):
+            rs = [r for r in self.rows if r["provider"] == prov]
+            xs = [r[self.x] for r in rs]
+            axes[0].plot(xs, [r["ms"] for r in rs], marker="o", label=prov)
+            if all(r["peak_mb"] is not None for r in rs):
+                axes[1].plot(xs, [r["peak_mb"] for r in rs], marker="o", label=prov)
+        axes[0].set(xlabel=self.x, ylabel="median ms", title=f"{self.name}: time")
+        axes[1].set(xlabel=self.x, ylabel="peak MiB above inputs", title=f"{self.name}: memory")
+        for ax in axes:
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        ppath = out / f"{self.name}.png"
+        fig.savefig(ppath, dpi=110)
+        plt.close(fig)
+        return [jpath, ppath]
+
+    def print(self) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        keys = [k for k in self.points[0]] if self.points else []
+        t = Table(title=f"{self.name} (ratio: time / {self.reference}, same run)")
+        for k in [*keys, "provider", "ms", "ratio", "peak MiB", "TFLOP/s"]:
+            t.add_column(k, justify="right")
+        for r in self.rows:
+            t.add_row(
+                *[str(r[k]) for k in keys],
+                r["provider"],
+                f"{r['ms']:.4f}",
+                "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
+                "-" if r["peak_mb"] is None else f"{r['peak_mb']:.1f}",
+                f"{r['tflops']:.0f}" if "tflops" in r else "-",
+            )
+        console = Console()
+        console.width = max(console.width, 150)
+        console.print(t)
+
+
+def environment() -> dict:
+    """Versions and device of this run, stored with every result file."""
+    import datetime
+
+    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        meta["triton"] = None
+    meta["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return meta

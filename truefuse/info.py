@@ -1,0 +1,87 @@
+"""``truefuse info``: versions, devices, the GEMM capability tables and the plans of the main cases."""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.config import get_config
+from truefuse.ops.gemm import gemm_plan_for
+from truefuse.ops.gemm_plan import FEATURES, backend_available, capability_table
+
+
+def _versions() -> dict[str, str]:
+    v = {"torch": torch.__version__, "cuda (torch build)": str(torch.version.cuda)}
+    try:
+        import triton
+
+        v["triton"] = triton.__version__
+    except ImportError:  # triton is optional off Linux
+        v["triton"] = "not installed"
+    import truefuse
+
+    v["truefuse"] = truefuse.__version__
+    return v
+
+
+def _devices() -> list[str]:
+    devs = ["cpu"]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            devs.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)")
+    return devs
+
+
+def main_cases(device: str) -> dict[str, object]:
+    """The plans truefuse picks for the main cases on ``device`` (tiny meta-free tensors)."""
+    dev = torch.device(device)
+    bf = dict(dtype=torch.bfloat16, device=dev)
+    x, w, dy = torch.empty(16, 8, **bf), torch.empty(4, 8, **bf), torch.empty(16, 4, **bf)
+    mg = torch.empty(4, 8, dtype=torch.float32, device=dev)
+    bias = torch.empty(4, **bf)
+    return {
+        "forward, bf16, bias + gelu": gemm_plan_for(x, w.t(), bias=bias, activation="gelu"),
+        "wgrad, bf16 -> fp32 main_grad (beta=1)": gemm_plan_for(dy.t(), x, out=mg, accumulate=True),
+        "wgrad, bf16 -> fp32 main_grad + bias-grad": gemm_plan_for(dy.t(), x, out=mg, accumulate=True, grad_bias=True),
+        "wgrad after dgelu + bias-grad": gemm_plan_for(
+            dy.t(), x, out=mg, accumulate=True, grad_bias=True, grad_activation="gelu", pre_activation=dy.t()
+        ),
+        "grouped forward, bf16, 2 groups": gemm_plan_for(x, torch.empty(2, 8, 4, **bf), m_splits=[10, 6]),
+    }
+
+
+def print_info() -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console()
+    console.width = max(console.width, 150)
+    for k, v in _versions().items():
+        console.print(f"{k}: {v}")
+    console.print("devices: " + "; ".join(_devices()))
+    console.print(f"config: {get_config()}")
+    device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for backend in ("torch", "triton"):
+        for dev in device_types:
+            rows = [r for r in capability_table(backend) if r[3] == dev]
+            avail = backend_available(backend, dev)
+            t = Table(title=f"GEMM backend {backend!r} on {dev}" + ("" if avail else " (not available here)"))
+            t.add_column("in -> out")
+            for f in FEATURES:
+                t.add_column(f)
+            pairs = sorted({(r[1], r[2]) for r in rows}, key=str)
+            for i, o in pairs:
+                t.add_row(
+                    f"{str(i).removeprefix('torch.')} -> {str(o).removeprefix('torch.')}",
+                    *["fused" if (f, i, o, dev) in rows else "split" for f in FEATURES],
+                )
+            console.print(t)
+
+    for dev in device_types:
+        t = Table(title=f"plans on {dev}")
+        t.add_column("case")
+        t.add_column("plan")
+        for case, p in main_cases(dev).items():
+            t.add_row(case, escape(str(p)))
+        console.print(t)

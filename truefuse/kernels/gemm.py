@@ -1,0 +1,77 @@
+"""Triton GEMM with the weight-gradient prologue and epilogue PyTorch does not expose.
+
+``C (M×N) = A' (M×K) @ B (K×N)``, with ``A' = A * act'(P)`` when ``GRAD_ACT`` is set (the gradient
+through an activation, P the pre-activation), ``C += ...`` when ``ACCUMULATE`` (beta=1 into a wider
+output, e.g. fp32 ``main_grad``), and ``GB[m] = Σ_k A'[m, k]`` when ``GRAD_BIAS``: for the
+weight-gradient GEMM ``dW = dYᵀ X`` (A = dYᵀ, K = tokens) that is the bias gradient, summed from the
+same rounded operand that enters the product.
+
+Batch invariance: BLOCK_K is fixed per input dtype (never tuned, never split-K), so each output
+element is reduced over K in the same order whatever M and N are; only BLOCK_M/BLOCK_N/warps/stages
+are tuned.
+"""
+
+import triton
+import triton.language as tl
+
+from truefuse.kernels.activation import act_derivative
+
+
+@triton.jit
+def _gemm_fwd_kernel(
+    a_ptr, b_ptr, c_ptr, p_ptr, gb_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_pk,
+    ACCUMULATE: tl.constexpr,
+    GRAD_ACT: tl.constexpr,
+    GRAD_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # grouped launch order: consecutive programs share B tiles in L2
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
+    mask_m = rm < M
+    mask_n = rn < N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    gb = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        mask_k = kk < K
+        a_mask = mask_m[:, None] & mask_k[None, :]
+        a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak, mask=a_mask, other=0.0)
+        if GRAD_ACT != 0:
+            p = tl.load(p_ptr + rm[:, None] * stride_pm + kk[None, :] * stride_pk, mask=a_mask, other=0.0)
+            # one rounding to the operand dtype, as ATen's backward does before the next GEMM
+            a = (a.to(tl.float32) * act_derivative(p.to(tl.float32), GRAD_ACT)).to(a.dtype)
+        if GRAD_BIAS:
+            gb += tl.sum(a.to(tl.float32), axis=1)
+        b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+
+    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    c_mask = mask_m[:, None] & mask_n[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    if GRAD_BIAS:
+        # every column-tile computed the same sums; the first one writes them
+        if pid_n == 0:
+            tl.store(gb_ptr + rm, gb.to(gb_ptr.dtype.element_ty), mask=mask_m)

@@ -1,0 +1,308 @@
+"""``truefuse.gemm``: the one entry point every matmul goes through, and ``gemm_ref`` beside it.
+
+DESIGN §3. The call validates its arguments (a clear error naming the argument, before anything
+runs), asks the planner (``gemm_plan``) which backend fuses what, and runs the plan
+(``gemm_exec``). ``gemm_ref`` is the same math in plain PyTorch, in the inputs' dtype: the fallback,
+the test oracle (on float64 inputs) and the same-dtype baseline of the bounded contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from truefuse.ops.activation import activation_grad_ref, activation_ref, check_activation
+from truefuse.ops.gemm_exec import GemmArgs, run
+from truefuse.ops.gemm_plan import GemmPlan, GemmRequest, plan
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in at least fp32, for sums (fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class GemmOutput(NamedTuple):
+    """What ``gemm`` returns when asked for more than the product.
+
+    Attributes:
+        out: the result.
+        pre_activation: ``a @ b + bias`` before the activation (when ``return_pre_activation``).
+        grad_bias: the bias-gradient (when ``grad_bias``).
+    """
+
+    out: torch.Tensor
+    pre_activation: torch.Tensor | None
+    grad_bias: torch.Tensor | None
+
+
+def _splits(m_splits, n_groups: int | None, total: int, axis: str) -> list[int]:
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.dtype == torch.bool:
+            raise TypeError(f"m_splits must be a 1-D integer tensor, got {m_splits.dtype} of shape {tuple(m_splits.shape)}")
+        splits = [int(v) for v in m_splits.tolist()]  # a CUDA tensor costs one host sync here
+    elif isinstance(m_splits, Sequence) and all(isinstance(v, int) and not isinstance(v, bool) for v in m_splits):
+        splits = list(m_splits)
+    else:
+        raise TypeError(f"m_splits must be a list of ints or a 1-D integer tensor, got {type(m_splits).__name__}")
+    if any(v < 0 for v in splits):
+        raise ValueError(f"m_splits has a negative group size: {splits}")
+    if n_groups is not None and len(splits) != n_groups:
+        raise ValueError(f"m_splits has {len(splits)} groups but b has {n_groups} (b.shape[0])")
+    if sum(splits) != total:
+        raise ValueError(f"m_splits sums to {sum(splits)} but {axis} is {total}")
+    return splits
+
+
+def _check_tensor(name: str, t: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device} but a is on {like.device}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}")
+
+
+def _aligned16(*ts: torch.Tensor) -> bool:
+    return all(
+        t.data_ptr() % 16 == 0 and all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride()) for t in ts
+    )
+
+
+def _validate(a, b, out, out_dtype, accumulate, bias, activation, return_pre_activation, grad_bias, grad_activation, pre_activation, m_splits):
+    """Check every argument; return (request, out shape, out dtype, splits, rows_mode)."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"{name} has dtype {t.dtype}; gemm takes float16, bfloat16, float32 or float64")
+    if a.device != b.device:
+        raise ValueError(f"a is on {a.device} but b is on {b.device}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"a ({a.dtype}) and b ({b.dtype}) must have the same dtype")
+    if a.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"gemm runs on cpu or cuda tensors, got device {a.device}")
+    if a.dim() != 2:
+        raise ValueError(f"a must be 2-D (M, K), got shape {tuple(a.shape)}")
+    grouped = m_splits is not None
+    if b.dim() == 3 and not grouped:
+        raise ValueError(f"b is 3-D {tuple(b.shape)}: a grouped GEMM needs m_splits")
+    if b.dim() not in (2, 3):
+        raise ValueError(f"b must be 2-D (K, N), or 3-D (groups, K, N) with m_splits; got shape {tuple(b.shape)}")
+    if a.shape[1] != b.shape[-2]:
+        raise ValueError(
+            f"a has {a.shape[1]} columns but b has {b.shape[-2]} rows (a @ b needs a.shape[1] == b.shape[-2])"
+        )
+    M, K, N = a.shape[0], a.shape[1], b.shape[-1]
+    rows_mode = b.dim() == 3
+    splits = None
+    if grouped:
+        if rows_mode:
+            splits = _splits(m_splits, b.shape[0], M, "a.shape[0]")
+        else:
+            splits = _splits(m_splits, None, K, "the contraction size a.shape[1]")
+    n_groups = len(splits) if splits is not None else 0
+    out_shape = (n_groups, M, N) if grouped and not rows_mode else (M, N)
+
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out_dtype is not None and out_dtype not in (a.dtype, torch.float32, torch.float64):
+        raise TypeError(f"out_dtype={out_dtype} is not supported for {a.dtype} inputs; use {a.dtype} or torch.float32")
+    if out_dtype is not None and out_dtype == torch.float64 and a.dtype != torch.float64:
+        raise TypeError(f"out_dtype=torch.float64 needs float64 inputs, got {a.dtype}")
+    if out_dtype is not None and a.dtype == torch.float64 and out_dtype != torch.float64:
+        raise TypeError(f"float64 inputs give a float64 output, got out_dtype={out_dtype}")
+    if out is not None:
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise TypeError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
+        _check_tensor("out", out, a, out_shape, (a.dtype, torch.float32) if a.dtype != torch.float64 else (a.dtype,))
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        if out.requires_grad and torch.is_grad_enabled():
+            raise ValueError("out requires grad: gemm writes into it outside autograd; pass a tensor that does not")
+        for name, t in (("a", a), ("b", b), ("bias", bias), ("pre_activation", pre_activation)):
+            if t is not None and t.numel() and out.numel() and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+                raise ValueError(f"out shares memory with {name}; gemm cannot write its result over an input")
+    odt = out.dtype if out is not None else (out_dtype or a.dtype)
+    if accumulate and out is None:
+        raise ValueError("accumulate=True adds into an existing output: pass out=")
+    if accumulate and (bias is not None or activation is not None):
+        raise ValueError("accumulate=True (beta=1, the weight-gradient form) takes no bias or activation")
+
+    check_activation(activation)
+    check_activation(grad_activation, "grad_activation")
+    if return_pre_activation and activation is None:
+        raise ValueError("return_pre_activation=True needs an activation")
+    if bias is not None:
+        if grouped and not rows_mode:
+            raise ValueError("bias applies to a forward GEMM; a grouped GEMM split along the contraction takes none")
+        _check_tensor("bias", bias, a, (n_groups, N) if grouped else (N,), (a.dtype, odt))
+    if (grad_activation is None) != (pre_activation is None):
+        raise ValueError("grad_activation and pre_activation go together: give both or neither")
+    _check_tensor("pre_activation", pre_activation, a, tuple(a.shape), (a.dtype,))
+    if (grad_bias or grad_activation) and grouped and rows_mode:
+        raise ValueError(
+            "grad_bias/grad_activation belong to a weight-gradient GEMM (a = grad_output.t()); "
+            "a grouped one is split along the contraction (b 2-D), not by rows of a (b 3-D)"
+        )
+    request = GemmRequest(
+        device=a.device.type,
+        in_dtype=a.dtype,
+        out_dtype=odt,
+        accumulate=bool(accumulate),
+        bias=bias is not None,
+        activation=activation is not None,
+        grad_activation=grad_activation is not None,
+        grad_bias=bool(grad_bias),
+        grouped=grouped,
+        aligned=(not grouped) or _aligned16(a, b),
+    )
+    return request, out_shape, odt, splits, rows_mode
+
+
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    return_pre_activation: bool = False,
+    grad_bias: bool = False,
+    grad_activation: str | None = None,
+    pre_activation: torch.Tensor | None = None,
+    m_splits: Sequence[int] | torch.Tensor | None = None,
+) -> torch.Tensor | GemmOutput:
+    """``out = activation(a @ b + bias)``, or a weight-gradient GEMM, planned over the backends.
+
+    Forward form: ``a`` (M, K) and ``b`` (K, N) of one float dtype (fp16, bf16, fp32, fp64), any
+    strides (pass ``weight.t()`` for ``x @ Wᵀ``). ``bias`` (N,) in the input or output dtype;
+    ``activation`` one of ``gelu``, ``gelu_tanh``, ``relu``, ``silu``; ``return_pre_activation``
+    keeps ``a @ b + bias`` for the backward.
+
+    Weight-gradient form: ``a = grad_output.t()`` (N, tokens), ``b = input`` (tokens, K).
+    ``accumulate=True`` adds into ``out`` (beta=1), e.g. bf16 inputs into an fp32 ``main_grad``.
+    ``grad_bias=True`` also returns the sum of the left operand over the contraction (tokens),
+    the bias-gradient, shape (N,), in ``a``'s dtype. ``grad_activation`` with ``pre_activation``
+    (shaped like ``a``: pass ``pre.t()``) first turns ``a`` into the gradient of the activation's
+    input, ``a * act'(pre)`` rounded to ``a``'s dtype; the bias-gradient is taken after it.
+
+    Output: ``out`` (written, or added into with ``accumulate``; contiguous, dtype ``a``'s or
+    fp32), else a new tensor of ``out_dtype`` (default ``a``'s dtype).
+
+    Grouped: with ``m_splits`` (a list of ints or a 1-D integer tensor; empty groups allowed),
+    either ``b`` is (G, K, N) and ``a``'s rows are split (``bias`` (G, N)), or ``b`` is 2-D and the
+    contraction is split: ``out`` is (G, N, K_b) and ``grad_bias`` (G, N), one weight-gradient per group.
+
+    Returns:
+        The output tensor, or a :class:`GemmOutput` ``(out, pre_activation, grad_bias)`` when
+        ``return_pre_activation`` or ``grad_bias`` asks for more.
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong types, shapes, dtypes, devices,
+        ``m_splits``, or an ``out`` that cannot be written. Never "no algorithm": what a backend
+        cannot fuse is split into the same math (see :func:`gemm_plan_for`).
+    """
+    request, out_shape, odt, splits, rows_mode = _validate(
+        a, b, out, out_dtype, accumulate, bias, activation, return_pre_activation, grad_bias, grad_activation, pre_activation, m_splits
+    )
+    chosen = plan(request)
+    if out is None:
+        out = torch.empty(out_shape, dtype=odt, device=a.device)
+    pre_out = torch.empty(out_shape, dtype=odt, device=a.device) if return_pre_activation else None
+    gb_shape = (len(splits), a.shape[0]) if (splits is not None and not rows_mode) else (a.shape[0],)
+    gb_out = torch.empty(gb_shape, dtype=a.dtype, device=a.device) if grad_bias else None
+    args = GemmArgs(a, b, out, bool(accumulate), bias, activation, pre_out, grad_activation, pre_activation, gb_out)
+    run(chosen, args, splits, rows_mode)
+    if return_pre_activation or grad_bias:
+        return GemmOutput(out, pre_out, gb_out)
+    return out
+
+
+def gemm_plan_for(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    **kwargs,
+) -> GemmPlan:
+    """The plan ``gemm(a, b, **kwargs)`` would run, without running it (same validation)."""
+    names = ("out", "out_dtype", "accumulate", "bias", "activation", "return_pre_activation", "grad_bias", "grad_activation", "pre_activation", "m_splits")
+    unknown = set(kwargs) - set(names)
+    if unknown:
+        raise TypeError(f"unknown gemm argument(s): {sorted(unknown)}")
+    defaults = {"accumulate": False, "return_pre_activation": False, "grad_bias": False}
+    vals = [kwargs.get(n, defaults.get(n)) for n in names]
+    request = _validate(a, b, *vals)[0]
+    return plan(request)
+
+
+def gemm_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    return_pre_activation: bool = False,
+    grad_bias: bool = False,
+    grad_activation: str | None = None,
+    pre_activation: torch.Tensor | None = None,
+    m_splits: Sequence[int] | torch.Tensor | None = None,
+) -> torch.Tensor | GemmOutput:
+    """The unfused composition ``gemm`` must match, in plain PyTorch, in ``a``'s dtype.
+
+    Same arguments and results as :func:`gemm`, except that ``out`` is only read (with
+    ``accumulate`` the result is ``out + product``, a new tensor) and every step rounds to ``a``'s
+    dtype as eager PyTorch would: the product is ``a @ b`` in ``a``'s dtype, then converted to the
+    output dtype, then bias, then activation. On float64 inputs it is the float64 reference.
+    """
+    if m_splits is not None:
+        splits = [int(v) for v in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
+        outs, pres, gbs, start = [], [], [], 0
+        for g, m in enumerate(splits):
+            sl = slice(start, start + m)
+            start += m
+            if b.dim() == 3:
+                r = gemm_ref(a[sl], b[g], out_dtype=out_dtype or (out.dtype if out is not None else None),
+                             bias=None if bias is None else bias[g], activation=activation,
+                             return_pre_activation=return_pre_activation)
+            else:
+                r = gemm_ref(a[:, sl], b[sl], out=None if out is None else out[g], out_dtype=out_dtype,
+                             accumulate=accumulate, grad_bias=grad_bias, grad_activation=grad_activation,
+                             pre_activation=None if pre_activation is None else pre_activation[:, sl])
+            r = r if isinstance(r, GemmOutput) else GemmOutput(r, None, None)
+            outs.append(r.out), pres.append(r.pre_activation), gbs.append(r.grad_bias)
+        cat = torch.cat if b.dim() == 3 else torch.stack
+        res = GemmOutput(
+            cat(outs) if outs else torch.empty(0),
+            cat(pres) if return_pre_activation else None,
+            torch.stack(gbs) if grad_bias else None,
+        )
+        return res if (return_pre_activation or grad_bias) else res.out
+
+    odt = out.dtype if out is not None else (out_dtype or a.dtype)
+    if grad_activation is not None:
+        a = activation_grad_ref(a, pre_activation, grad_activation)
+    gb = _wide(a.t()).sum(0).to(a.dtype) if grad_bias else None
+    y = (a @ b).to(odt)
+    if bias is not None:
+        y = y + bias.to(odt)
+    pre = y
+    if activation is not None:
+        y = activation_ref(y, activation)
+    if accumulate:
+        y = out + y
+    if return_pre_activation or grad_bias:
+        return GemmOutput(y, pre if return_pre_activation else None, gb)
+    return y

@@ -1,0 +1,293 @@
+"""The GEMM planner: backends' capabilities as data, and the plan that fuses or splits each feature.
+
+A request names the features it needs (see :data:`FEATURES`). Each backend states, as a set of
+``(feature, input dtype, output dtype, device type)`` rows, what it can fuse into one call. The
+planner picks the first backend in preference order that fuses everything; if none does, the first
+available backend does the GEMM and every feature it lacks is *split*: done as the same math in
+separate PyTorch steps. The planner never refuses a valid request (the failure DESIGN §3 exists to
+prevent is "Unable to find any suitable algorithms" for bf16 in, fp32 out, fused bias-gradient).
+
+:func:`override_capabilities` changes the tables for a block of code, so a test on any machine can
+play a platform that lacks a fused path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from truefuse.config import get_config
+
+#: Every feature a GEMM request may need, in the order a plan lists them.
+#:
+#: * ``mm``: the product itself with output dtype == input dtype.
+#: * ``out_dtype``: a wider output than the inputs (bf16/fp16 in, fp32 out) without upcasting them.
+#: * ``accumulate``: add into an existing output (beta=1), e.g. fp32 ``main_grad``.
+#: * ``bias`` / ``activation``: forward epilogues ``act(a @ b + bias)``.
+#: * ``grad_activation``: the left operand is multiplied by ``act'(pre_activation)`` first.
+#: * ``grad_bias``: the sum of the (effective) left operand over the contraction dimension.
+#: * ``grouped``: one call over groups given by ``m_splits``.
+FEATURES: tuple[str, ...] = (
+    "mm",
+    "out_dtype",
+    "accumulate",
+    "bias",
+    "activation",
+    "grad_activation",
+    "grad_bias",
+    "grouped",
+)
+
+_F16, _BF16, _F32, _F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+
+
+@dataclass(frozen=True)
+class Capability:
+    """One row of a capability table, or with ``None`` fields a pattern matching many rows.
+
+    Attributes:
+        feature: one of :data:`FEATURES`.
+        in_dtype: dtype of ``a`` and ``b``.
+        out_dtype: dtype of the output.
+        device: device type, ``"cpu"`` or ``"cuda"``.
+        backend: backend name; only meaningful in patterns given to :func:`override_capabilities`.
+    """
+
+    feature: str | None = None
+    in_dtype: torch.dtype | None = None
+    out_dtype: torch.dtype | None = None
+    device: str | None = None
+    backend: str | None = None
+
+    def matches(self, backend: str, row: tuple[str, torch.dtype, torch.dtype, str]) -> bool:
+        f, i, o, d = row
+        return (
+            (self.backend is None or self.backend == backend)
+            and (self.feature is None or self.feature == f)
+            and (self.in_dtype is None or self.in_dtype == i)
+            and (self.out_dtype is None or self.out_dtype == o)
+            and (self.device is None or self.device == d)
+        )
+
+
+def _rows(features: Iterable[str], pairs: Iterable[tuple[torch.dtype, torch.dtype]], devices: Iterable[str]):
+    return {(f, i, o, d) for f in features for (i, o) in pairs for d in devices}
+
+
+_SAME = [(_F16, _F16), (_BF16, _BF16), (_F32, _F32), (_F64, _F64)]
+_WIDEN = [(_F16, _F32), (_BF16, _F32)]
+
+#: The ``torch`` backend: cuBLAS/cuBLASLt (CUDA) or the CPU BLAS through PyTorch ops.
+#: CPU PyTorch has no ``mm``/``addmm`` with ``out_dtype`` (CUDA has, torch >= 2.9), so widening is
+#: CUDA-only. PyTorch exposes no bias-gradient epilogue and no activation-derivative prologue, and
+#: we keep forward activations out of cuBLASLt (its GELU is the tanh form only).
+#: ``grouped`` is torch.nn.functional.grouped_mm, documented for bf16 on CUDA; it has no beta=1
+#: and no per-group bias, so it fuses only with the product itself (see :data:`FUSES_ONLY_WITH`).
+TORCH_CAPABILITIES = frozenset(
+    _rows(["mm", "accumulate", "bias"], _SAME, ["cpu", "cuda"])
+    | _rows(["mm", "out_dtype", "accumulate"], _WIDEN, ["cuda"])
+    | _rows(["grouped"], [(_BF16, _BF16), (_BF16, _F32)], ["cuda"])
+)
+
+#: Features a backend fuses only when every other feature of the plan is in the given set; when
+#: the request needs more, the feature is split instead (for ``grouped``: a loop over groups in
+#: which each group's GEMM still fuses the rest).
+FUSES_ONLY_WITH: dict[tuple[str, str], frozenset[str]] = {
+    ("torch", "grouped"): frozenset({"mm", "out_dtype", "grouped"}),
+}
+
+#: The ``triton`` backend: truefuse's Triton GEMM (``kernels/gemm.py``): fp32 accumulators, the
+#: activation-derivative prologue and the bias-gradient epilogue of a weight-gradient GEMM, writing
+#: or accumulating into a wider output. On the CPU it exists only under ``TRITON_INTERPRET=1``,
+#: and only for fp32: the interpreter's bf16/fp16 casts truncate and its bf16 ``tl.dot`` is wrong
+#: (DESIGN §8), so half-precision rows are CUDA-only.
+_TRITON_FEATURES = ["mm", "accumulate", "grad_activation", "grad_bias"]
+TRITON_CAPABILITIES = frozenset(
+    _rows(_TRITON_FEATURES, [(_F16, _F16), (_BF16, _BF16), (_F32, _F32)], ["cuda"])
+    | _rows([*_TRITON_FEATURES, "out_dtype"], _WIDEN, ["cuda"])
+    | _rows(_TRITON_FEATURES, [(_F32, _F32)], ["cpu"])
+)
+
+_BASE_TABLES: dict[str, frozenset] = {"torch": TORCH_CAPABILITIES, "triton": TRITON_CAPABILITIES}
+
+
+@dataclass(frozen=True)
+class _Override:
+    remove: tuple[Capability, ...] = ()
+    add: tuple[Capability, ...] = ()
+    backends: tuple[str, ...] | None = None
+
+
+_OVERRIDES: contextvars.ContextVar[tuple[_Override, ...]] = contextvars.ContextVar("truefuse_gemm_overrides", default=())
+
+
+@contextlib.contextmanager
+def override_capabilities(
+    *,
+    remove: Iterable[Capability] = (),
+    add: Iterable[Capability] = (),
+    backends: Iterable[str] | None = None,
+) -> Iterator[None]:
+    """Change the capability tables for the duration of a ``with`` block.
+
+    Args:
+        remove: patterns (``None`` fields match anything) of rows to take out, e.g.
+            ``Capability("grad_bias", out_dtype=torch.float32)`` plays a platform whose fused
+            bias-gradient fails for fp32 outputs (ROCm hipBLASLt today).
+        add: fully specified rows to add (``backend`` must be set), e.g. to test a plan.
+        backends: if given, only these backends are planned inside the block.
+
+    Overrides nest; inner blocks apply after outer ones.
+    """
+    add = tuple(add)
+    for cap in add:
+        if None in (cap.feature, cap.in_dtype, cap.out_dtype, cap.device, cap.backend):
+            raise ValueError(f"add: {cap} must name feature, in_dtype, out_dtype, device and backend")
+        if cap.feature not in FEATURES:
+            raise ValueError(f"add: unknown feature {cap.feature!r}; known: {FEATURES}")
+    for cap in remove:
+        if cap.feature is not None and cap.feature not in FEATURES:
+            raise ValueError(f"remove: unknown feature {cap.feature!r}; known: {FEATURES}")
+    ov = _Override(tuple(remove), add, None if backends is None else tuple(backends))
+    token = _OVERRIDES.set(_OVERRIDES.get() + (ov,))
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def capability_table(backend: str) -> frozenset[tuple[str, torch.dtype, torch.dtype, str]]:
+    """The effective capability rows of ``backend``, overrides applied."""
+    rows = set(_BASE_TABLES[backend])
+    for ov in _OVERRIDES.get():
+        rows = {r for r in rows if not any(p.matches(backend, r) for p in ov.remove)}
+        rows |= {(c.feature, c.in_dtype, c.out_dtype, c.device) for c in ov.add if c.backend == backend}
+    return frozenset(rows)
+
+
+def backend_available(backend: str, device: str) -> bool:
+    """Whether ``backend`` can run on ``device`` here (before capability overrides)."""
+    cfg = get_config()
+    if backend not in _BASE_TABLES or backend not in cfg.gemm_backends:
+        return False
+    for ov in _OVERRIDES.get():
+        if ov.backends is not None and backend not in ov.backends:
+            return False
+    if backend == "triton":
+        if device == "cuda":
+            return torch.cuda.is_available()
+        return device == "cpu" and cfg.triton_interpret
+    return device in ("cpu", "cuda")
+
+
+def backends_in_order(device: str) -> list[str]:
+    """Backends available on ``device``, in the configured preference order."""
+    return [b for b in get_config().gemm_backends if backend_available(b, device)]
+
+
+@dataclass(frozen=True)
+class GemmRequest:
+    """What one ``truefuse.gemm`` call needs, reduced to what planning depends on."""
+
+    device: str
+    in_dtype: torch.dtype
+    out_dtype: torch.dtype
+    accumulate: bool = False
+    bias: bool = False
+    activation: bool = False
+    grad_activation: bool = False
+    grad_bias: bool = False
+    grouped: bool = False
+    #: every stride and base address of the grouped operands is a multiple of 16 bytes, which
+    #: grouped GEMM kernels require; an unaligned grouped request is planned as a loop
+    aligned: bool = True
+
+    def features(self) -> tuple[str, ...]:
+        flags = {
+            "mm": True,
+            "out_dtype": self.out_dtype != self.in_dtype,
+            "accumulate": self.accumulate,
+            "bias": self.bias,
+            "activation": self.activation,
+            "grad_activation": self.grad_activation,
+            "grad_bias": self.grad_bias,
+            "grouped": self.grouped,
+        }
+        return tuple(f for f in FEATURES if flags[f])
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """How a request is carried out.
+
+    Attributes:
+        backend: the backend that runs the product.
+        compute_dtype: dtype ``a`` and ``b`` have when they reach the backend (the input dtype, or
+            the output dtype when ``out_dtype`` is split by upcasting).
+        fused: features done inside the backend's call.
+        split: features done as separate PyTorch steps, with the same math.
+    """
+
+    backend: str
+    compute_dtype: torch.dtype
+    fused: tuple[str, ...]
+    split: tuple[str, ...]
+
+    def __str__(self) -> str:
+        dt = str(self.compute_dtype).removeprefix("torch.")
+        s = f"{self.backend}[{dt}]: fused {'+'.join(self.fused)}"
+        return s + (f"; split {'+'.join(self.split)}" if self.split else "")
+
+
+def _coverage(backend: str, table, feats: tuple[str, ...], request: GemmRequest, in_dt) -> tuple[str, ...]:
+    fused = [f for f in feats if (f, in_dt, request.out_dtype, request.device) in table]
+    if "grouped" in fused and not request.aligned:
+        fused.remove("grouped")
+    if "grad_bias" in feats and "grad_bias" not in fused and "grad_activation" in fused:
+        # a split bias-gradient is summed from the operand after the derivative: the derivative
+        # must then be a split step too, or the sum would see the raw output-gradient
+        fused.remove("grad_activation")
+    for f in list(fused):
+        allowed = FUSES_ONLY_WITH.get((backend, f))
+        if allowed is not None and not set(fused) <= allowed:
+            fused.remove(f)
+    return tuple(fused)
+
+
+def plan(request: GemmRequest) -> GemmPlan:
+    """Choose the plan for ``request``: the first backend that fuses everything, else the best split.
+
+    A backend that cannot write ``out_dtype`` from narrower inputs is still usable: the inputs are
+    upcast to ``out_dtype`` first (the same products, fp32 accumulation) and ``out_dtype`` is split.
+    """
+    feats = request.features()
+    candidates: list[GemmPlan] = []
+    for name in backends_in_order(request.device):
+        table = capability_table(name)
+        # try the inputs as they are, then upcast to the output dtype
+        for compute in dict.fromkeys((request.in_dtype, request.out_dtype)):
+            if ("mm", compute, request.out_dtype, request.device) not in table:
+                continue
+            wanted = feats if compute == request.in_dtype else tuple(f for f in feats if f != "out_dtype")
+            fused = _coverage(name, table, wanted, request, compute)
+            split = tuple(f for f in feats if f not in fused)
+            candidates.append(GemmPlan(name, compute, fused, split))
+            break
+    if not candidates:
+        raise RuntimeError(
+            f"no GEMM backend is enabled for device {request.device!r} "
+            f"(TRUEFUSE_GEMM_BACKENDS={','.join(get_config().gemm_backends)!r}); enable 'torch'"
+        )
+    for c in candidates:
+        if not c.split:
+            return c
+    # nobody fuses everything: keep the preferred backend unless another fuses strictly more
+    best = candidates[0]
+    for c in candidates[1:]:
+        if len(c.fused) > len(best.fused):
+            best = c
+    return best
