@@ -116,17 +116,30 @@ def test_platform_without_fused_bgrad_for_fp32_out(dtype, act, device):
     assert_bitwise(got.grad_bias, d.float().sum(0).to(dtype), "split bias-gradient formula")
 
 
+def test_preference_order_decides_the_backend():
+    dy, x, _, kw = _wgrad_call(torch.float32, torch.device("cpu"), None)
+    with override_capabilities(backends=["torch", "triton"]):
+        assert gemm_plan_for(dy.t(), x, **kw).backend == "torch"
+    if backend_available("triton", "cpu"):
+        with override_capabilities(backends=["triton", "torch"]):
+            assert gemm_plan_for(dy.t(), x, **kw).backend == "triton"
+        # a preferred backend that cannot run the product (no mm row) hands over to the next
+        with override_capabilities(backends=["triton", "torch"], remove=[Capability("mm", backend="triton")]):
+            assert gemm_plan_for(dy.t(), x, **kw).backend == "torch"
+
+
 @pytest.mark.parametrize("act", [None, "gelu", "silu"])
 def test_fused_bgrad_chosen_and_agrees_with_split(act, device):
-    """Where a backend fuses the bias-gradient (Triton; on the CPU in fp32 under the interpreter),
-    the planner picks it, and the fused result agrees with the split one within the contract."""
+    """Where the preferred backend fuses the bias-gradient (Triton; on the CPU in fp32 under the
+    interpreter), the plan fuses it, and the fused result agrees with the split one within the contract."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if not backend_available("triton", device.type):
         pytest.skip("no Triton backend here")
     dy, x, pre, kw = _wgrad_call(dtype, device, act)
-    p = gemm_plan_for(dy.t(), x, **kw)
-    assert p.backend == "triton" and not p.split and "grad_bias" in p.fused, str(p)
-    fused = gemm(dy.t(), x, **{**kw, "out": kw["out"].clone()})
+    with override_capabilities(backends=["triton", "torch"]):
+        p = gemm_plan_for(dy.t(), x, **kw)
+        assert p.backend == "triton" and not p.split and "grad_bias" in p.fused, str(p)
+        fused = gemm(dy.t(), x, **{**kw, "out": kw["out"].clone()})
     with override_capabilities(remove=_NO_FUSED_BGRAD_FP32):
         split = gemm(dy.t(), x, **{**kw, "out": kw["out"].clone()})
     kw64 = {k: _d64(v) for k, v in kw.items()}

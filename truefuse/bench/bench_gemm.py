@@ -4,10 +4,11 @@
 plain cuBLAS GEMM of the same shape writing bf16: the floor):
 
 * ``bf16_gemm_then_fp32_add``: what a framework without beta=1 into fp32 does;
-* ``fp32_accumulate``: ``truefuse.gemm(..., out=main_grad, accumulate=True)`` (planned);
-* ``..._bgrad``: plus the bias-gradient, fused (planned) and split (capability removed);
+* ``fp32_accumulate``: ``truefuse.gemm(..., out=main_grad, accumulate=True)`` (default plan);
+* ``..._bgrad``: plus the bias-gradient (default plan, and ``_split`` with every fused
+  bias-gradient capability removed);
 * ``..._dgelu_bgrad``: the same after GELU's derivative;
-* ``triton_fp32_accumulate``: the Triton backend forced, to see its GEMM alone.
+* ``triton_...``: the Triton backend preferred, whose GEMM fuses the derivative and bias-gradient.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def sweep(quick: bool) -> Sweep:
         else [{"M": 8192, "N": 4096, "K": 4096}, {"M": 16384, "N": 4096, "K": 4096}, {"M": 8192, "N": 14336, "K": 4096}]
     )
     split = lambda: override_capabilities(remove=_NO_FUSED_BGRAD)  # noqa: E731
-    triton_only = lambda: override_capabilities(backends=["triton"])  # noqa: E731
+    triton = lambda: override_capabilities(backends=["triton", "torch"])  # noqa: E731
     providers = {
         "bf16_gemm": _bf16_gemm,
         "bf16_gemm_then_fp32_add": _bf16_then_add,
@@ -77,7 +78,9 @@ def sweep(quick: bool) -> Sweep:
         "fp32_accumulate_dgelu_bgrad_split": _truefuse(True, True, split),
     }
     if torch.cuda.is_available():
-        providers["triton_fp32_accumulate"] = _truefuse(False, False, triton_only)
+        providers["triton_fp32_accumulate"] = _truefuse(False, False, triton)
+        providers["triton_fp32_accumulate_bgrad"] = _truefuse(True, False, triton)
+        providers["triton_fp32_accumulate_dgelu_bgrad"] = _truefuse(True, True, triton)
     return Sweep(
         name="gemm_wgrad",
         points=points,

@@ -59,7 +59,8 @@ def _gemm_fwd_kernel(
             # one rounding to the operand dtype, as ATen's backward does before the next GEMM
             a = (a.to(tl.float32) * act_derivative(p.to(tl.float32), GRAD_ACT)).to(a.dtype)
         if GRAD_BIAS:
-            gb += tl.sum(a.to(tl.float32), axis=1)
+            if pid_n == 0:  # only the first column-tile writes the sums; the others skip the work
+                gb += tl.sum(a.to(tl.float32), axis=1)
         b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -72,6 +73,5 @@ def _gemm_fwd_kernel(
         acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
     if GRAD_BIAS:
-        # every column-tile computed the same sums; the first one writes them
         if pid_n == 0:
             tl.store(gb_ptr + rm, gb.to(gb_ptr.dtype.element_ty), mask=mask_m)

@@ -14,13 +14,8 @@ from typing import NamedTuple
 import torch
 
 from truefuse.ops.activation import activation_grad_ref, activation_ref, check_activation
-from truefuse.ops.gemm_exec import GemmArgs, run
+from truefuse.ops.gemm_exec import GemmArgs, _wide_dtype, run
 from truefuse.ops.gemm_plan import GemmPlan, GemmRequest, plan
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in at least fp32, for sums (fp64 stays fp64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -294,7 +289,7 @@ def gemm_ref(
     odt = out.dtype if out is not None else (out_dtype or a.dtype)
     if grad_activation is not None:
         a = activation_grad_ref(a, pre_activation, grad_activation)
-    gb = _wide(a.t()).sum(0).to(a.dtype) if grad_bias else None
+    gb = torch.sum(a.t(), dim=0, dtype=_wide_dtype(a)).to(a.dtype) if grad_bias else None
     y = (a @ b).to(odt)
     if bias is not None:
         y = y + bias.to(odt)

@@ -2,9 +2,12 @@
 
 A request names the features it needs (see :data:`FEATURES`). Each backend states, as a set of
 ``(feature, input dtype, output dtype, device type)`` rows, what it can fuse into one call. The
-planner picks the first backend in preference order that fuses everything; if none does, the first
-available backend does the GEMM and every feature it lacks is *split*: done as the same math in
-separate PyTorch steps. The planner never refuses a valid request (the failure DESIGN §3 exists to
+planner takes the first backend in preference order that can run the product for these dtypes on
+this device; it fuses what that backend can, and every feature it lacks is *split*: done as the
+same math in separate PyTorch steps. The preference order is data too (``TRUEFUSE_GEMM_BACKENDS``,
+or ``override_capabilities(backends=...)``); the default puts cuBLAS first because on the H200 it
+measured faster than the Triton GEMM even when the Triton one fuses the bias-gradient
+(docs/benchmarks.md). The planner never refuses a valid request (the failure DESIGN §3 exists to
 prevent is "Unable to find any suitable algorithms" for bf16 in, fp32 out, fused bias-gradient).
 
 :func:`override_capabilities` changes the tables for a block of code, so a test on any machine can
@@ -90,7 +93,7 @@ _WIDEN = [(_F16, _F32), (_BF16, _F32)]
 TORCH_CAPABILITIES = frozenset(
     _rows(["mm", "accumulate", "bias"], _SAME, ["cpu", "cuda"])
     | _rows(["mm", "out_dtype", "accumulate"], _WIDEN, ["cuda"])
-    | _rows(["grouped"], [(_BF16, _BF16), (_BF16, _F32)], ["cuda"])
+    | _rows(["grouped"], [(_BF16, _BF16)], ["cuda"])  # torch 2.11: "output dtype must match mat_a"
 )
 
 #: Features a backend fuses only when every other feature of the plan is in the given set; when
@@ -139,7 +142,8 @@ def override_capabilities(
             ``Capability("grad_bias", out_dtype=torch.float32)`` plays a platform whose fused
             bias-gradient fails for fp32 outputs (ROCm hipBLASLt today).
         add: fully specified rows to add (``backend`` must be set), e.g. to test a plan.
-        backends: if given, only these backends are planned inside the block.
+        backends: if given, only these backends are planned inside the block, in this order of
+            preference (e.g. ``["triton", "torch"]`` prefers the fused Triton weight-gradient GEMM).
 
     Overrides nest; inner blocks apply after outer ones.
     """
@@ -185,8 +189,12 @@ def backend_available(backend: str, device: str) -> bool:
 
 
 def backends_in_order(device: str) -> list[str]:
-    """Backends available on ``device``, in the configured preference order."""
-    return [b for b in get_config().gemm_backends if backend_available(b, device)]
+    """Backends available on ``device``, in preference order (the innermost override's, if any)."""
+    order = list(get_config().gemm_backends)
+    for ov in _OVERRIDES.get():
+        if ov.backends is not None:
+            order = [b for b in ov.backends if b in order]
+    return [b for b in order if backend_available(b, device)]
 
 
 @dataclass(frozen=True)
@@ -259,13 +267,12 @@ def _coverage(backend: str, table, feats: tuple[str, ...], request: GemmRequest,
 
 
 def plan(request: GemmRequest) -> GemmPlan:
-    """Choose the plan for ``request``: the first backend that fuses everything, else the best split.
+    """Choose the plan for ``request``: the first backend in preference order that runs the product.
 
     A backend that cannot write ``out_dtype`` from narrower inputs is still usable: the inputs are
     upcast to ``out_dtype`` first (the same products, fp32 accumulation) and ``out_dtype`` is split.
     """
     feats = request.features()
-    candidates: list[GemmPlan] = []
     for name in backends_in_order(request.device):
         table = capability_table(name)
         # try the inputs as they are, then upcast to the output dtype
@@ -275,19 +282,8 @@ def plan(request: GemmRequest) -> GemmPlan:
             wanted = feats if compute == request.in_dtype else tuple(f for f in feats if f != "out_dtype")
             fused = _coverage(name, table, wanted, request, compute)
             split = tuple(f for f in feats if f not in fused)
-            candidates.append(GemmPlan(name, compute, fused, split))
-            break
-    if not candidates:
-        raise RuntimeError(
-            f"no GEMM backend is enabled for device {request.device!r} "
-            f"(TRUEFUSE_GEMM_BACKENDS={','.join(get_config().gemm_backends)!r}); enable 'torch'"
-        )
-    for c in candidates:
-        if not c.split:
-            return c
-    # nobody fuses everything: keep the preferred backend unless another fuses strictly more
-    best = candidates[0]
-    for c in candidates[1:]:
-        if len(c.fused) > len(best.fused):
-            best = c
-    return best
+            return GemmPlan(name, compute, fused, split)
+    raise RuntimeError(
+        f"no GEMM backend is enabled for device {request.device!r} "
+        f"(TRUEFUSE_GEMM_BACKENDS={','.join(get_config().gemm_backends)!r}); enable 'torch'"
+    )

@@ -85,6 +85,14 @@ def _register_dtype(tag: str, dtype: torch.dtype) -> None:
             kw = dict(extra, pre_activation=pre.t()) if extra else {}
             return check_gemm(dy.t(), x, out=mg, accumulate=True, grad_bias=True, **kw)
 
+        @register("gemm", f"wgrad_accumulate_fp32_bgrad{suffix}_triton_first_{tag}", "bounded")
+        def _wgrad_bgrad_triton(device, extra=extra):
+            # the fused Triton epilogue where it runs (CUDA; fp32 under the CPU interpreter)
+            x, _, dy, pre, _, mg = _inputs(device, dtype)
+            kw = dict(extra, pre_activation=pre.t()) if extra else {}
+            with override_capabilities(backends=["triton", "torch"]):
+                return check_gemm(dy.t(), x, out=mg, accumulate=True, grad_bias=True, **kw)
+
         @register("gemm", f"wgrad_bgrad{suffix}_split_{tag}", "bounded")
         def _wgrad_bgrad_split(device, extra=extra):
             # a platform with no fused bias-gradient (or activation derivative) for fp32 output
