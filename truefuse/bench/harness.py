@@ -68,6 +68,7 @@ class Sweep:
         reference: the provider every ratio is taken against.
         x: the point key plotted on the x axis.
         flops: optional ``point -> FLOPs`` to report TFLOP/s.
+        rounds: interleaved measurement rounds per point on a GPU (the median is kept).
     """
 
     name: str
@@ -76,6 +77,7 @@ class Sweep:
     reference: str
     x: str
     flops: Callable[[dict], float] | None = None
+    rounds: int = 3
     rows: list[dict] = field(default_factory=list)
 
     def run(self, device: torch.device, providers: Sequence[str] | None = None, cuda_graph: bool = False) -> list[dict]:
@@ -88,16 +90,24 @@ class Sweep:
         from rich.progress import track
 
         for point in track(self.points, description=self.name, transient=True):
-            ref_ms = None
+            # Providers are measured in interleaved rounds, the order reversed every other round,
+            # and each keeps the median of its rounds: clock and thermal drift within a run
+            # (seen on the H200: the same bf16 GEMM 340 then 381 us minutes apart) then hits
+            # every provider alike instead of whichever ran last.
+            per: dict[str, list[Measurement]] = {p: [] for p in names}
+            for r in range(self.rounds if device.type == "cuda" else 1):
+                for prov in names if r % 2 == 0 else names[::-1]:
+                    fn = self.providers[prov](point, device)
+                    per[prov].append(measure(fn, device, cuda_graph=cuda_graph))
+                    del fn
+            ref_ms = statistics.median(m.ms for m in per[self.reference])
             for prov in names:
-                fn = self.providers[prov](point, device)
-                m = measure(fn, device, cuda_graph=cuda_graph)
-                del fn
-                if prov == self.reference:
-                    ref_ms = m.ms
-                row = {**point, "provider": prov, "ms": m.ms, "peak_mb": m.peak_mb, "ratio": m.ms / ref_ms if ref_ms else None}
+                ms = statistics.median(m.ms for m in per[prov])
+                peak = per[prov][0].peak_mb
+                row = {**point, "provider": prov, "ms": ms, "peak_mb": peak, "ratio": ms / ref_ms,
+                       "rounds_ms": [m.ms for m in per[prov]]}
                 if self.flops is not None:
-                    row["tflops"] = self.flops(point) / (m.ms * 1e-3) / 1e12
+                    row["tflops"] = self.flops(point) / (ms * 1e-3) / 1e12
                 self.rows.append(row)
         return self.rows
 
