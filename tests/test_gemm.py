@@ -4,10 +4,11 @@ import pytest
 import torch
 from conftest import requires_cuda
 
-from truefuse import Capability, GemmOutput, gemm, gemm_plan_for, gemm_ref, override_capabilities
+from truefuse import Capability, gemm, gemm_plan_for, gemm_ref, override_capabilities
 from truefuse.ops.activation import ACTIVATIONS, activation_grad_ref
 from truefuse.ops.gemm_plan import FEATURES, TORCH_CAPABILITIES, TRITON_CAPABILITIES, backend_available
 from truefuse.testing import assert_bitwise, assert_bounded, bounded_report
+from truefuse.verify.cases_gemm import check_gemm
 
 M, K, N = 70, 40, 37  # tokens, in, out: tails in every tile dimension
 
@@ -22,25 +23,11 @@ def _d64(v):
 
 
 def _check(a, b, **kw):
-    """Run gemm and assert the bounded contract for every output; return (result, plan)."""
-    out0 = kw.pop("out", None)
-    fresh = (lambda: {"out": out0.clone()}) if out0 is not None else dict
-    got = gemm(a, b, **kw, **fresh())
-    base = gemm_ref(a, b, **kw, **fresh())
-    kw64 = {k: _d64(v) for k, v in kw.items()}
-    if kw.get("out_dtype") is not None:
-        kw64["out_dtype"] = torch.float64
-    if out0 is not None:
-        kw64["out"] = _d64(out0)
-    ref = gemm_ref(_d64(a), _d64(b), **kw64)
-    wrap = lambda r: r if isinstance(r, GemmOutput) else GemmOutput(r, None, None)  # noqa: E731
-    got, base, ref = wrap(got), wrap(base), wrap(ref)
+    """Run gemm and assert the bounded contract for every output (the verify helper); return the result."""
+    reports, got = check_gemm(a, b, return_result=True, **kw)
     assert not torch.isnan(got.out).any()
-    assert_bounded(got.out, ref.out, base.out, "out")
-    if got.grad_bias is not None:
-        assert_bounded(got.grad_bias, ref.grad_bias, base.grad_bias, "grad_bias")
-    if got.pre_activation is not None:
-        assert_bounded(got.pre_activation, ref.pre_activation, base.pre_activation, "pre_activation")
+    for name, rep in reports.items():
+        assert rep.passed, f"{name}: {rep}"
     return got
 
 

@@ -27,7 +27,9 @@ class Measurement:
     peak_mb: float | None
 
 
-def measure(fn: Callable[[], object], device: torch.device, *, cuda_graph: bool = False, warmup_ms: int = 25, rep_ms: int = 100) -> Measurement:
+def measure(
+    fn: Callable[[], object], device: torch.device, *, cuda_graph: bool = False, warmup_ms: int = 25, rep_ms: int = 100
+) -> Measurement:
     """Median time of ``fn()`` and its peak memory above what was allocated before it ran."""
     if device.type != "cuda":
         fn()
@@ -104,8 +106,14 @@ class Sweep:
             for prov in names:
                 ms = statistics.median(m.ms for m in per[prov])
                 peak = per[prov][0].peak_mb
-                row = {**point, "provider": prov, "ms": ms, "peak_mb": peak, "ratio": ms / ref_ms,
-                       "rounds_ms": [m.ms for m in per[prov]]}
+                row = {
+                    **point,
+                    "provider": prov,
+                    "ms": ms,
+                    "peak_mb": peak,
+                    "ratio": ms / ref_ms,
+                    "rounds_ms": [m.ms for m in per[prov]],
+                }
                 if self.flops is not None:
                     row["tflops"] = self.flops(point) / (ms * 1e-3) / 1e12
                 self.rows.append(row)

@@ -17,7 +17,6 @@ from truefuse.ops.activation import activation_grad_ref, activation_ref, check_a
 from truefuse.ops.gemm_exec import GemmArgs, _wide_dtype, run
 from truefuse.ops.gemm_plan import GemmPlan, GemmRequest, plan
 
-
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -53,7 +52,9 @@ def _splits(m_splits, n_groups: int | None, total: int, axis: str) -> list[int]:
     return splits
 
 
-def _check_tensor(name: str, t: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
+def _check_tensor(
+    name: str, t: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+) -> None:
     if t is None:
         return
     if not isinstance(t, torch.Tensor):
@@ -67,12 +68,23 @@ def _check_tensor(name: str, t: torch.Tensor | None, like: torch.Tensor, shape: 
 
 
 def _aligned16(*ts: torch.Tensor) -> bool:
-    return all(
-        t.data_ptr() % 16 == 0 and all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride()) for t in ts
-    )
+    return all(t.data_ptr() % 16 == 0 and all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride()) for t in ts)
 
 
-def _validate(a, b, out, out_dtype, accumulate, bias, activation, return_pre_activation, grad_bias, grad_activation, pre_activation, m_splits):
+def _validate(
+    a,
+    b,
+    out,
+    out_dtype,
+    accumulate,
+    bias,
+    activation,
+    return_pre_activation,
+    grad_bias,
+    grad_activation,
+    pre_activation,
+    m_splits,
+):
     """Check every argument; return (request, out shape, out dtype, splits, rows_mode)."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
@@ -93,9 +105,7 @@ def _validate(a, b, out, out_dtype, accumulate, bias, activation, return_pre_act
     if b.dim() not in (2, 3):
         raise ValueError(f"b must be 2-D (K, N), or 3-D (groups, K, N) with m_splits; got shape {tuple(b.shape)}")
     if a.shape[1] != b.shape[-2]:
-        raise ValueError(
-            f"a has {a.shape[1]} columns but b has {b.shape[-2]} rows (a @ b needs a.shape[1] == b.shape[-2])"
-        )
+        raise ValueError(f"a has {a.shape[1]} columns but b has {b.shape[-2]} rows (a @ b needs a.shape[1] == b.shape[-2])")
     M, K, N = a.shape[0], a.shape[1], b.shape[-1]
     rows_mode = b.dim() == 3
     splits = None
@@ -209,7 +219,18 @@ def gemm(
         cannot fuse is split into the same math (see :func:`gemm_plan_for`).
     """
     request, out_shape, odt, splits, rows_mode = _validate(
-        a, b, out, out_dtype, accumulate, bias, activation, return_pre_activation, grad_bias, grad_activation, pre_activation, m_splits
+        a,
+        b,
+        out,
+        out_dtype,
+        accumulate,
+        bias,
+        activation,
+        return_pre_activation,
+        grad_bias,
+        grad_activation,
+        pre_activation,
+        m_splits,
     )
     chosen = plan(request)
     if out is None:
@@ -230,7 +251,18 @@ def gemm_plan_for(
     **kwargs,
 ) -> GemmPlan:
     """The plan ``gemm(a, b, **kwargs)`` would run, without running it (same validation)."""
-    names = ("out", "out_dtype", "accumulate", "bias", "activation", "return_pre_activation", "grad_bias", "grad_activation", "pre_activation", "m_splits")
+    names = (
+        "out",
+        "out_dtype",
+        "accumulate",
+        "bias",
+        "activation",
+        "return_pre_activation",
+        "grad_bias",
+        "grad_activation",
+        "pre_activation",
+        "m_splits",
+    )
     unknown = set(kwargs) - set(names)
     if unknown:
         raise TypeError(f"unknown gemm argument(s): {sorted(unknown)}")
@@ -269,13 +301,25 @@ def gemm_ref(
             sl = slice(start, start + m)
             start += m
             if b.dim() == 3:
-                r = gemm_ref(a[sl], b[g], out_dtype=out_dtype or (out.dtype if out is not None else None),
-                             bias=None if bias is None else bias[g], activation=activation,
-                             return_pre_activation=return_pre_activation)
+                r = gemm_ref(
+                    a[sl],
+                    b[g],
+                    out_dtype=out_dtype or (out.dtype if out is not None else None),
+                    bias=None if bias is None else bias[g],
+                    activation=activation,
+                    return_pre_activation=return_pre_activation,
+                )
             else:
-                r = gemm_ref(a[:, sl], b[sl], out=None if out is None else out[g], out_dtype=out_dtype,
-                             accumulate=accumulate, grad_bias=grad_bias, grad_activation=grad_activation,
-                             pre_activation=None if pre_activation is None else pre_activation[:, sl])
+                r = gemm_ref(
+                    a[:, sl],
+                    b[sl],
+                    out=None if out is None else out[g],
+                    out_dtype=out_dtype,
+                    accumulate=accumulate,
+                    grad_bias=grad_bias,
+                    grad_activation=grad_activation,
+                    pre_activation=None if pre_activation is None else pre_activation[:, sl],
+                )
             r = r if isinstance(r, GemmOutput) else GemmOutput(r, None, None)
             outs.append(r.out), pres.append(r.pre_activation), gbs.append(r.grad_bias)
         cat = torch.cat if b.dim() == 3 else torch.stack

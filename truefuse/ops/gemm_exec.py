@@ -40,7 +40,9 @@ class GemmArgs:
 # backends: one product each, with the features the plan fused
 
 
-def _torch_product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, ...], target: torch.Tensor, beta1: bool) -> None:
+def _torch_product(
+    args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, ...], target: torch.Tensor, beta1: bool
+) -> None:
     widen = a.dtype != target.dtype
     kw = {"out_dtype": target.dtype} if widen else {}
     if beta1:
@@ -85,7 +87,9 @@ def _triton_kernel(dtype: torch.dtype):
     return _TUNED[dtype]
 
 
-def _triton_product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, ...], target: torch.Tensor, beta1: bool) -> None:
+def _triton_product(
+    args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, ...], target: torch.Tensor, beta1: bool
+) -> None:
     import triton
 
     from truefuse.kernels.activation import ACT_CODES
@@ -106,10 +110,22 @@ def _triton_product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tup
     kernel = _triton_kernel(a.dtype)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     kernel[grid](
-        a, b, target, pre, gb_target if gb is not None else target,
-        M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), target.stride(0), target.stride(1),
-        pre.stride(0), pre.stride(1),
+        a,
+        b,
+        target,
+        pre,
+        gb_target if gb is not None else target,
+        M,
+        N,
+        K,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        target.stride(0),
+        target.stride(1),
+        pre.stride(0),
+        pre.stride(1),
         ACCUMULATE=beta1,
         GRAD_ACT=ACT_CODES[grad_act],
         GRAD_BIAS=gb is not None,

@@ -25,9 +25,10 @@ def _to64(v):
     return v
 
 
-def check_gemm(a: torch.Tensor, b: torch.Tensor, **kw) -> dict:
+def check_gemm(a: torch.Tensor, b: torch.Tensor, *, return_result: bool = False, **kw):
     """Reports for every output of ``gemm(a, b, **kw)`` against ``gemm_ref`` (float64) with the
-    same-dtype ``gemm_ref`` as the baseline. ``out`` in ``kw`` is cloned per run (never mutated)."""
+    same-dtype ``gemm_ref`` as the baseline. ``out`` in ``kw`` is cloned per run (never mutated).
+    With ``return_result`` returns ``(reports, GemmOutput of the gemm call)``."""
     out0 = kw.pop("out", None)
     fresh = (lambda: {"out": out0.clone()}) if out0 is not None else (lambda: {})
     got = gemm(a, b, **kw, **fresh())
@@ -45,7 +46,7 @@ def check_gemm(a: torch.Tensor, b: torch.Tensor, **kw) -> dict:
         reports["pre_activation"] = bounded_report(got.pre_activation, ref.pre_activation, base.pre_activation)
     if got.grad_bias is not None:
         reports["grad_bias"] = bounded_report(got.grad_bias, ref.grad_bias, base.grad_bias)
-    return reports
+    return (reports, got) if return_result else reports
 
 
 def _inputs(device, dtype, seed=0):
