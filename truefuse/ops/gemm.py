@@ -8,6 +8,7 @@ the test oracle (on float64 inputs) and the same-dtype baseline of the bounded c
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -74,16 +75,17 @@ def _aligned16(*ts: torch.Tensor) -> bool:
 def _validate(
     a,
     b,
-    out,
-    out_dtype,
-    accumulate,
-    bias,
-    activation,
-    return_pre_activation,
-    grad_bias,
-    grad_activation,
-    pre_activation,
-    m_splits,
+    *,
+    out=None,
+    out_dtype=None,
+    accumulate=False,
+    bias=None,
+    activation=None,
+    return_pre_activation=False,
+    grad_bias=False,
+    grad_activation=None,
+    pre_activation=None,
+    m_splits=None,
 ):
     """Check every argument; return (request, out shape, out dtype, splits, rows_mode)."""
     for name, t in (("a", a), ("b", b)):
@@ -219,19 +221,10 @@ def gemm(
         cannot fuse is split into the same math (see :func:`gemm_plan_for`).
     """
     request, out_shape, odt, splits, rows_mode = _validate(
-        a,
-        b,
-        out,
-        out_dtype,
-        accumulate,
-        bias,
-        activation,
-        return_pre_activation,
-        grad_bias,
-        grad_activation,
-        pre_activation,
-        m_splits,
-    )
+        a, b, out=out, out_dtype=out_dtype, accumulate=accumulate, bias=bias, activation=activation,
+        return_pre_activation=return_pre_activation, grad_bias=grad_bias, grad_activation=grad_activation,
+        pre_activation=pre_activation, m_splits=m_splits,
+    )  # fmt: skip
     chosen = plan(request)
     if out is None:
         out = torch.empty(out_shape, dtype=odt, device=a.device)
@@ -245,31 +238,12 @@ def gemm(
     return out
 
 
-def gemm_plan_for(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    **kwargs,
-) -> GemmPlan:
+def gemm_plan_for(a: torch.Tensor, b: torch.Tensor, **kwargs) -> GemmPlan:
     """The plan ``gemm(a, b, **kwargs)`` would run, without running it (same validation)."""
-    names = (
-        "out",
-        "out_dtype",
-        "accumulate",
-        "bias",
-        "activation",
-        "return_pre_activation",
-        "grad_bias",
-        "grad_activation",
-        "pre_activation",
-        "m_splits",
-    )
-    unknown = set(kwargs) - set(names)
+    unknown = sorted(set(kwargs) - set(inspect.signature(gemm).parameters))
     if unknown:
-        raise TypeError(f"unknown gemm argument(s): {sorted(unknown)}")
-    defaults = {"accumulate": False, "return_pre_activation": False, "grad_bias": False}
-    vals = [kwargs.get(n, defaults.get(n)) for n in names]
-    request = _validate(a, b, *vals)[0]
-    return plan(request)
+        raise TypeError(f"gemm_plan_for: unknown gemm argument(s) {unknown}")
+    return plan(_validate(a, b, **kwargs)[0])
 
 
 def gemm_ref(
