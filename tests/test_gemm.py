@@ -278,3 +278,17 @@ def test_out_aliasing_an_input_is_refused():
 def test_device_mismatch_is_named():
     with pytest.raises(ValueError, match="a is on cpu but b is on cuda"):
         gemm(_A, _B.cuda())
+
+
+@requires_cuda
+def test_grouped_fused_fills_a_given_out_or_allocates():
+    """The fused grouped path (grouped_mm) returns its own output, or fills the ``out`` given."""
+    dev = torch.device("cuda")
+    x, w = _t((64, 48), torch.bfloat16, dev, 70), _t((3, 48, 40), torch.bfloat16, dev, 71, 0.2)
+    splits = [16, 0, 48]
+    assert "grouped" in gemm_plan_for(x, w, m_splits=splits).fused
+    fresh = gemm(x, w, m_splits=splits)
+    out = torch.full((64, 40), float("nan"), device=dev, dtype=torch.bfloat16)
+    given = gemm(x, w, m_splits=splits, out=out)
+    assert given.data_ptr() == out.data_ptr()
+    assert_bitwise(given, fresh, "given out vs allocated")

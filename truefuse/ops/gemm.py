@@ -226,13 +226,13 @@ def gemm(
         pre_activation=pre_activation, m_splits=m_splits,
     )  # fmt: skip
     chosen = plan(request)
-    if out is None:
+    if out is None and "grouped" not in chosen.fused:  # a fused grouped call allocates its own
         out = torch.empty(out_shape, dtype=odt, device=a.device)
     pre_out = torch.empty(out_shape, dtype=odt, device=a.device) if return_pre_activation else None
     gb_shape = (len(splits), a.shape[0]) if (splits is not None and not rows_mode) else (a.shape[0],)
     gb_out = torch.empty(gb_shape, dtype=a.dtype, device=a.device) if grad_bias else None
-    args = GemmArgs(a, b, out, bool(accumulate), bias, activation, pre_out, grad_activation, pre_activation, gb_out)
-    run(chosen, args, splits, rows_mode)
+    args = GemmArgs(a, b, out, odt, bool(accumulate), bias, activation, pre_out, grad_activation, pre_activation, gb_out)
+    out = run(chosen, args, splits, rows_mode)
     if return_pre_activation or grad_bias:
         return GemmOutput(out, pre_out, gb_out)
     return out

@@ -6,6 +6,7 @@ here checks user input.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,7 +27,8 @@ class GemmArgs:
 
     a: torch.Tensor
     b: torch.Tensor
-    out: torch.Tensor  # allocated by the caller, written (or accumulated into) here
+    out: torch.Tensor | None  # written (or accumulated into); None only for a fused grouped call
+    out_dtype: torch.dtype
     accumulate: bool
     bias: torch.Tensor | None
     activation: str | None
@@ -156,10 +158,9 @@ def _run_one(plan: GemmPlan, args: GemmArgs) -> None:
         a, b = a.to(plan.compute_dtype), b.to(plan.compute_dtype)
 
     out = args.out
-    has_epilogue = args.activation is not None or (args.bias is not None and "bias" in split)
     if args.accumulate and "accumulate" in split:
         target, beta1 = torch.empty_like(out), False
-    elif has_epilogue and args.activation is not None:
+    elif args.activation is not None:  # the product is the pre-activation; out gets act(it)
         target, beta1 = (args.pre_out if args.pre_out is not None else torch.empty_like(out)), False
     else:
         target, beta1 = out, args.accumulate
@@ -177,35 +178,30 @@ def _run_one(plan: GemmPlan, args: GemmArgs) -> None:
 # grouped
 
 
-def _offsets(splits: list[int], device: torch.device) -> torch.Tensor:
-    ends, total = [], 0
-    for s in splits:
-        total += s
-        ends.append(total)
-    return torch.tensor(ends, dtype=torch.int32, device=device)
-
-
-def _run_grouped_fused(args: GemmArgs, splits: list[int]) -> None:
+def _run_grouped_fused(args: GemmArgs, splits: list[int]) -> torch.Tensor:
     import torch.nn.functional as F
 
-    offs = _offsets(splits, args.a.device)
-    res = F.grouped_mm(args.a, args.b, offs=offs, out_dtype=args.out.dtype)
-    args.out.copy_(res)
+    offs = torch.tensor(list(itertools.accumulate(splits)), dtype=torch.int32, device=args.a.device)
+    res = F.grouped_mm(args.a, args.b, offs=offs, out_dtype=args.out_dtype)
+    # grouped_mm has no out=: copy only when the caller gave an output to fill
+    return res if args.out is None else args.out.copy_(res)
 
 
-def run(plan: GemmPlan, args: GemmArgs, splits: list[int] | None, rows_mode: bool) -> None:
-    """Execute ``plan`` on validated ``args``; ``splits`` set for grouped GEMMs.
+def run(plan: GemmPlan, args: GemmArgs, splits: list[int] | None, rows_mode: bool) -> torch.Tensor:
+    """Execute ``plan`` on validated ``args``; ``splits`` set for grouped GEMMs. Returns the output.
+
+    ``args.out`` may be None only when the plan fuses ``grouped`` (the backend allocates it);
+    every other plan writes into a given ``out``.
 
     Rows mode: ``a`` (M, K) split by rows, ``b`` (G, K, N), ``out`` (M, N), bias (G, N).
     Contraction mode: ``a`` (N, M) and ``b`` (M, K) split along M, ``out`` (G, N, K),
     pre_activation like ``a``, grad_bias_out (G, N).
     """
+    if splits is not None and "grouped" in plan.fused:
+        return _run_grouped_fused(args, splits)
     if splits is None:
         _run_one(plan, args)
-        return
-    if "grouped" in plan.fused:
-        _run_grouped_fused(args, splits)
-        return
+        return args.out
     one = replace(plan, split=tuple(f for f in plan.split if f != "grouped"))
     start = 0
     for g, m in enumerate(splits):
@@ -230,3 +226,4 @@ def run(plan: GemmPlan, args: GemmArgs, splits: list[int] | None, rows_mode: boo
             )
         _run_one(one, sub)
         start = end
+    return args.out
