@@ -35,3 +35,20 @@ def act_derivative(x, ACT: tl.constexpr):
     else:
         d = tl.full(x.shape, 1.0, tl.float32)
     return d
+
+
+@triton.jit
+def act_value(x, ACT: tl.constexpr):
+    """``act(x)`` for fp32 ``x``, with PyTorch's formulas."""
+    if ACT == 1:  # gelu (erf)
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 2:  # gelu (tanh approximation)
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        y = 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+    elif ACT == 3:  # relu
+        y = tl.maximum(x, 0.0)
+    elif ACT == 4:  # silu
+        y = x * tl.sigmoid(x)
+    else:
+        y = x
+    return y

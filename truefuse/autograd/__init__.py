@@ -1,0 +1,1 @@
+"""torch.autograd.Function classes and the functional API built on them (DESIGN §5)."""

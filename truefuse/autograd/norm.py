@@ -1,0 +1,107 @@
+"""``truefuse.rms_norm`` / ``truefuse.layer_norm``: validation, flattening, the autograd Function.
+
+The Triton kernels run where ``ops.norm.use_kernel`` says (CUDA; fp32 under the CPU interpreter);
+elsewhere the reference itself runs and autograd differentiates it. Both follow one rounding rule
+(``truefuse/kernels/norm.py``): fp32 statistics, one rounding of the output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.ops.norm import layer_norm_ref, norm_bwd, norm_fwd, rms_norm_ref, use_kernel
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class NormFunction(torch.autograd.Function):
+    """RMSNorm (``rms=True``) or LayerNorm over the last dimension of a contiguous 2-D input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms, zero_centered_gamma):
+        y, mean, rstd = norm_fwd(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.rms, ctx.zero_centered_gamma = rms, zero_centered_gamma
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = norm_bwd(
+            dy.contiguous(), x, weight, bias, mean, rstd, rms=ctx.rms, zero_centered_gamma=ctx.zero_centered_gamma
+        )
+        return dx, dw, db, None, None, None
+
+
+def _check(x, params: dict[str, torch.Tensor | None], eps) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"x has dtype {x.dtype}; expected a float dtype")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the hidden size is its last)")
+    for name, p in params.items():
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")
+        if tuple(p.shape) != (x.shape[-1],):
+            raise ValueError(f"{name} has shape {tuple(p.shape)}; x's last dimension is {x.shape[-1]}")
+        if p.dtype not in _FLOATS:
+            raise TypeError(f"{name} has dtype {p.dtype}; expected a float dtype")
+        if p.device != x.device:
+            raise ValueError(f"{name} is on {p.device} but x is on {x.device}")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+
+
+def _run(x, weight, bias, eps, rms: bool, zero_centered_gamma: bool):
+    if zero_centered_gamma and weight is None:
+        raise ValueError("zero_centered_gamma=True needs a weight")
+    if not use_kernel(x):
+        if rms:
+            return rms_norm_ref(x, weight, eps, zero_centered_gamma=zero_centered_gamma)
+        return layer_norm_ref(x, weight, bias, eps, zero_centered_gamma=zero_centered_gamma)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = NormFunction.apply(x2, weight, bias, float(eps), rms, zero_centered_gamma)
+    return y.view(x.shape)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *, zero_centered_gamma: bool = False
+) -> torch.Tensor:
+    """RMSNorm over the last dimension with fp32 statistics and one rounding (the rule in ``kernels/norm.py``).
+
+    Args:
+        x: (..., H), fp16 / bf16 / fp32 / fp64. The output has ``x``'s shape and dtype.
+        weight: (H,) any float dtype (commonly ``x``'s or fp32), or None for no scale.
+        eps: added to the mean square before the square root.
+        zero_centered_gamma: the scale is ``1 + weight`` (weight initialised to zeros).
+
+    Differentiable in ``x`` and ``weight``; the weight gradient is summed in fp32 and rounded once to
+    ``weight.dtype``. Matches :func:`truefuse.ops.norm.rms_norm_ref` (bounded contract).
+    """
+    _check(x, {"weight": weight}, eps)
+    return _run(x, weight, None, eps, True, zero_centered_gamma)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    zero_centered_gamma: bool = False,
+) -> torch.Tensor:
+    """LayerNorm over the last dimension (biased variance), fp32 statistics, one rounding.
+
+    Args:
+        x: (..., H), fp16 / bf16 / fp32 / fp64.
+        weight, bias: (H,) any float dtype, or None.
+        eps: added to the variance.
+        zero_centered_gamma: the scale is ``1 + weight``.
+
+    Matches :func:`truefuse.ops.norm.layer_norm_ref` (bounded contract).
+    """
+    _check(x, {"weight": weight, "bias": bias}, eps)
+    return _run(x, weight, bias, eps, False, zero_centered_gamma)

@@ -1,0 +1,122 @@
+"""Triton row-normalization kernels: RMSNorm and LayerNorm, forward and backward.
+
+One program normalizes one row in the forward (the whole row in registers, ``BLOCK_N`` = the next
+power of two of the hidden size), so a row's statistics are reduced in the same order whatever the
+number of rows (batch invariance, DESIGN §1). Statistics and the weight-gradient partials are fp32.
+
+The rounding rule (fixed; the fused allreduce + RMSNorm reuses it bit for bit):
+
+    rstd = 1 / sqrt_rn(mean(x²) + eps)          x upcast to fp32, mean = sum / N
+    y    = round((x * rstd) * w)                 w upcast to fp32 (w + 1 with zero_centered_gamma)
+
+i.e. one rounding to the output dtype at the end; LayerNorm is the same with ``x - mean`` for ``x``
+and ``+ b`` before the rounding.
+
+The backward runs ``grid`` persistent programs; each walks a contiguous block of rows, writes each
+row's input gradient and accumulates ``Σ dy·x̂`` (and ``Σ dy`` for LayerNorm's bias) in fp32
+registers, stored as one partial row per program. The host sums the partials in fp32.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    stride_x,
+    stride_y,
+    N,
+    eps,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=0) / N
+        xc = tl.where(mask, x - mean, 0.0)
+        tl.store(mean_ptr + row, mean)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(xc * xc, axis=0) / N + eps)
+    y = xc * rstd
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w = w + 1.0
+        y = y * w
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_part_ptr,
+    db_part_ptr,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    M,
+    N,
+    rows_per_program,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w = w + 1.0
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = pid.to(tl.int64) * rows_per_program  # int64 bounds: the loop index and offsets are int64
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for row in range(row_start, row_end):
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        if IS_RMS:
+            xhat = x * rstd
+        else:
+            xhat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
+        if HAS_W:
+            wdy = dy * w
+        else:
+            wdy = dy
+        c1 = tl.sum(xhat * wdy, axis=0) / N
+        if IS_RMS:
+            dx = (wdy - xhat * c1) * rstd
+        else:
+            c2 = tl.sum(wdy, axis=0) / N
+            dx = (wdy - (xhat * c1 + c2)) * rstd
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += dy * xhat
+        db_acc += dy
+    if HAS_W:
+        tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=mask)
+    if HAS_B:
+        tl.store(db_part_ptr + pid * N + cols, db_acc, mask=mask)

@@ -1,0 +1,15 @@
+"""Where the elementwise and row Triton kernels (norms, gated activations) run."""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.config import get_config
+
+
+def triton_runs(x: torch.Tensor) -> bool:
+    """Whether a Triton kernel takes ``x``: on CUDA for fp16/bf16/fp32, or on the CPU under
+    ``TRITON_INTERPRET=1`` for fp32 only (the interpreter truncates bf16 casts, DESIGN §8)."""
+    if x.is_cuda:
+        return x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return x.device.type == "cpu" and get_config().triton_interpret and x.dtype == torch.float32

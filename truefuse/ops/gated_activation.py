@@ -1,0 +1,78 @@
+"""Gated activations ``act(gate) * up`` on (M, 2F) inputs split in halves ``[gate, up]``.
+
+``gated_activation_ref`` is truefuse's rule in plain PyTorch (fp32 math, one rounding of the
+output), the CPU path and, on float64, the reference. ``gated_activation_torch`` is what a user
+writes without us (``F.silu(gate) * up`` in the input dtype: two roundings), the bounded baseline.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.ops._triton import triton_runs
+from truefuse.ops.activation import activation_ref
+
+#: Gated activation name -> the activation applied to the gate half.
+GATED_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
+
+
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.chunk(2, dim=-1)
+
+
+def gated_activation_ref(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``act(gate) * up`` with ``gate, up = x.chunk(2, -1)``, computed in fp32 and rounded once.
+
+    Args:
+        x: (..., 2F) float tensor.
+        name: ``swiglu`` (silu), ``geglu`` (erf gelu) or ``reglu`` (relu).
+
+    Returns:
+        (..., F) in ``x.dtype``.
+    """
+    g, u = _halves(x if x.dtype == torch.float64 else x.float())
+    return (activation_ref(g, GATED_ACTIVATIONS[name]) * u).to(x.dtype)
+
+
+def gated_activation_torch(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The same in ``x``'s dtype as eager PyTorch rounds it (the bounded baseline)."""
+    g, u = _halves(x)
+    return activation_ref(g, GATED_ACTIVATIONS[name]) * u
+
+
+def use_kernel(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels take ``x`` (else the reference runs under autograd)."""
+    return triton_runs(x)
+
+
+def _launch_shape(M: int, F: int) -> tuple[tuple[int, int], int]:
+    block = min(1024, max(16, 1 << (F - 1).bit_length()))
+    return (M, -(-F // block)), block
+
+
+def gated_fwd(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Forward kernel on a contiguous (M, 2F) ``x``; returns (M, F) in ``x.dtype``."""
+    from truefuse.kernels.activation import ACT_CODES
+    from truefuse.kernels.gated_activation import _gated_activation_fwd_kernel
+
+    M, F = x.shape[0], x.shape[1] // 2
+    y = torch.empty((M, F), dtype=x.dtype, device=x.device)
+    if M and F:
+        grid, block = _launch_shape(M, F)
+        _gated_activation_fwd_kernel[grid](x, y, x.stride(0), y.stride(0), F, ACT=ACT_CODES[GATED_ACTIVATIONS[name]], BLOCK=block)
+    return y
+
+
+def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str) -> torch.Tensor:
+    """Backward kernel: ``dy`` (M, F) and ``x`` (M, 2F), contiguous; returns d``x`` (M, 2F)."""
+    from truefuse.kernels.activation import ACT_CODES
+    from truefuse.kernels.gated_activation import _gated_activation_bwd_kernel
+
+    M, F = dy.shape
+    dx = torch.empty_like(x)
+    if M and F:
+        grid, block = _launch_shape(M, F)
+        _gated_activation_bwd_kernel[grid](
+            dy, x, dx, dy.stride(0), x.stride(0), dx.stride(0), F, ACT=ACT_CODES[GATED_ACTIVATIONS[name]], BLOCK=block
+        )
+    return dx

@@ -1,0 +1,147 @@
+"""RMSNorm and LayerNorm: the references, and the host launchers of the Triton kernels.
+
+``rms_norm_ref`` / ``layer_norm_ref`` state truefuse's rounding rule in plain PyTorch (fp32
+statistics, one rounding of the output; see ``truefuse/kernels/norm.py``). They are the CPU path
+(autograd differentiates them) and, on float64 inputs, the float64 reference of the bounded
+contract. The same-dtype *baseline* of that contract is PyTorch's own ``F.rms_norm`` /
+``F.layer_norm`` (``rms_norm_torch`` / ``layer_norm_torch``), which round twice in bf16 (after the
+normalization and after the weight).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from truefuse.ops._triton import triton_runs
+
+#: Largest hidden size the kernels take (a row lives in registers); wider rows use the reference.
+MAX_KERNEL_N = 16384
+
+
+def _affine(y: torch.Tensor, weight, bias, zero_centered_gamma: bool) -> torch.Tensor:
+    if weight is not None:
+        w = weight.to(y.dtype)
+        y = y * (w + 1 if zero_centered_gamma else w)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *, zero_centered_gamma: bool = False
+) -> torch.Tensor:
+    """``x / sqrt(mean(x²) + eps) * w`` over the last dimension, in fp32, rounded once to ``x.dtype``.
+
+    Args:
+        x: (..., H), fp16 / bf16 / fp32 / fp64.
+        weight: (H,) any float dtype, or None. With ``zero_centered_gamma`` the scale is ``1 + weight``.
+        eps: added to the mean square.
+    """
+    xf = _wide(x)
+    rstd = 1 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return _affine(xf * rstd, weight, None, zero_centered_gamma).to(x.dtype)
+
+
+def layer_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    zero_centered_gamma: bool = False,
+) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps) * w + b`` over the last dimension (biased variance), in fp32,
+    rounded once to ``x.dtype``. Shapes as :func:`rms_norm_ref`; ``bias`` (H,) or None."""
+    xf = _wide(x)
+    xc = xf - xf.mean(-1, keepdim=True)
+    rstd = 1 / torch.sqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    return _affine(xc * rstd, weight, bias, zero_centered_gamma).to(x.dtype)
+
+
+def rms_norm_torch(x, weight=None, eps=1e-6, *, zero_centered_gamma=False):
+    """What a user without truefuse writes: ``F.rms_norm`` in ``x``'s dtype (the bounded baseline)."""
+    w = weight + 1 if (weight is not None and zero_centered_gamma) else weight
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def layer_norm_torch(x, weight=None, bias=None, eps=1e-5, *, zero_centered_gamma=False):
+    """``F.layer_norm`` in ``x``'s dtype (the bounded baseline)."""
+    w = weight + 1 if (weight is not None and zero_centered_gamma) else weight
+    return F.layer_norm(x, (x.shape[-1],), w, bias, eps)
+
+
+def use_kernel(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels take ``x`` (else the reference runs): CUDA, or the CPU interpreter
+    in fp32 only (its bf16 casts truncate, DESIGN §8); a hidden size of at most MAX_KERNEL_N."""
+    return 0 < x.shape[-1] <= MAX_KERNEL_N and triton_runs(x)
+
+
+def _block(n: int) -> tuple[int, int]:
+    """BLOCK_N and num_warps, from the hidden size only (never the row count: batch invariance)."""
+    block = max(16, 1 << (n - 1).bit_length())
+    return block, max(1, min(16, block // 512))
+
+
+@functools.cache
+def _programs(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count * 4
+
+
+def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: bool):
+    """Launch the forward kernel on a contiguous (M, N) ``x``.
+
+    Returns ``(y, mean, rstd)``: y (M, N) in ``x.dtype``; mean (M,) fp32 (None for RMSNorm); rstd (M,) fp32.
+    """
+    from truefuse.kernels.norm import _norm_fwd_kernel
+
+    M, N = x.shape
+    y = torch.empty_like(x)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    mean = None if rms else torch.empty(M, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return y, mean, rstd
+    block, warps = _block(N)
+    _norm_fwd_kernel[(M,)](
+        x, weight if weight is not None else x, bias if bias is not None else x, y,
+        mean if mean is not None else rstd, rstd, x.stride(0), y.stride(0), N, float(eps),
+        IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ZERO_CENTERED=zero_centered_gamma,
+        BLOCK_N=block, num_warps=warps,
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma: bool):
+    """Launch the backward kernel; ``dy`` and ``x`` contiguous (M, N).
+
+    Returns ``(dx, dweight, dbias)``: dx in ``x.dtype``; dweight / dbias (N,) summed in fp32 from
+    per-program partials and rounded once to the parameter's dtype (None where there is no weight / bias).
+    """
+    from truefuse.kernels.norm import _norm_bwd_kernel
+
+    M, N = x.shape
+    dx = torch.empty_like(x)
+    programs = max(1, min(M, _programs(x.device.index or 0) if x.is_cuda else 4))
+    rows_per_program = -(-M // programs) if M else 0
+    has_w, has_bias = weight is not None, bias is not None
+    dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_w else None
+    db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_bias else None
+    if M == 0:
+        return dx, (torch.zeros_like(weight) if has_w else None), (torch.zeros_like(bias) if has_bias else None)
+    block, warps = _block(N)
+    _norm_bwd_kernel[(programs,)](
+        dy, x, weight if has_w else x, mean if mean is not None else rstd, rstd, dx,
+        dw_part if has_w else rstd, db_part if has_bias else rstd,
+        dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program,
+        IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma,
+        BLOCK_N=block, num_warps=warps,
+    )  # fmt: skip
+    dw = dw_part.sum(0).to(weight.dtype) if has_w else None
+    db = db_part.sum(0).to(bias.dtype) if has_bias else None
+    return dx, dw, db
