@@ -1,23 +1,49 @@
 """truefuse: fused kernels and modules for training and serving LLMs, numerically faithful.
 
-Public API (see README.md and DESIGN §3):
+Public API (see README.md and shared/DESIGN.md):
 
-* :func:`gemm` / :func:`gemm_ref`: the one GEMM entry point and its reference.
-* :func:`gemm_plan_for`, :func:`override_capabilities`, :class:`Capability`: read and steer plans.
+* :func:`gemm` / :func:`gemm_ref`, :func:`gemm_plan_for`, :func:`override_capabilities`,
+  :class:`Capability`: the one GEMM entry point (DESIGN §3).
+* :func:`rms_norm`, :func:`layer_norm`, :func:`gated_activation` and :class:`RMSNorm`: fused
+  norms and gated activations (references in ``truefuse.ops``).
+* :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP`: modules with fp32 ``main_grad``
+  accumulation and delayed weight gradients under one weight-gradient contract (DESIGN §2).
 """
 
+from truefuse.autograd.gated_activation import gated_activation
+from truefuse.autograd.norm import layer_norm, rms_norm
+from truefuse.nn.layernorm_linear import LayerNormLinear
+from truefuse.nn.layernorm_mlp import LayerNormMLP
+from truefuse.nn.linear import Linear
+from truefuse.nn.rms_norm import RMSNorm
+from truefuse.ops.gated_activation import gated_activation_ref
 from truefuse.ops.gemm import GemmOutput, gemm, gemm_plan_for, gemm_ref
 from truefuse.ops.gemm_plan import Capability, GemmPlan, override_capabilities
+from truefuse.ops.linear import layernorm_linear_ref, layernorm_mlp_ref, linear_ref
+from truefuse.ops.norm import layer_norm_ref, rms_norm_ref
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Capability",
     "GemmOutput",
     "GemmPlan",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "Linear",
+    "RMSNorm",
     "__version__",
+    "gated_activation",
+    "gated_activation_ref",
     "gemm",
     "gemm_plan_for",
     "gemm_ref",
+    "layer_norm",
+    "layer_norm_ref",
+    "layernorm_linear_ref",
+    "layernorm_mlp_ref",
+    "linear_ref",
     "override_capabilities",
+    "rms_norm",
+    "rms_norm_ref",
 ]

@@ -1,0 +1,153 @@
+"""DESIGN §2, the weight-gradient contract, in one function: :func:`deliver_weight_grad`.
+
+Every module's backward hands each GEMM weight's gradient computation to ``deliver_weight_grad``
+and returns whatever it returns to autograd. Nothing else in truefuse touches ``main_grad``.
+
+| configuration                         | returned to autograd | the real gradient goes to                  |
+| ------------------------------------- | -------------------- | ------------------------------------------ |
+| plain                                 | the gradient         | ``param.grad`` through autograd            |
+| delayed                               | None                 | added to ``param.grad`` in backward_dw()   |
+| fused, no ``grad_added_to_main_grad`` | None                 | ``param.main_grad`` inside the GEMM        |
+| fused, attribute present              | cached zeros; attr=True | ``param.main_grad`` inside the GEMM     |
+| delayed + fused, no attribute         | None                 | ``param.main_grad`` in backward_dw()       |
+| delayed + fused, attribute present    | cached zeros         | ``param.main_grad`` in backward_dw(), which sets the attribute |
+
+"Inside the GEMM" means accumulated with beta=1 (``overwrite_main_grad`` true: beta=0). Why the
+zero tensor: Megatron-core's data-parallel engine hooks each parameter's gradient accumulation; with
+None it finds no gradient, with the real one it would add it to ``main_grad`` a second time.
+
+``register_wgrad_hook`` functions run once per weight when its gradient is complete: right after the
+GEMM into ``main_grad`` (fused), at the end of ``backward_dw()`` (delayed), or, in the plain
+configuration, from the parameter's post-accumulate-grad hook, i.e. once autograd has put it in
+``param.grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+#: ``compute(out, accumulate)``: the weight-gradient GEMM. With ``out=None`` it returns a new tensor
+#: in the parameter's dtype; otherwise it writes ``out`` (adds into it when ``accumulate``).
+WgradCompute = Callable[[torch.Tensor | None, bool], torch.Tensor]
+
+_ZEROS: dict[tuple, torch.Tensor] = {}
+
+
+@dataclass
+class WgradState:
+    """A module's weight-gradient configuration and its pending work.
+
+    Attributes:
+        fuse_wgrad_accumulation: GEMM weights' gradients go to ``param.main_grad`` (fp32).
+        delay_wgrad_compute: weight-gradient GEMMs wait for ``backward_dw()``.
+        pending: queued weight-gradient work, run and cleared by :func:`run_pending`.
+        hooks: ``register_wgrad_hook`` functions by handle id, each called as ``fn(param)``.
+    """
+
+    fuse_wgrad_accumulation: bool = False
+    delay_wgrad_compute: bool = False
+    pending: list[Callable[[], None]] = field(default_factory=list)
+    hooks: dict[int, Callable[[torch.nn.Parameter], None]] = field(default_factory=dict)
+
+    @property
+    def plain(self) -> bool:
+        return not (self.fuse_wgrad_accumulation or self.delay_wgrad_compute)
+
+
+def check_main_grad(param: torch.Tensor, name: str) -> None:
+    """Raise a clear error when ``param.main_grad`` cannot take fused fp32 accumulation."""
+    mg = getattr(param, "main_grad", None)
+    if mg is None:
+        raise RuntimeError(
+            f"fuse_wgrad_accumulation=True but {name} has no main_grad: attach an fp32 tensor of shape "
+            f"{tuple(param.shape)} as {name}.main_grad (Megatron's DDP does) or construct the module "
+            "with fuse_wgrad_accumulation=False"
+        )
+    if not isinstance(mg, torch.Tensor):
+        raise TypeError(f"{name}.main_grad must be a torch.Tensor, got {type(mg).__name__}")
+    if mg.shape != param.shape:
+        raise ValueError(f"{name}.main_grad has shape {tuple(mg.shape)} but {name} has shape {tuple(param.shape)}")
+    if mg.dtype != torch.float32:
+        raise TypeError(f"{name}.main_grad has dtype {mg.dtype}; fused accumulation needs torch.float32")
+    if mg.device != param.device:
+        raise ValueError(f"{name}.main_grad is on {mg.device} but {name} is on {param.device}")
+    if not mg.is_contiguous():
+        raise ValueError(f"{name}.main_grad must be contiguous")
+
+
+def _cached_zeros(param: torch.Tensor) -> torch.Tensor:
+    """One zero tensor per (shape, dtype, device), never written: autograd copies it into ``.grad``
+    (the cache holds a reference, so AccumulateGrad cannot steal it) or adds it in place there."""
+    key = (tuple(param.shape), param.dtype, param.device)
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+    return z
+
+
+def _to_main_grad(param: torch.Tensor, compute: WgradCompute) -> None:
+    compute(param.main_grad, not getattr(param, "overwrite_main_grad", False))
+
+
+def _fire(state: WgradState, param: torch.Tensor) -> None:
+    for fn in list(state.hooks.values()):
+        fn(param)
+
+
+def deliver_weight_grad(param: torch.Tensor, name: str, compute: WgradCompute, state: WgradState) -> torch.Tensor | None:
+    """Run or queue ``param``'s weight-gradient GEMM per DESIGN §2; return what autograd gets.
+
+    Args:
+        param: the GEMM weight (a Parameter, possibly tied into other modules).
+        name: its name in error messages (``fc1_weight``, ``weight``...).
+        compute: the weight-gradient GEMM (see :data:`WgradCompute`); it must hold every tensor it
+            reads, since under delay it runs after the backward returned.
+        state: the calling module's configuration and queue.
+    """
+    fused, delayed = state.fuse_wgrad_accumulation, state.delay_wgrad_compute
+    if fused:
+        check_main_grad(param, name)
+    has_attr = hasattr(param, "grad_added_to_main_grad")
+    if delayed:
+
+        def finish() -> None:
+            if fused:
+                _to_main_grad(param, compute)
+                if has_attr:
+                    param.grad_added_to_main_grad = True
+            else:
+                g = compute(None, False)
+                # added, never overwriting: autograd would have accumulated it the same way
+                if param.grad is None:
+                    param.grad = g
+                else:
+                    param.grad.add_(g)
+            _fire(state, param)
+
+        state.pending.append(finish)
+        return _cached_zeros(param) if (fused and has_attr) else None
+    if fused:
+        _to_main_grad(param, compute)
+        _fire(state, param)
+        if has_attr:
+            param.grad_added_to_main_grad = True
+            return _cached_zeros(param)
+        return None
+    return compute(None, False)
+
+
+def run_pending(state: WgradState) -> None:
+    """``backward_dw()``: run the queued weight-gradient GEMMs in backward order, then clear the queue."""
+    pending, state.pending = state.pending, []
+    for finish in pending:
+        finish()
+
+
+def on_accumulated(state: WgradState, param: torch.Tensor) -> None:
+    """The parameter's post-accumulate-grad hook: in the plain configuration the gradient is complete
+    once autograd has put it in ``param.grad``, so the module's wgrad hooks fire now."""
+    if state.plain:
+        _fire(state, param)

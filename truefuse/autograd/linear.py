@@ -1,0 +1,70 @@
+"""``LinearFunction``: ``act(x @ Wᵀ + b)`` through ``truefuse.gemm``, with the weight gradient
+handed to the DESIGN §2 contract (``_wgrad.deliver_weight_grad``).
+
+Every linear-family module is built from this Function (plus the norm and gated-activation
+Functions), so one code path decides what a weight's backward returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
+from truefuse.ops.activation import activation_grad_ref
+from truefuse.ops.gemm import gemm
+from truefuse.ops.gemm_exec import _wide_dtype
+
+
+class LinearFunction(torch.autograd.Function):
+    """x (M, K) @ weight (N, K)ᵀ + bias (N,), then an optional activation (its pre-activation is saved).
+
+    Backward: ``d = dy * act'(pre)`` (ATen's backward op), ``dx = d @ W``, bias-gradient
+    ``Σ_tokens d`` in fp32 rounded once (always returned normally, also under delay), and the weight
+    gradient ``dᵀ @ x`` through :func:`deliver_weight_grad`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, state: WgradState, weight_name: str):
+        pre = None
+        if activation is None:
+            out = gemm(x, weight.t(), bias=bias)
+        else:
+            out, pre, _ = gemm(x, weight.t(), bias=bias, activation=activation, return_pre_activation=True)
+        ctx.save_for_backward(x, weight, pre)
+        ctx.activation, ctx.state, ctx.weight_name = activation, state, weight_name
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, pre = ctx.saved_tensors
+        d = dy if ctx.activation is None else activation_grad_ref(dy, pre, ctx.activation)
+        dx = gemm(d, weight) if ctx.needs_input_grad[0] else None
+        db = None
+        if ctx.needs_input_grad[2]:
+            # DESIGN §3's split bias-gradient formula, the same whatever the backends fuse
+            db = torch.sum(d, dim=0, dtype=_wide_dtype(d)).to(ctx.bias_dtype)
+        dw = None
+        if ctx.needs_input_grad[1]:
+
+            def compute(out, accumulate):
+                if out is None:
+                    return gemm(d.t(), x)
+                return gemm(d.t(), x, out=out, accumulate=accumulate)
+
+            dw = deliver_weight_grad(weight, ctx.weight_name, compute, ctx.state)
+        return dx, dw, db, None, None, None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    activation: str | None = None,
+    state: WgradState,
+    weight_name: str = "weight",
+) -> torch.Tensor:
+    """Apply :class:`LinearFunction` to ``x`` (..., K), flattened to 2-D once; returns (..., N)."""
+    y = LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, activation, state, weight_name)
+    return y.view(*x.shape[:-1], weight.shape[0])

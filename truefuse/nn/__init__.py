@@ -1,0 +1,1 @@
+"""Thin modules: parameters, initialisation, repr; each forward is one call into ``truefuse.autograd``."""

@@ -1,0 +1,93 @@
+"""What every linear-family module shares: the DESIGN §2 state, ``backward_dw`` and
+``register_wgrad_hook``, input checks, and torch.nn.Linear's initialisation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from truefuse.autograd._wgrad import WgradState, check_main_grad, on_accumulated, run_pending
+
+
+def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """torch.nn.Linear's initialisation: kaiming-uniform(a=√5) weight, uniform(±1/√fan_in) bias."""
+    torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        fan_in = weight.shape[-1]
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        torch.nn.init.uniform_(bias, -bound, bound)
+
+
+class WgradModule(torch.nn.Module):
+    """Mixin for modules whose GEMM weights follow DESIGN §2 (see ``truefuse/autograd/_wgrad.py``).
+
+    Subclasses call :meth:`_init_wgrad` and list their GEMM weights in :meth:`gemm_weights`.
+    """
+
+    def _init_wgrad(self, fuse_wgrad_accumulation: bool, delay_wgrad_compute: bool) -> None:
+        self._wgrad = WgradState(bool(fuse_wgrad_accumulation), bool(delay_wgrad_compute))
+        self._acc_handles: list[RemovableHandle] = []
+
+    def gemm_weights(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) of every weight whose gradient is a GEMM (the ones §2 governs)."""
+        raise NotImplementedError
+
+    @property
+    def fuse_wgrad_accumulation(self) -> bool:
+        return self._wgrad.fuse_wgrad_accumulation
+
+    @fuse_wgrad_accumulation.setter
+    def fuse_wgrad_accumulation(self, value: bool) -> None:
+        self._wgrad.fuse_wgrad_accumulation = bool(value)
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        return self._wgrad.delay_wgrad_compute
+
+    @delay_wgrad_compute.setter
+    def delay_wgrad_compute(self, value: bool) -> None:
+        self._wgrad.delay_wgrad_compute = bool(value)
+
+    def backward_dw(self) -> None:
+        """Compute the weight gradients the last backward(s) deferred (``delay_wgrad_compute``).
+
+        Adds each into ``param.grad``, or into ``param.main_grad`` under ``fuse_wgrad_accumulation``,
+        then calls the ``register_wgrad_hook`` functions once per weight. Nothing pending: no-op.
+        """
+        with torch.no_grad():
+            run_pending(self._wgrad)
+
+    def register_wgrad_hook(self, fn: Callable[[torch.nn.Parameter], None]) -> RemovableHandle:
+        """Call ``fn(param)`` once per GEMM weight when its gradient is complete.
+
+        Complete means: in ``param.grad`` (plain, from the parameter's post-accumulate-grad hook),
+        in ``param.main_grad`` (fused, right after the GEMM), or at the end of :meth:`backward_dw`
+        (delayed). Returns a handle whose ``remove()`` unregisters ``fn``.
+        """
+        if not callable(fn):
+            raise TypeError(f"register_wgrad_hook takes a callable, got {type(fn).__name__}")
+        if not self._acc_handles:
+            state = self._wgrad
+            for _, p in self.gemm_weights():
+                self._acc_handles.append(p.register_post_accumulate_grad_hook(lambda p, s=state: on_accumulated(s, p)))
+        handle = RemovableHandle(self._wgrad.hooks)
+        self._wgrad.hooks[handle.id] = fn
+        return handle
+
+    def _check_input(self, x: torch.Tensor, features: int, weight: torch.Tensor) -> None:
+        """Clear errors before anything runs: x's type, last dimension and dtype; main_grad when fused."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != features:
+            raise ValueError(f"input has shape {tuple(x.shape)}: its last dimension must be in_features={features}")
+        if x.dtype != weight.dtype:
+            raise TypeError(f"input has dtype {x.dtype} but the module's parameters are {weight.dtype}")
+        if x.device != weight.device:
+            raise ValueError(f"input is on {x.device} but the module's parameters are on {weight.device}")
+        if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
+            for name, p in self.gemm_weights():
+                if p.requires_grad:
+                    check_main_grad(p, name)

@@ -1,0 +1,96 @@
+"""``truefuse.LayerNormLinear``: LayerNorm or RMSNorm followed by a linear layer."""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.autograd.linear import linear
+from truefuse.autograd.norm import layer_norm, rms_norm
+from truefuse.nn._base import WgradModule, init_linear_
+from truefuse.ops.linear import NORMALIZATIONS, layernorm_linear_ref
+
+
+def check_normalization(normalization: str) -> None:
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r} is not supported; choose one of {NORMALIZATIONS}")
+
+
+class LayerNormLinear(WgradModule):
+    """``linear(norm(x))``, optionally returning ``norm(x)`` too.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``torch.nn.Linear``.
+        normalization: ``"LayerNorm"`` (weight and bias) or ``"RMSNorm"`` (weight only).
+        eps: the norm's epsilon.
+        zero_centered_gamma: the norm's scale is ``1 + layer_norm_weight`` (initialised to zeros).
+        return_layernorm_output: ``forward`` returns ``(out, norm(x))``; gradients flowing into the
+            norm output are added to those from the linear layer.
+        fuse_wgrad_accumulation, delay_wgrad_compute: DESIGN §2, for ``weight`` only (the norm's
+            parameters and ``bias`` are always returned to autograd normally).
+
+    Parameters: ``layer_norm_weight`` (in,), ``layer_norm_bias`` (in,) for LayerNorm, ``weight``
+    (out, in), ``bias`` (out,). Shapes: input (..., in_features), output (..., out_features).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        normalization: str = "LayerNorm",
+        eps: float = 1e-5,
+        zero_centered_gamma: bool = False,
+        return_layernorm_output: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+    ) -> None:
+        super().__init__()
+        check_normalization(normalization)
+        fk = {"device": device, "dtype": dtype}
+        self.in_features, self.out_features = in_features, out_features
+        self.normalization, self.eps = normalization, eps
+        self.zero_centered_gamma, self.return_layernorm_output = zero_centered_gamma, return_layernorm_output
+        self.layer_norm_weight = torch.nn.Parameter(torch.empty(in_features, **fk))
+        self.layer_norm_bias = torch.nn.Parameter(torch.empty(in_features, **fk)) if normalization == "LayerNorm" else None
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **fk))
+        self.bias = torch.nn.Parameter(torch.empty(out_features, **fk)) if bias else None
+        self._init_wgrad(fuse_wgrad_accumulation, delay_wgrad_compute)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+            if self.layer_norm_bias is not None:
+                self.layer_norm_bias.zero_()
+        init_linear_(self.weight, self.bias)
+
+    def gemm_weights(self):
+        return [("weight", self.weight)]
+
+    def _norm(self, x):
+        if self.normalization == "RMSNorm":
+            return rms_norm(x, self.layer_norm_weight, self.eps, zero_centered_gamma=self.zero_centered_gamma)
+        return layer_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, zero_centered_gamma=self.zero_centered_gamma)
+
+    def forward(self, x: torch.Tensor):
+        self._check_input(x, self.in_features, self.weight)
+        ln_out = self._norm(x)
+        out = linear(ln_out, self.weight, self.bias, state=self._wgrad)
+        return (out, ln_out) if self.return_layernorm_output else out
+
+    def forward_ref(self, x: torch.Tensor):
+        """The unfused composition (``ops.linear.layernorm_linear_ref``) with this module's parameters."""
+        out, ln_out = layernorm_linear_ref(
+            x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias,
+            normalization=self.normalization, eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
+        )  # fmt: skip
+        return (out, ln_out) if self.return_layernorm_output else out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"normalization={self.normalization}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+        )
