@@ -24,6 +24,7 @@ configuration, from the parameter's post-accumulate-grad hook, i.e. once autogra
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,7 +51,9 @@ class WgradState:
     fuse_wgrad_accumulation: bool = False
     delay_wgrad_compute: bool = False
     pending: list[Callable[[], None]] = field(default_factory=list)
-    hooks: dict[int, Callable[[torch.nn.Parameter], None]] = field(default_factory=dict)
+    hooks: dict[int, Callable[[torch.nn.Parameter], None]] = field(
+        default_factory=OrderedDict
+    )  # weak-referenceable, for RemovableHandle
 
     @property
     def plain(self) -> bool:

@@ -19,7 +19,11 @@ Report = BitwiseReport | BoundedReport
 CaseFn = Callable[[torch.device], dict[str, Report]]
 
 #: Modules whose import registers cases, in the order verify runs them.
-CASE_MODULES: tuple[str, ...] = ("truefuse.verify.cases_gemm",)
+CASE_MODULES: tuple[str, ...] = (
+    "truefuse.verify.cases_gemm",
+    "truefuse.verify.cases_norm",
+    "truefuse.verify.cases_linear",
+)
 
 
 @dataclass(frozen=True)

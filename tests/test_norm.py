@@ -1,0 +1,119 @@
+"""rms_norm / layer_norm / gated_activation and truefuse.RMSNorm: bounded contract, batch
+invariance, the rounding rule, edge shapes and errors. On the CPU the fp32 cases run the Triton
+kernels under the interpreter; the others run the reference."""
+
+import pytest
+import torch
+
+import truefuse
+from truefuse.ops.norm import MAX_KERNEL_N, rms_norm_ref, rms_norm_torch, use_kernel
+from truefuse.testing import assert_bitwise, assert_bounded
+from truefuse.verify.registry import all_cases
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "gated_activation"])
+def test_registered_cases(op, device):
+    cases = all_cases([op], device.type)
+    assert len(cases) >= 6
+    for case in cases:
+        for k, rep in case.fn(device).items():
+            assert rep.passed, f"{case.name}/{k}: {rep}"
+
+
+@pytest.mark.parametrize("fn", ["rms_norm", "layer_norm"])
+def test_batch_invariance(fn, device):
+    """Row r of an m-row call equals a 1-row call on row r, bit for bit (forward and input gradient)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    f = getattr(truefuse, fn)
+    x = torch.randn(37, 200, device=device, dtype=dtype)
+    w = torch.randn(200, device=device, dtype=dtype)
+    dy = torch.randn_like(x)
+    xa = x.clone().requires_grad_()
+    f(xa, w).backward(dy)
+    for r in (0, 17, 36):
+        xr = x[r : r + 1].clone().requires_grad_()
+        yr = f(xr, w)
+        yr.backward(dy[r : r + 1])
+        assert_bitwise(yr, f(x, w)[r : r + 1], f"row {r} forward")
+        assert_bitwise(xr.grad, xa.grad[r : r + 1], f"row {r} input gradient")
+
+
+def test_rounding_rule_single_rounding(device):
+    """The kernel path and the reference follow one rule: fp32 math, one rounding at the end; the
+    result differs from torch's twice-rounded bf16 path (so the test can tell the two apart)."""
+    if device.type != "cuda":
+        pytest.skip("bf16 kernel numerics are checked on the GPU (the interpreter truncates bf16)")
+    x = torch.randn(512, 1000, device=device, dtype=torch.bfloat16) * 3
+    w = torch.rand(1000, device=device, dtype=torch.bfloat16) + 0.5
+    got, ref = truefuse.rms_norm(x, w), rms_norm_ref(x, w)
+    differ = (got != ref).float().mean().item()
+    assert differ < 0.01, differ  # only reduction-order ties of the fp32 statistics may flip a bit
+    torch_path = torch.nn.functional.rms_norm(x, (1000,), w, 1e-6)
+    assert (torch_path != ref).any()
+
+
+def test_edge_shapes(device):
+    for shape in [(0, 64), (1, 1), (3, 5, 7)]:
+        x = torch.randn(*shape, device=device, requires_grad=True)
+        w = torch.randn(shape[-1], device=device, requires_grad=True)
+        y = truefuse.rms_norm(x, w)
+        assert y.shape == x.shape
+        y.sum().backward()
+        assert x.grad.shape == x.shape and w.grad.shape == w.shape
+        assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+    x = torch.randn(4, 64, device=device)
+    assert_bounded(truefuse.rms_norm(x, None), rms_norm_ref(x.cpu().double(), None), rms_norm_torch(x, None), "no weight")
+    wide = torch.randn(2, MAX_KERNEL_N + 1, device=device)
+    assert not use_kernel(wide)
+    assert_bitwise(truefuse.rms_norm(wide, None), rms_norm_ref(wide, None), "wider than the kernel: the reference")
+
+
+def test_zero_rows_give_zero_weight_grad(device):
+    x = torch.randn(0, 32, device=device, requires_grad=True)
+    w = torch.randn(32, device=device, requires_grad=True)
+    b = torch.randn(32, device=device, requires_grad=True)
+    truefuse.layer_norm(x, w, b).sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_errors(device):
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match=r"weight has shape \(7,\); x's last dimension is 8"):
+        truefuse.rms_norm(x, torch.ones(7, device=device))
+    with pytest.raises(ValueError, match=r"bias has shape"):
+        truefuse.layer_norm(x, torch.ones(8, device=device), torch.ones(9, device=device))
+    with pytest.raises(TypeError, match="x has dtype torch.int64"):
+        truefuse.rms_norm(torch.ones(4, 8, dtype=torch.long, device=device), None)
+    with pytest.raises(ValueError, match="eps must be a non-negative"):
+        truefuse.rms_norm(x, None, -1.0)
+    with pytest.raises(ValueError, match="zero_centered_gamma=True needs a weight"):
+        truefuse.rms_norm(x, None, zero_centered_gamma=True)
+    with pytest.raises(ValueError, match="last dimension must be even"):
+        truefuse.gated_activation(torch.randn(4, 7, device=device), "swiglu")
+    with pytest.raises(ValueError, match="gated activation 'swish'"):
+        truefuse.gated_activation(torch.randn(4, 8, device=device), "swish")
+
+
+def test_rmsnorm_module_is_torch_rmsnorm(device):
+    m = truefuse.RMSNorm(64, eps=1e-5, device=device)
+    assert isinstance(m, torch.nn.RMSNorm)
+    with torch.no_grad():
+        m.weight.normal_()
+    x = torch.randn(2, 9, 64, device=device)
+    assert_bitwise(m(x), truefuse.rms_norm(x, m.weight, 1e-5), "module = function")
+    ref = torch.nn.RMSNorm(64, eps=1e-5, device=device)
+    ref.load_state_dict(m.state_dict())
+    assert torch.allclose(m(x), ref(x), rtol=1e-5, atol=1e-5)
+    zc = truefuse.RMSNorm((4, 16), zero_centered_gamma=True, device=device)
+    assert not zc.weight.any()
+    y = zc(x.view(2, 9, 4, 16))
+    assert y.shape == (2, 9, 4, 16)
+    assert_bitwise(
+        y.view(2, 9, 64),
+        truefuse.rms_norm(x, torch.zeros(64, device=device), torch.finfo(x.dtype).eps, zero_centered_gamma=True),
+        "zc",
+    )
+    with pytest.raises(ValueError, match=r"last dimensions must be \(4, 16\)"):
+        zc(x)
+    with pytest.raises(ValueError, match="zero_centered_gamma=True needs elementwise_affine"):
+        truefuse.RMSNorm(8, elementwise_affine=False, zero_centered_gamma=True)

@@ -1,0 +1,168 @@
+"""Contract cases of the linear-family modules (DESIGN §1, §2).
+
+* ``fwd_bwd``: output, input gradient and every parameter gradient, bounded against the module's
+  ``forward_ref`` on float64 copies, with ``forward_ref`` in the module's dtype as the baseline.
+* ``delayed_vs_immediate``: ``delay_wgrad_compute`` + ``backward_dw()`` gives the same bits as the
+  immediate backward, into a random fp32 ``main_grad`` and into ``param.grad``.
+* ``main_grad``: fused fp32 accumulation into a random ``main_grad``, bounded against float64 with
+  "bf16 weight gradient, then an fp32 add" as the baseline.
+
+The helpers here (:data:`MODULES`, :func:`build`, :func:`run_module`) are shared with the tests.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+
+from truefuse.nn.layernorm_linear import LayerNormLinear
+from truefuse.nn.layernorm_mlp import LayerNormMLP
+from truefuse.nn.linear import Linear
+from truefuse.testing import bitwise_report, bounded_report
+from truefuse.verify.registry import register
+
+_H, _F, _N = 96, 80, 72  # hidden, ffn, out features
+_TOKENS = (3, 41)  # leading dimensions of the input
+
+#: name -> factory(dtype, device, **wgrad options) of a module covering one configuration.
+MODULES: dict[str, Callable[..., torch.nn.Module]] = {
+    "Linear": lambda dt, dev, **kw: Linear(_H, _N, device=dev, dtype=dt, **kw),
+    "Linear/nobias": lambda dt, dev, **kw: Linear(_H, _N, bias=False, device=dev, dtype=dt, **kw),
+    "LayerNormLinear": lambda dt, dev, **kw: LayerNormLinear(_H, _N, device=dev, dtype=dt, **kw),
+    "LayerNormLinear/rms_zc_out": lambda dt, dev, **kw: LayerNormLinear(
+        _H,
+        _N,
+        bias=False,
+        device=dev,
+        dtype=dt,
+        normalization="RMSNorm",
+        zero_centered_gamma=True,
+        return_layernorm_output=True,
+        **kw,
+    ),  # fmt: skip
+    "LayerNormMLP/gelu": lambda dt, dev, **kw: LayerNormMLP(_H, _F, device=dev, dtype=dt, **kw),
+    "LayerNormMLP/rms_swiglu": lambda dt, dev, **kw: LayerNormMLP(
+        _H, _F, bias=False, device=dev, dtype=dt, normalization="RMSNorm", activation="swiglu", **kw
+    ),
+}
+
+
+def build(name: str, dtype: torch.dtype, device, seed: int = 0, **kw) -> torch.nn.Module:
+    """A module of :data:`MODULES` with seeded random parameters (norm weights away from 1)."""
+    torch.manual_seed(seed)
+    m = MODULES[name](dtype, device, **kw)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.startswith("layer_norm"):
+                p.copy_(
+                    torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + 7)) * 0.5 + (0 if "bias" in n else 0.2)
+                )
+    return m
+
+
+def inputs_for(m: torch.nn.Module, dtype, device, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, dy): a random input and upstream gradient of the module's output shape."""
+    g = torch.Generator().manual_seed(seed)
+    features = m.gemm_weights()[0][1].shape[1]
+    x = torch.randn(*_TOKENS, features, generator=g).to(device, dtype)
+    with torch.no_grad():
+        out = m.forward_ref(x)
+    out = out[0] if isinstance(out, tuple) else out
+    return x, torch.randn(out.shape, generator=g).to(device, dtype)
+
+
+def run_module(m: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, *, ref: bool = False) -> dict[str, torch.Tensor]:
+    """Forward (``forward_ref`` when ``ref``) and backward with upstream ``dy`` (and a fixed second
+    upstream gradient for a returned norm output); returns out, dx and each parameter's ``.grad``."""
+    x = x.detach().clone().requires_grad_()
+    y = m.forward_ref(x) if ref else m(x)
+    if isinstance(y, tuple):  # (out, ln_out): gradients flow into both
+        dln = torch.full_like(y[1], 0.25)
+        torch.autograd.backward([y[0], y[1]], [dy, dln])
+        y = y[0]
+    else:
+        y.backward(dy)
+    res = {"out": y.detach(), "dx": x.grad}
+    res.update({f"d{n}": p.grad for n, p in m.named_parameters() if p.grad is not None})
+    return res
+
+
+def _to64(m: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(m).to(device="cpu", dtype=torch.float64)
+
+
+def _fwd_bwd(name, dtype):
+    def case(device):
+        m = build(name, dtype, device)
+        x, dy = inputs_for(m, dtype, device)
+        got = run_module(m, x, dy)
+        base = run_module(build(name, dtype, device), x, dy, ref=True)
+        ref = run_module(_to64(m), x.cpu().double(), dy.cpu().double(), ref=True)
+        return {k: bounded_report(got[k], ref[k], base[k]) for k in got}
+
+    return case
+
+
+def attach_main_grads(m: torch.nn.Module, seed: int = 3, attr: bool = False) -> dict[str, torch.Tensor]:
+    """Give every GEMM weight a random fp32 ``main_grad`` (and ``grad_added_to_main_grad=False`` when
+    ``attr``); returns copies of the starting values."""
+    start = {}
+    for i, (n, p) in enumerate(m.gemm_weights()):
+        p.main_grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + i)).to(p.device)
+        start[n] = p.main_grad.clone()
+        if attr:
+            p.grad_added_to_main_grad = False
+    return start
+
+
+def _delayed_vs_immediate(name, dtype, fused: bool):
+    def case(device):
+        results = []
+        for delay in (False, True):
+            m = build(name, dtype, device, fuse_wgrad_accumulation=fused, delay_wgrad_compute=delay)
+            if fused:
+                attach_main_grads(m)
+            x, dy = inputs_for(m, dtype, device)
+            res = run_module(m, x, dy)
+            m.backward_dw()
+            res.update({f"d{n}": p.grad for n, p in m.gemm_weights() if p.grad is not None})
+            if fused:
+                res.update({f"{n}.main_grad": p.main_grad for n, p in m.gemm_weights()})
+            results.append(res)
+        imm, dly = results
+        if imm.keys() != dly.keys():
+            raise AssertionError(f"different gradients returned: {sorted(imm)} vs {sorted(dly)}")
+        return {k: bitwise_report(dly[k], imm[k]) for k in imm}
+
+    return case
+
+
+def _main_grad(name, dtype):
+    def case(device):
+        m = build(name, dtype, device, fuse_wgrad_accumulation=True)
+        start = attach_main_grads(m)
+        x, dy = inputs_for(m, dtype, device)
+        run_module(m, x, dy)
+        plain = run_module(build(name, dtype, device), x, dy)  # weight gradients in the param dtype
+        ref = run_module(_to64(m), x.cpu().double(), dy.cpu().double(), ref=True)
+        return {
+            f"{n}.main_grad": bounded_report(
+                p.main_grad, start[n].cpu().double() + ref[f"d{n}"], start[n] + plain[f"d{n}"].float()
+            )
+            for n, p in m.gemm_weights()
+        }
+
+    return case
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+for _mod in MODULES:
+    _op, _, _variant = _mod.partition("/")  # the op is the module; the variant names the case
+    _pre = f"{_variant}_" if _variant else ""
+    for _dn, _dt in _DTYPES.items():
+        register(_op, f"{_pre}fwd_bwd_{_dn}", "bounded")(_fwd_bwd(_mod, _dt))
+        register(_op, f"{_pre}delayed_vs_immediate_main_grad_{_dn}", "bitwise")(_delayed_vs_immediate(_mod, _dt, True))
+        register(_op, f"{_pre}delayed_vs_immediate_grad_{_dn}", "bitwise")(_delayed_vs_immediate(_mod, _dt, False))
+        register(_op, f"{_pre}main_grad_{_dn}", "bounded")(_main_grad(_mod, _dt))
