@@ -8,7 +8,7 @@ import sys
 import torch
 
 #: benchmark name -> module defining ``sweep(quick: bool) -> Sweep`` (and optionally CUDA_GRAPH)
-BENCHES = {"gemm": "truefuse.bench.bench_gemm"}
+BENCHES = {"gemm": "truefuse.bench.bench_gemm", "linear": "truefuse.bench.bench_linear"}
 
 
 def run_bench(name: str, providers: list[str] | None, out_dir: str, quick: bool) -> int:

@@ -70,6 +70,7 @@ class Sweep:
         reference: the provider every ratio is taken against.
         x: the point key plotted on the x axis.
         flops: optional ``point -> FLOPs`` to report TFLOP/s.
+        bytes: optional ``point -> bytes moved`` (the op's minimal traffic) to report GB/s.
         rounds: interleaved measurement rounds per point on a GPU (the median is kept).
     """
 
@@ -79,6 +80,7 @@ class Sweep:
     reference: str
     x: str
     flops: Callable[[dict], float] | None = None
+    bytes: Callable[[dict], float] | None = None
     rounds: int = 3
     rows: list[dict] = field(default_factory=list)
 
@@ -114,8 +116,10 @@ class Sweep:
                     "ratio": ms / ref_ms,
                     "rounds_ms": [m.ms for m in per[prov]],
                 }
-                if self.flops is not None:
+                if self.flops is not None and self.flops(point):
                     row["tflops"] = self.flops(point) / (ms * 1e-3) / 1e12
+                if self.bytes is not None and self.bytes(point):
+                    row["gbps"] = self.bytes(point) / (ms * 1e-3) / 1e9
                 self.rows.append(row)
         return self.rows
 
@@ -153,18 +157,19 @@ class Sweep:
         from rich.console import Console
         from rich.table import Table
 
-        keys = [k for k in self.points[0]] if self.points else []
+        keys = list(dict.fromkeys(k for p in self.points for k in p))
         t = Table(title=f"{self.name} (ratio: time / {self.reference}, same run)")
-        for k in [*keys, "provider", "ms", "ratio", "peak MiB", "TFLOP/s"]:
+        for k in [*keys, "provider", "ms", "ratio", "peak MiB", "TFLOP/s", "GB/s"]:
             t.add_column(k, justify="right")
         for r in self.rows:
             t.add_row(
-                *[str(r[k]) for k in keys],
+                *[str(r.get(k, "")) for k in keys],
                 r["provider"],
                 f"{r['ms']:.4f}",
                 "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
                 "-" if r["peak_mb"] is None else f"{r['peak_mb']:.1f}",
                 f"{r['tflops']:.0f}" if "tflops" in r else "-",
+                f"{r['gbps']:.0f}" if "gbps" in r else "-",
             )
         console = Console()
         console.width = max(console.width, 150)
