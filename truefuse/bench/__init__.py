@@ -8,7 +8,11 @@ import sys
 import torch
 
 #: benchmark name -> module defining ``sweep(quick: bool) -> Sweep`` (and optionally CUDA_GRAPH)
-BENCHES = {"gemm": "truefuse.bench.bench_gemm", "linear": "truefuse.bench.bench_linear"}
+BENCHES = {
+    "gemm": "truefuse.bench.bench_gemm",
+    "linear": "truefuse.bench.bench_linear",
+    "rms_norm": "truefuse.bench.bench_rms_norm",
+}
 
 
 def run_bench(name: str, providers: list[str] | None, out_dir: str, quick: bool) -> int:

@@ -1,12 +1,12 @@
 """``python -m truefuse bench linear``: forward + backward of the linear-family layers, bf16.
 
 Points (8192 tokens): ``Linear`` 4096→4096 and 4096→14336 and ``LayerNormMLP`` (RMSNorm, swiglu,
-4096→14336), all without bias and with fused fp32 ``main_grad`` accumulation; and RMSNorm alone at
-8192×4096. Providers, measured side by side in one run:
+4096→14336), all without bias and with fused fp32 ``main_grad`` accumulation. Providers, measured
+side by side in one run:
 
-* ``floor``: for the layers, their cuBLAS GEMMs alone (bf16 ``torch.mm``: forward, input gradient
-  and weight gradient per weight); for RMSNorm, device copies moving the op's minimal bytes.
-* ``truefuse``: the module (``truefuse.rms_norm`` for the norm).
+* ``floor``: the layer's cuBLAS GEMMs alone (bf16 ``torch.mm``: forward, input gradient and weight
+  gradient per weight).
+* ``truefuse``: the module.
 * ``torch``: ``torch.nn.Linear`` (+ ``torch.nn.RMSNorm`` + ``F.silu(gate) * up``) and a separate
   ``main_grad.add_(weight.grad)`` per weight, as a framework without fused accumulation does.
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from truefuse.autograd.norm import rms_norm
 from truefuse.bench.harness import Sweep
 from truefuse.nn.layernorm_mlp import LayerNormMLP
 from truefuse.nn.linear import Linear
@@ -29,11 +28,9 @@ _BF = torch.bfloat16
 
 
 def elementwise_bytes(p: dict) -> float:
-    """Minimal bytes of the non-GEMM work, bf16: RMSNorm fwd (read x, write) + bwd (read x, dy,
-    write dx); for the MLP also swiglu fwd (read 2F, write F) + bwd (read dF, 2F; write 2F)."""
+    """Minimal bytes of the MLP's non-GEMM work, bf16: RMSNorm fwd (read x, write) + bwd (read x,
+    dy; write dx), swiglu fwd (read 2F, write F) + bwd (read dF, 2F; write 2F)."""
     M, H = p["M"], p["H"]
-    if p["layer"] == "rms_norm":
-        return 2.0 * M * H * 5
     if p["layer"] == "mlp":
         return 2.0 * M * (5 * H + 8 * p["F"])
     return 0.0
@@ -60,10 +57,6 @@ def _gemm_shapes(p: dict) -> list[tuple[int, int, int]]:
 
 
 def _floor(p, device):
-    if p["layer"] == "rms_norm":
-        x, dy = _rand(p["M"], p["H"], device=device, seed=0), _rand(p["M"], p["H"], device=device, seed=1)
-        y, z = torch.empty_like(x), torch.empty_like(x)
-        return lambda: (y.copy_(x), torch.add(x, dy, out=z))  # 2 + 3 units of M·H, as fwd + bwd
     ops = []
     for i, (M, K, N) in enumerate(_gemm_shapes(p)):
         x, w, dy = (
@@ -108,16 +101,6 @@ def _module(which: str):
     def make(p, device):
         M, H = p["M"], p["H"]
         x = _rand(M, H, device=device, seed=0).requires_grad_()
-        if p["layer"] == "rms_norm":
-            w = torch.ones(H, device=device, dtype=_BF, requires_grad=True)
-            norm = (lambda t: rms_norm(t, w, 1e-5)) if which == "truefuse" else (lambda t: F.rms_norm(t, (H,), w, 1e-5))
-            dy = _rand(M, H, device=device, seed=1)
-
-            def fn():
-                x.grad = w.grad = None
-                norm(x).backward(dy)
-
-            return fn
         if p["layer"] == "linear":
             cls = Linear if which == "truefuse" else torch.nn.Linear
             kw = {"fuse_wgrad_accumulation": True} if which == "truefuse" else {}
@@ -145,14 +128,12 @@ def sweep(quick: bool) -> Sweep:
         points = [
             {"case": "linear", "layer": "linear", "M": 64, "H": 32, "N": 48},
             {"case": "mlp", "layer": "mlp", "M": 64, "H": 32, "F": 40},
-            {"case": "rms_norm", "layer": "rms_norm", "M": 64, "H": 32},
         ]
     else:
         points = [
             {"case": "linear 4096->4096", "layer": "linear", "M": 8192, "H": 4096, "N": 4096},
             {"case": "linear 4096->14336", "layer": "linear", "M": 8192, "H": 4096, "N": 14336},
             {"case": "mlp rms swiglu 4096->14336", "layer": "mlp", "M": 8192, "H": 4096, "F": 14336},
-            {"case": "rms_norm 8192x4096", "layer": "rms_norm", "M": 8192, "H": 4096},
         ]
     for p in points:
         p["floor_elementwise_ms"] = round(elementwise_bytes(p) / COPY_BW * 1e3, 4)
@@ -163,5 +144,4 @@ def sweep(quick: bool) -> Sweep:
         reference="floor",
         x="case",
         flops=_flops,
-        bytes=elementwise_bytes,
     )

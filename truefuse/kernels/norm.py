@@ -95,9 +95,16 @@ def _norm_bwd_kernel(
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 bounds: the loop index and offsets are int64
     row_end = tl.minimum(row_start + rows_per_program, M)
+    # the next row's loads are issued before this row's math, so two rows are in flight per program
+    nxt = cols < tl.where(row_start < row_end, N, 0)  # the mask of a row that exists
+    x_nxt = tl.load(x_ptr + row_start * stride_x + cols, mask=nxt, other=0.0)
+    dy_nxt = tl.load(dy_ptr + row_start * stride_dy + cols, mask=nxt, other=0.0)
     for row in range(row_start, row_end):
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x_nxt.to(tl.float32)
+        dy = dy_nxt.to(tl.float32)
+        nxt = cols < tl.where(row + 1 < row_end, N, 0)
+        x_nxt = tl.load(x_ptr + (row + 1) * stride_x + cols, mask=nxt, other=0.0)
+        dy_nxt = tl.load(dy_ptr + (row + 1) * stride_dy + cols, mask=nxt, other=0.0)
         rstd = tl.load(rstd_ptr + row)
         if IS_RMS:
             xhat = x * rstd
@@ -120,3 +127,14 @@ def _norm_bwd_kernel(
         tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=mask)
     if HAS_B:
         tl.store(db_part_ptr + pid * N + cols, db_acc, mask=mask)
+
+
+@triton.jit
+def _sum_partials_kernel(part_ptr, out_ptr, P, N, BLOCK_N: tl.constexpr):
+    """``out[n] = Σ_p part[p, n]`` in fp32, in order p = 0..P-1 (deterministic), rounded once to out's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for p in range(0, P):
+        acc += tl.load(part_ptr + p * N + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
