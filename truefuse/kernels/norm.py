@@ -130,11 +130,14 @@ def _norm_bwd_kernel(
 
 
 @triton.jit
-def _sum_partials_kernel(part_ptr, out_ptr, P, N, BLOCK_N: tl.constexpr):
-    """``out[n] = Σ_p part[p, n]`` in fp32, in order p = 0..P-1 (deterministic), rounded once to out's dtype."""
+def _sum_partials_kernel(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``out[n] = Σ_p part[p, n]`` in fp32, rounded once to out's dtype. Tiles of BLOCK_P partial
+    rows are loaded at once (many loads in flight); the order is fixed by P alone (deterministic)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for p in range(0, P):
-        acc += tl.load(part_ptr + p * N + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    rows = tl.arange(0, BLOCK_P)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        r = p0 + rows
+        mask = (r[:, None] < P) & (cols[None, :] < N)
+        acc += tl.load(part_ptr + r[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < N)

@@ -153,6 +153,6 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     P, N = part.shape
     out = torch.empty(N, dtype=dtype, device=part.device)
-    block = 256
-    _sum_partials_kernel[(-(-N // block),)](part, out, P, N, BLOCK_N=block)
+    block = 64
+    _sum_partials_kernel[(-(-N // block),)](part, out, P, N, BLOCK_P=32, BLOCK_N=block, num_warps=4)
     return out
