@@ -16,7 +16,7 @@ from truefuse.ops.activation import activation_grad_ref, activation_ref
 from truefuse.ops.gemm_plan import GemmPlan
 
 
-def _wide_dtype(t: torch.Tensor) -> torch.dtype:
+def wide_dtype(t: torch.Tensor) -> torch.dtype:
     """The accumulation dtype of sums over ``t``: at least fp32 (fp64 stays fp64)."""
     return torch.promote_types(t.dtype, torch.float32)
 
@@ -152,7 +152,7 @@ def _run_one(plan: GemmPlan, args: GemmArgs) -> None:
     if args.grad_bias_out is not None and "grad_bias" in split:
         # DESIGN §3: the split bias-gradient is grad_output.float().sum(0) cast to the input dtype
         # (a = grad_output.t(), so a.t() is the gradient in its own layout)
-        args.grad_bias_out.copy_(torch.sum(a.t(), dim=0, dtype=_wide_dtype(a)))
+        args.grad_bias_out.copy_(torch.sum(a.t(), dim=0, dtype=wide_dtype(a)))
     b = args.b
     if plan.compute_dtype != a.dtype:  # ``out_dtype`` split: upcast, then the product in out's dtype
         a, b = a.to(plan.compute_dtype), b.to(plan.compute_dtype)
