@@ -258,7 +258,7 @@ _B = torch.randn(4, 3)
         ((_A, _B), {"out_dtype": torch.float16}, TypeError, "out_dtype=torch.float16"),
         ((_A, torch.randn(2, 4, 3)), {"m_splits": [3, 4]}, ValueError, "m_splits sums to 7 but a.shape"),
         ((_A, torch.randn(2, 4, 3)), {"m_splits": [9, -1]}, ValueError, "negative"),
-        ((_A, torch.randn(2, 4, 3)), {"m_splits": [8]}, ValueError, "m_splits has 1 groups but b has 2"),
+        ((_A, torch.randn(2, 4, 3)), {"m_splits": [8]}, ValueError, "m_splits has 1 groups but there are 2"),
         ((_A, torch.randn(2, 4, 3)), {"m_splits": [4.0, 4.0]}, TypeError, "m_splits must be"),
         ((_A, torch.randn(2, 4, 3)), {"m_splits": [4, 4], "grad_bias": True}, ValueError, "weight-gradient GEMM"),
     ],

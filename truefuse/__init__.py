@@ -6,12 +6,14 @@ Public API (see README.md and shared/DESIGN.md):
   :class:`Capability`: the one GEMM entry point (DESIGN §3).
 * :func:`rms_norm`, :func:`layer_norm`, :func:`gated_activation` and :class:`RMSNorm`: fused
   norms and gated activations (references in ``truefuse.ops``).
-* :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP`: modules with fp32 ``main_grad``
+* :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP`, :class:`GroupedLinear`,
+  :class:`GroupedMLP`: modules with fp32 ``main_grad``
   accumulation and delayed weight gradients under one weight-gradient contract (DESIGN §2).
 """
 
 from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.norm import layer_norm, rms_norm
+from truefuse.nn.grouped import GroupedLinear, GroupedMLP
 from truefuse.nn.layernorm_linear import LayerNormLinear
 from truefuse.nn.layernorm_mlp import LayerNormMLP
 from truefuse.nn.linear import Linear
@@ -28,6 +30,8 @@ __all__ = [
     "Capability",
     "GemmOutput",
     "GemmPlan",
+    "GroupedLinear",
+    "GroupedMLP",
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",

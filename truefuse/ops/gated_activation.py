@@ -50,29 +50,43 @@ def _launch_shape(M: int, F: int) -> tuple[tuple[int, int], int]:
     return (M, -(-F // block)), block
 
 
+def _act(name: str) -> tuple[str, bool]:
+    """(the pointwise activation, gated?) of an MLP activation name."""
+    return (GATED_ACTIVATIONS[name], True) if name in GATED_ACTIVATIONS else (name, False)
+
+
 def gated_fwd(x: torch.Tensor, name: str) -> torch.Tensor:
-    """Forward kernel on a contiguous (M, 2F) ``x``; returns (M, F) in ``x.dtype``."""
+    """Forward kernel on a contiguous ``x``: (M, 2F) for a gated ``name``, (M, F) for a plain
+    activation; returns (M, F) in ``x.dtype``."""
     from truefuse.kernels.activation import ACT_CODES
     from truefuse.kernels.gated_activation import _gated_activation_fwd_kernel
 
-    M, F = x.shape[0], x.shape[1] // 2
+    act, gated = _act(name)
+    M, F = x.shape[0], x.shape[1] // (2 if gated else 1)
     y = torch.empty((M, F), dtype=x.dtype, device=x.device)
     if M and F:
         grid, block = _launch_shape(M, F)
-        _gated_activation_fwd_kernel[grid](x, y, x.stride(0), y.stride(0), F, ACT=ACT_CODES[GATED_ACTIVATIONS[name]], BLOCK=block)
+        _gated_activation_fwd_kernel[grid](x, y, x.stride(0), y.stride(0), F, ACT=ACT_CODES[act], GATED=gated, BLOCK=block)
     return y
 
 
-def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str) -> torch.Tensor:
-    """Backward kernel: ``dy`` (M, F) and ``x`` (M, 2F), contiguous; returns d``x`` (M, 2F)."""
+def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool = False):
+    """Backward kernel: ``dy`` (M, F) and ``x`` (M, 2F) or (M, F), contiguous.
+
+    Returns d``x`` shaped like ``x``; with ``recompute`` returns ``(dx, y)`` where ``y`` is the
+    forward's output written again by the same pass (bitwise what :func:`gated_fwd` gives).
+    """
     from truefuse.kernels.activation import ACT_CODES
     from truefuse.kernels.gated_activation import _gated_activation_bwd_kernel
 
+    act, gated = _act(name)
     M, F = dy.shape
     dx = torch.empty_like(x)
+    y = torch.empty_like(dy) if recompute else None
     if M and F:
         grid, block = _launch_shape(M, F)
         _gated_activation_bwd_kernel[grid](
-            dy, x, dx, dy.stride(0), x.stride(0), dx.stride(0), F, ACT=ACT_CODES[GATED_ACTIVATIONS[name]], BLOCK=block
-        )
-    return dx
+            dy, x, dx, y if recompute else dx, dy.stride(0), x.stride(0), dx.stride(0), y.stride(0) if recompute else 0, F,
+            ACT=ACT_CODES[act], GATED=gated, STORE_ACT=recompute, BLOCK=block,
+        )  # fmt: skip
+    return (dx, y) if recompute else dx

@@ -35,7 +35,8 @@ class GemmOutput(NamedTuple):
     grad_bias: torch.Tensor | None
 
 
-def _splits(m_splits, n_groups: int | None, total: int, axis: str) -> list[int]:
+def check_splits(m_splits, n_groups: int | None, total: int, axis: str) -> list[int]:
+    """``m_splits`` as a list of ints, or a clear error: not ints, negative, wrong count, wrong sum."""
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.dtype == torch.bool:
             raise TypeError(f"m_splits must be a 1-D integer tensor, got {m_splits.dtype} of shape {tuple(m_splits.shape)}")
@@ -47,7 +48,7 @@ def _splits(m_splits, n_groups: int | None, total: int, axis: str) -> list[int]:
     if any(v < 0 for v in splits):
         raise ValueError(f"m_splits has a negative group size: {splits}")
     if n_groups is not None and len(splits) != n_groups:
-        raise ValueError(f"m_splits has {len(splits)} groups but b has {n_groups} (b.shape[0])")
+        raise ValueError(f"m_splits has {len(splits)} groups but there are {n_groups}")
     if sum(splits) != total:
         raise ValueError(f"m_splits sums to {sum(splits)} but {axis} is {total}")
     return splits
@@ -113,9 +114,9 @@ def _validate(
     splits = None
     if grouped:
         if rows_mode:
-            splits = _splits(m_splits, b.shape[0], M, "a.shape[0]")
+            splits = check_splits(m_splits, b.shape[0], M, "a.shape[0]")
         else:
-            splits = _splits(m_splits, None, K, "the contraction size a.shape[1]")
+            splits = check_splits(m_splits, None, K, "the contraction size a.shape[1]")
     n_groups = len(splits) if splits is not None else 0
     out_shape = (n_groups, M, N) if grouped and not rows_mode else (M, N)
 

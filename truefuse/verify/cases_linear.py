@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from truefuse.nn.grouped import GroupedLinear, GroupedMLP
 from truefuse.nn.layernorm_linear import LayerNormLinear
 from truefuse.nn.layernorm_mlp import LayerNormMLP
 from truefuse.nn.linear import Linear
@@ -25,6 +26,35 @@ from truefuse.verify.registry import register
 
 _H, _F, _N = 96, 80, 72  # hidden, ffn, out features
 _TOKENS = (3, 41)  # leading dimensions of the input
+_SPLITS = [40, 0, 1, 82]  # groups of the 123 rows: an empty group and a group of one row
+
+
+class WithSplits(torch.nn.Module):
+    """A grouped module with ``m_splits`` bound, so the single-input module cases (and the
+    weight-gradient contract test) run over it unchanged."""
+
+    def __init__(self, inner: torch.nn.Module, splits: list[int]) -> None:
+        super().__init__()
+        self.inner, self.splits = inner, splits
+
+    def _call(self, fn, x):
+        return fn(x.reshape(-1, x.shape[-1]), self.splits).view(*x.shape[:-1], -1)
+
+    def forward(self, x):
+        return self._call(self.inner, x)
+
+    def forward_ref(self, x):
+        return self._call(self.inner.forward_ref, x)
+
+    def gemm_weights(self):
+        return [(f"inner.{n}", p) for n, p in self.inner.gemm_weights()]
+
+    def backward_dw(self):
+        self.inner.backward_dw()
+
+    def register_wgrad_hook(self, fn):
+        return self.inner.register_wgrad_hook(fn)
+
 
 #: name -> factory(dtype, device, **wgrad options) of a module covering one configuration.
 MODULES: dict[str, Callable[..., torch.nn.Module]] = {
@@ -46,6 +76,14 @@ MODULES: dict[str, Callable[..., torch.nn.Module]] = {
     "LayerNormMLP/rms_swiglu": lambda dt, dev, **kw: LayerNormMLP(
         _H, _F, bias=False, device=dev, dtype=dt, normalization="RMSNorm", activation="swiglu", **kw
     ),
+    "GroupedLinear/per_group": lambda dt, dev, **kw: WithSplits(GroupedLinear(4, _H, _N, device=dev, dtype=dt, **kw), _SPLITS),
+    "GroupedLinear/packed": lambda dt, dev, **kw: WithSplits(
+        GroupedLinear(4, _H, _N, device=dev, dtype=dt, single_grouped_weight=True, **kw), _SPLITS
+    ),
+    "GroupedMLP/per_group_swiglu": lambda dt, dev, **kw: WithSplits(GroupedMLP(4, _H, _F, device=dev, dtype=dt, **kw), _SPLITS),
+    "GroupedMLP/packed_gelu_bias": lambda dt, dev, **kw: WithSplits(
+        GroupedMLP(4, _H, _F, bias=True, device=dev, dtype=dt, activation="gelu", single_grouped_weight=True, **kw), _SPLITS
+    ),
 }
 
 
@@ -65,7 +103,7 @@ def build(name: str, dtype: torch.dtype, device, seed: int = 0, **kw) -> torch.n
 def inputs_for(m: torch.nn.Module, dtype, device, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, dy): a random input and upstream gradient of the module's output shape."""
     g = torch.Generator().manual_seed(seed)
-    features = m.gemm_weights()[0][1].shape[1]
+    features = m.gemm_weights()[0][1].shape[-1]
     x = torch.randn(*_TOKENS, features, generator=g).to(device, dtype)
     with torch.no_grad():
         out = m.forward_ref(x)

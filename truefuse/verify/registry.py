@@ -23,6 +23,7 @@ CASE_MODULES: tuple[str, ...] = (
     "truefuse.verify.cases_gemm",
     "truefuse.verify.cases_norm",
     "truefuse.verify.cases_linear",
+    "truefuse.verify.cases_grouped",
 )
 
 

@@ -1,0 +1,185 @@
+"""Grouped linear layers for mixture-of-experts: ``GroupedLinearFunction`` and ``GroupedMLPFunction``.
+
+Rows of ``x`` are ordered by group; ``splits`` (a list of ints, zero allowed) gives each group's
+rows. Weights are either *packed*, one (G, N, K) tensor (and one (G, N) bias), or *per group*, G
+tensors (N, K). Packed weights go through ``truefuse.gemm``'s grouped forms (rows mode forward and
+input gradient, contraction mode weight gradient into a (G, N, K) output); per-group weights run
+exactly the calls ``LinearFunction`` makes for one group, so a per-group GroupedLinear equals one
+``truefuse.Linear`` per group bit for bit. Every weight gradient goes through DESIGN §2
+(``_wgrad.deliver_weight_grad``), packed or per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
+from truefuse.ops.activation import activation_ref
+from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_bwd, gated_fwd, use_kernel
+from truefuse.ops.gemm import gemm
+from truefuse.ops.gemm_exec import wide_dtype
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What a grouped layer's autograd Function needs besides tensors.
+
+    Attributes:
+        splits: rows per group.
+        packed: one (G, N, K) weight instead of G weights.
+        has_bias: biases follow the weights in the parameter list.
+        names: weight names for error messages (one, or one per group).
+    """
+
+    splits: tuple[int, ...]
+    packed: bool
+    has_bias: bool
+    names: tuple[str, ...]
+
+    def n_params(self) -> int:
+        per = 1 if self.packed else len(self.splits)
+        return per * (2 if self.has_bias else 1)
+
+    def unpack(self, params) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        per = 1 if self.packed else len(self.splits)
+        return list(params[:per]), (list(params[per : 2 * per]) if self.has_bias else None)
+
+    def slices(self):
+        start = 0
+        for m in self.splits:
+            yield slice(start, start + m)
+            start += m
+
+
+def grouped_forward(spec: GroupSpec, x, weights, biases) -> torch.Tensor:
+    """``y[rows of g] = x[rows of g] @ W_gᵀ + b_g``."""
+    if spec.packed:
+        return gemm(x, weights[0].transpose(1, 2), bias=None if biases is None else biases[0], m_splits=list(spec.splits))
+    y = torch.empty((x.shape[0], weights[0].shape[0]), dtype=x.dtype, device=x.device)
+    for g, sl in enumerate(spec.slices()):
+        y[sl] = gemm(x[sl], weights[g].t(), bias=None if biases is None else biases[g])
+    return y
+
+
+def grouped_dgrad(spec: GroupSpec, dy, weights) -> torch.Tensor:
+    """``dx[rows of g] = dy[rows of g] @ W_g``."""
+    if spec.packed:
+        return gemm(dy, weights[0], m_splits=list(spec.splits))
+    dx = torch.empty((dy.shape[0], weights[0].shape[1]), dtype=dy.dtype, device=dy.device)
+    for g, sl in enumerate(spec.slices()):
+        dx[sl] = gemm(dy[sl], weights[g])
+    return dx
+
+
+def grouped_bgrad(spec: GroupSpec, dy, biases) -> list[torch.Tensor]:
+    """Per group ``Σ_rows dy`` in fp32 rounded once (DESIGN §3's split formula, as LinearFunction)."""
+    sums = [torch.sum(dy[sl], dim=0, dtype=wide_dtype(dy)).to(biases[0].dtype) for sl in spec.slices()]
+    return [torch.stack(sums)] if spec.packed else sums
+
+
+def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState) -> list[torch.Tensor | None]:
+    """Hand each weight's gradient ``dy_gᵀ @ x_g`` to DESIGN §2; returns what autograd gets."""
+    if spec.packed:
+        splits = list(spec.splits)
+
+        def compute(out, accumulate):
+            if out is None:
+                return gemm(dy.t(), x, m_splits=splits)
+            return gemm(dy.t(), x, m_splits=splits, out=out, accumulate=accumulate)
+
+        return [deliver_weight_grad(weights[0], spec.names[0], compute, state)]
+    grads = []
+    for g, sl in enumerate(spec.slices()):
+        dy_g, x_g = dy[sl], x[sl]
+
+        def compute(out, accumulate, dy_g=dy_g, x_g=x_g):
+            if out is None:
+                return gemm(dy_g.t(), x_g)
+            return gemm(dy_g.t(), x_g, out=out, accumulate=accumulate)
+
+        grads.append(deliver_weight_grad(weights[g], spec.names[g], compute, state))
+    return grads
+
+
+def _param_grads(spec, ctx_needs, offset, dy, x, weights, biases, state):
+    needs_w = any(ctx_needs[offset : offset + len(weights)])
+    wg = grouped_wgrad(spec, dy, x, weights, state) if needs_w else [None] * len(weights)
+    bg = []
+    if biases is not None:
+        needs_b = any(ctx_needs[offset + len(weights) : offset + 2 * len(weights)])
+        bg = grouped_bgrad(spec, dy, biases) if needs_b else [None] * len(biases)
+    return [*wg, *bg]
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """``apply(x, spec, state, *weights, *biases)``: x (M, K) ordered by group -> (M, N)."""
+
+    @staticmethod
+    def forward(ctx, x, spec: GroupSpec, state: WgradState, *params):
+        weights, biases = spec.unpack(params)
+        ctx.save_for_backward(x, *params)
+        ctx.spec, ctx.state = spec, state
+        return grouped_forward(spec, x, weights, biases)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *params = ctx.saved_tensors
+        spec = ctx.spec
+        weights, biases = spec.unpack(params)
+        dx = grouped_dgrad(spec, dy, weights) if ctx.needs_input_grad[0] else None
+        return dx, None, None, *_param_grads(spec, ctx.needs_input_grad, 3, dy, x, weights, biases, ctx.state)
+
+
+def _act_fwd(h: torch.Tensor, name: str) -> torch.Tensor:
+    if use_kernel(h):
+        return gated_fwd(h, name)
+    return gated_activation_ref(h, name) if name in GATED_ACTIVATIONS else activation_ref(h, name)
+
+
+def _act_bwd(da: torch.Tensor, h: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh, a): the activation's input gradient and its output recomputed, in one pass."""
+    if use_kernel(h):
+        return gated_bwd(da, h, name, recompute=True)
+    with torch.enable_grad():
+        hh = h.detach().requires_grad_()
+        a = _act_fwd(hh, name)
+        (dh,) = torch.autograd.grad(a, hh, da)
+    return dh, a.detach()
+
+
+class GroupedMLPFunction(torch.autograd.Function):
+    """``apply(x, fc1_spec, fc2_spec, activation, state, *fc1_params, *fc2_params)``.
+
+    Forward: grouped fc1, activation, grouped fc2. Saved for backward: x and fc1's output only;
+    the activation's output (fc2's weight-gradient operand) is recomputed by the same Triton pass
+    that takes the activation's backward, which reads fc1's output anyway.
+    """
+
+    @staticmethod
+    def forward(ctx, x, spec1: GroupSpec, spec2: GroupSpec, activation: str, state: WgradState, *params):
+        p1, p2 = params[: spec1.n_params()], params[spec1.n_params() :]
+        w1, b1 = spec1.unpack(p1)
+        w2, b2 = spec2.unpack(p2)
+        h = grouped_forward(spec1, x, w1, b1)
+        y = grouped_forward(spec2, _act_fwd(h, activation), w2, b2)
+        ctx.save_for_backward(x, h, *params)
+        ctx.spec1, ctx.spec2, ctx.activation, ctx.state = spec1, spec2, activation, state
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, h, *params = ctx.saved_tensors
+        spec1, spec2 = ctx.spec1, ctx.spec2
+        n1 = spec1.n_params()
+        w1, b1 = spec1.unpack(params[:n1])
+        w2, b2 = spec2.unpack(params[n1:])
+        da = grouped_dgrad(spec2, dy, w2)
+        dh, a = _act_bwd(da, h, ctx.activation)
+        del da
+        needs = ctx.needs_input_grad
+        g2 = _param_grads(spec2, needs, 5 + n1, dy, a, w2, b2, ctx.state)
+        dx = grouped_dgrad(spec1, dh, w1) if needs[0] else None
+        g1 = _param_grads(spec1, needs, 5, dh, x, w1, b1, ctx.state)
+        return dx, None, None, None, None, *g1, *g2

@@ -1,0 +1,212 @@
+"""``truefuse.GroupedLinear`` and ``truefuse.GroupedMLP``: mixture-of-experts layers over rows
+ordered by expert, under the DESIGN §2 weight-gradient contract."""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.autograd.grouped import GroupedLinearFunction, GroupedMLPFunction, GroupSpec
+from truefuse.nn._base import WgradModule, init_linear_
+from truefuse.ops.activation import activation_ref
+from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_torch
+from truefuse.ops.gemm import check_splits
+from truefuse.ops.linear import MLP_ACTIVATIONS
+
+
+class _GroupedWeights:
+    """Creates and lists one layer's weights and biases, packed or per group."""
+
+    def __init__(self, module, prefix: str, groups: int, out_f: int, in_f: int, bias: bool, packed: bool, fk: dict):
+        self.prefix, self.groups, self.packed, self.bias = prefix, groups, packed, bias
+        if packed:
+            module.register_parameter(f"{prefix}weight", torch.nn.Parameter(torch.empty(groups, out_f, in_f, **fk)))
+            if bias:
+                module.register_parameter(f"{prefix}bias", torch.nn.Parameter(torch.empty(groups, out_f, **fk)))
+        else:
+            for g in range(groups):
+                module.register_parameter(f"{prefix}weight{g}", torch.nn.Parameter(torch.empty(out_f, in_f, **fk)))
+            for g in range(groups if bias else 0):
+                module.register_parameter(f"{prefix}bias{g}", torch.nn.Parameter(torch.empty(out_f, **fk)))
+
+    def weight_names(self) -> list[str]:
+        return [f"{self.prefix}weight"] if self.packed else [f"{self.prefix}weight{g}" for g in range(self.groups)]
+
+    def bias_names(self) -> list[str]:
+        if not self.bias:
+            return []
+        return [f"{self.prefix}bias"] if self.packed else [f"{self.prefix}bias{g}" for g in range(self.groups)]
+
+    def params(self, module) -> list[torch.nn.Parameter]:
+        return [getattr(module, n) for n in (*self.weight_names(), *self.bias_names())]
+
+    def spec(self, splits) -> GroupSpec:
+        return GroupSpec(tuple(splits), self.packed, self.bias, tuple(self.weight_names()))
+
+    def group(self, module, g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) of group ``g`` (views into the packed parameters)."""
+        if self.packed:
+            return getattr(module, f"{self.prefix}weight")[g], getattr(module, f"{self.prefix}bias")[g] if self.bias else None
+        return getattr(module, f"{self.prefix}weight{g}"), getattr(module, f"{self.prefix}bias{g}") if self.bias else None
+
+    def reset(self, module) -> None:
+        """torch.nn.Linear's initialisation, per group."""
+        ws = [getattr(module, n) for n in self.weight_names()]
+        bs = [getattr(module, n) for n in self.bias_names()] or [None] * len(ws)
+        for w, b in zip(ws, bs, strict=True):
+            if self.packed:
+                for g in range(self.groups):
+                    init_linear_(w[g], None if b is None else b[g])
+            else:
+                init_linear_(w, b)
+
+
+def _splits(m_splits, groups: int, x: torch.Tensor) -> list[int]:
+    return check_splits(m_splits, groups, x.shape[0], "the number of rows of x")
+
+
+class GroupedLinear(WgradModule):
+    """``num_gemms`` linear layers over the rows of ``x`` split by ``m_splits``.
+
+    Args:
+        num_gemms, in_features, out_features, bias, device, dtype: the groups and each one's shape.
+        single_grouped_weight: one parameter ``weight`` (G, out, in) (and ``bias`` (G, out)) instead
+            of ``weight0`` ... ``weight{G-1}`` (out, in) and ``bias0`` ... (out,).
+        fuse_wgrad_accumulation, delay_wgrad_compute: DESIGN §2, for the weights (packed or per
+            group); biases are always returned to autograd normally.
+
+    ``forward(x, m_splits)``: x (M, in_features), rows ordered by group; ``m_splits`` a list of
+    ints or a 1-D integer tensor (one host sync) of ``num_gemms`` sizes summing to M, zeros allowed.
+    Returns (M, out_features).
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        single_grouped_weight: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+    ) -> None:
+        super().__init__()
+        if num_gemms < 1:
+            raise ValueError(f"num_gemms must be at least 1, got {num_gemms}")
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.single_grouped_weight = single_grouped_weight
+        fk = {"device": device, "dtype": dtype}
+        self._w = _GroupedWeights(self, "", num_gemms, out_features, in_features, bias, single_grouped_weight, fk)
+        self._init_wgrad(fuse_wgrad_accumulation, delay_wgrad_compute)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self._w.reset(self)
+
+    def gemm_weights(self):
+        return [(n, getattr(self, n)) for n in self._w.weight_names()]
+
+    def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
+        w0 = self.gemm_weights()[0][1]
+        self._check_input(x, self.in_features, w0)
+        if x.dim() != 2:
+            raise ValueError(f"input must be 2-D (tokens, in_features) ordered by group, got shape {tuple(x.shape)}")
+        splits = _splits(m_splits, self.num_gemms, x)
+        return GroupedLinearFunction.apply(x, self._w.spec(splits), self._wgrad, *self._w.params(self))
+
+    def forward_ref(self, x: torch.Tensor, m_splits) -> torch.Tensor:
+        """A loop of ``F.linear`` per group (the reference)."""
+        splits = _splits(m_splits, self.num_gemms, x)
+        outs, start = [], 0
+        for g, m in enumerate(splits):
+            outs.append(torch.nn.functional.linear(x[start : start + m], *self._w.group(self, g)))
+            start += m
+        return torch.cat(outs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self._w.bias}, single_grouped_weight={self.single_grouped_weight}"
+        )
+
+
+class GroupedMLP(WgradModule):
+    """Experts' MLPs: grouped fc1, activation, grouped fc2, over rows ordered by expert.
+
+    Args:
+        num_experts, hidden_size, ffn_hidden_size, bias, device, dtype: the experts and their widths.
+        activation: ``swiglu`` (default), ``geglu``, ``reglu`` (fc1 twice ``ffn_hidden_size`` wide,
+            halves [gate, up]) or ``gelu``, ``gelu_tanh``, ``relu``, ``silu``. Its backward is one
+            Triton pass that also recomputes the activation's output, so nothing but x and fc1's
+            output is kept for the backward.
+        single_grouped_weight: ``fc1_weight`` (E, fc1_out, hidden) and ``fc2_weight`` (E, hidden,
+            ffn) instead of ``fc1_weight0`` ... and ``fc2_weight0`` ...
+        fuse_wgrad_accumulation, delay_wgrad_compute: DESIGN §2 for every expert weight.
+
+    ``forward(x, m_splits)``: x (M, hidden_size) ordered by expert; returns (M, hidden_size).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        activation: str = "swiglu",
+        single_grouped_weight: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+    ) -> None:
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be at least 1, got {num_experts}")
+        if activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not supported; choose one of {MLP_ACTIVATIONS}")
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
+        self.activation, self.single_grouped_weight = activation, single_grouped_weight
+        fk = {"device": device, "dtype": dtype}
+        fc1_out = 2 * ffn_hidden_size if activation in GATED_ACTIVATIONS else ffn_hidden_size
+        self._fc1 = _GroupedWeights(self, "fc1_", num_experts, fc1_out, hidden_size, bias, single_grouped_weight, fk)
+        self._fc2 = _GroupedWeights(self, "fc2_", num_experts, hidden_size, ffn_hidden_size, bias, single_grouped_weight, fk)
+        self._init_wgrad(fuse_wgrad_accumulation, delay_wgrad_compute)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self._fc1.reset(self)
+        self._fc2.reset(self)
+
+    def gemm_weights(self):
+        return [(n, getattr(self, n)) for n in (*self._fc1.weight_names(), *self._fc2.weight_names())]
+
+    def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
+        self._check_input(x, self.hidden_size, self.gemm_weights()[0][1])
+        if x.dim() != 2:
+            raise ValueError(f"input must be 2-D (tokens, hidden_size) ordered by expert, got shape {tuple(x.shape)}")
+        splits = _splits(m_splits, self.num_experts, x)
+        return GroupedMLPFunction.apply(
+            x, self._fc1.spec(splits), self._fc2.spec(splits), self.activation, self._wgrad,
+            *self._fc1.params(self), *self._fc2.params(self),
+        )  # fmt: skip
+
+    def forward_ref(self, x: torch.Tensor, m_splits) -> torch.Tensor:
+        """A loop over experts of ``F.linear``, the activation in the input dtype, ``F.linear``."""
+        splits = _splits(m_splits, self.num_experts, x)
+        gated = self.activation in GATED_ACTIVATIONS
+        outs, start = [], 0
+        for e, m in enumerate(splits):
+            h = torch.nn.functional.linear(x[start : start + m], *self._fc1.group(self, e))
+            h = gated_activation_torch(h, self.activation) if gated else activation_ref(h, self.activation)
+            outs.append(torch.nn.functional.linear(h, *self._fc2.group(self, e)))
+            start += m
+        return torch.cat(outs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"activation={self.activation}, single_grouped_weight={self.single_grouped_weight}"
+        )
