@@ -12,6 +12,7 @@ BENCHES = {
     "gemm": "truefuse.bench.bench_gemm",
     "linear": "truefuse.bench.bench_linear",
     "rms_norm": "truefuse.bench.bench_rms_norm",
+    "grouped": "truefuse.bench.bench_grouped",
 }
 
 

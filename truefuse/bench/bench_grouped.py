@@ -1,0 +1,117 @@
+"""``python -m truefuse bench grouped``: GroupedMLP (swiglu, no bias, packed weights) forward +
+backward, bf16.
+
+Points: 8 experts × 2048 tokens, hidden 4096, ffn 14336 (the issue's "≤ 1.10× its grouped GEMMs"
+goal), and 64 experts × 256 tokens at a fine-grained-expert size, hidden 2048, ffn 1408 (the "≥ 2×
+a loop of per-expert torch.nn.Linear" goal). Providers, side by side in one run:
+
+* ``floor``: the six grouped GEMMs alone through ``truefuse.gemm`` (fc1 and fc2 forward, input
+  gradients, weight gradients in bf16), the same calls GroupedMLP makes in the plain configuration.
+* ``truefuse``: ``GroupedMLP`` (plain configuration: bf16 weight gradients).
+* ``truefuse_main_grad``: ``GroupedMLP`` with fused fp32 ``main_grad`` accumulation.
+* ``torch_loop``: per expert ``torch.nn.Linear`` fc1, ``F.silu(gate) * up``, ``torch.nn.Linear`` fc2.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from truefuse.bench.harness import Sweep
+from truefuse.nn.grouped import GroupedMLP
+from truefuse.ops.gemm import gemm
+
+_BF = torch.bfloat16
+
+
+def _rand(*shape, device, seed):
+    return torch.randn(*shape, generator=torch.Generator(device=device).manual_seed(seed), device=device, dtype=_BF) * 0.02
+
+
+def _splits(p):
+    return [p["tokens"]] * p["E"]
+
+
+def _floor(p, device):
+    E, H, Fd, M = p["E"], p["H"], p["F"], p["E"] * p["tokens"]
+    s = _splits(p)
+    x, w1, w2 = (
+        _rand(M, H, device=device, seed=0),
+        _rand(E, 2 * Fd, H, device=device, seed=1),
+        _rand(E, H, Fd, device=device, seed=2),
+    )
+    h, a, dy = _rand(M, 2 * Fd, device=device, seed=3), _rand(M, Fd, device=device, seed=4), _rand(M, H, device=device, seed=5)
+
+    def fn():
+        gemm(x, w1.transpose(1, 2), m_splits=s), gemm(a, w2.transpose(1, 2), m_splits=s)  # forward
+        gemm(dy, w2, m_splits=s), gemm(dy.t(), a, m_splits=s)  # fc2 input and weight gradients
+        gemm(h, w1, m_splits=s), gemm(h.t(), x, m_splits=s)  # fc1 input and weight gradients
+
+    return fn
+
+
+def _truefuse(fused: bool):
+    def make(p, device):
+        m = GroupedMLP(
+            p["E"], p["H"], p["F"], device=device, dtype=_BF, single_grouped_weight=True, fuse_wgrad_accumulation=fused
+        )
+        if fused:
+            for _, q in m.gemm_weights():
+                q.main_grad = torch.zeros(q.shape, device=device)
+        x = _rand(p["E"] * p["tokens"], p["H"], device=device, seed=0).requires_grad_()
+        dy = _rand(p["E"] * p["tokens"], p["H"], device=device, seed=5)
+        s = _splits(p)
+
+        def fn():
+            x.grad = None
+            for q in m.parameters():
+                q.grad = None
+            m(x, s).backward(dy)
+
+        return fn
+
+    return make
+
+
+def _torch_loop(p, device):
+    E, H, Fd = p["E"], p["H"], p["F"]
+    fc1 = [torch.nn.Linear(H, 2 * Fd, bias=False, device=device, dtype=_BF) for _ in range(E)]
+    fc2 = [torch.nn.Linear(Fd, H, bias=False, device=device, dtype=_BF) for _ in range(E)]
+    x = _rand(E * p["tokens"], H, device=device, seed=0).requires_grad_()
+    dy = _rand(E * p["tokens"], H, device=device, seed=5)
+    s = _splits(p)
+
+    def fn():
+        x.grad = None
+        for lin in (*fc1, *fc2):
+            lin.weight.grad = None
+        outs = []
+        for e, xe in enumerate(torch.split(x, s)):
+            gate, up = fc1[e](xe).chunk(2, dim=-1)
+            outs.append(fc2[e](F.silu(gate) * up))
+        torch.cat(outs).backward(dy)
+
+    return fn
+
+
+def sweep(quick: bool) -> Sweep:
+    if quick:
+        points = [{"case": "small", "E": 4, "tokens": 16, "H": 32, "F": 24}]
+    else:
+        points = [
+            {"case": "8x2048 h4096 f14336", "E": 8, "tokens": 2048, "H": 4096, "F": 14336},
+            {"case": "64x256 h2048 f1408", "E": 64, "tokens": 256, "H": 2048, "F": 1408},
+        ]
+    return Sweep(
+        name="grouped_mlp",
+        points=points,
+        providers={
+            "floor": _floor,
+            "truefuse": _truefuse(False),
+            "truefuse_main_grad": _truefuse(True),
+            "torch_loop": _torch_loop,
+        },
+        reference="floor",
+        x="case",
+        flops=lambda p: 6.0 * p["E"] * p["tokens"] * p["H"] * 3 * p["F"],
+    )
