@@ -19,13 +19,14 @@ def _random_splits(seed: int, groups: int = 6) -> list[int]:
     return splits
 
 
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_grouped_linear_equals_linear_per_group(packed, fused, seed, device):
+def test_grouped_linear_equals_linear_per_group(packed, fused, bias, seed, device):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     splits = _random_splits(seed)
-    for k, rep in grouped_vs_linear(dtype, device, packed=packed, splits=splits, fused=fused, seed=seed).items():
+    for k, rep in grouped_vs_linear(dtype, device, packed=packed, splits=splits, fused=fused, bias=bias, seed=seed).items():
         assert rep.passed, f"{k}: max_diff={rep.max_diff} frac={rep.frac_nonzero} splits={splits}"
 
 

@@ -11,6 +11,7 @@ exactly the calls ``LinearFunction`` makes for one group, so a per-group Grouped
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +19,9 @@ import torch
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops.activation import activation_ref
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_bwd, gated_fwd, use_kernel
-from truefuse.ops.gemm import gemm
+from truefuse.ops.gemm import gemm as _gemm
 from truefuse.ops.gemm_exec import wide_dtype
+from truefuse.ops.gemm_plan import Capability, override_capabilities
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,24 @@ class GroupSpec:
         packed: one (G, N, K) weight instead of G weights.
         has_bias: biases follow the weights in the parameter list.
         names: weight names for error messages (one, or one per group).
+        fused_grouped_gemm: packed weights may use one fused grouped GEMM call (cuBLAS grouped_mm)
+            where the planner offers it. Off by default: on the H200 it is not bitwise equal to the
+            per-group GEMM a ``Linear`` runs (4096×4096 forward and input gradient differ), and
+            the contract says GroupedLinear is.
     """
 
     splits: tuple[int, ...]
     packed: bool
     has_bias: bool
     names: tuple[str, ...]
+    fused_grouped_gemm: bool = False
+
+    def gemm(self, *args, **kwargs):
+        """``truefuse.gemm``, with the fused grouped capability removed unless ``fused_grouped_gemm``:
+        the planner then loops over groups, each group running exactly Linear's GEMM."""
+        ctx = contextlib.nullcontext() if self.fused_grouped_gemm else override_capabilities(remove=[Capability("grouped")])
+        with ctx:
+            return _gemm(*args, **kwargs)
 
     def n_params(self) -> int:
         per = 1 if self.packed else len(self.splits)
@@ -56,20 +70,20 @@ class GroupSpec:
 def grouped_forward(spec: GroupSpec, x, weights, biases) -> torch.Tensor:
     """``y[rows of g] = x[rows of g] @ W_gᵀ + b_g``."""
     if spec.packed:
-        return gemm(x, weights[0].transpose(1, 2), bias=None if biases is None else biases[0], m_splits=list(spec.splits))
+        return spec.gemm(x, weights[0].transpose(1, 2), bias=None if biases is None else biases[0], m_splits=list(spec.splits))
     y = torch.empty((x.shape[0], weights[0].shape[0]), dtype=x.dtype, device=x.device)
     for g, sl in enumerate(spec.slices()):
-        y[sl] = gemm(x[sl], weights[g].t(), bias=None if biases is None else biases[g])
+        y[sl] = _gemm(x[sl], weights[g].t(), bias=None if biases is None else biases[g])
     return y
 
 
 def grouped_dgrad(spec: GroupSpec, dy, weights) -> torch.Tensor:
     """``dx[rows of g] = dy[rows of g] @ W_g``."""
     if spec.packed:
-        return gemm(dy, weights[0], m_splits=list(spec.splits))
+        return spec.gemm(dy, weights[0], m_splits=list(spec.splits))
     dx = torch.empty((dy.shape[0], weights[0].shape[1]), dtype=dy.dtype, device=dy.device)
     for g, sl in enumerate(spec.slices()):
-        dx[sl] = gemm(dy[sl], weights[g])
+        dx[sl] = _gemm(dy[sl], weights[g])
     return dx
 
 
@@ -86,8 +100,8 @@ def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState) -> list[to
 
         def compute(out, accumulate):
             if out is None:
-                return gemm(dy.t(), x, m_splits=splits)
-            return gemm(dy.t(), x, m_splits=splits, out=out, accumulate=accumulate)
+                return spec.gemm(dy.t(), x, m_splits=splits)
+            return spec.gemm(dy.t(), x, m_splits=splits, out=out, accumulate=accumulate)
 
         return [deliver_weight_grad(weights[0], spec.names[0], compute, state)]
     grads = []
@@ -96,8 +110,8 @@ def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState) -> list[to
 
         def compute(out, accumulate, dy_g=dy_g, x_g=x_g):
             if out is None:
-                return gemm(dy_g.t(), x_g)
-            return gemm(dy_g.t(), x_g, out=out, accumulate=accumulate)
+                return _gemm(dy_g.t(), x_g)
+            return _gemm(dy_g.t(), x_g, out=out, accumulate=accumulate)
 
         grads.append(deliver_weight_grad(weights[g], spec.names[g], compute, state))
     return grads

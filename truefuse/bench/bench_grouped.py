@@ -5,9 +5,11 @@ Points: 8 experts × 2048 tokens, hidden 4096, ffn 14336 (the issue's "≤ 1.10�
 goal), and 64 experts × 256 tokens at a fine-grained-expert size, hidden 2048, ffn 1408 (the "≥ 2×
 a loop of per-expert torch.nn.Linear" goal). Providers, side by side in one run:
 
-* ``floor``: the six grouped GEMMs alone through ``truefuse.gemm`` (fc1 and fc2 forward, input
-  gradients, weight gradients in bf16), the same calls GroupedMLP makes in the plain configuration.
-* ``truefuse``: ``GroupedMLP`` (plain configuration: bf16 weight gradients).
+* ``floor``: the six grouped GEMMs alone through ``truefuse.gemm``'s default plan (fc1 and fc2
+  forward, input gradients, weight gradients in bf16; cuBLAS ``grouped_mm`` where aligned).
+* ``truefuse``: ``GroupedMLP`` (plain configuration: bf16 weight gradients), default: one GEMM per
+  expert inside each ``truefuse.gemm`` call (bitwise equal to per-expert Linear layers).
+* ``truefuse_fused_grouped``: the same with ``fused_grouped_gemm=True`` (cuBLAS grouped_mm).
 * ``truefuse_main_grad``: ``GroupedMLP`` with fused fp32 ``main_grad`` accumulation.
 * ``torch_loop``: per expert ``torch.nn.Linear`` fc1, ``F.silu(gate) * up``, ``torch.nn.Linear`` fc2.
 """
@@ -108,6 +110,7 @@ def sweep(quick: bool) -> Sweep:
         providers={
             "floor": _floor,
             "truefuse": _truefuse(False),
+            "truefuse_fused_grouped": _truefuse(False, fused_grouped_gemm=True),
             "truefuse_main_grad": _truefuse(True),
             "torch_loop": _torch_loop,
         },

@@ -39,8 +39,8 @@ class _GroupedWeights:
     def params(self, module) -> list[torch.nn.Parameter]:
         return [getattr(module, n) for n in (*self.weight_names(), *self.bias_names())]
 
-    def spec(self, splits) -> GroupSpec:
-        return GroupSpec(tuple(splits), self.packed, self.bias, tuple(self.weight_names()))
+    def spec(self, splits, fused_grouped_gemm: bool) -> GroupSpec:
+        return GroupSpec(tuple(splits), self.packed, self.bias, tuple(self.weight_names()), fused_grouped_gemm)
 
     def group(self, module, g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) of group ``g`` (views into the packed parameters)."""
@@ -71,6 +71,10 @@ class GroupedLinear(WgradModule):
         num_gemms, in_features, out_features, bias, device, dtype: the groups and each one's shape.
         single_grouped_weight: one parameter ``weight`` (G, out, in) (and ``bias`` (G, out)) instead
             of ``weight0`` ... ``weight{G-1}`` (out, in) and ``bias0`` ... (out,).
+        fused_grouped_gemm: with packed weights, let ``truefuse.gemm`` use one fused grouped GEMM
+            (cuBLAS ``grouped_mm``: bf16, 16-byte aligned) instead of one GEMM per group. Faster
+            for many small groups, but not bitwise equal to one ``Linear`` per group (measured on
+            the H200), so off by default.
         fuse_wgrad_accumulation, delay_wgrad_compute: DESIGN §2, for the weights (packed or per
             group); biases are always returned to autograd normally.
 
@@ -89,10 +93,12 @@ class GroupedLinear(WgradModule):
         dtype=None,
         *,
         single_grouped_weight: bool = False,
+        fused_grouped_gemm: bool = False,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
+        self.fused_grouped_gemm = bool(fused_grouped_gemm)
         if num_gemms < 1:
             raise ValueError(f"num_gemms must be at least 1, got {num_gemms}")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
@@ -114,7 +120,8 @@ class GroupedLinear(WgradModule):
         if x.dim() != 2:
             raise ValueError(f"input must be 2-D (tokens, in_features) ordered by group, got shape {tuple(x.shape)}")
         splits = _splits(m_splits, self.num_gemms, x)
-        return GroupedLinearFunction.apply(x, self._w.spec(splits), self._wgrad, *self._w.params(self))
+        spec = self._w.spec(splits, self.fused_grouped_gemm)
+        return GroupedLinearFunction.apply(x, spec, self._wgrad, *self._w.params(self))
 
     def forward_ref(self, x: torch.Tensor, m_splits) -> torch.Tensor:
         """A loop of ``F.linear`` per group (the reference)."""
@@ -143,6 +150,7 @@ class GroupedMLP(WgradModule):
             output is kept for the backward.
         single_grouped_weight: ``fc1_weight`` (E, fc1_out, hidden) and ``fc2_weight`` (E, hidden,
             ffn) instead of ``fc1_weight0`` ... and ``fc2_weight0`` ...
+        fused_grouped_gemm: as in :class:`GroupedLinear` (packed weights only; off by default).
         fuse_wgrad_accumulation, delay_wgrad_compute: DESIGN §2 for every expert weight.
 
     ``forward(x, m_splits)``: x (M, hidden_size) ordered by expert; returns (M, hidden_size).
@@ -159,10 +167,12 @@ class GroupedMLP(WgradModule):
         *,
         activation: str = "swiglu",
         single_grouped_weight: bool = False,
+        fused_grouped_gemm: bool = False,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
+        self.fused_grouped_gemm = bool(fused_grouped_gemm)
         if num_experts < 1:
             raise ValueError(f"num_experts must be at least 1, got {num_experts}")
         if activation not in MLP_ACTIVATIONS:
@@ -189,7 +199,8 @@ class GroupedMLP(WgradModule):
             raise ValueError(f"input must be 2-D (tokens, hidden_size) ordered by expert, got shape {tuple(x.shape)}")
         splits = _splits(m_splits, self.num_experts, x)
         return GroupedMLPFunction.apply(
-            x, self._fc1.spec(splits), self._fc2.spec(splits), self.activation, self._wgrad,
+            x, self._fc1.spec(splits, self.fused_grouped_gemm), self._fc2.spec(splits, self.fused_grouped_gemm),
+            self.activation, self._wgrad,
             *self._fc1.params(self), *self._fc2.params(self),
         )  # fmt: skip
 

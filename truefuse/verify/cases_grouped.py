@@ -13,17 +13,19 @@ from truefuse.testing import bitwise_report
 from truefuse.verify.registry import register
 
 
-def grouped_vs_linear(dtype, device, *, packed: bool, splits: list[int], fused: bool = False, seed: int = 0):
+def grouped_vs_linear(dtype, device, *, packed: bool, splits: list[int], fused: bool = False, bias: bool = True, seed: int = 0):
     """Run a GroupedLinear and one Linear per group with the same weights; return bitwise reports."""
     K, N = 64, 48
     torch.manual_seed(seed)
     kw = {"fuse_wgrad_accumulation": fused}
-    gl = GroupedLinear(len(splits), K, N, device=device, dtype=dtype, single_grouped_weight=packed, **kw)
-    lins = [Linear(K, N, device=device, dtype=dtype, **kw) for _ in splits]
+    gl = GroupedLinear(len(splits), K, N, bias=bias, device=device, dtype=dtype, single_grouped_weight=packed, **kw)
+    lins = [Linear(K, N, bias=bias, device=device, dtype=dtype, **kw) for _ in splits]
     with torch.no_grad():
         for g, lin in enumerate(lins):
             w, b = gl._w.group(gl, g)
-            lin.weight.copy_(w), lin.bias.copy_(b)
+            lin.weight.copy_(w)
+            if bias:
+                lin.bias.copy_(b)
     if fused:
         for _, p in gl.gemm_weights():
             p.main_grad = torch.zeros(p.shape, device=device)
@@ -43,10 +45,11 @@ def grouped_vs_linear(dtype, device, *, packed: bool, splits: list[int], fused: 
         reports[f"group{g}/out"] = bitwise_report(yg[start : start + m], yl)
         reports[f"group{g}/dx"] = bitwise_report(xg.grad[start : start + m], xl.grad)
         gw = gl.weight if packed else getattr(gl, f"weight{g}")
-        gb = gl.bias if packed else getattr(gl, f"bias{g}")
         wgrad = (gw.main_grad if fused else gw.grad)[g] if packed else (gw.main_grad if fused else gw.grad)
         reports[f"group{g}/dweight"] = bitwise_report(wgrad, lin.weight.main_grad if fused else lin.weight.grad)
-        reports[f"group{g}/dbias"] = bitwise_report(gb.grad[g] if packed else gb.grad, lin.bias.grad)
+        if bias:
+            gb = gl.bias if packed else getattr(gl, f"bias{g}")
+            reports[f"group{g}/dbias"] = bitwise_report(gb.grad[g] if packed else gb.grad, lin.bias.grad)
         start += m
     return reports
 
@@ -55,7 +58,11 @@ _SPLITS = [7, 0, 1, 30, 0, 2]
 for _dn, _dt in {"bf16": torch.bfloat16, "fp32": torch.float32}.items():
     for _packed in (False, True):
         for _fused in (False, True):
-            _name = f"equals_linear_{'packed' if _packed else 'per_group'}{'_main_grad' if _fused else ''}_{_dn}"
-            register("GroupedLinear", _name, "bitwise")(
-                lambda device, dt=_dt, pk=_packed, fu=_fused: grouped_vs_linear(dt, device, packed=pk, splits=_SPLITS, fused=fu)
-            )
+            for _bias in (True, False):
+                _name = f"equals_linear_{'packed' if _packed else 'per_group'}{'_main_grad' if _fused else ''}"
+                _name += f"{'' if _bias else '_nobias'}_{_dn}"
+                register("GroupedLinear", _name, "bitwise")(
+                    lambda device, dt=_dt, pk=_packed, fu=_fused, bi=_bias: grouped_vs_linear(
+                        dt, device, packed=pk, splits=_SPLITS, fused=fu, bias=bi
+                    )
+                )
