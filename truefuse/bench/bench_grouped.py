@@ -52,11 +52,12 @@ def _floor(p, device):
     return fn
 
 
-def _truefuse(fused: bool):
+def _truefuse(fused: bool, fused_grouped_gemm: bool = False):
     def make(p, device):
         m = GroupedMLP(
-            p["E"], p["H"], p["F"], device=device, dtype=_BF, single_grouped_weight=True, fuse_wgrad_accumulation=fused
-        )
+            p["E"], p["H"], p["F"], device=device, dtype=_BF, single_grouped_weight=True, fuse_wgrad_accumulation=fused,
+            fused_grouped_gemm=fused_grouped_gemm,
+        )  # fmt: skip
         if fused:
             for _, q in m.gemm_weights():
                 q.main_grad = torch.zeros(q.shape, device=device)
