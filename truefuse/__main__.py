@@ -18,6 +18,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("verify: --device cuda asked for, but torch sees no CUDA device", file=sys.stderr)
         return 2
+    if args.world_size:
+        return _verify_distributed(args.world_size, args.device)
     device = torch.device(args.device)
     try:
         rows = verify(device, args.op or None, quiet=args.quiet)
@@ -26,6 +28,21 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 2
     print_table(rows, device)
     return 0 if rows and all(r.passed for r in rows) else 1
+
+
+def _verify_distributed(world_size: int, device: str) -> int:
+    """The bitwise table of the allreduce + RMSNorm contract on a local process group."""
+    from truefuse.distributed.check import format_table, table
+    from truefuse.distributed.launch import run_local
+
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        print(f"verify: --world-size {world_size} needs {world_size} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    per_rank = run_local(world_size, table, device, backend="nccl" if device == "cuda" else "gloo")
+    print(format_table(per_rank[0], world_size))
+    failed = sum(not r["passed"] for rows in per_rank for r in rows)
+    print(f"{sum(len(r) for r in per_rank) - failed} passed, {failed} failed (all ranks)")
+    return 0 if failed == 0 else 1
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -49,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--device", choices=["cpu", "cuda"], default=_default_device(), help="default: cuda if present, else cpu")
     v.add_argument("--op", action="append", help="only this op (repeatable), e.g. --op gemm")
     v.add_argument("--quiet", action="store_true", help="no progress bar")
+    v.add_argument(
+        "--world-size",
+        type=int,
+        default=0,
+        help="run the allreduce + RMSNorm table on N local processes (gloo on cpu, nccl on cuda)",
+    )
     v.set_defaults(fn=_cmd_verify)
 
     i = sub.add_parser("info", help="versions, devices, GEMM capabilities and plans")

@@ -1,0 +1,135 @@
+"""``allreduce`` and ``allreduce_add_rmsnorm``: validation agreed by every rank, the reference
+composition, and the autograd Function.
+
+The contract (DESIGN §1, §4): the allreduce is an fp32 sum in rank order 0..N-1 rounded once to the
+input dtype, bitwise identical on every rank; ``residual_out = allreduce(x) + residual`` as PyTorch
+adds in the input dtype; ``normed = truefuse.rms_norm(residual_out, weight, eps)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from truefuse.autograd.norm import rms_norm
+from truefuse.distributed.workspace import Workspace
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HIDDEN = 16384
+
+
+def _group(group):
+    if not dist.is_initialized():
+        raise RuntimeError("allreduce needs an initialised process group (torch.distributed.init_process_group)")
+    return group if group is not None else dist.group.WORLD
+
+
+def _local_problem(x, residual, weight, workspace) -> str | None:
+    """What is wrong with this rank's arguments (None when nothing is)."""
+    if not isinstance(x, torch.Tensor):
+        return f"x must be a torch.Tensor, got {type(x).__name__}"
+    if x.dtype not in _DTYPES:
+        return f"x has dtype {x.dtype}; allreduce takes bfloat16, float16 or float32"
+    if x.dim() < 1 or x.shape[-1] > MAX_HIDDEN:
+        return f"x has shape {tuple(x.shape)}: it needs a last (hidden) dimension of at most {MAX_HIDDEN}"
+    if not x.is_contiguous():
+        return "x is not contiguous"
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or residual.shape != x.shape or residual.dtype != x.dtype:
+            got = (tuple(residual.shape), residual.dtype) if isinstance(residual, torch.Tensor) else type(residual).__name__
+            return f"residual must match x ({tuple(x.shape)}, {x.dtype}), got {got}"
+        if residual.device != x.device or not residual.is_contiguous():
+            return "residual must be contiguous and on x's device"
+    if weight is not None and (not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (x.shape[-1],)):
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        return f"weight must have shape ({x.shape[-1]},), got {got}"
+    if workspace is not None:
+        if workspace.closed:
+            return "the workspace is closed"
+        nbytes = x.numel() * x.element_size()
+        if nbytes > workspace.max_bytes:
+            return f"x is {nbytes} bytes but the workspace holds {workspace.max_bytes} (Workspace(max_bytes=...))"
+    return None
+
+
+def agree(group, x, residual=None, weight=None, workspace: Workspace | None = None) -> None:
+    """Every rank checks its arguments and learns the others' verdict, so bad input is the same
+    clear ``ValueError`` on every rank instead of a hang in the collective. One small all-gather."""
+    problem = _local_problem(x, residual, weight, workspace)
+    desc = None if problem is not None else (tuple(x.shape), str(x.dtype), x.device.type)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (problem, desc), group=group)
+    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(everyone) if p is not None]
+    if problems:
+        raise ValueError("allreduce: bad input on " + "; ".join(problems))
+    if len({d for _, d in everyone}) > 1:
+        listing = ", ".join(f"rank {r}: shape {d[0]} {d[1]}" for r, (_, d) in enumerate(everyone))
+        raise ValueError(f"allreduce: ranks disagree on the input's shape or dtype ({listing})")
+
+
+def allreduce_ref(x: torch.Tensor, *, group=None) -> torch.Tensor:
+    """All-gather, then an fp32 sum in rank order 0..N-1, then one rounding to ``x.dtype``.
+
+    Args:
+        x: any shape, bf16 / fp16 / fp32, the same shape and dtype on every rank. Not modified.
+    """
+    group = _group(group)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    acc = parts[0].to(torch.float32, copy=True)  # a copy even for fp32: never sum into a gathered part
+    for p in parts[1:]:
+        acc += p.float()
+    return acc.to(x.dtype)
+
+
+def allreduce_add_rmsnorm_ref(x, residual, weight, eps: float = 1e-6, *, group=None):
+    """``(rms_norm(allreduce_ref(x) + residual, weight, eps), allreduce_ref(x) + residual)``."""
+    residual_out = allreduce_ref(x, group=group) + residual
+    return rms_norm(residual_out, weight, eps), residual_out
+
+
+class AllreduceFunction(torch.autograd.Function):
+    """Tensor-parallel allreduce: forward sums over ranks; backward is the identity, since every
+    rank consumes the same output (the norm after it needs no collective in its backward)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return allreduce_ref(x, group=group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+def allreduce(x: torch.Tensor, *, group=None, workspace: Workspace | None = None) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of ``group`` (None: the default group), DESIGN §4's contract:
+    an fp32 sum in rank order rounded once, bitwise identical on every rank. ``x`` is not modified.
+
+    Args:
+        x: (..., H), bf16 / fp16 / fp32, contiguous, H ≤ 16384, the same shape and dtype on every rank.
+        workspace: the group's :class:`Workspace` (limits the message size).
+
+    Raises:
+        ValueError on every rank when any rank's input is bad or the ranks disagree.
+    """
+    group = _group(group)
+    agree(group, x, workspace=workspace)
+    return AllreduceFunction.apply(x, group)
+
+
+def allreduce_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *, group=None, workspace: Workspace | None = None):
+    """The end of a tensor-parallel sublayer: ``residual_out = allreduce(x) + residual`` and
+    ``normed = truefuse.rms_norm(residual_out, weight, eps)``.
+
+    Args:
+        x, residual: (..., H), bf16 / fp16 / fp32, same shape and dtype, contiguous. Not modified.
+        weight: (H,) the norm's scale.
+        eps: the norm's epsilon.
+
+    Returns:
+        ``(normed, residual_out)``, both shaped like ``x``. Differentiable in x, residual and weight.
+    """
+    group = _group(group)
+    agree(group, x, residual, weight, workspace)
+    residual_out = AllreduceFunction.apply(x, group) + residual
+    return rms_norm(residual_out, weight, eps), residual_out

@@ -1,0 +1,81 @@
+"""The bitwise table of DESIGN §4, run inside every rank of a process group (tests, verify)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from truefuse.autograd.norm import rms_norm
+from truefuse.distributed.allreduce import allreduce, allreduce_add_rmsnorm
+from truefuse.testing import bitwise_report
+
+ROWS = (1, 4, 8, 16, 20, 32, 64, 128, 1000)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _rand(shape, seed, dtype, device):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+
+def case(m: int, hidden: int, dtype: torch.dtype, device) -> dict:
+    """One row: the allreduce against the ordered fp32 sum of every rank's input (rebuilt locally
+    from the seeds, no collective involved), equal bits on every rank, residual_out, normed, a zero
+    residual, and untouched inputs."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seed = (m * 7919 + hidden) * 16
+    xs = [_rand((m, hidden), seed + r, dtype, device) for r in range(world)]
+    x = xs[rank]
+    residual = _rand((m, hidden), seed - 1, dtype, device)
+    weight = _rand((hidden,), seed - 2, dtype, device)
+    x0, res0 = x.clone(), residual.clone()
+
+    acc = xs[0].to(torch.float32, copy=True)  # for fp32 .float() would alias (and mutate) rank 0's x
+    for t in xs[1:]:
+        acc += t.float()
+    want = acc.to(dtype)
+    got = allreduce(x)
+    rep = bitwise_report(got, want)
+    everyone = [torch.empty_like(got) for _ in range(world)]
+    dist.all_gather(everyone, got)
+    same_everywhere = all(bitwise_report(e, everyone[0]).equal for e in everyone)
+
+    normed, residual_out = allreduce_add_rmsnorm(x, residual, weight, 1e-6)
+    ok_res = bitwise_report(residual_out, got + residual).equal
+    ok_norm = bitwise_report(normed, rms_norm(residual_out, weight, 1e-6)).equal
+    _, res_zero = allreduce_add_rmsnorm(x, torch.zeros_like(residual), weight, 1e-6)
+    ok_zero = bitwise_report(res_zero, got).equal
+    untouched = bitwise_report(x, x0).equal and bitwise_report(residual, res0).equal
+    passed = rep.equal and same_everywhere and ok_res and ok_norm and ok_zero and untouched
+    return {
+        "rows": m,
+        "hidden": hidden,
+        "dtype": str(dtype).removeprefix("torch."),
+        "bytes": m * hidden * x.element_size(),
+        "path": "reference",
+        "max_diff": rep.max_diff,
+        "frac_nonzero": rep.frac_nonzero,
+        "checks": {"sum": rep.equal, "all_ranks": same_everywhere, "residual_out": ok_res, "normed": ok_norm,
+                   "zero_residual": ok_zero, "inputs_unchanged": untouched},
+        "passed": passed,
+    }  # fmt: skip
+
+
+def table(rank: int, world_size: int, device: str = "cpu", hiddens=(4096, 1001), rows=ROWS, dtypes=tuple(DTYPES)) -> list[dict]:
+    """Every (rows, hidden, dtype) case on this rank (a ``run_local`` target)."""
+    dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return [case(m, h, DTYPES[d], dev) for h in hiddens for d in dtypes for m in rows]
+
+
+def format_table(results: list[dict], world_size: int) -> str:
+    lines = [
+        f"world size {world_size}",
+        f"{'rows':>6} {'hidden':>6} {'dtype':>8} {'bytes':>10} {'path':>10} {'max_diff':>9} {'frac_nonzero':>12} result",
+    ]
+    for r in results:
+        lines.append(
+            f"{r['rows']:>6} {r['hidden']:>6} {r['dtype']:>8} {r['bytes']:>10} {r['path']:>10} {r['max_diff']:>9.2e} "
+            f"{r['frac_nonzero']:>12.2%} {'PASS' if r['passed'] else 'FAIL ' + str(r['checks'])}"
+        )
+    return "\n".join(lines)
