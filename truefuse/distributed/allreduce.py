@@ -88,6 +88,59 @@ def allreduce_add_rmsnorm_ref(x, residual, weight, eps: float = 1e-6, *, group=N
     return rms_norm(residual_out, weight, eps), residual_out
 
 
+def _kernel_path(x, workspace: Workspace | None, group) -> bool:
+    if workspace is None or workspace.symmetric is None or not x.is_cuda:
+        return False
+    if workspace.group != group:
+        raise ValueError("the workspace belongs to another process group than group=")
+    return True
+
+
+def _check(group, x, residual, weight, workspace) -> None:
+    capturing = isinstance(x, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if (workspace is not None and not workspace.validate) or capturing:
+        problem = _local_problem(x, residual, weight, workspace)
+        if problem is not None:
+            raise ValueError(f"allreduce: bad input: {problem}")
+        return
+    agree(group, x, residual, weight, workspace)
+
+
+class FusedAllreduceAddRMSNorm(torch.autograd.Function):
+    """The symmetric-memory kernel; backward: the norm's backward (local) plus the residual path,
+    identity through the allreduce."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, workspace):
+        from truefuse.distributed.symm import launch
+
+        x2 = x.reshape(-1, x.shape[-1])
+        res2 = None if residual is None else residual.reshape(-1, x.shape[-1])
+        two_stage = x.numel() * x.element_size() >= workspace.two_stage_bytes
+        normed, out = launch(workspace.symmetric, x2, res2, weight, eps, two_stage)
+        ctx.save_for_backward(out, weight)
+        ctx.eps, ctx.has_res = eps, residual is not None
+        out = out.view(x.shape)
+        # a plain allreduce has no normed output: an empty placeholder, never the same tensor twice
+        return (normed.view(x.shape) if normed is not None else out.new_empty(0)), out
+
+    @staticmethod
+    def backward(ctx, d_normed, d_out):
+        out, weight = ctx.saved_tensors
+        d = torch.zeros_like(out) if d_out is None else d_out.reshape(out.shape).clone()
+        dw = None
+        if weight is not None and d_normed is not None:
+            with torch.enable_grad():
+                r = out.detach().requires_grad_()
+                w = weight.detach().requires_grad_(weight.requires_grad)
+                y = rms_norm(r, w, ctx.eps)
+                grads = torch.autograd.grad(y, [r, w] if weight.requires_grad else [r], d_normed.reshape(out.shape))
+            d += grads[0]
+            dw = grads[1] if weight.requires_grad else None
+        d = d.view(out.shape)
+        return d, (d if ctx.has_res else None), dw, None, None
+
+
 class AllreduceFunction(torch.autograd.Function):
     """Tensor-parallel allreduce: forward sums over ranks; backward is the identity, since every
     rank consumes the same output (the norm after it needs no collective in its backward)."""
@@ -113,7 +166,9 @@ def allreduce(x: torch.Tensor, *, group=None, workspace: Workspace | None = None
         ValueError on every rank when any rank's input is bad or the ranks disagree.
     """
     group = _group(group)
-    agree(group, x, workspace=workspace)
+    _check(group, x, None, None, workspace)
+    if _kernel_path(x, workspace, group):
+        return FusedAllreduceAddRMSNorm.apply(x, None, None, 0.0, workspace)[1]
     return AllreduceFunction.apply(x, group)
 
 
@@ -130,6 +185,8 @@ def allreduce_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *, group=None,
         ``(normed, residual_out)``, both shaped like ``x``. Differentiable in x, residual and weight.
     """
     group = _group(group)
-    agree(group, x, residual, weight, workspace)
+    _check(group, x, residual, weight, workspace)
+    if _kernel_path(x, workspace, group):
+        return FusedAllreduceAddRMSNorm.apply(x, residual, weight, float(eps), workspace)
     residual_out = AllreduceFunction.apply(x, group) + residual
     return rms_norm(residual_out, weight, eps), residual_out

@@ -17,7 +17,7 @@ def _rand(shape, seed, dtype, device):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
 
 
-def case(m: int, hidden: int, dtype: torch.dtype, device) -> dict:
+def case(m: int, hidden: int, dtype: torch.dtype, device, workspace=None, path: str = "reference", reference=None) -> dict:
     """One row: the allreduce against the ordered fp32 sum of every rank's input (rebuilt locally
     from the seeds, no collective involved), equal bits on every rank, residual_out, normed, a zero
     residual, and untouched inputs."""
@@ -33,39 +33,62 @@ def case(m: int, hidden: int, dtype: torch.dtype, device) -> dict:
     for t in xs[1:]:
         acc += t.float()
     want = acc.to(dtype)
-    got = allreduce(x)
+    got = allreduce(x, workspace=workspace)
     rep = bitwise_report(got, want)
     everyone = [torch.empty_like(got) for _ in range(world)]
     dist.all_gather(everyone, got)
     same_everywhere = all(bitwise_report(e, everyone[0]).equal for e in everyone)
 
-    normed, residual_out = allreduce_add_rmsnorm(x, residual, weight, 1e-6)
+    normed, residual_out = allreduce_add_rmsnorm(x, residual, weight, 1e-6, workspace=workspace)
     ok_res = bitwise_report(residual_out, got + residual).equal
     ok_norm = bitwise_report(normed, rms_norm(residual_out, weight, 1e-6)).equal
-    _, res_zero = allreduce_add_rmsnorm(x, torch.zeros_like(residual), weight, 1e-6)
+    _, res_zero = allreduce_add_rmsnorm(x, torch.zeros_like(residual), weight, 1e-6, workspace=workspace)
     ok_zero = bitwise_report(res_zero, got).equal
     untouched = bitwise_report(x, x0).equal and bitwise_report(residual, res0).equal
-    passed = rep.equal and same_everywhere and ok_res and ok_norm and ok_zero and untouched
+    outputs = (got, residual_out, normed)
+    same_as_reference = reference is None or all(bitwise_report(a, b).equal for a, b in zip(outputs, reference, strict=True))
+    passed = rep.equal and same_everywhere and ok_res and ok_norm and ok_zero and untouched and same_as_reference
     return {
         "rows": m,
         "hidden": hidden,
         "dtype": str(dtype).removeprefix("torch."),
         "bytes": m * hidden * x.element_size(),
-        "path": "reference",
+        "path": path,
         "max_diff": rep.max_diff,
         "frac_nonzero": rep.frac_nonzero,
         "checks": {"sum": rep.equal, "all_ranks": same_everywhere, "residual_out": ok_res, "normed": ok_norm,
-                   "zero_residual": ok_zero, "inputs_unchanged": untouched},
+                   "zero_residual": ok_zero, "inputs_unchanged": untouched, "same_as_reference": same_as_reference},
         "passed": passed,
+        "outputs": outputs,
     }  # fmt: skip
 
 
 def table(rank: int, world_size: int, device: str = "cpu", hiddens=(4096, 1001), rows=ROWS, dtypes=tuple(DTYPES)) -> list[dict]:
-    """Every (rows, hidden, dtype) case on this rank (a ``run_local`` target)."""
+    """Every (rows, hidden, dtype) case on this rank (a ``run_local`` target): the reference path,
+    and on CUDA also the 1-stage and 2-stage kernels, each bitwise equal to the reference."""
+    from truefuse.distributed.workspace import Workspace
+
     dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    return [case(m, h, DTYPES[d], dev) for h in hiddens for d in dtypes for m in rows]
+    paths = {}
+    if dev.type == "cuda":
+        biggest = max(rows) * max(hiddens) * 4
+        paths = {
+            "1-stage": Workspace(max_bytes=biggest, two_stage_bytes=1 << 62),
+            "2-stage": Workspace(max_bytes=biggest, two_stage_bytes=0),
+        }
+    out = []
+    for h in hiddens:
+        for d in dtypes:
+            for m in rows:
+                ref = case(m, h, DTYPES[d], dev)
+                out.append(ref)
+                for name, ws in paths.items():
+                    out.append(case(m, h, DTYPES[d], dev, ws, name, reference=ref["outputs"]))
+    for r in out:  # tensors stay on the rank
+        r.pop("outputs")
+    return out
 
 
 def format_table(results: list[dict], world_size: int) -> str:

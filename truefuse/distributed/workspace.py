@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
+
+#: Message size (bytes) from which the 2-stage kernel is used, by world size. Provisional until
+#: measured on 4 GPUs (docs/benchmarks.md); override per workspace with ``two_stage_bytes``.
+TWO_STAGE_BYTES = {2: 1 << 30, 4: 512 << 10, 8: 256 << 10}
 
 
 class Workspace:
@@ -11,14 +16,27 @@ class Workspace:
     Args:
         group: the process group (None: the default group).
         max_bytes: the largest ``x`` (in bytes) a call may pass; a larger one is a clear error on
-            every rank.
+            every rank. On an NCCL group of CUDA devices this allocates 3 × max_bytes of symmetric
+            memory (``torch.distributed._symmetric_memory``) once, for the Triton kernels.
+        two_stage_bytes: messages of at least this many bytes take the 2-stage kernel (default by
+            world size, :data:`TWO_STAGE_BYTES`).
+        validate: every call first agrees on the inputs across ranks (one small host all-gather),
+            so bad input is a clear error on every rank instead of a hang. Skipped while a CUDA
+            graph is being captured (the shapes were checked in the warm-up call); set False to
+            drop it from eager calls too once the shapes are known good.
 
-    Create it once per group, pass it to every call, and ``close()`` it (or use ``with``). Today it
-    carries the size limit and the group only: the symmetric-memory buffers of DESIGN §4 come with
-    the GPU kernels. Every rank must create it with the same ``max_bytes``.
+    Create it once per group, pass it to every call, and ``close()`` it (or use ``with``). Every
+    rank must create it with the same arguments.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, max_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        max_bytes: int = 64 << 20,
+        *,
+        two_stage_bytes: int | None = None,
+        validate: bool = True,
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Workspace needs an initialised process group (torch.distributed.init_process_group)")
         if not isinstance(max_bytes, int) or max_bytes <= 0:
@@ -27,10 +45,24 @@ class Workspace:
         self.max_bytes = max_bytes
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        self.validate = validate
+        self.two_stage_bytes = two_stage_bytes if two_stage_bytes is not None else TWO_STAGE_BYTES.get(self.world_size, 512 << 10)
         self.closed = False
+        self.symmetric = None
+        from truefuse.distributed import symm
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if symm.available(self.group, device):
+            self.symmetric = symm.SymmetricState(self.group, max_bytes, device)
+
+    @property
+    def path(self) -> str:
+        """``"symmetric"`` (Triton kernels) or ``"reference"`` (all-gather + ordered sum)."""
+        return "symmetric" if self.symmetric is not None else "reference"
 
     def close(self) -> None:
-        """Release the workspace; using it afterwards is an error."""
+        """Release the workspace (its symmetric memory); using it afterwards is an error."""
+        self.symmetric = None
         self.closed = True
 
     def __enter__(self) -> Workspace:
@@ -40,4 +72,4 @@ class Workspace:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Workspace(world_size={self.world_size}, max_bytes={self.max_bytes}, closed={self.closed})"
+        return f"Workspace(world_size={self.world_size}, max_bytes={self.max_bytes}, path={self.path}, closed={self.closed})"

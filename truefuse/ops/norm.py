@@ -83,7 +83,7 @@ def use_kernel(x: torch.Tensor) -> bool:
     return 0 < x.shape[-1] <= MAX_KERNEL_N and triton_runs(x)
 
 
-def _block(n: int) -> tuple[int, int]:
+def block_and_warps(n: int) -> tuple[int, int]:
     """BLOCK_N and num_warps, from the hidden size only (never the row count: batch invariance)."""
     block = max(16, 1 << (n - 1).bit_length())
     return block, max(1, min(16, block // 512))
@@ -107,7 +107,7 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
     mean = None if rms else torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0:
         return y, mean, rstd
-    block, warps = _block(N)
+    block, warps = block_and_warps(N)
     _norm_fwd_kernel[(M,)](
         x, weight if weight is not None else x, bias if bias is not None else x, y,
         mean if mean is not None else rstd, rstd, x.stride(0), y.stride(0), N, float(eps),
@@ -134,7 +134,7 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_bias else None
     if M == 0:
         return dx, (torch.zeros_like(weight) if has_w else None), (torch.zeros_like(bias) if has_bias else None)
-    block, warps = _block(N)
+    block, warps = block_and_warps(N)
     _norm_bwd_kernel[(programs,)](
         dy, x, weight if has_w else x, mean if mean is not None else rstd, rstd, dx,
         dw_part if has_w else rstd, db_part if has_bias else rstd,

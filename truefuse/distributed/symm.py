@@ -1,0 +1,65 @@
+"""The symmetric-memory path: buffers and signal pads of a Workspace, and the kernel launch."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from truefuse.ops.norm import block_and_warps
+
+MAXP = 128  # most programs per launch; the signal pad holds 3 regions of MAXP × world_size flags
+
+
+class SymmetricState:
+    """One rank's symmetric buffer (3 regions of ``max_bytes``) and the peers' pointers."""
+
+    def __init__(self, group, max_bytes: int, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        # DESIGN §4: never NVLink multicast (it can take shared GPUs out of service)
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        self.world_size = dist.get_world_size(group)
+        self.buffer = symm_mem.empty(3 * max_bytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        need = 3 * MAXP * self.world_size * 4
+        if self.handle.signal_pad_size < need:
+            raise RuntimeError(f"symmetric memory signal pad holds {self.handle.signal_pad_size} bytes, {need} needed")
+        self.buffer_ptrs = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.signal_ptrs = torch.tensor(self.handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        self.rank = self.handle.rank
+        self.programs = min(MAXP, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def available(group, device: torch.device) -> bool:
+    """Symmetric memory needs CUDA tensors and an NCCL group on one host."""
+    if device.type != "cuda":
+        return False
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return dist.get_backend(group) == "nccl"
+
+
+def launch(state: SymmetricState, x, residual, weight, eps: float, two_stage: bool):
+    """Run the fused kernel on 2-D contiguous ``x`` (M, N); returns ``(normed or None, out)``."""
+    from truefuse.kernels.allreduce import _allreduce_add_rmsnorm_kernel
+
+    M, N = x.shape
+    out = torch.empty_like(x)
+    normed = torch.empty_like(x) if weight is not None else None
+    if M == 0:
+        return normed, out
+    W = state.world_size
+    share = -(-M // W)
+    rows = share if two_stage else M
+    block, warps = block_and_warps(N)  # the same as truefuse.rms_norm: the same bits
+    _allreduce_add_rmsnorm_kernel[(max(1, min(state.programs, rows)),)](
+        x, residual if residual is not None else x, weight if weight is not None else x, out,
+        normed if normed is not None else out, state.buffer_ptrs, state.signal_ptrs, M, N, share, float(eps),
+        state.rank, W=W, MAXP=MAXP, HAS_RES=residual is not None, HAS_NORM=weight is not None,
+        TWO_STAGE=two_stage, BLOCK_N=block, num_warps=warps,
+    )  # fmt: skip
+    return normed, out

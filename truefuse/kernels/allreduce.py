@@ -1,0 +1,133 @@
+"""Triton allreduce + residual add + RMSNorm over torch symmetric memory (DESIGN §4). No multicast.
+
+Every rank's workspace buffer (symmetric: every peer can read it) holds three regions of M×N
+elements: the input copy, and for the 2-stage path the share's residual_out and normed rows.
+
+* 1-stage: copy x into my buffer; barrier; every row: read the row from every peer in rank order
+  0..W-1, sum in fp32, round once, add the residual (fp32 add, one rounding: what PyTorch does for
+  a bf16 ``a + b``), RMSNorm by ``rms_norm_row`` (the bits of ``truefuse.rms_norm``); barrier.
+* 2-stage: the same reduction for my share of the rows only, written to my buffer; barrier; then
+  every rank copies every share from its owner; barrier.
+
+Barriers are per program: program p of every rank handles the same rows, so it only waits for
+program p of the peers. A signal is a flag set 0→1 with release semantics at system scope; the
+waiter resets it 1→0 with acquire semantics. The last barrier means no rank returns (and may
+overwrite its buffer in the next call) before every peer has finished reading it.
+"""
+
+import triton
+import triton.language as tl
+
+from truefuse.kernels.norm import rms_norm_row
+
+
+@triton.jit
+def _send(flag):
+    while tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") != 0:
+        pass
+
+
+@triton.jit
+def _wait(flag):
+    while tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys") != 1:
+        pass
+
+
+@triton.jit
+def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, W: tl.constexpr, MAXP: tl.constexpr):
+    """Program ``pid`` of every rank meets; flags at (region, pid, source rank) of each pad."""
+    tl.debug_barrier()  # every thread's stores of this program are issued before the release
+    base = (region * MAXP + pid) * W
+    for q in tl.static_range(W):
+        _send(tl.load(sig_ptrs + q).to(tl.pointer_type(tl.int32)) + base + rank)
+    mine = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32))
+    for q in tl.static_range(W):
+        _wait(mine + base + q)
+    tl.debug_barrier()  # no thread reads a peer's rows before the acquire
+
+
+@triton.jit
+def _reduce_row(buf_ptrs, off, cols, mask, W: tl.constexpr, DT: tl.constexpr):
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for q in tl.static_range(W):  # rank order 0..W-1, fp32
+        peer = tl.load(buf_ptrs + q).to(tl.pointer_type(DT))
+        acc += tl.load(peer + off + cols, mask=mask, other=0.0).to(tl.float32)
+    return acc.to(DT)  # the one rounding
+
+
+@triton.jit
+def _allreduce_add_rmsnorm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    normed_ptr,
+    buf_ptrs,
+    sig_ptrs,
+    M,
+    N,
+    share,
+    eps,
+    rank,
+    W: tl.constexpr,
+    MAXP: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    TWO_STAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    MN = M.to(tl.int64) * N
+    mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(DT))
+
+    # my input into my symmetric buffer, rows partitioned over programs exactly as they are read
+    # below (per share in the 2-stage path), so each program's barrier covers the rows it reads
+    if TWO_STAGE:
+        for q in tl.static_range(W):
+            for row in range(q * share + pid, tl.minimum(q * share + share, M), P):
+                off = row.to(tl.int64) * N
+                tl.store(mine + off + cols, tl.load(x_ptr + off + cols, mask=mask), mask=mask)
+    else:
+        for row in range(pid, M, P):
+            off = row.to(tl.int64) * N
+            tl.store(mine + off + cols, tl.load(x_ptr + off + cols, mask=mask), mask=mask)
+    _barrier(sig_ptrs, 0, pid, rank, W, MAXP)
+
+    if TWO_STAGE:
+        lo = rank * share
+        hi = tl.minimum(lo + share, M)
+    else:
+        lo = 0
+        hi = M
+    for row in range(lo + pid, hi, P):
+        off = row.to(tl.int64) * N
+        r = _reduce_row(buf_ptrs, off, cols, mask, W, DT)
+        if HAS_RES:
+            r = (r.to(tl.float32) + tl.load(res_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)).to(DT)
+        if TWO_STAGE:
+            tl.store(mine + MN + off + cols, r, mask=mask)
+        else:
+            tl.store(out_ptr + off + cols, r, mask=mask)
+        if HAS_NORM:
+            y, _ = rms_norm_row(r.to(tl.float32), w_ptr, cols, mask, N, eps, True, False)
+            if TWO_STAGE:
+                tl.store(mine + 2 * MN + off + cols, y.to(DT), mask=mask)
+            else:
+                tl.store(normed_ptr + off + cols, y.to(DT), mask=mask)
+
+    if TWO_STAGE:
+        _barrier(sig_ptrs, 1, pid, rank, W, MAXP)
+        for q in tl.static_range(W):  # gather every share from its owner
+            peer = tl.load(buf_ptrs + q).to(tl.pointer_type(DT))
+            q_lo = q * share
+            q_hi = tl.minimum(q_lo + share, M)
+            for row in range(q_lo + pid, q_hi, P):
+                off = row.to(tl.int64) * N
+                tl.store(out_ptr + off + cols, tl.load(peer + MN + off + cols, mask=mask), mask=mask)
+                if HAS_NORM:
+                    tl.store(normed_ptr + off + cols, tl.load(peer + 2 * MN + off + cols, mask=mask), mask=mask)
+    _barrier(sig_ptrs, 2, pid, rank, W, MAXP)
