@@ -55,7 +55,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from truefuse.bench import run_bench
 
-    return run_bench(args.name, args.providers, args.out, args.quick)
+    return run_bench(args.name, args.providers, args.out, args.quick, args.world_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--providers", nargs="+", help="only these providers")
     b.add_argument("--out", default="bench_results", help="folder for JSON and PNG results")
     b.add_argument("--quick", action="store_true", help="small shapes (a smoke run, not a measurement)")
+    b.add_argument("--world-size", type=int, default=0, help="GPUs for a distributed benchmark (allreduce_add_rmsnorm)")
     b.set_defaults(fn=_cmd_bench)
 
     args = parser.parse_args(argv)

@@ -16,11 +16,20 @@ BENCHES = {
 }
 
 
-def run_bench(name: str, providers: list[str] | None, out_dir: str, quick: bool) -> int:
+#: distributed benchmarks: name -> module defining ``run(world_size, out_dir, quick) -> int``
+DISTRIBUTED_BENCHES = {"allreduce_add_rmsnorm": "truefuse.bench.bench_allreduce_add_rmsnorm"}
+
+
+def run_bench(name: str, providers: list[str] | None, out_dir: str, quick: bool, world_size: int = 0) -> int:
     from truefuse.bench.harness import environment
 
+    if name in DISTRIBUTED_BENCHES:
+        if not world_size:
+            print(f"bench: {name} runs on several GPUs: pass --world-size N", file=sys.stderr)
+            return 2
+        return importlib.import_module(DISTRIBUTED_BENCHES[name]).run(world_size, out_dir, quick)
     if name not in BENCHES:
-        print(f"bench: unknown benchmark {name!r}; known: {', '.join(BENCHES)}", file=sys.stderr)
+        print(f"bench: unknown benchmark {name!r}; known: {', '.join([*BENCHES, *DISTRIBUTED_BENCHES])}", file=sys.stderr)
         return 2
     mod = importlib.import_module(BENCHES[name])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
