@@ -49,12 +49,52 @@ def _graph_us(fn) -> float:
     return statistics.median(times)
 
 
+def _measure(m, hidden, rank, dev, ws, one_shot, symm_buf) -> list[dict]:
+    """Every provider at m rows (closures used at once, inside this call)."""
+    from truefuse.distributed import allreduce_add_rmsnorm
+
+    eps = 1e-6
+    out = []
+    g = torch.Generator(device=dev).manual_seed(rank)
+    x = torch.randn(m, hidden, generator=g, device=dev, dtype=torch.bfloat16)
+    res = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
+    w = torch.ones(hidden, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+
+    def nccl():
+        y.copy_(x)
+        dist.all_reduce(y)
+        r = y + res
+        return F.rms_norm(r, (hidden,), w, eps), r
+
+    def fused(two_stage: bool):
+        def fn():
+            ws.two_stage_bytes = 0 if two_stage else 1 << 62
+            return allreduce_add_rmsnorm(x, res, w, eps, workspace=ws)
+
+        return fn
+
+    providers = {"nccl": nccl, "truefuse_1stage": fused(False), "truefuse_2stage": fused(True)}
+    if symm_buf is not None:
+        view = symm_buf[: m * hidden].view(m, hidden)
+
+        def symm():
+            view.copy_(x)
+            r = one_shot(view, "sum", dist.group.WORLD.group_name) + res
+            return F.rms_norm(r, (hidden,), w, eps), r
+
+        providers["symm_one_shot"] = symm
+    us = {name: _graph_us(fn) for name, fn in providers.items()}
+    for name, t in us.items():
+        out.append({"rows": m, "hidden": hidden, "bytes": m * hidden * 2, "provider": name, "us": t, "ratio": t / us["nccl"]})
+    return out
+
+
 def _worker(rank: int, world_size: int, hidden: int, rows: tuple[int, ...]) -> list[dict]:
-    from truefuse.distributed import Workspace, allreduce_add_rmsnorm
+    from truefuse.distributed import Workspace
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    eps = 1e-6
     ws = Workspace(max_bytes=max(rows) * hidden * 2, validate=False)
     one_shot = getattr(torch.ops.symm_mem, "one_shot_all_reduce", None)
     symm_buf = None
@@ -65,38 +105,7 @@ def _worker(rank: int, world_size: int, hidden: int, rows: tuple[int, ...]) -> l
         symm_mem.rendezvous(symm_buf, dist.group.WORLD.group_name)
     out = []
     for m in rows:
-        g = torch.Generator(device=dev).manual_seed(rank)
-        x = torch.randn(m, hidden, generator=g, device=dev, dtype=torch.bfloat16)
-        res = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
-        w = torch.ones(hidden, device=dev, dtype=torch.bfloat16)
-        y = torch.empty_like(x)
-
-        def nccl():
-            y.copy_(x)
-            dist.all_reduce(y)
-            r = y + res
-            return F.rms_norm(r, (hidden,), w, eps), r
-
-        def fused(two_stage: bool):
-            def fn():
-                ws.two_stage_bytes = 0 if two_stage else 1 << 62
-                return allreduce_add_rmsnorm(x, res, w, eps, workspace=ws)
-
-            return fn
-
-        providers = {"nccl": nccl, "truefuse_1stage": fused(False), "truefuse_2stage": fused(True)}
-        if symm_buf is not None:
-            view = symm_buf[: m * hidden].view(m, hidden)
-
-            def symm():
-                view.copy_(x)
-                r = one_shot(view, "sum", dist.group.WORLD.group_name) + res
-                return F.rms_norm(r, (hidden,), w, eps), r
-
-            providers["symm_one_shot"] = symm
-        us = {name: _graph_us(fn) for name, fn in providers.items()}
-        for name, t in us.items():
-            out.append({"rows": m, "hidden": hidden, "bytes": m * hidden * 2, "provider": name, "us": t, "ratio": t / us["nccl"]})
+        out += _measure(m, hidden, rank, dev, ws, one_shot, symm_buf)
     ws.close()
     return out
 
