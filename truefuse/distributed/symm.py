@@ -9,11 +9,12 @@ import torch.distributed as dist
 
 from truefuse.ops.norm import block_and_warps
 
-MAXP = 128  # most programs per launch; the signal pad holds 3 regions of MAXP × world_size flags
+MAXP = 128  # most programs per launch; the signal pad holds 2 regions of MAXP × world_size flags
 
 
 class SymmetricState:
-    """One rank's symmetric buffer (3 regions of ``max_bytes``) and the peers' pointers."""
+    """One rank's symmetric buffer (2 halves of 3 regions of ``max_bytes``), the peers' pointers,
+    and the call epoch (device counters: every rank runs the same calls, so they agree)."""
 
     def __init__(self, group, max_bytes: int, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -21,14 +22,17 @@ class SymmetricState:
         # DESIGN §4: never NVLink multicast (it can take shared GPUs out of service)
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.world_size = dist.get_world_size(group)
-        self.buffer = symm_mem.empty(3 * max_bytes, dtype=torch.uint8, device=device)
+        self.half_bytes = 3 * max_bytes
+        self.buffer = symm_mem.empty(2 * self.half_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
-        need = 3 * MAXP * self.world_size * 4
+        need = 2 * MAXP * self.world_size * 4
         if self.handle.signal_pad_size < need:
             raise RuntimeError(f"symmetric memory signal pad holds {self.handle.signal_pad_size} bytes, {need} needed")
         self.buffer_ptrs = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
         self.signal_ptrs = torch.tensor(self.handle.signal_pad_ptrs, dtype=torch.int64, device=device)
         self.rank = self.handle.rank
+        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        self.done = torch.zeros(1, dtype=torch.int32, device=device)
         self.programs = min(MAXP, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
@@ -58,7 +62,8 @@ def launch(state: SymmetricState, x, residual, weight, eps: float, two_stage: bo
     block, warps = block_and_warps(N)  # the same as truefuse.rms_norm: the same bits
     _allreduce_add_rmsnorm_kernel[(max(1, min(state.programs, rows)),)](
         x, residual if residual is not None else x, weight if weight is not None else x, out,
-        normed if normed is not None else out, state.buffer_ptrs, state.signal_ptrs, M, N, share, float(eps),
+        normed if normed is not None else out, state.buffer_ptrs, state.signal_ptrs, state.epoch, state.done,
+        state.half_bytes // x.element_size(), M, N, share, float(eps),
         state.rank, W=W, MAXP=MAXP, HAS_RES=residual is not None, HAS_NORM=weight is not None,
         TWO_STAGE=two_stage, BLOCK_N=block, num_warps=warps,
     )  # fmt: skip

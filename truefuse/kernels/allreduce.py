@@ -1,7 +1,8 @@
 """Triton allreduce + residual add + RMSNorm over torch symmetric memory (DESIGN §4). No multicast.
 
-Every rank's workspace buffer (symmetric: every peer can read it) holds three regions of M×N
-elements: the input copy, and for the 2-stage path the share's residual_out and normed rows.
+Every rank's workspace buffer (symmetric: every peer can read it) has two halves, used by
+alternate calls, each of three regions of M×N elements: the input copy, and for the 2-stage path
+the share's residual_out and normed rows.
 
 * 1-stage: copy x into my buffer; barrier; every row: read the row from every peer in rank order
   0..W-1, sum in fp32, round once, add the residual (fp32 add, one rounding: what PyTorch does for
@@ -10,9 +11,11 @@ elements: the input copy, and for the 2-stage path the share's residual_out and 
   every rank copies every share from its owner; barrier.
 
 Barriers are per program: program p of every rank handles the same rows, so it only waits for
-program p of the peers. A signal is a flag set 0→1 with release semantics at system scope; the
-waiter resets it 1→0 with acquire semantics. The last barrier means no rank returns (and may
-overwrite its buffer in the next call) before every peer has finished reading it.
+program p of the peers. A signal writes the call's epoch (a device counter, the same on every
+rank, moved on by the last program of each call) with release semantics at system scope; the
+waiter spins with acquire loads until its flags reach it. No end barrier: a rank writes a half
+again only two calls later, after the first barrier of the call in between, which every peer can
+reach only once its own kernel of the call before (the one reading that half) has finished.
 """
 
 import triton
@@ -22,40 +25,31 @@ from truefuse.kernels.norm import rms_norm_row
 
 
 @triton.jit
-def _send(flag):
-    while tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") != 0:
-        pass
-
-
-@triton.jit
-def _wait(flag):
-    while tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys") != 1:
-        pass
-
-
-@triton.jit
-def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, W: tl.constexpr, MAXP: tl.constexpr):
-    """Program ``pid`` of every rank meets; flags at (region, pid, source rank) of each pad."""
+def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, MAXP: tl.constexpr):
+    """Program ``pid`` of every rank meets. Flag (region, pid, source) of each pad takes the call's
+    epoch ``value`` (release, system scope); the waiter spins until its flags reach it (acquire).
+    Epochs only grow, so a peer already in the next call (value + 1) also satisfies the wait."""
     tl.debug_barrier()  # every thread's stores of this program are issued before the release
     base = (region * MAXP + pid) * W
     for q in tl.static_range(W):
-        _send(tl.load(sig_ptrs + q).to(tl.pointer_type(tl.int32)) + base + rank)
+        tl.atomic_xchg(tl.load(sig_ptrs + q).to(tl.pointer_type(tl.int32)) + base + rank, value, sem="release", scope="sys")
     mine = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32))
     for q in tl.static_range(W):
-        _wait(mine + base + q)
+        while tl.atomic_add(mine + base + q, 0, sem="acquire", scope="sys") < value:
+            pass
     tl.debug_barrier()  # no thread reads a peer's rows before the acquire
 
 
 @triton.jit
-def _reduce_row(buf_ptrs, off, cols, mask, W: tl.constexpr, DT: tl.constexpr):
+def _reduce_row(buf_ptrs, base, off, cols, mask, W: tl.constexpr, DT: tl.constexpr):
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for q in tl.static_range(W):  # rank order 0..W-1, fp32
-        peer = tl.load(buf_ptrs + q).to(tl.pointer_type(DT))
+        peer = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base
         acc += tl.load(peer + off + cols, mask=mask, other=0.0).to(tl.float32)
     return acc.to(DT)  # the one rounding
 
 
-@triton.jit(do_not_specialize=["M", "N", "share", "eps", "rank"])  # 1 must not become a constant
+@triton.jit(do_not_specialize=["half", "M", "N", "share", "eps", "rank"])  # 1 must not become a constant
 def _allreduce_add_rmsnorm_kernel(
     x_ptr,
     res_ptr,
@@ -64,6 +58,9 @@ def _allreduce_add_rmsnorm_kernel(
     normed_ptr,
     buf_ptrs,
     sig_ptrs,
+    epoch_ptr,
+    done_ptr,
+    half,
     M,
     N,
     share,
@@ -82,7 +79,10 @@ def _allreduce_add_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     MN = M.to(tl.int64) * N
-    mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(DT))
+    # this call's epoch: the same on every rank (every rank runs the same sequence of calls)
+    epoch = tl.load(epoch_ptr)
+    base = (epoch % 2).to(tl.int64) * half  # alternate halves: no end barrier needed (see module doc)
+    mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(DT)) + base
 
     # my input into my symmetric buffer, rows partitioned over programs exactly as they are read
     # below (per share in the 2-stage path), so each program's barrier covers the rows it reads
@@ -95,7 +95,7 @@ def _allreduce_add_rmsnorm_kernel(
         for row in range(pid, M, P):
             off = row.to(tl.int64) * N
             tl.store(mine + off + cols, tl.load(x_ptr + off + cols, mask=mask), mask=mask)
-    _barrier(sig_ptrs, 0, pid, rank, W, MAXP)
+    _barrier(sig_ptrs, 0, pid, rank, epoch + 1, W, MAXP)
 
     if TWO_STAGE:
         lo = rank * share
@@ -105,7 +105,7 @@ def _allreduce_add_rmsnorm_kernel(
         hi = M
     for row in range(lo + pid, hi, P):
         off = row.to(tl.int64) * N
-        r = _reduce_row(buf_ptrs, off, cols, mask, W, DT)
+        r = _reduce_row(buf_ptrs, base, off, cols, mask, W, DT)
         if HAS_RES:
             r = (r.to(tl.float32) + tl.load(res_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)).to(DT)
         if TWO_STAGE:
@@ -120,9 +120,9 @@ def _allreduce_add_rmsnorm_kernel(
                 tl.store(normed_ptr + off + cols, y.to(DT), mask=mask)
 
     if TWO_STAGE:
-        _barrier(sig_ptrs, 1, pid, rank, W, MAXP)
+        _barrier(sig_ptrs, 1, pid, rank, epoch + 1, W, MAXP)
         for q in tl.static_range(W):  # gather every share from its owner
-            peer = tl.load(buf_ptrs + q).to(tl.pointer_type(DT))
+            peer = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base
             q_lo = q * share
             q_hi = tl.minimum(q_lo + share, M)
             for row in range(q_lo + pid, q_hi, P):
@@ -130,4 +130,7 @@ def _allreduce_add_rmsnorm_kernel(
                 tl.store(out_ptr + off + cols, tl.load(peer + MN + off + cols, mask=mask), mask=mask)
                 if HAS_NORM:
                     tl.store(normed_ptr + off + cols, tl.load(peer + 2 * MN + off + cols, mask=mask), mask=mask)
-    _barrier(sig_ptrs, 2, pid, rank, W, MAXP)
+    # the last program to finish moves the epoch on, for the next call (after this kernel)
+    if tl.atomic_add(done_ptr, 1) == tl.num_programs(0) - 1:
+        tl.store(done_ptr, 0)
+        tl.store(epoch_ptr, epoch + 1)
