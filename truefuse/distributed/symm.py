@@ -13,7 +13,7 @@ MAXP = 128  # most programs per launch; the signal pad holds 2 regions of MAXP ร
 
 
 class SymmetricState:
-    """One rank's symmetric buffer (2 halves of 3 regions of ``max_bytes``), the peers' pointers,
+    """One rank's symmetric buffer (2 halves of world_size + 2 regions of ``max_bytes``), the peers' pointers,
     and the call epoch (device counters: every rank runs the same calls, so they agree)."""
 
     def __init__(self, group, max_bytes: int, device: torch.device) -> None:
@@ -22,7 +22,7 @@ class SymmetricState:
         # DESIGN ยง4: never NVLink multicast (it can take shared GPUs out of service)
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.world_size = dist.get_world_size(group)
-        self.half_bytes = 3 * max_bytes
+        self.half_bytes = (self.world_size + 2) * max_bytes  # one input slot per rank + 2 output regions
         self.buffer = symm_mem.empty(2 * self.half_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         need = 2 * MAXP * self.world_size * 4

@@ -32,7 +32,7 @@ class Workspace:
     def __init__(
         self,
         group: dist.ProcessGroup | None = None,
-        max_bytes: int = 64 << 20,
+        max_bytes: int = 32 << 20,
         *,
         two_stage_bytes: int | None = None,
         validate: bool = True,

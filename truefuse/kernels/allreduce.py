@@ -1,14 +1,14 @@
 """Triton allreduce + residual add + RMSNorm over torch symmetric memory (DESIGN §4). No multicast.
 
-Every rank's workspace buffer (symmetric: every peer can read it) has two halves, used by
-alternate calls, each of three regions of M×N elements: the input copy, and for the 2-stage path
-the share's residual_out and normed rows.
+Every rank's workspace buffer (symmetric: every peer can write and read it) has two halves, used
+by alternate calls, each of W + 2 regions of M×N elements: one input slot per source rank, and for
+the 2-stage path the share's residual_out and normed rows.
 
-* 1-stage: copy x into my buffer; barrier; every row: read the row from every peer in rank order
-  0..W-1, sum in fp32, round once, add the residual (fp32 add, one rounding: what PyTorch does for
-  a bf16 ``a + b``), RMSNorm by ``rms_norm_row`` (the bits of ``truefuse.rms_norm``); barrier.
-* 2-stage: the same reduction for my share of the rows only, written to my buffer; barrier; then
-  every rank copies every share from its owner; barrier.
+* 1-stage: push x into slot ``rank`` of every peer's buffer; barrier; every row: sum the W slots
+  in rank order 0..W-1 in fp32, round once, add the residual (fp32 add, one rounding: what PyTorch
+  does for a bf16 ``a + b``), RMSNorm by ``rms_norm_row`` (the bits of ``truefuse.rms_norm``).
+* 2-stage: push each share's rows to its owner only; barrier; the owner reduces its share the same
+  way into its buffer; barrier; every rank copies every share from its owner.
 
 Barriers are per program: program p of every rank handles the same rows, so it only waits for
 program p of the peers. A signal writes the call's epoch (a device counter, the same on every
@@ -41,11 +41,10 @@ def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, 
 
 
 @triton.jit
-def _reduce_row(buf_ptrs, base, off, cols, mask, W: tl.constexpr, DT: tl.constexpr):
+def _reduce_row(mine, MN, off, cols, mask, W: tl.constexpr, DT: tl.constexpr):
     acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for q in tl.static_range(W):  # rank order 0..W-1, fp32
-        peer = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base
-        acc += tl.load(peer + off + cols, mask=mask, other=0.0).to(tl.float32)
+    for q in tl.static_range(W):  # rank order 0..W-1 (slot q holds rank q's rows), fp32
+        acc += tl.load(mine + q * MN + off + cols, mask=mask, other=0.0).to(tl.float32)
     return acc.to(DT)  # the one rounding
 
 
@@ -84,17 +83,22 @@ def _allreduce_add_rmsnorm_kernel(
     base = (epoch % 2).to(tl.int64) * half  # alternate halves: no end barrier needed (see module doc)
     mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(DT)) + base
 
-    # my input into my symmetric buffer, rows partitioned over programs exactly as they are read
-    # below (per share in the 2-stage path), so each program's barrier covers the rows it reads
+    # push my rows into slot ``rank`` of every reader's buffer (remote stores are posted, so the
+    # only round trip of the call is the barrier); rows are partitioned over programs exactly as
+    # they are read below (per share in the 2-stage path), so each program's barrier covers them
     if TWO_STAGE:
         for q in tl.static_range(W):
+            dst = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base + rank * MN
             for row in range(q * share + pid, tl.minimum(q * share + share, M), P):
                 off = row.to(tl.int64) * N
-                tl.store(mine + off + cols, tl.load(x_ptr + off + cols, mask=mask), mask=mask)
+                tl.store(dst + off + cols, tl.load(x_ptr + off + cols, mask=mask), mask=mask)
     else:
         for row in range(pid, M, P):
             off = row.to(tl.int64) * N
-            tl.store(mine + off + cols, tl.load(x_ptr + off + cols, mask=mask), mask=mask)
+            v = tl.load(x_ptr + off + cols, mask=mask)
+            for q in tl.static_range(W):
+                dst = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base + rank * MN
+                tl.store(dst + off + cols, v, mask=mask)
     _barrier(sig_ptrs, 0, pid, rank, epoch + 1, W, MAXP)
 
     if TWO_STAGE:
@@ -105,17 +109,17 @@ def _allreduce_add_rmsnorm_kernel(
         hi = M
     for row in range(lo + pid, hi, P):
         off = row.to(tl.int64) * N
-        r = _reduce_row(buf_ptrs, base, off, cols, mask, W, DT)
+        r = _reduce_row(mine, MN, off, cols, mask, W, DT)
         if HAS_RES:
             r = (r.to(tl.float32) + tl.load(res_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)).to(DT)
         if TWO_STAGE:
-            tl.store(mine + MN + off + cols, r, mask=mask)
+            tl.store(mine + W * MN + off + cols, r, mask=mask)
         else:
             tl.store(out_ptr + off + cols, r, mask=mask)
         if HAS_NORM:
             y, _ = rms_norm_row(r.to(tl.float32), w_ptr, cols, mask, N, eps, True, False)
             if TWO_STAGE:
-                tl.store(mine + 2 * MN + off + cols, y.to(DT), mask=mask)
+                tl.store(mine + (W + 1) * MN + off + cols, y.to(DT), mask=mask)
             else:
                 tl.store(normed_ptr + off + cols, y.to(DT), mask=mask)
 
@@ -127,9 +131,9 @@ def _allreduce_add_rmsnorm_kernel(
             q_hi = tl.minimum(q_lo + share, M)
             for row in range(q_lo + pid, q_hi, P):
                 off = row.to(tl.int64) * N
-                tl.store(out_ptr + off + cols, tl.load(peer + MN + off + cols, mask=mask), mask=mask)
+                tl.store(out_ptr + off + cols, tl.load(peer + W * MN + off + cols, mask=mask), mask=mask)
                 if HAS_NORM:
-                    tl.store(normed_ptr + off + cols, tl.load(peer + 2 * MN + off + cols, mask=mask), mask=mask)
+                    tl.store(normed_ptr + off + cols, tl.load(peer + (W + 1) * MN + off + cols, mask=mask), mask=mask)
     # the last program to finish moves the epoch on, for the next call (after this kernel)
     if tl.atomic_add(done_ptr, 1) == tl.num_programs(0) - 1:
         tl.store(done_ptr, 0)
