@@ -9,6 +9,9 @@ import torch.distributed as dist
 
 from truefuse.ops.norm import block_and_warps
 
+#: Messages up to this size push rows into the readers' buffers; larger ones are pulled (measured on
+#: 2 H200: push 7.7 vs pull 8.2 us at 1 row, pull 41 vs push 49 us at 1024 rows × 4096 bf16).
+PUSH_MAX_BYTES = 1 << 20
 MAXP = 128  # most programs per launch; the signal pad holds 2 regions of MAXP × world_size flags
 
 
@@ -65,6 +68,6 @@ def launch(state: SymmetricState, x, residual, weight, eps: float, two_stage: bo
         normed if normed is not None else out, state.buffer_ptrs, state.signal_ptrs, state.epoch, state.done,
         state.half_bytes // x.element_size(), M, N, share, float(eps),
         state.rank, W=W, MAXP=MAXP, HAS_RES=residual is not None, HAS_NORM=weight is not None,
-        TWO_STAGE=two_stage, BLOCK_N=block, num_warps=warps,
+        TWO_STAGE=two_stage, PUSH=x.numel() * x.element_size() <= PUSH_MAX_BYTES, BLOCK_N=block, num_warps=warps,
     )  # fmt: skip
     return normed, out

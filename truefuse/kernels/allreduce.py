@@ -4,8 +4,9 @@ Every rank's workspace buffer (symmetric: every peer can write and read it) has 
 by alternate calls, each of W + 2 regions of M×N elements: one input slot per source rank, and for
 the 2-stage path the share's residual_out and normed rows.
 
-* 1-stage: push x into slot ``rank`` of every peer's buffer; barrier; every row: sum the W slots
-  in rank order 0..W-1 in fp32, round once, add the residual (fp32 add, one rounding: what PyTorch
+* 1-stage: push x into slot ``rank`` of every peer's buffer (or, for large messages, into my own
+  slot 0 for peers to pull); barrier; every row: sum the W ranks' rows in rank order 0..W-1 in
+  fp32, round once, add the residual (fp32 add, one rounding: what PyTorch
   does for a bf16 ``a + b``), RMSNorm by ``rms_norm_row`` (the bits of ``truefuse.rms_norm``).
 * 2-stage: push each share's rows to its owner only; barrier; the owner reduces its share the same
   way into its buffer; barrier; every rank copies every share from its owner.
@@ -41,10 +42,14 @@ def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, 
 
 
 @triton.jit
-def _reduce_row(mine, MN, off, cols, mask, W: tl.constexpr, DT: tl.constexpr):
+def _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W: tl.constexpr, DT: tl.constexpr, PUSH: tl.constexpr):
     acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for q in tl.static_range(W):  # rank order 0..W-1 (slot q holds rank q's rows), fp32
-        acc += tl.load(mine + q * MN + off + cols, mask=mask, other=0.0).to(tl.float32)
+    for q in tl.static_range(W):  # rank order 0..W-1, fp32
+        if PUSH:  # slot q of my buffer holds rank q's rows
+            src = mine + q * MN
+        else:  # rank q's rows are in slot 0 of its buffer
+            src = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base
+        acc += tl.load(src + off + cols, mask=mask, other=0.0).to(tl.float32)
     return acc.to(DT)  # the one rounding
 
 
@@ -70,6 +75,7 @@ def _allreduce_add_rmsnorm_kernel(
     HAS_RES: tl.constexpr,
     HAS_NORM: tl.constexpr,
     TWO_STAGE: tl.constexpr,
+    PUSH: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -83,12 +89,17 @@ def _allreduce_add_rmsnorm_kernel(
     base = (epoch % 2).to(tl.int64) * half  # alternate halves: no end barrier needed (see module doc)
     mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(DT)) + base
 
-    # push my rows into slot ``rank`` of every reader's buffer (remote stores are posted, so the
-    # only round trip of the call is the barrier); rows are partitioned over programs exactly as
-    # they are read below (per share in the 2-stage path), so each program's barrier covers them
+    # PUSH (small messages): my rows go into slot ``rank`` of every reader's buffer (posted remote
+    # stores: the barrier is the call's only round trip) and the sum reads local slots. Otherwise
+    # (large messages) my rows go into my own slot 0 and the sum reads every peer's slot 0 (remote
+    # loads: measured faster at volume). Rows are partitioned over programs exactly as they are
+    # read below (per share in the 2-stage path), so each program's barrier covers them.
     if TWO_STAGE:
         for q in tl.static_range(W):
-            dst = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base + rank * MN
+            if PUSH:
+                dst = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base + rank * MN
+            else:
+                dst = mine
             for row in range(q * share + pid, tl.minimum(q * share + share, M), P):
                 off = row.to(tl.int64) * N
                 tl.store(dst + off + cols, tl.load(x_ptr + off + cols, mask=mask), mask=mask)
@@ -96,9 +107,12 @@ def _allreduce_add_rmsnorm_kernel(
         for row in range(pid, M, P):
             off = row.to(tl.int64) * N
             v = tl.load(x_ptr + off + cols, mask=mask)
-            for q in tl.static_range(W):
-                dst = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base + rank * MN
-                tl.store(dst + off + cols, v, mask=mask)
+            if PUSH:
+                for q in tl.static_range(W):
+                    dst = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base + rank * MN
+                    tl.store(dst + off + cols, v, mask=mask)
+            else:
+                tl.store(mine + off + cols, v, mask=mask)
     _barrier(sig_ptrs, 0, pid, rank, epoch + 1, W, MAXP)
 
     if TWO_STAGE:
@@ -109,7 +123,7 @@ def _allreduce_add_rmsnorm_kernel(
         hi = M
     for row in range(lo + pid, hi, P):
         off = row.to(tl.int64) * N
-        r = _reduce_row(mine, MN, off, cols, mask, W, DT)
+        r = _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W, DT, PUSH)
         if HAS_RES:
             r = (r.to(tl.float32) + tl.load(res_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)).to(DT)
         if TWO_STAGE:
