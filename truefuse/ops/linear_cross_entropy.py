@@ -1,0 +1,223 @@
+"""Linear cross-entropy: the reference, argument checks, and the per-chunk math.
+
+Semantics (``linear_cross_entropy_ref``): ``logits = F.linear(input, W, b)`` in fp32, then
+``softcap * tanh(logits / softcap)``, then ``F.cross_entropy`` (class ``weight``, ``ignore_index``,
+``label_smoothing``, ``reduction`` as torch defines them), plus ``z_loss * logsumexp²`` per
+non-ignored token. Reductions of the z-loss term: summed for ``sum``, divided by the number of
+non-ignored tokens for ``mean`` (the cross-entropy term of ``mean`` is divided by the summed class
+weights of the non-ignored targets, as torch does). When every target is ignored, ``mean`` is 0
+with zero gradients, not NaN (torch gives NaN): a documented difference.
+
+``chunk_math`` is the same math for one chunk of tokens given its logits, with the gradient of the
+logits in closed form; the chunked op (``truefuse/autograd/linear_cross_entropy.py``) runs it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+class LinearCrossEntropyOutput(NamedTuple):
+    """What ``linear_cross_entropy`` returns when asked for more than the loss.
+
+    Attributes:
+        loss: the loss (0-dim, or shaped like ``target`` for ``reduction="none"``).
+        z_loss: the z-loss term alone, reduced like the loss (None unless ``return_z_loss``).
+        token_accuracy: fraction of non-ignored tokens whose argmax logit is the target, 0-dim
+            (None unless ``return_token_accuracy``; 0 when every target is ignored).
+    """
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None
+    token_accuracy: torch.Tensor | None
+
+
+def check_args(
+    input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, chunk_size
+):
+    """Clear errors naming the argument, before anything runs (targets are checked separately)."""
+    for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if input.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"input has dtype {input.dtype}; expected a float dtype")
+    if linear_weight.dtype != input.dtype:
+        raise TypeError(f"linear_weight has dtype {linear_weight.dtype} but input has {input.dtype}")
+    if input.dim() < 1:
+        raise ValueError("input must have a last (hidden) dimension: shape (..., H)")
+    if linear_weight.dim() != 2 or linear_weight.shape[1] != input.shape[-1]:
+        raise ValueError(
+            f"linear_weight must be (V, H) with H = input.shape[-1] = {input.shape[-1]}, got {tuple(linear_weight.shape)}"
+        )
+    V = linear_weight.shape[0]
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must hold class indices (int64 or int32), got {target.dtype}")
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(f"target has shape {tuple(target.shape)} but input's leading dimensions are {tuple(input.shape[:-1])}")
+    for name, t in (("linear_bias", linear_bias), ("weight", weight)):
+        if t is not None:
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (V,):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must have shape ({V},) (one per class), got {got}")
+    if linear_bias is not None and linear_bias.dtype != input.dtype:
+        raise TypeError(f"linear_bias has dtype {linear_bias.dtype} but input has {input.dtype}")
+    for name, t in (("linear_weight", linear_weight), ("target", target), ("linear_bias", linear_bias), ("weight", weight)):
+        if t is not None and t.device != input.device:
+            raise ValueError(f"{name} is on {t.device} but input is on {input.device}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if float(z_loss) < 0:
+        raise ValueError(f"z_loss must be non-negative, got {z_loss}")
+    if softcap is not None and not float(softcap) > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def check_targets(target: torch.Tensor, V: int, ignore_index: int) -> None:
+    """``ValueError`` for a target ≥ V or negative other than ``ignore_index`` (one host sync)."""
+    bad = ((target < 0) | (target >= V)) & (target != ignore_index)
+    if bool(bad.any()):
+        first = target[bad][0].item()
+        raise ValueError(f"target holds {first}, outside [0, {V}) and not ignore_index={ignore_index}")
+
+
+def _reduce(ce, zl, valid, class_w_t, reduction):
+    """(loss, z part) from per-token terms; mean divides by the summed target weights (ce) and the
+    non-ignored count (z), 0 when nothing counts."""
+    if reduction == "none":
+        return ce + zl, zl
+    if reduction == "sum":
+        return ce.sum() + zl.sum(), zl.sum()
+    denom = class_w_t.sum()
+    n = valid.sum().to(ce.dtype)
+    ce_m = torch.where(denom > 0, ce.sum() / torch.where(denom > 0, denom, 1), 0)
+    z_m = torch.where(n > 0, zl.sum() / torch.clamp(n, min=1), 0)
+    return ce_m + z_m, z_m
+
+
+def _from_logits(
+    logits, target, *, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy
+):
+    wide = logits.dtype
+    t = target.reshape(-1)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    cw = None if weight is None else weight.to(wide)
+    ce = F.cross_entropy(logits, t, weight=cw, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    valid = t != ignore_index
+    lse = torch.logsumexp(logits, dim=-1)
+    zl = z_loss * lse.square() * valid
+    t_safe = torch.where(valid, t, 0)
+    class_w_t = (cw[t_safe] if cw is not None else torch.ones_like(lse)) * valid
+    loss, z_part = _reduce(ce, zl, valid, class_w_t, reduction)
+    if reduction == "none":
+        loss, z_part = loss.view(target.shape), z_part.view(target.shape)
+    if not (return_z_loss or return_token_accuracy):
+        return loss
+    acc = None
+    if return_token_accuracy:
+        n = valid.sum()
+        hits = ((logits.argmax(-1) == t) & valid).sum()
+        acc = torch.where(n > 0, hits / torch.clamp(n, min=1), 0.0).to(wide)
+    return LinearCrossEntropyOutput(loss, z_part if return_z_loss else None, acc)
+
+
+def linear_cross_entropy_ref(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    chunk_size: int | None = None,
+):
+    """The unfused composition in plain PyTorch, fp32 math (fp64 on fp64 inputs): ``F.linear`` in
+    that precision, then the cross-entropy; the semantics ``truefuse.linear_cross_entropy`` must
+    match. Materializes the (tokens, V) logits. ``chunk_size`` is accepted and ignored."""
+    wide = torch.float64 if input.dtype == torch.float64 else torch.float32
+    x = input.reshape(-1, input.shape[-1]).to(wide)
+    logits = F.linear(x, linear_weight.to(wide), None if linear_bias is None else linear_bias.to(wide))
+    return _from_logits(
+        logits, target, weight=weight, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+        z_loss=z_loss, softcap=softcap, return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+    )  # fmt: skip
+
+
+def linear_cross_entropy_plain(input, linear_weight, target, *, linear_bias=None, **kw):
+    """What a user writes without us: ``F.linear`` in the input's dtype, the cross-entropy in fp32
+    (the bounded contract's same-dtype baseline). Same keywords as the reference."""
+    kw.pop("chunk_size", None)
+    wide = torch.float64 if input.dtype == torch.float64 else torch.float32
+    logits = F.linear(input.reshape(-1, input.shape[-1]), linear_weight, linear_bias).to(wide)
+    return _from_logits(
+        logits,
+        target,
+        **{
+            "weight": None,
+            "reduction": "mean",
+            "ignore_index": -100,
+            "label_smoothing": 0.0,
+            "z_loss": 0.0,
+            "softcap": None,
+            "return_z_loss": False,
+            "return_token_accuracy": False,
+            **kw,
+        },
+    )
+
+
+def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap_z, s_ce, s_z, want_grad: bool):
+    """Per-token terms and, when ``want_grad``, the logits' gradient, for one chunk.
+
+    Args:
+        z: (C, V) fp32 logits after the softcap (``softcap_z`` is ``(softcap, z)`` or None).
+        t, valid: (C,) targets and their non-ignored mask.
+        cw: (V,) fp32 class weights or None; ``W_sum`` their sum (V without weights).
+        s_ce, s_z: scales of the cross-entropy and z-loss gradients (scalars or (C,) per token).
+
+    Returns ``(ce, zl, correct, d_logits or None)``: the gradient is with respect to the logits
+    before the softcap, scaled, zero on ignored rows.
+    """
+    lse = torch.logsumexp(z, dim=-1)
+    t_safe = torch.where(valid, t, 0)
+    z_t = z.gather(1, t_safe[:, None]).squeeze(1)
+    w_t = cw[t_safe] if cw is not None else torch.ones_like(lse)
+    eps = float(label_smoothing)
+    ce = w_t * (lse - z_t)
+    if eps > 0:
+        wz = z @ cw if cw is not None else z.sum(-1)
+        ce = (1 - eps) * ce + eps / V * (W_sum * lse - wz)
+    vf = valid.to(z.dtype)
+    ce = ce * vf
+    zl = z_loss * lse.square() * vf
+    correct = (z.argmax(-1) == t) & valid
+    if not want_grad:
+        return ce, zl, correct, None
+    p = torch.exp(z - lse[:, None])
+    g = p * ((1 - eps) * w_t)[:, None]
+    g.scatter_add_(1, t_safe[:, None], -((1 - eps) * w_t)[:, None])
+    if eps > 0:
+        g += eps / V * (p * W_sum - (cw[None, :] if cw is not None else 1.0))
+    g *= (s_ce * vf)[:, None] if torch.is_tensor(s_ce) and s_ce.dim() else s_ce * vf[:, None]
+    if z_loss:
+        s = (s_z * vf) if torch.is_tensor(s_z) and s_z.dim() else s_z * vf
+        g += (2 * z_loss * lse * s)[:, None] * p
+    if softcap_z is not None:
+        cap, _ = softcap_z
+        g *= 1 - (z / cap).square()
+    return ce, zl, correct, g
