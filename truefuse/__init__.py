@@ -6,12 +6,14 @@ Public API (see README.md and shared/DESIGN.md):
   :class:`Capability`: the one GEMM entry point (DESIGN §3).
 * :func:`rms_norm`, :func:`layer_norm`, :func:`gated_activation` and :class:`RMSNorm`: fused
   norms and gated activations (references in ``truefuse.ops``).
+* :func:`linear_cross_entropy` / :func:`linear_cross_entropy_ref`: the LM head's loss in chunks.
 * :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP`, :class:`GroupedLinear`,
   :class:`GroupedMLP`: modules with fp32 ``main_grad``
   accumulation and delayed weight gradients under one weight-gradient contract (DESIGN §2).
 """
 
 from truefuse.autograd.gated_activation import gated_activation
+from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
 from truefuse.autograd.norm import layer_norm, rms_norm
 from truefuse.nn.grouped import GroupedLinear, GroupedMLP
 from truefuse.nn.layernorm_linear import LayerNormLinear
@@ -22,6 +24,7 @@ from truefuse.ops.gated_activation import gated_activation_ref
 from truefuse.ops.gemm import GemmOutput, gemm, gemm_plan_for, gemm_ref
 from truefuse.ops.gemm_plan import Capability, GemmPlan, override_capabilities
 from truefuse.ops.linear import layernorm_linear_ref, layernorm_mlp_ref, linear_ref
+from truefuse.ops.linear_cross_entropy import LinearCrossEntropyOutput, linear_cross_entropy_ref
 from truefuse.ops.norm import layer_norm_ref, rms_norm_ref
 
 __version__ = "0.2.0"
@@ -33,6 +36,7 @@ __all__ = [
     "GroupedLinear",
     "GroupedMLP",
     "LayerNormLinear",
+    "LinearCrossEntropyOutput",
     "LayerNormMLP",
     "Linear",
     "RMSNorm",
@@ -46,6 +50,8 @@ __all__ = [
     "layer_norm_ref",
     "layernorm_linear_ref",
     "layernorm_mlp_ref",
+    "linear_cross_entropy",
+    "linear_cross_entropy_ref",
     "linear_ref",
     "override_capabilities",
     "rms_norm",

@@ -24,6 +24,7 @@ CASE_MODULES: tuple[str, ...] = (
     "truefuse.verify.cases_norm",
     "truefuse.verify.cases_linear",
     "truefuse.verify.cases_grouped",
+    "truefuse.verify.cases_linear_cross_entropy",
 )
 
 

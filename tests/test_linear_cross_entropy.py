@@ -1,0 +1,111 @@
+"""linear_cross_entropy against a float64 reference (bounded: no less accurate than F.linear in the
+input dtype + cross-entropy in fp32) over every option the issue lists, and its errors."""
+
+import pytest
+import torch
+
+import truefuse
+from truefuse.ops.linear_cross_entropy import linear_cross_entropy_ref
+from truefuse.verify.cases_linear_cross_entropy import check_lce, make_inputs
+from truefuse.verify.registry import all_cases
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _assert(reports):
+    for k, rep in reports.items():
+        assert rep.passed, f"{k}: error {rep.error:.3e} vs baseline {rep.baseline_error:.3e}"
+
+
+def test_registered_cases(device):
+    cases = all_cases(["linear_cross_entropy"], device.type)
+    assert len(cases) == 16
+    for c in cases:
+        _assert(c.fn(device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ignore", ["some", "none", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reductions_and_ignore(reduction, ignore, dtype, device):
+    x, W, t, b = make_inputs(dtype, device, ignore=ignore, bias=True)
+    up = torch.randn(t.shape, generator=torch.Generator().manual_seed(3)) if reduction == "none" else None
+    reports = check_lce(x, W, t, b, reduction=reduction, upstream=up, chunk_size=16)
+    if ignore == "all":  # nothing counts: 0 and zero gradients (mean: never NaN, unlike torch)
+        x.requires_grad_()
+        W.requires_grad_()
+        loss = truefuse.linear_cross_entropy(x, W, t, reduction=reduction)
+        loss.sum().backward()
+        for v in (loss, x.grad, W.grad):
+            assert not torch.isnan(v).any() and not v.any()
+    else:
+        _assert(reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_odd_sizes_and_leading_dims(dtype, device):
+    for N, H, V, lead in [(1, 40, 203, ()), (53, 33, 130, (2, 3)), (7, 17, 1, ())]:
+        x, W, t, b = make_inputs(dtype, device, N=N, H=H, V=V, lead=lead, ignore="none", bias=True)
+        _assert(check_lce(x, W, t, b, chunk_size=5))
+
+
+@pytest.mark.parametrize("grads", [("input",), ("linear_weight",), ("linear_bias",)])
+def test_only_some_inputs_need_grad(grads, device):
+    x, W, t, b = make_inputs(torch.float32, device, bias=True)
+    _assert(check_lce(x, W, t, b, grads=grads, chunk_size=16, z_loss=1e-3))
+
+
+def test_gradient_scales_with_grad_output_and_retain_graph(device):
+    x, W, t, _ = make_inputs(torch.float32, device)
+    x.requires_grad_()
+    W.requires_grad_()
+    loss = truefuse.linear_cross_entropy(x, W, t, chunk_size=16)
+    loss.backward(torch.tensor(1.0, device=device), retain_graph=True)
+    g1 = x.grad.clone(), W.grad.clone()
+    x.grad = W.grad = None
+    (2.5 * loss).backward(retain_graph=True)  # grad_output 2.5 after 1.0 on the same saved gradients
+    torch.testing.assert_close(x.grad, 2.5 * g1[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(W.grad, 2.5 * g1[1], rtol=1e-6, atol=0)
+    x.grad = W.grad = None
+    loss.backward()  # back to 1.0: the same gradients again
+    torch.testing.assert_close(x.grad, g1[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(W.grad, g1[1], rtol=1e-6, atol=0)
+
+
+def test_no_grad_computes_only_the_loss_and_extras(device):
+    x, W, t, _ = make_inputs(torch.float64, device)
+    t[:20] = (x[:20] @ W.t()).argmax(-1)  # some tokens predicted right, so the accuracy is in (0, 1)
+    with torch.no_grad():
+        out = truefuse.linear_cross_entropy(x, W, t, z_loss=1e-2, return_z_loss=True, return_token_accuracy=True, chunk_size=7)
+    ref = linear_cross_entropy_ref(x, W, t, z_loss=1e-2, return_z_loss=True, return_token_accuracy=True)
+    for a, r in zip(out, ref, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+    assert 0 < float(out.token_accuracy) < 1
+
+
+def test_errors(device):
+    x, W, t, _ = make_inputs(torch.float32, device)
+    lce = truefuse.linear_cross_entropy
+    bad = t.clone()
+    bad[3] = W.shape[0]
+    with pytest.raises(ValueError, match=r"target holds 203, outside \[0, 203\) and not ignore_index=-100"):
+        lce(x, W, bad)
+    bad[3] = -5
+    with pytest.raises(ValueError, match="target holds -5"):
+        lce(x, W, bad)
+    with pytest.raises(ValueError, match="linear_weight must be"):
+        lce(x, W[:, :-1], t)
+    with pytest.raises(ValueError, match="target has shape"):
+        lce(x, W, t[:-1])
+    with pytest.raises(TypeError, match="target must hold class indices"):
+        lce(x, W, t.float())
+    with pytest.raises(TypeError, match="linear_weight has dtype"):
+        lce(x, W.double(), t)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        lce(x, W, t, weight=torch.ones(7, device=device))
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        lce(x, W, t, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        lce(x, W, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="softcap"):
+        lce(x, W, t, softcap=0.0)

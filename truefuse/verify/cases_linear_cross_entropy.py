@@ -1,0 +1,81 @@
+"""Contract cases of ``linear_cross_entropy`` (bounded, DESIGN §1): the loss and the gradients of
+input, weight and bias against the float64 reference, with the plain path (``F.linear`` in the
+input dtype, cross-entropy in fp32) as the same-dtype baseline."""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
+from truefuse.ops.linear_cross_entropy import linear_cross_entropy_plain, linear_cross_entropy_ref
+from truefuse.testing import bounded_report
+from truefuse.verify.registry import register
+
+
+def make_inputs(dtype, device, N=53, H=40, V=203, lead=(), ignore="some", bias=False, seed=0):
+    """Random (input, weight, target, bias) with tokens shaped ``(*lead, N)``; ``ignore`` is
+    ``some`` (every 4th token), ``none`` or ``all``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, N, H, generator=g).to(device, dtype)
+    W = (torch.randn(V, H, generator=g) * H**-0.5 * 2).to(device, dtype)
+    t = torch.randint(0, V, (*lead, N), generator=g).to(device)
+    if ignore == "some":
+        t.view(-1)[::4] = -100
+    elif ignore == "all":
+        t.fill_(-100)
+    b = (torch.randn(V, generator=g) * 0.5).to(device, dtype) if bias else None
+    return x, W, t, b
+
+
+def check_lce(x, W, t, b=None, *, grads=("input", "linear_weight", "linear_bias"), upstream=None, **kw):
+    """Bounded reports for the loss and each asked-for gradient; ``upstream`` is the gradient of
+    the loss (default 1, or a random tensor for ``reduction="none"``)."""
+
+    def run(fn, xx, WW, bb):
+        leaves = {"input": xx.detach().clone(), "linear_weight": WW.detach().clone()}
+        if bb is not None:
+            leaves["linear_bias"] = bb.detach().clone()
+        for k, v in leaves.items():
+            v.requires_grad_(k in grads)
+        loss = fn(leaves["input"], leaves["linear_weight"], t.to(xx.device), linear_bias=leaves.get("linear_bias"), **kw)
+        up = torch.ones_like(loss) if upstream is None else upstream.to(loss)
+        wanted = [v for v in leaves.values() if v.requires_grad]
+        gs = torch.autograd.grad(loss, wanted, up) if wanted else []
+        return {
+            "loss": loss.detach(),
+            **{f"d{k}": g for (k, v), g in zip([(k, v) for k, v in leaves.items() if v.requires_grad], gs, strict=True)},
+        }
+
+    got = run(linear_cross_entropy, x, W, b)
+    base = run(linear_cross_entropy_plain, x, W, b)
+    ref = run(linear_cross_entropy_ref, x.cpu().double(), W.cpu().double(), None if b is None else b.cpu().double())
+    return {k: bounded_report(got[k], ref[k], base[k]) for k in got}
+
+
+_CASES = {
+    "mean": {},
+    "sum": {"reduction": "sum"},
+    "label_smoothing": {"label_smoothing": 0.1},
+    "z_loss": {"z_loss": 1e-3},
+    "softcap": {"softcap": 4.0},
+    "class_weight": {"weight": "w"},
+    "bias": {"bias": True},
+    "everything": {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 3.0, "weight": "w", "bias": True},
+}
+
+
+def _case(dtype, spec):
+    def case(device):
+        spec_ = dict(spec)
+        bias = spec_.pop("bias", False)
+        x, W, t, b = make_inputs(dtype, device, bias=bias)
+        if spec_.get("weight") == "w":
+            spec_["weight"] = torch.rand(W.shape[0], generator=torch.Generator().manual_seed(9)).to(device) + 0.5
+        return check_lce(x, W, t, b, chunk_size=16, **spec_)
+
+    return case
+
+
+for _dn, _dt in {"bf16": torch.bfloat16, "fp32": torch.float32}.items():
+    for _name, _spec in _CASES.items():
+        register("linear_cross_entropy", f"{_name}_{_dn}", "bounded")(_case(_dt, _spec))
