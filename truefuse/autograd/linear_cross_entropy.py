@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from truefuse.ops._triton import triton_runs
 from truefuse.ops.gemm import gemm
 from truefuse.ops.linear_cross_entropy import (
     LinearCrossEntropyOutput,
@@ -58,10 +59,22 @@ def _chunks(cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bool, b
     dW = torch.empty(W.shape, dtype=wide, device=x.device) if gw else None
     db = torch.zeros(cfg.V, dtype=wide, device=x.device) if gb else None
     per_token = torch.is_tensor(s_ce) and s_ce.dim() == 1
+    kernel = triton_runs(x)
     for i, start in enumerate(range(0, N, cfg.chunk)):
         sl = slice(start, min(start + cfg.chunk, N))
         xc = x[sl]
         logits = gemm(xc, W.t(), bias=b)
+        if kernel:  # the chunk's loss terms, and d_logits in place (Triton)
+            d = _kernel_chunk(cfg, logits, t[sl], cw, ce[sl], zl[sl], correct[sl], s_ce, s_z, W_sum, any_grad, per_token, sl)
+            if d is None:
+                continue
+            if gb:
+                db += torch.sum(d, dim=0, dtype=wide)
+            if gx:
+                dx[sl] = gemm(d, W)
+            if gw:
+                gemm(d.t(), xc, out=dW, accumulate=i > 0)
+            continue
         z = logits.to(wide)
         del logits
         if cfg.softcap is not None:
@@ -83,6 +96,25 @@ def _chunks(cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bool, b
         if gw:
             gemm(d.t(), xc, out=dW, accumulate=i > 0)
     return ce, zl, correct, (dx, dW, db)
+
+
+def _kernel_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad, per_token, sl):
+    from truefuse.kernels.cross_entropy import _lce_chunk_kernel
+
+    C = logits.shape[0]
+    if C == 0:
+        return None
+    ok_u8 = torch.empty(C, dtype=torch.uint8, device=logits.device)
+    s_ce_t = s_ce[sl] if per_token else s_ce
+    s_z_t = s_z[sl] if per_token else s_z
+    _lce_chunk_kernel[(C,)](
+        logits, logits.stride(0), t, cw if cw is not None else ce, ce, zl, ok_u8, s_ce_t.float().contiguous(),
+        s_z_t.float().contiguous(), cfg.V, cfg.ignore_index, w_sum, cfg.label_smoothing, cfg.z_loss,
+        cfg.softcap or 1.0, HAS_CW=cw is not None, SMOOTH=cfg.label_smoothing > 0, SOFTCAP=cfg.softcap is not None,
+        WANT_GRAD=want_grad, PER_TOKEN=per_token, BLOCK_V=4096 if logits.is_cuda else 64, num_warps=8,
+    )  # fmt: skip
+    ok.copy_(ok_u8.bool())
+    return logits if want_grad else None
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
