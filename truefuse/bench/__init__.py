@@ -13,6 +13,7 @@ BENCHES = {
     "linear": "truefuse.bench.bench_linear",
     "rms_norm": "truefuse.bench.bench_rms_norm",
     "grouped": "truefuse.bench.bench_grouped",
+    "linear_cross_entropy": "truefuse.bench.bench_linear_cross_entropy",
 }
 
 

@@ -1,0 +1,94 @@
+"""``python -m truefuse bench linear_cross_entropy``: LM-head loss forward + backward, bf16.
+
+Shapes (tokens, V, H) from the issue. Providers, side by side in one run (ratios against
+``gemms``, the shape's three cuBLAS GEMMs: logits, input gradient, weight gradient):
+
+* ``truefuse`` (default chunk) and ``truefuse_c{N}`` (chunk of N tokens): the chunk sweep;
+* ``plain``: ``F.linear`` in bf16, ``F.cross_entropy`` on the fp32 logits (what users write);
+* ``compile_ref``: ``torch.compile`` of ``linear_cross_entropy_ref`` (fp32 ``F.linear``).
+
+liger-kernel and cut-cross-entropy are not installed on the GPU machine here (no wheels carried).
+``peak MiB`` is above the inputs; the returned gradients (input + weight, bf16) are part of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
+from truefuse.bench.harness import Sweep
+from truefuse.ops.linear_cross_entropy import linear_cross_entropy_ref
+
+_BF = torch.bfloat16
+
+
+def _inputs(p, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = (torch.randn(p["N"], p["H"], generator=g, device=device, dtype=_BF)).requires_grad_()
+    W = (torch.randn(p["V"], p["H"], generator=g, device=device, dtype=_BF) * p["H"] ** -0.5).requires_grad_()
+    t = torch.randint(0, p["V"], (p["N"],), generator=g, device=device)
+    return x, W, t
+
+
+def _step(loss_fn):
+    def make(p, device):
+        x, W, t = _inputs(p, device)
+
+        def fn():
+            x.grad = W.grad = None
+            loss_fn(x, W, t).backward()
+
+        return fn
+
+    return make
+
+
+def _gemms(p, device):
+    x, W, _ = _inputs(p, device)
+    x, W = x.detach(), W.detach()
+    d = torch.randn(p["N"], p["V"], device=device, dtype=_BF)
+    return lambda: (x @ W.t(), d @ W, d.t() @ x)
+
+
+def _plain(x, W, t):
+    return F.cross_entropy(F.linear(x, W).float(), t)
+
+
+_compiled = None
+
+
+def _compile_ref(x, W, t):
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(linear_cross_entropy_ref)
+    return _compiled(x, W, t)
+
+
+def sweep(quick: bool) -> Sweep:
+    if quick:
+        points = [{"N": 64, "V": 500, "H": 32}]
+    else:
+        points = [
+            {"N": 8192, "V": 128256, "H": 4096},
+            {"N": 16384, "V": 128256, "H": 4096},
+            {"N": 8192, "V": 32000, "H": 4096},
+            {"N": 4096, "V": 256000, "H": 2304},
+        ]
+    providers = {
+        "gemms": _gemms,
+        "truefuse": _step(linear_cross_entropy),
+        "plain": _step(_plain),
+        "compile_ref": _step(_compile_ref),
+    }
+    for c in (1024, 2048, 4096):
+        providers[f"truefuse_c{c}"] = _step(lambda x, W, t, c=c: linear_cross_entropy(x, W, t, chunk_size=c))
+    return Sweep(
+        name="linear_cross_entropy",
+        points=points,
+        providers=providers,
+        reference="gemms",
+        x="N",
+        flops=lambda p: 6.0 * p["N"] * p["V"] * p["H"],
+        rounds=2,
+    )
