@@ -37,8 +37,9 @@ def check_lce(x, W, t, b=None, *, grads=("input", "linear_weight", "linear_bias"
             leaves["linear_bias"] = bb.detach().clone()
         for k, v in leaves.items():
             v.requires_grad_(k in grads)
-        loss = fn(leaves["input"], leaves["linear_weight"], t.to(xx.device), linear_bias=leaves.get("linear_bias"), **kw)
-        up = torch.ones_like(loss) if upstream is None else upstream.to(loss)
+        kw_dev = {k: v.to(xx.device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        loss = fn(leaves["input"], leaves["linear_weight"], t.to(xx.device), linear_bias=leaves.get("linear_bias"), **kw_dev)
+        up = torch.ones_like(loss) if upstream is None else upstream.to(loss.device, loss.dtype)
         wanted = [v for v in leaves.values() if v.requires_grad]
         gs = torch.autograd.grad(loss, wanted, up) if wanted else []
         return {
