@@ -8,9 +8,9 @@ inside the GEMM (beta=1). For ``mean`` and ``sum`` the gradients are computed in
 grad is enabled) and the backward scales them by ``grad_output``; ``none`` (a per-token upstream
 gradient) recomputes the chunks in the backward instead.
 
-Status: the chunk math runs in PyTorch on every device; the fused Triton chunk kernel of the
-issue (loss, logsumexp and d_logits in place, online softmax) is not written yet, so on a GPU this
-path is lean in memory, not yet fast.
+The chunk's loss terms and d_logits come from one Triton kernel (``kernels/cross_entropy.py``:
+online softmax over V blocks, fp32 math, d_logits written in place over the logits) on CUDA and
+for fp32 under the CPU interpreter; elsewhere from the same math in PyTorch (``chunk_math``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from truefuse.ops.linear_cross_entropy import (
     chunk_math,
 )
 
-#: Logits budget of one chunk (fp32 bytes) when ``chunk_size`` is None.
-CHUNK_BYTES = 256 << 20
+#: Logits budget of one chunk (bytes in the input dtype) when ``chunk_size`` is None. Measured on
+#: the H200 (docs/benchmarks.md): at 8192 x 128256 x 4096 chunks of 512 / 1024 / 2048 / 4096 tokens
+#: took 58.6 / 50.2 / 47.3 / 45.4 ms, the last with 1 GiB more peak memory; 512 MiB picks 2048 there.
+CHUNK_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -196,8 +198,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return dx, dW, db, None, None, None
 
 
-def _default_chunk(N: int, V: int) -> int:
-    return max(1, min(N, CHUNK_BYTES // (4 * max(V, 1))))
+def _default_chunk(N: int, V: int, itemsize: int) -> int:
+    """The largest power of two of tokens whose logits fit in CHUNK_BYTES (at least 1, at most N)."""
+    fit = max(1, CHUNK_BYTES // (itemsize * max(V, 1)))
+    return max(1, min(N, 1 << (fit.bit_length() - 1)))
 
 
 def linear_cross_entropy(
@@ -226,7 +230,8 @@ def linear_cross_entropy(
         reduction: ``mean`` | ``sum`` | ``none`` (per token, shaped like ``target``).
         label_smoothing, z_loss, softcap: as in :func:`truefuse.ops.linear_cross_entropy.linear_cross_entropy_ref`.
         return_z_loss, return_token_accuracy: also return those (not differentiable).
-        chunk_size: tokens per chunk (default: a fixed logits budget, ``CHUNK_BYTES``).
+        chunk_size: tokens per chunk (default: the largest power of two whose logits fit in
+            ``CHUNK_BYTES``, 512 MiB: 2048 tokens at V = 128256 in bf16).
 
     Returns:
         The loss, or a :class:`LinearCrossEntropyOutput` when an extra is asked for. Differentiable
