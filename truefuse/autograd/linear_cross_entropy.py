@@ -258,7 +258,7 @@ def linear_cross_entropy(
         float(label_smoothing),
         float(z_loss),
         softcap,
-        chunk_size or _default_chunk(x.shape[0], V),
+        chunk_size or _default_chunk(x.shape[0], V, x.element_size()),
     )
     loss, z_part, acc = LinearCrossEntropyFunction.apply(x, linear_weight, linear_bias, t, cw, cfg)
     if reduction == "none":
