@@ -8,7 +8,7 @@ OUT="${OUT:-gpu_results}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-BENCHES="${BENCHES:-gemm linear rms_norm grouped}"
+BENCHES="${BENCHES-gemm linear rms_norm grouped linear_cross_entropy}"  # BENCHES="" runs none
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"

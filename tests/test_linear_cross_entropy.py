@@ -109,3 +109,13 @@ def test_errors(device):
         lce(x, W, t, label_smoothing=1.5)
     with pytest.raises(ValueError, match="softcap"):
         lce(x, W, t, softcap=0.0)
+
+
+def test_module_matches_function(device):
+    x, W, t, b = make_inputs(torch.float64, device, bias=True)
+    cw = torch.rand(W.shape[0], dtype=torch.float64, device=device)
+    m = truefuse.LinearCrossEntropyLoss(weight=cw, label_smoothing=0.1, z_loss=1e-3, chunk_size=8)
+    got = m(x, W, t, b)
+    want = linear_cross_entropy_ref(x, W, t, linear_bias=b, weight=cw, label_smoothing=0.1, z_loss=1e-3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert "label_smoothing=0.1" in repr(m)

@@ -19,6 +19,7 @@ from truefuse.nn.grouped import GroupedLinear, GroupedMLP
 from truefuse.nn.layernorm_linear import LayerNormLinear
 from truefuse.nn.layernorm_mlp import LayerNormMLP
 from truefuse.nn.linear import Linear
+from truefuse.nn.linear_cross_entropy import LinearCrossEntropyLoss
 from truefuse.nn.rms_norm import RMSNorm
 from truefuse.ops.gated_activation import gated_activation_ref
 from truefuse.ops.gemm import GemmOutput, gemm, gemm_plan_for, gemm_ref
@@ -36,6 +37,7 @@ __all__ = [
     "GroupedLinear",
     "GroupedMLP",
     "LayerNormLinear",
+    "LinearCrossEntropyLoss",
     "LinearCrossEntropyOutput",
     "LayerNormMLP",
     "Linear",

@@ -1,0 +1,46 @@
+"""``truefuse.LinearCrossEntropyLoss``: the module form of ``truefuse.linear_cross_entropy``."""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """Holds the loss options; ``forward(input, linear_weight, target, linear_bias=None)``.
+
+    Args:
+        weight: (V,) per-class weights or None (a buffer, like ``torch.nn.CrossEntropyLoss``'s).
+        reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss,
+        return_token_accuracy, chunk_size: as :func:`truefuse.linear_cross_entropy`.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor | None = None,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        *,
+        z_loss: float = 0.0,
+        softcap: float | None = None,
+        return_z_loss: bool = False,
+        return_token_accuracy: bool = False,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.reduction, self.ignore_index, self.label_smoothing = reduction, ignore_index, label_smoothing
+        self.z_loss, self.softcap, self.chunk_size = z_loss, softcap, chunk_size
+        self.return_z_loss, self.return_token_accuracy = return_z_loss, return_token_accuracy
+
+    def forward(self, input, linear_weight, target, linear_bias=None):
+        return linear_cross_entropy(
+            input, linear_weight, target, linear_bias=linear_bias, weight=self.weight, reduction=self.reduction,
+            ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
+            return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, chunk_size=self.chunk_size,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction}, ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}"
