@@ -43,4 +43,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         )  # fmt: skip
 
     def extra_repr(self) -> str:
-        return f"reduction={self.reduction}, ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}"
+        return (
+            f"reduction={self.reduction}, ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+            f"z_loss={self.z_loss}, softcap={self.softcap}"
+        )
