@@ -24,8 +24,9 @@ def grads(fn, xx, WW):
 
 ref = grads(lambda a, b: F.cross_entropy(F.linear(a, b), t), x.float(), W.float())
 plain = grads(lambda a, b: F.cross_entropy(F.linear(a, b).float(), t), x, W)
-for chunk in (None, 1024, 4096):
-    ours = grads(lambda a, b, c=chunk: truefuse.linear_cross_entropy(a, b, t, chunk_size=c), x, W)
-    for name, i in (("d_input", 0), ("d_weight", 1)):
-        e_o, e_p = rel_error(ours[i], ref[i]), rel_error(plain[i], ref[i])
-        print(f"chunk={chunk} {name}: truefuse {e_o:.3e} plain {e_p:.3e} ratio {e_o / e_p:.3f}")
+for fp32 in (True, False):
+    for chunk in (None, 1024, 4096):
+        ours = grads(lambda a, b, c=chunk, f=fp32: truefuse.linear_cross_entropy(a, b, t, chunk_size=c, fp32_weight_grad=f), x, W)
+        for name, i in (("d_input", 0), ("d_weight", 1)):
+            e_o, e_p = rel_error(ours[i], ref[i]), rel_error(plain[i], ref[i])
+            print(f"fp32_weight_grad={fp32} chunk={chunk} {name}: truefuse {e_o:.3e} plain {e_p:.3e} ratio {e_o / e_p:.3f}")

@@ -119,3 +119,15 @@ def test_module_matches_function(device):
     want = linear_cross_entropy_ref(x, W, t, linear_bias=b, weight=cw, label_smoothing=0.1, z_loss=1e-3)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert "label_smoothing=0.1" in repr(m)
+
+
+def test_weight_grad_accumulated_in_the_weight_dtype(device):
+    """fp32_weight_grad=False: one rounding per chunk; with a single chunk it is the same GEMM."""
+    x, W, t, _ = make_inputs(torch.float32, device)
+    grads = []
+    for fp32, chunk in ((True, 1000), (False, 1000), (False, 16)):
+        Wl = W.clone().requires_grad_()
+        truefuse.linear_cross_entropy(x, Wl, t, chunk_size=chunk, fp32_weight_grad=fp32).backward()
+        grads.append(Wl.grad)
+    assert torch.equal(grads[0], grads[1])
+    torch.testing.assert_close(grads[2], grads[0], rtol=1e-5, atol=1e-7)

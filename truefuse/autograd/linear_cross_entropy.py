@@ -45,6 +45,7 @@ class _Cfg:
     z_loss: float
     softcap: float | None
     chunk: int
+    fp32_weight_grad: bool = True
 
 
 @contextlib.contextmanager
@@ -78,7 +79,11 @@ def _chunks_body(cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bo
     zl = torch.empty(N, dtype=wide, device=x.device)
     correct = torch.empty(N, dtype=torch.bool, device=x.device)
     dx = torch.empty_like(x) if gx else None
-    dW = torch.empty(W.shape, dtype=wide, device=x.device) if gw else None
+    # d_weight accumulates across chunks inside the GEMM (beta=1): in fp32 (one rounding at the
+    # end, as accurate as one GEMM over all tokens; V*H*4 bytes more) or in the weight's dtype
+    # (no extra memory; one rounding per chunk)
+    acc_dtype = wide if cfg.fp32_weight_grad else W.dtype
+    dW = torch.empty(W.shape, dtype=acc_dtype, device=x.device) if gw else None
     db = torch.zeros(cfg.V, dtype=wide, device=x.device) if gb else None
     per_token = torch.is_tensor(s_ce) and s_ce.dim() == 1
     kernel = triton_runs(x)
@@ -219,6 +224,7 @@ def linear_cross_entropy(
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
     chunk_size: int | None = None,
+    fp32_weight_grad: bool = True,
 ):
     """Cross-entropy of ``input @ linear_weightᵀ + linear_bias`` against ``target``, in chunks of tokens.
 
@@ -232,6 +238,9 @@ def linear_cross_entropy(
         return_z_loss, return_token_accuracy: also return those (not differentiable).
         chunk_size: tokens per chunk (default: the largest power of two whose logits fit in
             ``CHUNK_BYTES``, 512 MiB: 2048 tokens at V = 128256 in bf16).
+        fp32_weight_grad: accumulate the weight gradient across chunks in fp32 and round once
+            (default: as accurate as the plain path; V·H·4 bytes of memory), or in the weight's
+            dtype (no extra memory, one rounding per chunk; measured in docs/benchmarks.md).
 
     Returns:
         The loss, or a :class:`LinearCrossEntropyOutput` when an extra is asked for. Differentiable
@@ -259,6 +268,7 @@ def linear_cross_entropy(
         float(z_loss),
         softcap,
         chunk_size or _default_chunk(x.shape[0], V, x.element_size()),
+        bool(fp32_weight_grad),
     )
     loss, z_part, acc = LinearCrossEntropyFunction.apply(x, linear_weight, linear_bias, t, cw, cfg)
     if reduction == "none":

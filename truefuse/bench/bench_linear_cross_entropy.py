@@ -4,6 +4,7 @@ Shapes (tokens, V, H) from the issue. Providers, side by side in one run (ratios
 ``gemms``, the shape's three cuBLAS GEMMs: logits, input gradient, weight gradient):
 
 * ``truefuse`` (default chunk) and ``truefuse_c{N}`` (chunk of N tokens): the chunk sweep;
+  ``truefuse_bf16acc_c{N}``: the weight gradient accumulated in bf16 (``fp32_weight_grad=False``);
 * ``plain``: ``F.linear`` in bf16, ``F.cross_entropy`` on the fp32 logits (what users write);
 * ``compile_ref``: ``torch.compile`` of ``linear_cross_entropy_ref`` (fp32 ``F.linear``).
 
@@ -83,6 +84,10 @@ def sweep(quick: bool) -> Sweep:
     }
     for c in (1024, 2048, 4096):
         providers[f"truefuse_c{c}"] = _step(lambda x, W, t, c=c: linear_cross_entropy(x, W, t, chunk_size=c))
+    for c in (2048, 4096):  # weight gradient accumulated in bf16: no fp32 accumulator
+        providers[f"truefuse_bf16acc_c{c}"] = _step(
+            lambda x, W, t, c=c: linear_cross_entropy(x, W, t, chunk_size=c, fp32_weight_grad=False)
+        )
     return Sweep(
         name="linear_cross_entropy",
         points=points,
