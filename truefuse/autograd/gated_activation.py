@@ -1,25 +1,11 @@
-"""``gated_activation(x, name)``: swiglu / geglu / reglu with a fused Triton forward and backward."""
+"""``gated_activation(x, name)``: swiglu / geglu / reglu with a fused Triton forward and backward,
+through the custom op ``torch.ops.truefuse.gated_activation_fwd`` (its backward registered on it)."""
 
 from __future__ import annotations
 
 import torch
 
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_bwd, gated_fwd, use_kernel
-
-
-class GatedActivationFunction(torch.autograd.Function):
-    """``act(gate) * up`` on a contiguous (M, 2F) input; saves only the input."""
-
-    @staticmethod
-    def forward(ctx, x, name):
-        ctx.save_for_backward(x)
-        ctx.name = name
-        return gated_fwd(x, name)
-
-    @staticmethod
-    def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        return gated_bwd(dy.contiguous(), x, ctx.name), None
+from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_fwd_op, use_kernel
 
 
 def gated_activation(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -39,5 +25,5 @@ def gated_activation(x: torch.Tensor, name: str) -> torch.Tensor:
     if not use_kernel(x):
         return gated_activation_ref(x, name)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = GatedActivationFunction.apply(x2, name)
+    y = gated_fwd_op(x2, name)
     return y.view(*x.shape[:-1], x.shape[-1] // 2)

@@ -1,7 +1,9 @@
-"""``truefuse.rms_norm`` / ``truefuse.layer_norm``: validation, flattening, the autograd Function.
+"""``truefuse.rms_norm`` / ``truefuse.layer_norm``: validation, flattening, dispatch.
 
-The Triton kernels run where ``ops.norm.use_kernel`` says (CUDA; fp32 under the CPU interpreter);
-elsewhere the reference itself runs and autograd differentiates it. Both follow one rounding rule
+The Triton kernels run where ``ops.norm.use_kernel`` says (CUDA; fp32 under the CPU interpreter),
+through the custom op ``torch.ops.truefuse.norm_fwd`` whose backward is registered on it (so
+``torch.compile`` sees one opaque op); elsewhere the reference itself runs and autograd
+differentiates it. Both follow one rounding rule
 (``truefuse/kernels/norm.py``): fp32 statistics, one rounding of the output.
 """
 
@@ -9,28 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops.norm import layer_norm_ref, norm_bwd, norm_fwd, rms_norm_ref, use_kernel
+from truefuse.ops.norm import layer_norm_ref, norm_fwd_op, rms_norm_ref, use_kernel
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-class NormFunction(torch.autograd.Function):
-    """RMSNorm (``rms=True``) or LayerNorm over the last dimension of a contiguous 2-D input."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms, zero_centered_gamma):
-        y, mean, rstd = norm_fwd(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.rms, ctx.zero_centered_gamma = rms, zero_centered_gamma
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = norm_bwd(
-            dy.contiguous(), x, weight, bias, mean, rstd, rms=ctx.rms, zero_centered_gamma=ctx.zero_centered_gamma
-        )
-        return dx, dw, db, None, None, None
 
 
 def _check(x, params: dict[str, torch.Tensor | None], eps) -> None:
@@ -63,7 +46,7 @@ def _run(x, weight, bias, eps, rms: bool, zero_centered_gamma: bool):
             return rms_norm_ref(x, weight, eps, zero_centered_gamma=zero_centered_gamma)
         return layer_norm_ref(x, weight, bias, eps, zero_centered_gamma=zero_centered_gamma)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = NormFunction.apply(x2, weight, bias, float(eps), rms, zero_centered_gamma)
+    y = norm_fwd_op(x2, weight, bias, float(eps), rms, zero_centered_gamma)[0]
     return y.view(x.shape)
 
 

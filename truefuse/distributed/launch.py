@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world_size, init_file, backend, fn, args, queue):
+def _worker(rank, world_size, init_file, backend, fn, args, queue, received):
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         try:
@@ -20,6 +20,9 @@ def _worker(rank, world_size, init_file, backend, fn, args, queue):
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001  (reported to the parent with its traceback)
         queue.put((rank, False, traceback.format_exc()))
+    # tensors in the result travel as shared-memory handles that this process serves: stay alive
+    # until the parent has received every result (exiting first reset the connection under load)
+    received.wait(timeout=120)
 
 
 def run_local(world_size: int, fn: Callable, *args, backend: str = "gloo", timeout_s: float = 300.0) -> list:
@@ -32,10 +35,12 @@ def run_local(world_size: int, fn: Callable, *args, backend: str = "gloo", timeo
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    received = ctx.Event()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, backend, fn, args, queue)) for r in range(world_size)
+            ctx.Process(target=_worker, args=(r, world_size, init_file, backend, fn, args, queue, received))
+            for r in range(world_size)
         ]
         for p in procs:
             p.start()
@@ -47,6 +52,7 @@ def run_local(world_size: int, fn: Callable, *args, backend: str = "gloo", timeo
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
                 results[rank] = value
         finally:
+            received.set()
             for p in procs:
                 p.join(timeout=30)
                 if p.is_alive():

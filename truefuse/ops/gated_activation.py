@@ -90,3 +90,51 @@ def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool =
             ACT=ACT_CODES[act], GATED=gated, STORE_ACT=recompute, BLOCK=block,
         )  # fmt: skip
     return (dx, y) if recompute else dx
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library custom ops (DESIGN §6.7), with fake implementations and the backward on the op.
+
+
+@torch.library.custom_op("truefuse::gated_activation_fwd", mutates_args=())
+def gated_fwd_op(x: torch.Tensor, name: str) -> torch.Tensor:
+    """:func:`gated_fwd` as an op: contiguous (M, 2F) or (M, F) -> (M, F)."""
+    return gated_fwd(x, name)
+
+
+@gated_fwd_op.register_fake
+def _(x, name):
+    F = x.shape[1] // (2 if name in GATED_ACTIVATIONS else 1)
+    return x.new_empty((x.shape[0], F))
+
+
+@torch.library.custom_op("truefuse::gated_activation_bwd", mutates_args=())
+def gated_bwd_op(dy: torch.Tensor, x: torch.Tensor, name: str) -> torch.Tensor:
+    """:func:`gated_bwd` as an op: returns the gradient of ``x``."""
+    return gated_bwd(dy.contiguous(), x, name)
+
+
+@gated_bwd_op.register_fake
+def _(dy, x, name):
+    return torch.empty_like(x)
+
+
+def _gated_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.name = inputs[1]
+
+
+def _gated_backward(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return gated_bwd_op(dy, x, ctx.name), None
+
+
+gated_fwd_op.register_autograd(_gated_backward, setup_context=_gated_setup)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("truefuse gated activations do not support double backward")
+
+
+# registered so that tracing a backward graph (torch.compile, AOT) accepts the op; never run
+gated_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)

@@ -156,3 +156,78 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     block = 64
     _sum_partials_kernel[(-(-N // block),)](part, out, P, N, BLOCK_P=32, BLOCK_N=block, num_warps=4)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library custom ops (DESIGN §6.7): opaque to torch.compile, with fake implementations and
+# the backward registered on the op. Optional outputs are empty tensors (an op returns no None).
+
+
+@torch.library.custom_op("truefuse::norm_fwd", mutates_args=())
+def norm_fwd_op(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool, zero_centered_gamma: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``norm_fwd`` as an op: ``(y, mean or empty, rstd)`` for a contiguous (M, N) ``x``."""
+    y, mean, rstd = norm_fwd(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma)
+    return y, (rstd.new_empty(0) if mean is None else mean), rstd
+
+
+@norm_fwd_op.register_fake
+def _(x, weight, bias, eps, rms, zero_centered_gamma):
+    M = x.shape[0]
+    f32 = torch.float32
+    return torch.empty_like(x), x.new_empty((0,) if rms else (M,), dtype=f32), x.new_empty((M,), dtype=f32)
+
+
+@torch.library.custom_op("truefuse::norm_bwd", mutates_args=())
+def norm_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``norm_bwd`` as an op: ``(dx, dweight or empty, dbias or empty)``."""
+    dx, dw, db = norm_bwd(
+        dy.contiguous(), x, weight, bias, None if rms else mean, rstd, rms=rms, zero_centered_gamma=zero_centered_gamma
+    )
+    empty = x.new_empty(0)
+    return dx, (empty if dw is None else dw), (empty if db is None else db)
+
+
+@norm_bwd_op.register_fake
+def _(dy, x, weight, bias, mean, rstd, rms, zero_centered_gamma):
+    empty = x.new_empty(0)
+    return (
+        torch.empty_like(x),
+        empty if weight is None else torch.empty_like(weight),
+        empty if bias is None else torch.empty_like(bias),
+    )
+
+
+def _norm_setup(ctx, inputs, output):
+    x, weight, bias, _eps, rms, zero_centered_gamma = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.rms, ctx.zero_centered_gamma = rms, zero_centered_gamma
+
+
+def _norm_backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = norm_bwd_op(dy, x, weight, bias, mean, rstd, ctx.rms, ctx.zero_centered_gamma)
+    return dx, (None if weight is None else dw), (None if bias is None else db), None, None, None
+
+
+norm_fwd_op.register_autograd(_norm_backward, setup_context=_norm_setup)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("truefuse norms do not support double backward (create_graph=True through the backward)")
+
+
+# registered so that tracing a backward graph (torch.compile, AOT) accepts the op; never run
+norm_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
