@@ -15,6 +15,15 @@ def check_normalization(normalization: str) -> None:
         raise ValueError(f"normalization={normalization!r} is not supported; choose one of {NORMALIZATIONS}")
 
 
+def apply_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module's norm (``normalization``, ``layer_norm_weight`` / ``_bias``, ``eps``,
+    ``zero_centered_gamma``) on ``x``: shared by LayerNormLinear and LayerNormMLP."""
+    zc = module.zero_centered_gamma
+    if module.normalization == "RMSNorm":
+        return rms_norm(x, module.layer_norm_weight, module.eps, zero_centered_gamma=zc)
+    return layer_norm(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, zero_centered_gamma=zc)
+
+
 class LayerNormLinear(WgradModule):
     """``linear(norm(x))``, optionally returning ``norm(x)`` too.
 
@@ -70,14 +79,9 @@ class LayerNormLinear(WgradModule):
     def gemm_weights(self):
         return [("weight", self.weight)]
 
-    def _norm(self, x):
-        if self.normalization == "RMSNorm":
-            return rms_norm(x, self.layer_norm_weight, self.eps, zero_centered_gamma=self.zero_centered_gamma)
-        return layer_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, zero_centered_gamma=self.zero_centered_gamma)
-
     def forward(self, x: torch.Tensor):
         self._check_input(x, self.in_features, self.weight)
-        ln_out = self._norm(x)
+        ln_out = apply_norm(self, x)
         out = linear(ln_out, self.weight, self.bias, state=self._wgrad)
         return (out, ln_out) if self.return_layernorm_output else out
 

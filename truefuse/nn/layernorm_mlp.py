@@ -7,7 +7,7 @@ import torch
 from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.linear import linear
 from truefuse.nn._base import WgradModule, init_linear_
-from truefuse.nn.layernorm_linear import LayerNormLinear, check_normalization
+from truefuse.nn.layernorm_linear import apply_norm, check_normalization
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS
 from truefuse.ops.linear import MLP_ACTIVATIONS, layernorm_mlp_ref
 
@@ -75,11 +75,9 @@ class LayerNormMLP(WgradModule):
     def gemm_weights(self):
         return [("fc1_weight", self.fc1_weight), ("fc2_weight", self.fc2_weight)]
 
-    _norm = LayerNormLinear._norm
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.hidden_size, self.fc1_weight)
-        h = self._norm(x)
+        h = apply_norm(self, x)
         if self.activation in GATED_ACTIVATIONS:
             h = linear(h, self.fc1_weight, self.fc1_bias, state=self._wgrad, weight_name="fc1_weight")
             h = gated_activation(h, self.activation)
