@@ -20,7 +20,7 @@ from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops.activation import activation_ref
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_bwd, gated_fwd, use_kernel
 from truefuse.ops.gemm import gemm as _gemm
-from truefuse.ops.gemm_exec import wide_dtype
+from truefuse.ops.gemm_exec import split_bias_grad
 from truefuse.ops.gemm_plan import Capability, override_capabilities
 
 
@@ -89,7 +89,7 @@ def grouped_dgrad(spec: GroupSpec, dy, weights) -> torch.Tensor:
 
 def grouped_bgrad(spec: GroupSpec, dy, biases) -> list[torch.Tensor]:
     """Per group ``Σ_rows dy`` in fp32 rounded once (DESIGN §3's split formula, as LinearFunction)."""
-    sums = [torch.sum(dy[sl], dim=0, dtype=wide_dtype(dy)).to(biases[0].dtype) for sl in spec.slices()]
+    sums = [split_bias_grad(dy[sl], biases[0].dtype) for sl in spec.slices()]
     return [torch.stack(sums)] if spec.packed else sums
 
 

@@ -12,7 +12,7 @@ import torch
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops.activation import activation_grad_ref
 from truefuse.ops.gemm import gemm
-from truefuse.ops.gemm_exec import wide_dtype
+from truefuse.ops.gemm_exec import split_bias_grad
 
 
 class LinearFunction(torch.autograd.Function):
@@ -43,7 +43,7 @@ class LinearFunction(torch.autograd.Function):
         db = None
         if ctx.needs_input_grad[2]:
             # DESIGN §3's split bias-gradient formula, the same whatever the backends fuse
-            db = torch.sum(d, dim=0, dtype=wide_dtype(d)).to(ctx.bias_dtype)
+            db = split_bias_grad(d, ctx.bias_dtype)
         dw = None
         if ctx.needs_input_grad[1]:
 

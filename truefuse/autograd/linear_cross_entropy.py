@@ -15,19 +15,22 @@ for fp32 under the CPU interpreter; elsewhere from the same math in PyTorch (``c
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.gemm import gemm
+from truefuse.ops.gemm_exec import wide_dtype
 from truefuse.ops.linear_cross_entropy import (
     LinearCrossEntropyOutput,
-    _reduce,
     check_args,
     check_targets,
     chunk_math,
+    mean_scales,
+    reduce_terms,
+    target_weights,
+    token_accuracy,
 )
 
 #: Logits budget of one chunk (bytes in the input dtype) when ``chunk_size`` is None. Measured on
@@ -48,33 +51,15 @@ class _Cfg:
     fp32_weight_grad: bool = True
 
 
-@contextlib.contextmanager
-def _fp32_reductions():
-    """cuBLAS may reduce split-K partials in bf16/fp16 (PyTorch's default allows it). Small chunks
-    made it do so and lost accuracy against the plain path (measured: loss error 1.6x at 16-token
-    chunks on the H200), so the op's GEMMs forbid it."""
-    m = torch.backends.cuda.matmul
-    old = m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction
-    m.allow_bf16_reduced_precision_reduction = m.allow_fp16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = old
-
-
 def _chunks(cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bool, bool]):
-    with _fp32_reductions():
-        return _chunks_body(cfg, x, W, b, t, cw, s_ce, s_z, want_grad)
+    """Run every chunk; returns per-token (ce, zl, correct) and (dx, dW, db) as asked.
 
-
-def _chunks_body(cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bool, bool]):
-    """Run every chunk; returns per-token (ce, zl, correct) and (dx, dW fp32, db fp32) as asked."""
+    ``s_ce`` / ``s_z``: 0-dim scales of the reduction, or (N,) per-token upstream gradients."""
     N = x.shape[0]
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    wide = wide_dtype(x)
     gx, gw, gb = want_grad
     any_grad = gx or gw or gb
-    valid = t != cfg.ignore_index
-    W_sum = float(cw.sum()) if cw is not None else float(cfg.V)
+    W_sum = float(cw.sum()) if cw is not None else float(cfg.V)  # one host sync, before the loop
     ce = torch.empty(N, dtype=wide, device=x.device)
     zl = torch.empty(N, dtype=wide, device=x.device)
     correct = torch.empty(N, dtype=torch.bool, device=x.device)
@@ -85,39 +70,20 @@ def _chunks_body(cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bo
     acc_dtype = wide if cfg.fp32_weight_grad else W.dtype
     dW = torch.empty(W.shape, dtype=acc_dtype, device=x.device) if gw else None
     db = torch.zeros(cfg.V, dtype=wide, device=x.device) if gb else None
-    per_token = torch.is_tensor(s_ce) and s_ce.dim() == 1
-    kernel = triton_runs(x)
+    per_token = s_ce.dim() == 1
+    chunk = _kernel_chunk if triton_runs(x) else _torch_chunk
     for i, start in enumerate(range(0, N, cfg.chunk)):
         sl = slice(start, min(start + cfg.chunk, N))
         xc = x[sl]
         logits = gemm(xc, W.t(), bias=b)
-        if kernel:  # the chunk's loss terms, and d_logits in place (Triton)
-            d = _kernel_chunk(cfg, logits, t[sl], cw, ce[sl], zl[sl], correct[sl], s_ce, s_z, W_sum, any_grad, per_token, sl)
-            if d is None:
-                continue
-            if gb:
-                db += torch.sum(d, dim=0, dtype=wide)
-            if gx:
-                dx[sl] = gemm(d, W)
-            if gw:
-                gemm(d.t(), xc, out=dW, accumulate=i > 0)
-            continue
-        z = logits.to(wide)
-        del logits
-        if cfg.softcap is not None:
-            z = cfg.softcap * torch.tanh(z / cfg.softcap)
-        c_ce, c_zl, c_ok, g = chunk_math(
-            z, t[sl], valid[sl], cw, V=cfg.V, W_sum=W_sum, label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss,
-            softcap_z=None if cfg.softcap is None else (cfg.softcap, z),
-            s_ce=s_ce[sl] if per_token else s_ce, s_z=s_z[sl] if per_token else s_z, want_grad=any_grad,
-        )  # fmt: skip
-        ce[sl], zl[sl], correct[sl] = c_ce, c_zl, c_ok
-        if g is None:
+        scales = (s_ce[sl], s_z[sl]) if per_token else (s_ce, s_z)
+        # the chunk's loss terms into ce/zl/correct, and d_logits in the input dtype (the GEMM
+        # operands are in the input dtype, as the plain path's are), or None without gradients
+        d = chunk(cfg, logits, t[sl], cw, ce[sl], zl[sl], correct[sl], *scales, W_sum, any_grad)
+        if d is None:
             continue
         if gb:
-            db += g.sum(0)
-        d = g.to(x.dtype)  # the GEMM operands are in the input dtype, as the plain path's are
-        del g, z
+            db += torch.sum(d, dim=0, dtype=wide)
         if gx:
             dx[sl] = gemm(d, W)
         if gw:
@@ -125,22 +91,32 @@ def _chunks_body(cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bo
     return ce, zl, correct, (dx, dW, db)
 
 
-def _kernel_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad, per_token, sl):
+def _torch_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad):
+    """The chunk in PyTorch (``chunk_math``, fp32 or fp64): the path off CUDA and for fp64."""
+    z = logits.to(wide_dtype(logits))
+    if cfg.softcap is not None:
+        z = cfg.softcap * torch.tanh(z / cfg.softcap)
+    c_ce, c_zl, c_ok, g = chunk_math(
+        z, t, t != cfg.ignore_index, cw, V=cfg.V, W_sum=w_sum, label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss,
+        softcap=cfg.softcap, s_ce=s_ce, s_z=s_z, want_grad=want_grad,
+    )  # fmt: skip
+    ce.copy_(c_ce), zl.copy_(c_zl), ok.copy_(c_ok)
+    return None if g is None else g.to(logits.dtype)
+
+
+def _kernel_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad):
+    """The chunk in one Triton kernel; d_logits is written over the logits in place."""
     from truefuse.kernels.cross_entropy import _lce_chunk_kernel
 
     C = logits.shape[0]
     if C == 0:
         return None
-    ok_u8 = torch.empty(C, dtype=torch.uint8, device=logits.device)
-    s_ce_t = s_ce[sl] if per_token else s_ce
-    s_z_t = s_z[sl] if per_token else s_z
     _lce_chunk_kernel[(C,)](
-        logits, logits.stride(0), t, cw if cw is not None else ce, ce, zl, ok_u8, s_ce_t.float().contiguous(),
-        s_z_t.float().contiguous(), cfg.V, cfg.ignore_index, w_sum, cfg.label_smoothing, cfg.z_loss,
-        cfg.softcap or 1.0, HAS_CW=cw is not None, SMOOTH=cfg.label_smoothing > 0, SOFTCAP=cfg.softcap is not None,
-        WANT_GRAD=want_grad, PER_TOKEN=per_token, BLOCK_V=4096 if logits.is_cuda else 64, num_warps=8,
+        logits, logits.stride(0), t, cw if cw is not None else ce, ce, zl, ok, s_ce.contiguous(), s_z.contiguous(),
+        cfg.V, cfg.ignore_index, w_sum, cfg.label_smoothing, cfg.z_loss, cfg.softcap or 1.0, HAS_CW=cw is not None,
+        SMOOTH=cfg.label_smoothing > 0, SOFTCAP=cfg.softcap is not None, WANT_GRAD=want_grad, PER_TOKEN=s_ce.dim() == 1,
+        BLOCK_V=4096 if logits.is_cuda else 64, num_warps=8,
     )  # fmt: skip
-    ok.copy_(ok_u8.bool())
     return logits if want_grad else None
 
 
@@ -149,22 +125,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, W, b, t, cw, cfg: _Cfg):
-        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        wide = wide_dtype(x)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
-        valid = t != cfg.ignore_index
-        t_safe = torch.where(valid, t, 0)
-        class_w_t = (cw[t_safe].to(wide) if cw is not None else torch.ones(t.shape, dtype=wide, device=t.device)) * valid
+        valid, w_t = target_weights(t, cw, cfg.ignore_index, wide)
         now = cfg.reduction != "none" and any(needs)
         if cfg.reduction == "mean":
-            denom, n = class_w_t.sum(), valid.sum().to(wide)
-            s_ce = torch.where(denom > 0, 1 / torch.where(denom > 0, denom, 1), 0)
-            s_z = torch.where(n > 0, 1 / torch.clamp(n, min=1), 0)
+            s_ce, s_z = mean_scales(valid, w_t)
         else:
             s_ce = s_z = torch.ones((), dtype=wide, device=x.device)
         ce, zl, correct, grads = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, needs if now else (False, False, False))
-        loss, z_part = _reduce(ce, zl, valid, class_w_t, cfg.reduction)
-        n = valid.sum()
-        acc = torch.where(n > 0, correct.sum() / torch.clamp(n, min=1), 0.0).to(wide)
+        loss, z_part = reduce_terms(ce, zl, valid, w_t, cfg.reduction)
+        acc = token_accuracy(correct, valid, wide)
         ctx.cfg, ctx.needs, ctx.now = cfg, needs, now
         if now:
             dx, dW, db = grads
@@ -195,8 +166,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dx, dW, db = out
         else:
             x, W, b, t, cw = ctx.saved_tensors
-            wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-            s = g_loss.reshape(-1).to(wide)
+            s = g_loss.reshape(-1).to(wide_dtype(x))
             _, _, _, (dx, dW, db) = _chunks(cfg, x, W, b, t, cw, s, s, ctx.needs)
             dW = None if dW is None else dW.to(W.dtype)
             db = None if db is None else db.to(b.dtype)
@@ -258,8 +228,7 @@ def linear_cross_entropy(
     t = target.reshape(-1).to(torch.int64)
     check_targets(t, V, ignore_index)
     x = input.reshape(-1, input.shape[-1])
-    wide = torch.float64 if input.dtype == torch.float64 else torch.float32
-    cw = None if weight is None else weight.detach().to(wide)
+    cw = None if weight is None else weight.detach().to(wide_dtype(input))
     cfg = _Cfg(
         V,
         reduction,

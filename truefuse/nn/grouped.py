@@ -64,6 +64,14 @@ def _splits(m_splits, groups: int, x: torch.Tensor) -> list[int]:
     return check_splits(m_splits, groups, x.shape[0], "the number of rows of x")
 
 
+def _check_grouped(module: WgradModule, x: torch.Tensor, features: int, groups: int, m_splits) -> list[int]:
+    """The grouped forward's input checks; returns ``m_splits`` as a list."""
+    module._check_input(x, features, module.gemm_weights()[0][1])
+    if x.dim() != 2:
+        raise ValueError(f"input must be 2-D (tokens, {features}) with rows ordered by group, got shape {tuple(x.shape)}")
+    return _splits(m_splits, groups, x)
+
+
 class GroupedLinear(WgradModule):
     """``num_gemms`` linear layers over the rows of ``x`` split by ``m_splits``.
 
@@ -115,11 +123,7 @@ class GroupedLinear(WgradModule):
         return [(n, getattr(self, n)) for n in self._w.weight_names()]
 
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
-        w0 = self.gemm_weights()[0][1]
-        self._check_input(x, self.in_features, w0)
-        if x.dim() != 2:
-            raise ValueError(f"input must be 2-D (tokens, in_features) ordered by group, got shape {tuple(x.shape)}")
-        splits = _splits(m_splits, self.num_gemms, x)
+        splits = _check_grouped(self, x, self.in_features, self.num_gemms, m_splits)
         spec = self._w.spec(splits, self.fused_grouped_gemm)
         return GroupedLinearFunction.apply(x, spec, self._wgrad, *self._w.params(self))
 
@@ -194,10 +198,7 @@ class GroupedMLP(WgradModule):
         return [(n, getattr(self, n)) for n in (*self._fc1.weight_names(), *self._fc2.weight_names())]
 
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
-        self._check_input(x, self.hidden_size, self.gemm_weights()[0][1])
-        if x.dim() != 2:
-            raise ValueError(f"input must be 2-D (tokens, hidden_size) ordered by expert, got shape {tuple(x.shape)}")
-        splits = _splits(m_splits, self.num_experts, x)
+        splits = _check_grouped(self, x, self.hidden_size, self.num_experts, m_splits)
         return GroupedMLPFunction.apply(
             x, self._fc1.spec(splits, self.fused_grouped_gemm), self._fc2.spec(splits, self.fused_grouped_gemm),
             self.activation, self._wgrad,

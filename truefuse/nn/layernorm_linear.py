@@ -10,9 +10,23 @@ from truefuse.nn._base import WgradModule, init_linear_
 from truefuse.ops.linear import NORMALIZATIONS, layernorm_linear_ref
 
 
-def check_normalization(normalization: str) -> None:
+def add_norm(module: torch.nn.Module, hidden: int, normalization: str, eps: float, zero_centered_gamma: bool, fk: dict) -> None:
+    """Give ``module`` its norm: the options, ``layer_norm_weight`` and (LayerNorm) ``layer_norm_bias``
+    of shape (hidden,); shared by LayerNormLinear and LayerNormMLP (with :func:`reset_norm_`,
+    :func:`apply_norm`)."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r} is not supported; choose one of {NORMALIZATIONS}")
+    module.normalization, module.eps, module.zero_centered_gamma = normalization, eps, zero_centered_gamma
+    module.layer_norm_weight = torch.nn.Parameter(torch.empty(hidden, **fk))
+    module.layer_norm_bias = torch.nn.Parameter(torch.empty(hidden, **fk)) if normalization == "LayerNorm" else None
+
+
+def reset_norm_(module: torch.nn.Module) -> None:
+    """Scale 1 (0 with zero_centered_gamma), shift 0."""
+    with torch.no_grad():
+        module.layer_norm_weight.fill_(0.0 if module.zero_centered_gamma else 1.0)
+        if module.layer_norm_bias is not None:
+            module.layer_norm_bias.zero_()
 
 
 def apply_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -57,23 +71,17 @@ class LayerNormLinear(WgradModule):
         delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
-        check_normalization(normalization)
         fk = {"device": device, "dtype": dtype}
+        add_norm(self, in_features, normalization, eps, zero_centered_gamma, fk)
         self.in_features, self.out_features = in_features, out_features
-        self.normalization, self.eps = normalization, eps
-        self.zero_centered_gamma, self.return_layernorm_output = zero_centered_gamma, return_layernorm_output
-        self.layer_norm_weight = torch.nn.Parameter(torch.empty(in_features, **fk))
-        self.layer_norm_bias = torch.nn.Parameter(torch.empty(in_features, **fk)) if normalization == "LayerNorm" else None
+        self.return_layernorm_output = return_layernorm_output
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **fk))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **fk)) if bias else None
         self._init_wgrad(fuse_wgrad_accumulation, delay_wgrad_compute)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        with torch.no_grad():
-            self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-            if self.layer_norm_bias is not None:
-                self.layer_norm_bias.zero_()
+        reset_norm_(self)
         init_linear_(self.weight, self.bias)
 
     def gemm_weights(self):

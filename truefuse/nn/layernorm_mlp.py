@@ -7,7 +7,7 @@ import torch
 from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.linear import linear
 from truefuse.nn._base import WgradModule, init_linear_
-from truefuse.nn.layernorm_linear import apply_norm, check_normalization
+from truefuse.nn.layernorm_linear import add_norm, apply_norm, reset_norm_
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS
 from truefuse.ops.linear import MLP_ACTIVATIONS, layernorm_mlp_ref
 
@@ -47,16 +47,12 @@ class LayerNormMLP(WgradModule):
         delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
-        check_normalization(normalization)
         if activation not in MLP_ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not supported; choose one of {MLP_ACTIVATIONS}")
         fk = {"device": device, "dtype": dtype}
-        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.normalization, self.activation, self.eps = normalization, activation, eps
-        self.zero_centered_gamma = zero_centered_gamma
+        add_norm(self, hidden_size, normalization, eps, zero_centered_gamma, fk)
+        self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
         fc1_out = 2 * ffn_hidden_size if activation in GATED_ACTIVATIONS else ffn_hidden_size
-        self.layer_norm_weight = torch.nn.Parameter(torch.empty(hidden_size, **fk))
-        self.layer_norm_bias = torch.nn.Parameter(torch.empty(hidden_size, **fk)) if normalization == "LayerNorm" else None
         self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, **fk))
         self.fc1_bias = torch.nn.Parameter(torch.empty(fc1_out, **fk)) if bias else None
         self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **fk))
@@ -65,10 +61,7 @@ class LayerNormMLP(WgradModule):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        with torch.no_grad():
-            self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-            if self.layer_norm_bias is not None:
-                self.layer_norm_bias.zero_()
+        reset_norm_(self)
         init_linear_(self.fc1_weight, self.fc1_bias)
         init_linear_(self.fc2_weight, self.fc2_bias)
 

@@ -11,6 +11,7 @@ import torch
 
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.activation import activation_ref
+from truefuse.ops.gemm_exec import wide_dtype
 
 #: Gated activation name -> the activation applied to the gate half.
 GATED_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
@@ -30,7 +31,7 @@ def gated_activation_ref(x: torch.Tensor, name: str) -> torch.Tensor:
     Returns:
         (..., F) in ``x.dtype``.
     """
-    g, u = _halves(x if x.dtype == torch.float64 else x.float())
+    g, u = _halves(x.to(wide_dtype(x)))
     return (activation_ref(g, GATED_ACTIVATIONS[name]) * u).to(x.dtype)
 
 

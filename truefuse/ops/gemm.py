@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from truefuse.ops.activation import activation_grad_ref, activation_ref, check_activation
-from truefuse.ops.gemm_exec import GemmArgs, run, wide_dtype
+from truefuse.ops.gemm_exec import GemmArgs, run, split_bias_grad
 from truefuse.ops.gemm_plan import GemmPlan, GemmRequest, plan
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -308,7 +308,7 @@ def gemm_ref(
     odt = out.dtype if out is not None else (out_dtype or a.dtype)
     if grad_activation is not None:
         a = activation_grad_ref(a, pre_activation, grad_activation)
-    gb = torch.sum(a.t(), dim=0, dtype=wide_dtype(a)).to(a.dtype) if grad_bias else None
+    gb = split_bias_grad(a.t()) if grad_bias else None
     y = (a @ b).to(odt)
     if bias is not None:
         y = y + bias.to(odt)

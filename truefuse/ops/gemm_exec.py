@@ -6,6 +6,7 @@ here checks user input.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, replace
 
@@ -19,6 +20,12 @@ from truefuse.ops.gemm_plan import GemmPlan
 def wide_dtype(t: torch.Tensor) -> torch.dtype:
     """The accumulation dtype of sums over ``t``: at least fp32 (fp64 stays fp64)."""
     return torch.promote_types(t.dtype, torch.float32)
+
+
+def split_bias_grad(grad_output: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """DESIGN §3's split bias-gradient: ``grad_output`` (tokens, N) summed over tokens in at least
+    fp32, rounded once to ``dtype`` (default ``grad_output``'s). The one formula every path uses."""
+    return torch.sum(grad_output, dim=0, dtype=wide_dtype(grad_output)).to(dtype or grad_output.dtype)
 
 
 @dataclass
@@ -152,7 +159,7 @@ def _run_one(plan: GemmPlan, args: GemmArgs) -> None:
     if args.grad_bias_out is not None and "grad_bias" in split:
         # DESIGN §3: the split bias-gradient is grad_output.float().sum(0) cast to the input dtype
         # (a = grad_output.t(), so a.t() is the gradient in its own layout)
-        args.grad_bias_out.copy_(torch.sum(a.t(), dim=0, dtype=wide_dtype(a)))
+        args.grad_bias_out.copy_(split_bias_grad(a.t()))
     b = args.b
     if plan.compute_dtype != a.dtype:  # ``out_dtype`` split: upcast, then the product in out's dtype
         a, b = a.to(plan.compute_dtype), b.to(plan.compute_dtype)
@@ -200,19 +207,21 @@ def _plain_product(plan: GemmPlan, args: GemmArgs) -> bool:
     )
 
 
-def _run_grouped_plain(plan: GemmPlan, args: GemmArgs, splits: list[int], rows_mode: bool) -> torch.Tensor:
-    """The group loop without per-group bookkeeping: many small groups (64 experts x 256 tokens)
-    were host-bound at ~28 us per group through ``_run_one``. Each group runs the very call
-    ``_run_one`` would make (``_torch_product``), so the result is the same bit for bit."""
-    a, b, out, start = args.a, args.b, args.out, 0
-    for g, m in enumerate(splits):
-        end = start + m
-        if rows_mode:
-            _torch_product(args, a[start:end], b[g], plan.fused, out[start:end], args.accumulate)
-        else:
-            _torch_product(args, a[:, start:end], b[start:end], plan.fused, out[g], args.accumulate)
-        start = end
-    return out
+@contextlib.contextmanager
+def _fp32_reductions(device: torch.device):
+    """cuBLAS may reduce split-K partials in bf16/fp16 (PyTorch's default allows it): on small-M
+    GEMMs that lost accuracy (measured on the H200: 16-token chunks of the linear cross-entropy's
+    logits GEMM, loss error 1.6x the plain path's), so every truefuse GEMM forbids it."""
+    if device.type != "cuda":
+        yield
+        return
+    m = torch.backends.cuda.matmul
+    old = m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction
+    m.allow_bf16_reduced_precision_reduction = m.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = old
 
 
 def run(plan: GemmPlan, args: GemmArgs, splits: list[int] | None, rows_mode: bool) -> torch.Tensor:
@@ -225,35 +234,39 @@ def run(plan: GemmPlan, args: GemmArgs, splits: list[int] | None, rows_mode: boo
     Contraction mode: ``a`` (N, M) and ``b`` (M, K) split along M, ``out`` (G, N, K),
     pre_activation like ``a``, grad_bias_out (G, N).
     """
+    with _fp32_reductions(args.a.device):
+        return _run(plan, args, splits, rows_mode)
+
+
+def _run(plan: GemmPlan, args: GemmArgs, splits: list[int] | None, rows_mode: bool) -> torch.Tensor:
     if splits is not None and "grouped" in plan.fused:
         return _run_grouped_fused(args, splits)
     if splits is None:
         _run_one(plan, args)
         return args.out
-    if _plain_product(plan, args):
-        return _run_grouped_plain(plan, args, splits, rows_mode)
+    # Each group runs the very call ``_run_one`` would make. When that call is the bare torch
+    # product, make it directly: many small groups (64 experts x 256 tokens) were host-bound at
+    # ~28 us per group through ``_run_one``'s bookkeeping; the bits are the same.
+    plain = _plain_product(plan, args)
     one = replace(plan, split=tuple(f for f in plan.split if f != "grouped"))
     start = 0
     for g, m in enumerate(splits):
         end = start + m
         if rows_mode:
-            sub = replace(
-                args,
-                a=args.a[start:end],
-                b=args.b[g],
-                out=args.out[start:end],
-                bias=None if args.bias is None else args.bias[g],
-                pre_out=None if args.pre_out is None else args.pre_out[start:end],
-            )
+            a, b, out = args.a[start:end], args.b[g], args.out[start:end]
+            extra = {
+                "bias": None if args.bias is None else args.bias[g],
+                "pre_out": None if args.pre_out is None else args.pre_out[start:end],
+            }
         else:
-            sub = replace(
-                args,
-                a=args.a[:, start:end],
-                b=args.b[start:end],
-                out=args.out[g],
-                pre_activation=None if args.pre_activation is None else args.pre_activation[:, start:end],
-                grad_bias_out=None if args.grad_bias_out is None else args.grad_bias_out[g],
-            )
-        _run_one(one, sub)
+            a, b, out = args.a[:, start:end], args.b[start:end], args.out[g]
+            extra = {
+                "pre_activation": None if args.pre_activation is None else args.pre_activation[:, start:end],
+                "grad_bias_out": None if args.grad_bias_out is None else args.grad_bias_out[g],
+            }
+        if plain:
+            _torch_product(args, a, b, plan.fused, out, args.accumulate)
+        else:
+            _run_one(one, replace(args, a=a, b=b, out=out, **extra))
         start = end
     return args.out

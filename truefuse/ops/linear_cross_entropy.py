@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from truefuse.ops.gemm_exec import wide_dtype
+
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -89,18 +91,35 @@ def check_targets(target: torch.Tensor, V: int, ignore_index: int) -> None:
         raise ValueError(f"target holds {first}, outside [0, {V}) and not ignore_index={ignore_index}")
 
 
-def _reduce(ce, zl, valid, class_w_t, reduction):
-    """(loss, z part) from per-token terms; mean divides by the summed target weights (ce) and the
-    non-ignored count (z), 0 when nothing counts."""
+def target_weights(t: torch.Tensor, cw: torch.Tensor | None, ignore_index: int, dtype: torch.dtype):
+    """``(valid, w_t)``: which tokens count, and each token's class weight (0 where ignored)."""
+    valid = t != ignore_index
+    w_t = cw[torch.where(valid, t, 0)].to(dtype) if cw is not None else torch.ones(t.shape, dtype=dtype, device=t.device)
+    return valid, w_t * valid
+
+
+def mean_scales(valid: torch.Tensor, w_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mean``'s scales of the cross-entropy and z-loss terms: 1 / Σ w_t and 1 / #valid, 0 when
+    nothing counts (so an all-ignored batch gives 0, not NaN). Device tensors: no host sync."""
+    denom, n = w_t.sum(), valid.sum().to(w_t.dtype)
+    return torch.where(denom > 0, 1 / torch.where(denom > 0, denom, 1), 0), torch.where(n > 0, 1 / torch.clamp(n, min=1), 0)
+
+
+def token_accuracy(correct: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Fraction of the valid tokens marked ``correct`` (0 when none is valid)."""
+    n = valid.sum()
+    return torch.where(n > 0, (correct & valid).sum() / torch.clamp(n, min=1), 0.0).to(dtype)
+
+
+def reduce_terms(ce, zl, valid, w_t, reduction):
+    """(loss, z part) from per-token terms, by :func:`mean_scales` for ``mean``."""
     if reduction == "none":
         return ce + zl, zl
     if reduction == "sum":
         return ce.sum() + zl.sum(), zl.sum()
-    denom = class_w_t.sum()
-    n = valid.sum().to(ce.dtype)
-    ce_m = torch.where(denom > 0, ce.sum() / torch.where(denom > 0, denom, 1), 0)
-    z_m = torch.where(n > 0, zl.sum() / torch.clamp(n, min=1), 0)
-    return ce_m + z_m, z_m
+    s_ce, s_z = mean_scales(valid, w_t)
+    z_m = zl.sum() * s_z
+    return ce.sum() * s_ce + z_m, z_m
 
 
 def _from_logits(
@@ -112,21 +131,14 @@ def _from_logits(
         logits = softcap * torch.tanh(logits / softcap)
     cw = None if weight is None else weight.to(wide)
     ce = F.cross_entropy(logits, t, weight=cw, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
-    valid = t != ignore_index
-    lse = torch.logsumexp(logits, dim=-1)
-    zl = z_loss * lse.square() * valid
-    t_safe = torch.where(valid, t, 0)
-    class_w_t = (cw[t_safe] if cw is not None else torch.ones_like(lse)) * valid
-    loss, z_part = _reduce(ce, zl, valid, class_w_t, reduction)
+    valid, w_t = target_weights(t, cw, ignore_index, wide)
+    zl = z_loss * torch.logsumexp(logits, dim=-1).square() * valid
+    loss, z_part = reduce_terms(ce, zl, valid, w_t, reduction)
     if reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape)
     if not (return_z_loss or return_token_accuracy):
         return loss
-    acc = None
-    if return_token_accuracy:
-        n = valid.sum()
-        hits = ((logits.argmax(-1) == t) & valid).sum()
-        acc = torch.where(n > 0, hits / torch.clamp(n, min=1), 0.0).to(wide)
+    acc = token_accuracy(logits.argmax(-1) == t, valid, wide) if return_token_accuracy else None
     return LinearCrossEntropyOutput(loss, z_part if return_z_loss else None, acc)
 
 
@@ -149,7 +161,7 @@ def linear_cross_entropy_ref(
     """The unfused composition in plain PyTorch, fp32 math (fp64 on fp64 inputs): ``F.linear`` in
     that precision, then the cross-entropy; the semantics ``truefuse.linear_cross_entropy`` must
     match. Materializes the (tokens, V) logits. ``chunk_size`` is accepted and ignored."""
-    wide = torch.float64 if input.dtype == torch.float64 else torch.float32
+    wide = wide_dtype(input)
     x = input.reshape(-1, input.shape[-1]).to(wide)
     logits = F.linear(x, linear_weight.to(wide), None if linear_bias is None else linear_bias.to(wide))
     return _from_logits(
@@ -162,8 +174,7 @@ def linear_cross_entropy_plain(input, linear_weight, target, *, linear_bias=None
     """What a user writes without us: ``F.linear`` in the input's dtype, the cross-entropy in fp32
     (the bounded contract's same-dtype baseline). Same keywords as the reference."""
     kw.pop("chunk_size", None)
-    wide = torch.float64 if input.dtype == torch.float64 else torch.float32
-    logits = F.linear(input.reshape(-1, input.shape[-1]), linear_weight, linear_bias).to(wide)
+    logits = F.linear(input.reshape(-1, input.shape[-1]), linear_weight, linear_bias).to(wide_dtype(input))
     return _from_logits(
         logits,
         target,
@@ -181,11 +192,11 @@ def linear_cross_entropy_plain(input, linear_weight, target, *, linear_bias=None
     )
 
 
-def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap_z, s_ce, s_z, want_grad: bool):
+def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s_ce, s_z, want_grad: bool):
     """Per-token terms and, when ``want_grad``, the logits' gradient, for one chunk.
 
     Args:
-        z: (C, V) fp32 logits after the softcap (``softcap_z`` is ``(softcap, z)`` or None).
+        z: (C, V) fp32 logits after the softcap (``softcap``: its cap, or None).
         t, valid: (C,) targets and their non-ignored mask.
         cw: (V,) fp32 class weights or None; ``W_sum`` their sum (V without weights).
         s_ce, s_z: scales of the cross-entropy and z-loss gradients (scalars or (C,) per token).
@@ -213,11 +224,9 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap_z,
     g.scatter_add_(1, t_safe[:, None], -((1 - eps) * w_t)[:, None])
     if eps > 0:
         g += eps / V * (p * W_sum - (cw[None, :] if cw is not None else 1.0))
-    g *= (s_ce * vf)[:, None] if torch.is_tensor(s_ce) and s_ce.dim() else s_ce * vf[:, None]
+    g *= (s_ce * vf)[:, None]  # s_ce, s_z: 0-dim (a reduction's scale) or (C,) (per-token upstream)
     if z_loss:
-        s = (s_z * vf) if torch.is_tensor(s_z) and s_z.dim() else s_z * vf
-        g += (2 * z_loss * lse * s)[:, None] * p
-    if softcap_z is not None:
-        cap, _ = softcap_z
-        g *= 1 - (z / cap).square()
+        g += (2 * z_loss * lse * s_z * vf)[:, None] * p
+    if softcap is not None:
+        g *= 1 - (z / softcap).square()
     return ce, zl, correct, g

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from truefuse.ops._triton import triton_runs
+from truefuse.ops.gemm_exec import wide_dtype
 
 #: Largest hidden size the kernels take (a row lives in registers); wider rows use the reference.
 MAX_KERNEL_N = 16384
@@ -30,10 +31,6 @@ def _affine(y: torch.Tensor, weight, bias, zero_centered_gamma: bool) -> torch.T
     return y
 
 
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.float64 else x.float()
-
-
 def rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *, zero_centered_gamma: bool = False
 ) -> torch.Tensor:
@@ -44,7 +41,7 @@ def rms_norm_ref(
         weight: (H,) any float dtype, or None. With ``zero_centered_gamma`` the scale is ``1 + weight``.
         eps: added to the mean square.
     """
-    xf = _wide(x)
+    xf = x.to(wide_dtype(x))
     rstd = 1 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return _affine(xf * rstd, weight, None, zero_centered_gamma).to(x.dtype)
 
@@ -59,7 +56,7 @@ def layer_norm_ref(
 ) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps) * w + b`` over the last dimension (biased variance), in fp32,
     rounded once to ``x.dtype``. Shapes as :func:`rms_norm_ref`; ``bias`` (H,) or None."""
-    xf = _wide(x)
+    xf = x.to(wide_dtype(x))
     xc = xf - xf.mean(-1, keepdim=True)
     rstd = 1 / torch.sqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
     return _affine(xc * rstd, weight, bias, zero_centered_gamma).to(x.dtype)
