@@ -13,6 +13,10 @@ ROWS = (1, 4, 8, 16, 20, 32, 64, 128, 1000)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+CHECKS = ("sum", "all_ranks", "residual_out", "normed", "zero_residual", "batch_invariant", "cpu_equal", "inputs_unchanged",
+          "same_as_reference")  # fmt: skip
+
+
 def _rand(shape, seed, dtype, device):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
 
@@ -25,7 +29,7 @@ def case(m: int, hidden: int, dtype: torch.dtype, device, workspace=None, path: 
     seed = (m * 7919 + hidden) * 16
     xs = [_rand((m, hidden), seed + r, dtype, device) for r in range(world)]
     x = xs[rank]
-    residual = _rand((m, hidden), seed - 1, dtype, device)
+    residual = _rand((m, hidden), seed - 3 - rank, dtype, device)  # each rank its own: outputs are per rank
     weight = _rand((hidden,), seed - 2, dtype, device)
     x0, res0 = x.clone(), residual.clone()
 
@@ -44,10 +48,25 @@ def case(m: int, hidden: int, dtype: torch.dtype, device, workspace=None, path: 
     ok_norm = bitwise_report(normed, rms_norm(residual_out, weight, 1e-6)).equal
     _, res_zero = allreduce_add_rmsnorm(x, torch.zeros_like(residual), weight, 1e-6, workspace=workspace)
     ok_zero = bitwise_report(res_zero, got).equal
+    # batch invariance: row r of the m-row call is the 1-row call on row r (first and last rows)
+    invariant = True
+    for r in sorted({0, m - 1}):
+        n1, o1 = allreduce_add_rmsnorm(x[r : r + 1], residual[r : r + 1], weight, 1e-6, workspace=workspace)
+        invariant &= bitwise_report(n1, normed[r : r + 1]).equal and bitwise_report(o1, residual_out[r : r + 1]).equal
     untouched = bitwise_report(x, x0).equal and bitwise_report(residual, res0).equal
+    # the CPU result for the same inputs (what gloo computes): sum and residual_out bitwise. normed is
+    # bitwise only on one device (DESIGN §1: the norm's mean may sum in another order on the CPU)
+    cpu = True
+    if got.device.type != "cpu":
+        acc_cpu = xs[0].cpu().to(torch.float32, copy=True)
+        for t in xs[1:]:
+            acc_cpu += t.cpu().float()
+        cpu = bitwise_report(got.cpu(), acc_cpu.to(dtype)).equal
+        cpu &= bitwise_report(residual_out.cpu(), acc_cpu.to(dtype) + residual.cpu()).equal
     outputs = (got, residual_out, normed)
     same_as_reference = reference is None or all(bitwise_report(a, b).equal for a, b in zip(outputs, reference, strict=True))
-    passed = rep.equal and same_everywhere and ok_res and ok_norm and ok_zero and untouched and same_as_reference
+    checks = (rep.equal, same_everywhere, ok_res, ok_norm, ok_zero, invariant, cpu, untouched, same_as_reference)
+    passed = all(checks)
     return {
         "rows": m,
         "hidden": hidden,
@@ -56,8 +75,7 @@ def case(m: int, hidden: int, dtype: torch.dtype, device, workspace=None, path: 
         "path": path,
         "max_diff": rep.max_diff,
         "frac_nonzero": rep.frac_nonzero,
-        "checks": {"sum": rep.equal, "all_ranks": same_everywhere, "residual_out": ok_res, "normed": ok_norm,
-                   "zero_residual": ok_zero, "inputs_unchanged": untouched, "same_as_reference": same_as_reference},
+        "checks": {name: ok for name, ok in zip(CHECKS, checks, strict=True) if not ok},
         "passed": passed,
         "outputs": outputs,
     }  # fmt: skip

@@ -12,11 +12,14 @@ from truefuse.ops.norm import block_and_warps
 #: Messages up to this size push rows into the readers' buffers; larger ones are pulled (measured on
 #: 2 H200: push 7.7 vs pull 8.2 us at 1 row, pull 41 vs push 49 us at 1024 rows × 4096 bf16).
 PUSH_MAX_BYTES = 1 << 20
+#: Barrier flavour (kernels/allreduce.py ``_barrier``): one system fence per side instead of release/acquire
+#: per flag. Off until measured.
+ONE_FENCE = False
 MAXP = 128  # most programs per launch; the signal pad holds 2 regions of MAXP × world_size flags
 
 
 class SymmetricState:
-    """One rank's symmetric buffer (2 halves of world_size + 2 regions of ``max_bytes``), the peers' pointers,
+    """One rank's symmetric buffer (2 halves of world_size + 1 regions of ``max_bytes``), the peers' pointers,
     and the call epoch (device counters: every rank runs the same calls, so they agree)."""
 
     def __init__(self, group, max_bytes: int, device: torch.device) -> None:
@@ -25,7 +28,7 @@ class SymmetricState:
         # DESIGN §4: never NVLink multicast (it can take shared GPUs out of service)
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.world_size = dist.get_world_size(group)
-        self.half_bytes = (self.world_size + 2) * max_bytes  # one input slot per rank + 2 output regions
+        self.half_bytes = (self.world_size + 1) * max_bytes  # one input slot per rank + the 2-stage sums
         self.buffer = symm_mem.empty(2 * self.half_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         need = 2 * MAXP * self.world_size * 4
@@ -68,6 +71,7 @@ def launch(state: SymmetricState, x, residual, weight, eps: float, two_stage: bo
         normed if normed is not None else out, state.buffer_ptrs, state.signal_ptrs, state.epoch, state.done,
         state.half_bytes // x.element_size(), M, N, share, float(eps),
         state.rank, W=W, MAXP=MAXP, HAS_RES=residual is not None, HAS_NORM=weight is not None,
-        TWO_STAGE=two_stage, PUSH=x.numel() * x.element_size() <= PUSH_MAX_BYTES, BLOCK_N=block, num_warps=warps,
+        TWO_STAGE=two_stage, ONE_FENCE=ONE_FENCE, PUSH=x.numel() * x.element_size() <= PUSH_MAX_BYTES, BLOCK_N=block,
+        num_warps=warps,
     )  # fmt: skip
     return normed, out

@@ -16,7 +16,7 @@ class Workspace:
     Args:
         group: the process group (None: the default group).
         max_bytes: the largest ``x`` (in bytes) a call may pass; a larger one is a clear error on
-            every rank. On an NCCL group of CUDA devices this allocates 2 × (world_size + 2) ×
+            every rank. On an NCCL group of CUDA devices this allocates 2 × (world_size + 1) ×
             max_bytes of symmetric memory (``torch.distributed._symmetric_memory``) once, for the
             Triton kernels (alternate calls use alternate halves).
         two_stage_bytes: messages of at least this many bytes take the 2-stage kernel (default by

@@ -1,15 +1,17 @@
 """Triton allreduce + residual add + RMSNorm over torch symmetric memory (DESIGN §4). No multicast.
 
 Every rank's workspace buffer (symmetric: every peer can write and read it) has two halves, used
-by alternate calls, each of W + 2 regions of M×N elements: one input slot per source rank, and for
-the 2-stage path the share's residual_out and normed rows.
+by alternate calls, each of W + 1 regions of M×N elements: one input slot per source rank, and for
+the 2-stage path the rounded sums of the shares.
 
 * 1-stage: push x into slot ``rank`` of every peer's buffer (or, for large messages, into my own
   slot 0 for peers to pull); barrier; every row: sum the W ranks' rows in rank order 0..W-1 in
   fp32, round once, add the residual (fp32 add, one rounding: what PyTorch
   does for a bf16 ``a + b``), RMSNorm by ``rms_norm_row`` (the bits of ``truefuse.rms_norm``).
 * 2-stage: push each share's rows to its owner only; barrier; the owner reduces its share the same
-  way into its buffer; barrier; every rank copies every share from its owner.
+  way (the rounded sum only); barrier; every rank reads every share's sum from its owner and adds
+  its own residual and norms locally. Only the sums cross NVLink twice (not residual_out and
+  normed), and each rank's outputs use its own residual, as the contract says.
 
 Barriers are per program: program p of every rank handles the same rows, so it only waits for
 program p of the peers. A signal writes the call's epoch (a device counter, the same on every
@@ -26,18 +28,35 @@ from truefuse.kernels.norm import rms_norm_row
 
 
 @triton.jit
-def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, MAXP: tl.constexpr):
+def _fence_sys(dep):
+    """One ``fence.acq_rel.sys`` (``dep``: any scalar, only to give the asm an operand)."""
+    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, $1;", "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, MAXP: tl.constexpr, ONE_FENCE: tl.constexpr):
     """Program ``pid`` of every rank meets. Flag (region, pid, source) of each pad takes the call's
     epoch ``value`` (release, system scope); the waiter spins until its flags reach it (acquire).
-    Epochs only grow, so a peer already in the next call (value + 1) also satisfies the wait."""
+    Epochs only grow, so a peer already in the next call (value + 1) also satisfies the wait.
+    ``ONE_FENCE``: one system fence then relaxed flag writes, relaxed polls then one fence (instead
+    of a release per written flag and an acquire per poll)."""
     tl.debug_barrier()  # every thread's stores of this program are issued before the release
     base = (region * MAXP + pid) * W
-    for q in tl.static_range(W):
-        tl.atomic_xchg(tl.load(sig_ptrs + q).to(tl.pointer_type(tl.int32)) + base + rank, value, sem="release", scope="sys")
     mine = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32))
-    for q in tl.static_range(W):
-        while tl.atomic_add(mine + base + q, 0, sem="acquire", scope="sys") < value:
-            pass
+    if ONE_FENCE:
+        _fence_sys(value)
+        for q in tl.static_range(W):
+            tl.atomic_xchg(tl.load(sig_ptrs + q).to(tl.pointer_type(tl.int32)) + base + rank, value, sem="relaxed", scope="sys")
+        for q in tl.static_range(W):
+            while tl.load(mine + base + q, volatile=True) < value:
+                pass
+        _fence_sys(value)
+    else:
+        for q in tl.static_range(W):
+            tl.atomic_xchg(tl.load(sig_ptrs + q).to(tl.pointer_type(tl.int32)) + base + rank, value, sem="release", scope="sys")
+        for q in tl.static_range(W):
+            while tl.atomic_add(mine + base + q, 0, sem="acquire", scope="sys") < value:
+                pass
     tl.debug_barrier()  # no thread reads a peer's rows before the acquire
 
 
@@ -51,6 +70,20 @@ def _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W: tl.constexpr, DT: 
             src = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base
         acc += tl.load(src + off + cols, mask=mask, other=0.0).to(tl.float32)
     return acc.to(DT)  # the one rounding
+
+
+@triton.jit
+def _finish_row(s, res_ptr, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr):
+    """This rank's end of a row from the rounded sum ``s``: its own residual added (fp32 add, one
+    rounding), stored, and normed by ``rms_norm_row`` (the bits of ``truefuse.rms_norm``)."""
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    r = s
+    if HAS_RES:
+        r = (s.to(tl.float32) + tl.load(res_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)).to(DT)
+    tl.store(out_ptr + off + cols, r, mask=mask)
+    if HAS_NORM:
+        y, _ = rms_norm_row(r.to(tl.float32), w_ptr, cols, mask, N, eps, True, False)
+        tl.store(normed_ptr + off + cols, y.to(DT), mask=mask)
 
 
 @triton.jit(do_not_specialize=["half", "M", "N", "share", "eps", "rank"])  # 1 must not become a constant
@@ -77,6 +110,7 @@ def _allreduce_add_rmsnorm_kernel(
     TWO_STAGE: tl.constexpr,
     PUSH: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ONE_FENCE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -113,41 +147,35 @@ def _allreduce_add_rmsnorm_kernel(
                     tl.store(dst + off + cols, v, mask=mask)
             else:
                 tl.store(mine + off + cols, v, mask=mask)
-    _barrier(sig_ptrs, 0, pid, rank, epoch + 1, W, MAXP)
+    _barrier(sig_ptrs, 0, pid, rank, epoch + 1, W, MAXP, ONE_FENCE)
 
     if TWO_STAGE:
-        lo = rank * share
-        hi = tl.minimum(lo + share, M)
-    else:
-        lo = 0
-        hi = M
-    for row in range(lo + pid, hi, P):
-        off = row.to(tl.int64) * N
-        r = _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W, DT, PUSH)
-        if HAS_RES:
-            r = (r.to(tl.float32) + tl.load(res_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)).to(DT)
-        if TWO_STAGE:
-            tl.store(mine + W * MN + off + cols, r, mask=mask)
-        else:
-            tl.store(out_ptr + off + cols, r, mask=mask)
-        if HAS_NORM:
-            y, _ = rms_norm_row(r.to(tl.float32), w_ptr, cols, mask, N, eps, True, False)
-            if TWO_STAGE:
-                tl.store(mine + (W + 1) * MN + off + cols, y.to(DT), mask=mask)
+        # stage 1: I reduce my share; the rounded sums go to region W (every rank's when pushing)
+        for row in range(rank * share + pid, tl.minimum(rank * share + share, M), P):
+            off = row.to(tl.int64) * N
+            s = _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W, DT, PUSH)
+            if PUSH:
+                for q in tl.static_range(W):
+                    tl.store(tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base + W * MN + off + cols, s, mask=mask)
             else:
-                tl.store(normed_ptr + off + cols, y.to(DT), mask=mask)
-
-    if TWO_STAGE:
-        _barrier(sig_ptrs, 1, pid, rank, epoch + 1, W, MAXP)
-        for q in tl.static_range(W):  # gather every share from its owner
-            peer = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base
-            q_lo = q * share
-            q_hi = tl.minimum(q_lo + share, M)
-            for row in range(q_lo + pid, q_hi, P):
+                tl.store(mine + W * MN + off + cols, s, mask=mask)
+        _barrier(sig_ptrs, 1, pid, rank, epoch + 1, W, MAXP, ONE_FENCE)
+        # stage 2: every row's sum from its owner (or my region W), then MY residual and norm: the
+        # outputs are this rank's own, bitwise the 1-stage result, whatever the other ranks' residuals
+        for q in tl.static_range(W):
+            if PUSH:
+                src = mine + W * MN
+            else:
+                src = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base + W * MN
+            for row in range(q * share + pid, tl.minimum(q * share + share, M), P):
                 off = row.to(tl.int64) * N
-                tl.store(out_ptr + off + cols, tl.load(peer + W * MN + off + cols, mask=mask), mask=mask)
-                if HAS_NORM:
-                    tl.store(normed_ptr + off + cols, tl.load(peer + (W + 1) * MN + off + cols, mask=mask), mask=mask)
+                s = tl.load(src + off + cols, mask=mask)
+                _finish_row(s, res_ptr, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
+    else:
+        for row in range(pid, M, P):
+            off = row.to(tl.int64) * N
+            s = _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W, DT, PUSH)
+            _finish_row(s, res_ptr, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
     # the last program to finish moves the epoch on, for the next call (after this kernel)
     if tl.atomic_add(done_ptr, 1) == tl.num_programs(0) - 1:
         tl.store(done_ptr, 0)
