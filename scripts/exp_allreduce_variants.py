@@ -1,0 +1,58 @@
+"""Experiment: the allreduce kernel's variants, latency under CUDA graphs and bits against the
+reference path: LL 1-stage (no barrier), 1-stage push / pull, 2-stage push / pull.
+
+    python scripts/exp_allreduce_variants.py 4     # world size
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from truefuse.bench.bench_allreduce_add_rmsnorm import _graph_us
+from truefuse.distributed import Workspace, allreduce_add_rmsnorm, symm
+from truefuse.distributed.launch import run_local
+
+ROWS = (1, 4, 16, 64, 256, 1024, 4096)
+VARIANTS = {  # name: (two_stage, push max bytes, LL max bytes)
+    "ll": (False, 1 << 62, 1 << 62),
+    "1s-push": (False, 1 << 62, 0),
+    "1s-pull": (False, 0, 0),
+    "2s-push": (True, 1 << 62, 0),
+    "2s-pull": (True, 0, 0),
+}
+
+
+def _worker(rank, world_size):
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    symm.LL_MAX_BYTES = 256 * 4096 * 2  # LL slots sized for up to 256 rows
+    ws = Workspace(max_bytes=max(ROWS) * 4096 * 2, validate=False)
+    out = []
+    for m in ROWS:
+        g = torch.Generator(device=dev).manual_seed(rank)
+        x = torch.randn(m, 4096, generator=g, device=dev, dtype=torch.bfloat16)
+        res = torch.randn(m, 4096, generator=g, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(4096, generator=g, device=dev, dtype=torch.bfloat16)
+        ref = allreduce_add_rmsnorm(x, res, w, 1e-6)  # no workspace: the reference path
+        for name, (two, push, ll) in VARIANTS.items():
+            if name == "ll" and m > 256:
+                continue
+            ws.two_stage_bytes = 0 if two else 1 << 62
+            symm.PUSH_MAX_BYTES, symm.LL_MAX_BYTES = push, ll
+            got = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws)
+            same = all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+            us = _graph_us(lambda x=x, res=res, w=w: allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws))
+            out.append((m, name, us, same))
+        dist.barrier()
+    ws.close()
+    return out
+
+
+if __name__ == "__main__":
+    W = int(sys.argv[1]) if len(sys.argv) > 1 else torch.cuda.device_count()
+    rows = run_local(W, _worker, backend="nccl")[0]
+    print(f"world size {W}: us per call under CUDA graphs, bf16, hidden 4096")
+    print(f"{'rows':>6} {'variant':>8} {'us':>8} bitwise")
+    for m, name, us, same in rows:
+        print(f"{m:>6} {name:>8} {us:>8.2f} {same}")
