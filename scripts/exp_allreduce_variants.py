@@ -1,5 +1,6 @@
 """Experiment: the allreduce kernel's variants, latency under CUDA graphs and bits against the
-reference path: LL 1-stage (no barrier), 1-stage push / pull, 2-stage push / pull.
+reference path: LL 1-stage (no barrier), 1-stage push / pull, 2-stage push / pull; "/1": one program per SM
+instead of two.
 
     python scripts/exp_allreduce_variants.py 4     # world size
 """
@@ -14,12 +15,15 @@ from truefuse.distributed import Workspace, allreduce_add_rmsnorm, symm
 from truefuse.distributed.launch import run_local
 
 ROWS = (1, 4, 16, 64, 256, 1024, 4096)
-VARIANTS = {  # name: (two_stage, push max bytes, LL max bytes)
-    "ll": (False, 1 << 62, 1 << 62),
-    "1s-push": (False, 1 << 62, 0),
-    "1s-pull": (False, 0, 0),
-    "2s-push": (True, 1 << 62, 0),
-    "2s-pull": (True, 0, 0),
+VARIANTS = {  # name: (two_stage, push max bytes, LL max bytes, programs per SM)
+    "ll": (False, 1 << 62, 1 << 62, 2),
+    "1s-push": (False, 1 << 62, 0, 2),
+    "1s-pull": (False, 0, 0, 2),
+    "1s-pull/1": (False, 0, 0, 1),
+    "2s-push": (True, 1 << 62, 0, 2),
+    "2s-push/1": (True, 1 << 62, 0, 1),
+    "2s-pull": (True, 0, 0, 2),
+    "2s-pull/1": (True, 0, 0, 1),
 }
 
 
@@ -35,11 +39,11 @@ def _worker(rank, world_size):
         res = torch.randn(m, 4096, generator=g, device=dev, dtype=torch.bfloat16)
         w = torch.randn(4096, generator=g, device=dev, dtype=torch.bfloat16)
         ref = allreduce_add_rmsnorm(x, res, w, 1e-6)  # no workspace: the reference path
-        for name, (two, push, ll) in VARIANTS.items():
-            if name == "ll" and m > 256:
+        for name, (two, push, ll, per_sm) in VARIANTS.items():
+            if (name == "ll" and m > 64) or (name.endswith("/1") and m < 256) or (name.startswith("2s") and m < 16):
                 continue
             ws.two_stage_bytes = 0 if two else 1 << 62
-            symm.PUSH_MAX_BYTES, symm.LL_MAX_BYTES = push, ll
+            symm.PUSH_MAX_BYTES, symm.LL_MAX_BYTES, symm.PROGRAMS_PER_SM = push, ll, per_sm
             got = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws)
             same = all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
             us = _graph_us(lambda x=x, res=res, w=w: allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws))
@@ -53,6 +57,6 @@ if __name__ == "__main__":
     W = int(sys.argv[1]) if len(sys.argv) > 1 else torch.cuda.device_count()
     rows = run_local(W, _worker, backend="nccl")[0]
     print(f"world size {W}: us per call under CUDA graphs, bf16, hidden 4096")
-    print(f"{'rows':>6} {'variant':>8} {'us':>8} bitwise")
+    print(f"{'rows':>6} {'variant':>10} {'us':>8} bitwise")
     for m, name, us, same in rows:
-        print(f"{m:>6} {name:>8} {us:>8.2f} {same}")
+        print(f"{m:>6} {name:>10} {us:>8.2f} {same}")

@@ -10,11 +10,16 @@ import torch.distributed as dist
 from truefuse.ops.norm import block_and_warps
 
 #: Messages up to this size push rows into the readers' buffers; larger ones are pulled (measured on
-#: 2 H200: push 7.7 vs pull 8.2 us at 1 row, pull 41 vs push 49 us at 1024 rows × 4096 bf16).
-PUSH_MAX_BYTES = 1 << 20
-#: Messages up to this size take the LL kernel (data and flag in each 8-byte word: no barrier).
-LL_MAX_BYTES = 512 << 10
-MAXP = 128  # most programs per launch; the signal pad holds 2 regions of MAXP × world_size flags
+#: 4 H200, 1-stage at 64 rows × 4096 bf16: pull 16.1 us, push 17.5; docs/benchmarks.md).
+PUSH_MAX_BYTES = 256 << 10
+#: Messages up to this size take the LL kernel (data and flag in each 8-byte word: no barrier; the
+#: words double the bytes, so it loses beyond: 4 H200, 16 rows 9.5 us against 11.2, 64 rows 20.3 against 16.1).
+LL_MAX_BYTES = 128 << 10
+#: Programs per SM (at most; 1 where a program needs 16 warps). Two keep more rows in flight; every
+#: program must be resident at once (the barriers wait on peers' programs), so registers are capped
+#: at 128 a thread to make two fit (65536 / (128 × 256 threads)).
+PROGRAMS_PER_SM = 2
+MAXP = 512  # most programs per launch; the signal pad holds 2 regions of MAXP × world_size flags
 
 
 class SymmetricState:
@@ -33,12 +38,14 @@ class SymmetricState:
         self.ll_slot_bytes = 2 * min(max_bytes, LL_MAX_BYTES) + (64 << 10)
         self.ll_offset = (self.world_size + 1) * max_bytes  # one input slot per rank + the 2-stage sums
         self.half_bytes = self.ll_offset + self.world_size * self.ll_slot_bytes
+        need = 2 * MAXP * self.world_size * 4
+        if symm_mem.get_signal_pad_size() < need:
+            symm_mem.set_signal_pad_size(need)
         self.buffer = symm_mem.empty(2 * self.half_bytes, dtype=torch.uint8, device=device)
         # LL readers trust a word whose flag matches the call: no stale word may match by chance
         self.buffer.zero_()
         torch.cuda.synchronize(device)  # zeroed before any peer can write (rendezvous waits for every rank)
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
-        need = 2 * MAXP * self.world_size * 4
         if self.handle.signal_pad_size < need:
             raise RuntimeError(f"symmetric memory signal pad holds {self.handle.signal_pad_size} bytes, {need} needed")
         self.buffer_ptrs = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
@@ -46,7 +53,7 @@ class SymmetricState:
         self.rank = self.handle.rank
         self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
-        self.programs = min(MAXP, torch.cuda.get_device_properties(device).multi_processor_count)
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def available(group, device: torch.device) -> bool:
@@ -76,11 +83,14 @@ def launch(state: SymmetricState, x, residual, weight, eps: float, two_stage: bo
     per_word = 4 // x.element_size()
     ll = not two_stage and nbytes <= LL_MAX_BYTES and M * -(-N // per_word) * 8 <= state.ll_slot_bytes
     block, warps = block_and_warps(N)  # the same as truefuse.rms_norm: the same bits
-    _allreduce_add_rmsnorm_kernel[(max(1, min(state.programs, rows)),)](
+    per_sm = max(1, min(PROGRAMS_PER_SM, 16 // warps))
+    programs = max(1, min(MAXP, state.sms * per_sm, rows))
+    _allreduce_add_rmsnorm_kernel[(programs,)](
         x, residual if residual is not None else x, weight if weight is not None else x, out,
         normed if normed is not None else out, state.buffer_ptrs, state.signal_ptrs, state.epoch, state.done,
         state.half_bytes // x.element_size(), state.half_bytes // 8, state.ll_offset // 8, M, N, share, float(eps),
         state.rank, W=W, MAXP=MAXP, HAS_RES=residual is not None, HAS_NORM=weight is not None,
         TWO_STAGE=two_stage, PUSH=nbytes <= PUSH_MAX_BYTES, LL=ll, BLOCK_N=block, num_warps=warps,
+        maxnreg=128 if per_sm > 1 else None,
     )  # fmt: skip
     return normed, out

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-#: Message size (bytes) from which the 2-stage kernel is used, by world size. Provisional until
-#: measured on 4 GPUs (docs/benchmarks.md); override per workspace with ``two_stage_bytes``.
-TWO_STAGE_BYTES = {2: 1 << 30, 4: 512 << 10, 8: 256 << 10}
+#: Message size (bytes) from which the 2-stage kernel is used, by world size: measured on 2 and 4
+#: H200 (docs/benchmarks.md); 8 is a guess, not measured. Override per workspace with ``two_stage_bytes``.
+TWO_STAGE_BYTES = {2: 1 << 30, 4: 1 << 20, 8: 512 << 10}
 
 
 class Workspace:

@@ -83,13 +83,13 @@ def _ll_unpack(w, DT: tl.constexpr, EPW: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _finish_row(s, res_ptr, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr):
-    """This rank's end of a row from the rounded sum ``s``: its own residual added (fp32 add, one
-    rounding), stored, and normed by ``rms_norm_row`` (the bits of ``truefuse.rms_norm``)."""
+def _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr):
+    """This rank's end of a row from the rounded sum ``s``: its own residual row ``res`` added (fp32
+    add, one rounding), stored, and normed by ``rms_norm_row`` (the bits of ``truefuse.rms_norm``)."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     r = s
     if HAS_RES:
-        r = (s.to(tl.float32) + tl.load(res_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)).to(DT)
+        r = (s.to(tl.float32) + res.to(tl.float32)).to(DT)
     tl.store(out_ptr + off + cols, r, mask=mask)
     if HAS_NORM:
         y, _ = rms_norm_row(r.to(tl.float32), w_ptr, cols, mask, N, eps, True, False)
@@ -128,6 +128,8 @@ def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base,
             dst = tl.load(buf_ptrs + q).to(tl.pointer_type(tl.int64)) + ll_base + (rank * M + row).to(tl.int64) * RW
             tl.store(dst + words, packed, mask=wmask)
     for row in range(pid, M, P):
+        off = row.to(tl.int64) * N
+        res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)  # in flight while we wait
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for q in tl.static_range(W):  # rank order 0..W-1, fp32
             src = mine + (q * M + row).to(tl.int64) * RW + words
@@ -135,8 +137,7 @@ def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base,
             while tl.sum(((w >> 32).to(tl.int32) != flag).to(tl.int32), axis=0) > 0:
                 w = tl.load(src, mask=wmask, other=flag_bits, volatile=True)
             acc += _ll_unpack(w, DT, EPW, BLOCK_N).to(tl.float32)
-        off = row.to(tl.int64) * N
-        _finish_row(acc.to(DT), res_ptr, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
+        _finish_row(acc.to(DT), res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
 
 
 # no argument may be specialised: a value of 1 must not become a constant (one kernel for every call)
@@ -231,13 +232,18 @@ def _allreduce_add_rmsnorm_kernel(
                 for row in range(q * share + pid, tl.minimum(q * share + share, M), P):
                     off = row.to(tl.int64) * N
                     s = tl.load(src + off + cols, mask=mask)
-                    _finish_row(s, res_ptr, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
+                    res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)
+                    _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
         else:
             for row in range(pid, M, P):
                 off = row.to(tl.int64) * N
+                res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)
                 s = _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W, DT, PUSH)
-                _finish_row(s, res_ptr, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
-    # the last program to finish moves the epoch on, for the next call (after this kernel)
-    if tl.atomic_add(done_ptr, 1) == tl.num_programs(0) - 1:
+                _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
+    # the last program to finish moves the epoch on, for the next call (after this kernel); a lone
+    # program needs no count (it saves an atomic round trip on the smallest, latency-bound calls)
+    if P == 1:
+        tl.store(epoch_ptr, epoch + 1)
+    elif tl.atomic_add(done_ptr, 1) == P - 1:
         tl.store(done_ptr, 0)
         tl.store(epoch_ptr, epoch + 1)
