@@ -61,7 +61,8 @@ def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, 
 
 @triton.jit
 def _ll_pack(v, EPW: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A row of BLOCK_N values (16- or 32-bit) as BLOCK_N / EPW int64 words holding 32 data bits each."""
+    """A row of BLOCK_N values (16- or 32-bit) as BLOCK_N / EPW int64 words holding 32 data bits each
+    (little-endian: word j holds elements EPW·j ..., as the row's memory does)."""
     if EPW == 2:
         bits = tl.reshape(v.to(tl.int16, bitcast=True), (BLOCK_N // 2, 2))
         lo, hi = tl.split(bits)
@@ -72,12 +73,18 @@ def _ll_pack(v, EPW: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _ll_unpack(w, DT: tl.constexpr, EPW: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The inverse of ``_ll_pack`` (the flag bits are ignored)."""
+def _ll_load_row(src, cols, mask, flag, DT: tl.constexpr, EPW: tl.constexpr):
+    """Row values from the LL words at ``src`` once every word carries ``flag``. Each element reads
+    its own word (a pair of elements reads one word twice) so the row keeps the plain 1-D layout of
+    ``cols``: a row rebuilt by join/reshape had another layout, hence another summation order in
+    the norm's mean, hence other bits than ``truefuse.rms_norm`` (seen in fp16 on the H200)."""
+    flag_bits = flag.to(tl.int64) << 32
+    w = tl.load(src + cols // EPW, mask=mask, other=flag_bits, volatile=True)
+    while tl.sum(((w >> 32).to(tl.int32) != flag).to(tl.int32), axis=0) > 0:
+        w = tl.load(src + cols // EPW, mask=mask, other=flag_bits, volatile=True)
     d = w.to(tl.int32)
     if EPW == 2:
-        bits = tl.reshape(tl.join(d.to(tl.int16), (d >> 16).to(tl.int16)), (BLOCK_N,))
-        return bits.to(DT, bitcast=True)
+        return (d >> ((cols % 2) * 16)).to(tl.int16).to(DT, bitcast=True)
     else:
         return d.to(DT, bitcast=True)
 
@@ -132,11 +139,7 @@ def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base,
         res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)  # in flight while we wait
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for q in tl.static_range(W):  # rank order 0..W-1, fp32
-            src = mine + (q * M + row).to(tl.int64) * RW + words
-            w = tl.load(src, mask=wmask, other=flag_bits, volatile=True)
-            while tl.sum(((w >> 32).to(tl.int32) != flag).to(tl.int32), axis=0) > 0:
-                w = tl.load(src, mask=wmask, other=flag_bits, volatile=True)
-            acc += _ll_unpack(w, DT, EPW, BLOCK_N).to(tl.float32)
+            acc += _ll_load_row(mine + (q * M + row).to(tl.int64) * RW, cols, mask, flag, DT, EPW).to(tl.float32)
         _finish_row(acc.to(DT), res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
 
 
