@@ -24,8 +24,26 @@ def grads(fn, xx, WW):
 
 ref = grads(lambda a, b: F.cross_entropy(F.linear(a, b), t), x.float(), W.float())
 plain = grads(lambda a, b: F.cross_entropy(F.linear(a, b).float(), t), x, W)
+peers = {}
+try:
+    from cut_cross_entropy import linear_cross_entropy as cce
+
+    peers["cce"] = lambda a, b: cce(a, b, t)
+except ImportError:
+    pass
+try:
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    peers["liger"] = lambda a, b: LigerFusedLinearCrossEntropyLoss()(b, a, t)
+except ImportError:
+    pass
+for name, fn in peers.items():
+    theirs = grads(fn, x, W)
+    for what, i in (("d_input", 0), ("d_weight", 1)):
+        e_o, e_p = rel_error(theirs[i], ref[i]), rel_error(plain[i], ref[i])
+        print(f"{name} {what}: {e_o:.3e} plain {e_p:.3e} ratio {e_o / e_p:.3f}")
 for fp32 in (True, False):
-    for chunk in (None, 1024, 4096):
+    for chunk in (None, 2048):
         ours = grads(lambda a, b, c=chunk, f=fp32: truefuse.linear_cross_entropy(a, b, t, chunk_size=c, fp32_weight_grad=f), x, W)
         for name, i in (("d_input", 0), ("d_weight", 1)):
             e_o, e_p = rel_error(ours[i], ref[i]), rel_error(plain[i], ref[i])

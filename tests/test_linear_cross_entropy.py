@@ -134,3 +134,29 @@ def test_weight_grad_accumulated_in_the_weight_dtype(device):
         grads.append(Wl.grad)
     assert torch.equal(grads[0], grads[1])
     torch.testing.assert_close(grads[2], grads[0], rtol=1e-5, atol=1e-7)
+
+
+def test_default_chunk_takes_all_tokens_only_within_the_chunked_memory():
+    """One chunk when every token's logits fit in what chunking would hold anyway (CHUNK_BYTES, or
+    the fp32 weight-gradient accumulator's V·H·4 bytes when that is wanted); else a power of two."""
+    from truefuse.autograd.linear_cross_entropy import CHUNK_BYTES, _default_chunk
+
+    assert CHUNK_BYTES == 512 << 20
+    assert _default_chunk(8192, 128256, 4096, 2, True) == 8192  # 2.10 GB of logits == the fp32 accumulator
+    assert _default_chunk(8193, 128256, 4096, 2, True) == 2048
+    assert _default_chunk(16384, 128256, 4096, 2, True) == 2048
+    assert _default_chunk(8192, 128256, 4096, 2, False) == 2048  # no accumulator to trade for
+    assert _default_chunk(4096, 256000, 2304, 2, True) == 4096
+    assert _default_chunk(100, 1000, 64, 4, False) == 100  # small: inside CHUNK_BYTES
+    assert _default_chunk(0, 1000, 64, 4, True) == 1
+
+
+def test_one_chunk_and_many_chunks_agree(device):
+    x, W, t, _ = make_inputs(torch.float32, device)
+    grads = []
+    for chunk in (None, 7):
+        xl, Wl = x.clone().requires_grad_(), W.clone().requires_grad_()
+        truefuse.linear_cross_entropy(xl, Wl, t, chunk_size=chunk, z_loss=1e-3).backward()
+        grads.append((xl.grad, Wl.grad))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

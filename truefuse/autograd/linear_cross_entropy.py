@@ -36,6 +36,8 @@ from truefuse.ops.linear_cross_entropy import (
 #: Logits budget of one chunk (bytes in the input dtype) when ``chunk_size`` is None. Measured on
 #: the H200 (docs/benchmarks.md): at 8192 x 128256 x 4096 chunks of 512 / 1024 / 2048 / 4096 tokens
 #: took 58.6 / 50.2 / 47.3 / 45.4 ms, the last with 1 GiB more peak memory; 512 MiB picks 2048 there.
+#: When the weight gradient is wanted in fp32 and every token's logits fit in the V·H·4 bytes its
+#: fp32 accumulator would take, one chunk takes all tokens instead (see ``_default_chunk``).
 CHUNK_BYTES = 512 << 20
 
 
@@ -66,9 +68,11 @@ def _chunks(cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bool, b
     dx = torch.empty_like(x) if gx else None
     # d_weight accumulates across chunks inside the GEMM (beta=1): in fp32 (one rounding at the
     # end, as accurate as one GEMM over all tokens; V*H*4 bytes more) or in the weight's dtype
-    # (no extra memory; one rounding per chunk)
-    acc_dtype = wide if cfg.fp32_weight_grad else W.dtype
-    dW = torch.empty(W.shape, dtype=acc_dtype, device=x.device) if gw else None
+    # (no extra memory; one rounding per chunk). One chunk needs no accumulator: its GEMM writes
+    # d_weight in the weight's dtype, accumulating in fp32 inside (the plain path's GEMM).
+    one_chunk = N <= cfg.chunk
+    acc_dtype = wide if cfg.fp32_weight_grad and not one_chunk else W.dtype
+    dW = torch.empty(W.shape, dtype=acc_dtype, device=x.device) if gw and not one_chunk else None
     db = torch.zeros(cfg.V, dtype=wide, device=x.device) if gb else None
     per_token = s_ce.dim() == 1
     chunk = _kernel_chunk if triton_runs(x) else _torch_chunk
@@ -86,7 +90,9 @@ def _chunks(cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bool, b
             db += torch.sum(d, dim=0, dtype=wide)
         if gx:
             dx[sl] = gemm(d, W)
-        if gw:
+        if gw and one_chunk:
+            dW = gemm(d.t(), xc)
+        elif gw:
             gemm(d.t(), xc, out=dW, accumulate=i > 0)
     return ce, zl, correct, (dx, dW, db)
 
@@ -173,8 +179,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return dx, dW, db, None, None, None
 
 
-def _default_chunk(N: int, V: int, itemsize: int) -> int:
-    """The largest power of two of tokens whose logits fit in CHUNK_BYTES (at least 1, at most N)."""
+def _default_chunk(N: int, V: int, H: int, itemsize: int, fp32_accumulator: bool) -> int:
+    """Tokens per chunk when ``chunk_size`` is None.
+
+    All N when every token's logits fit in what chunking would take anyway: ``CHUNK_BYTES``, or
+    with an fp32 weight-gradient accumulator (V·H·4 bytes) that much. One chunk is the three GEMMs
+    of the plain path and one pass of the loss kernel, with no accumulator re-read per chunk:
+    measured 8192 x 128256 x 4096 in docs/benchmarks.md. Otherwise the largest power of two of
+    tokens whose logits fit in ``CHUNK_BYTES`` (at least 1)."""
+    budget = max(CHUNK_BYTES, V * H * 4) if fp32_accumulator else CHUNK_BYTES
+    if N * V * itemsize <= budget:
+        return max(1, N)
     fit = max(1, CHUNK_BYTES // (itemsize * max(V, 1)))
     return max(1, min(N, 1 << (fit.bit_length() - 1)))
 
@@ -206,11 +221,14 @@ def linear_cross_entropy(
         reduction: ``mean`` | ``sum`` | ``none`` (per token, shaped like ``target``).
         label_smoothing, z_loss, softcap: as in :func:`truefuse.ops.linear_cross_entropy.linear_cross_entropy_ref`.
         return_z_loss, return_token_accuracy: also return those (not differentiable).
-        chunk_size: tokens per chunk (default: the largest power of two whose logits fit in
-            ``CHUNK_BYTES``, 512 MiB: 2048 tokens at V = 128256 in bf16).
+        chunk_size: tokens per chunk. Default: all tokens in one chunk when their logits take no
+            more memory than chunking would (``CHUNK_BYTES``, 512 MiB, or the fp32 weight-gradient
+            accumulator's V·H·4 bytes when that is needed: 8192 tokens at V = 128256, H = 4096 in
+            bf16), else the largest power of two whose logits fit in ``CHUNK_BYTES`` (2048 there).
         fp32_weight_grad: accumulate the weight gradient across chunks in fp32 and round once
             (default: as accurate as the plain path; V·H·4 bytes of memory), or in the weight's
-            dtype (no extra memory, one rounding per chunk; measured in docs/benchmarks.md).
+            dtype (no extra memory, one rounding per chunk; measured in docs/benchmarks.md). A
+            single chunk needs neither: its one GEMM accumulates in fp32 and rounds once.
 
     Returns:
         The loss, or a :class:`LinearCrossEntropyOutput` when an extra is asked for. Differentiable
@@ -229,6 +247,7 @@ def linear_cross_entropy(
     check_targets(t, V, ignore_index)
     x = input.reshape(-1, input.shape[-1])
     cw = None if weight is None else weight.detach().to(wide_dtype(input))
+    wgrad = torch.is_grad_enabled() and linear_weight.requires_grad
     cfg = _Cfg(
         V,
         reduction,
@@ -236,7 +255,7 @@ def linear_cross_entropy(
         float(label_smoothing),
         float(z_loss),
         softcap,
-        chunk_size or _default_chunk(x.shape[0], V, x.element_size()),
+        chunk_size or _default_chunk(x.shape[0], V, x.shape[1], x.element_size(), wgrad and bool(fp32_weight_grad)),
         bool(fp32_weight_grad),
     )
     loss, z_part, acc = LinearCrossEntropyFunction.apply(x, linear_weight, linear_bias, t, cw, cfg)

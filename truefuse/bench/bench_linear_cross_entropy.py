@@ -5,10 +5,12 @@ Shapes (tokens, V, H) from the issue. Providers, side by side in one run (ratios
 
 * ``truefuse`` (default chunk) and ``truefuse_c{N}`` (chunk of N tokens): the chunk sweep;
   ``truefuse_bf16acc_c{N}``: the weight gradient accumulated in bf16 (``fp32_weight_grad=False``);
-* ``plain``: ``F.linear`` in bf16, ``F.cross_entropy`` on the fp32 logits (what users write);
-* ``compile_ref``: ``torch.compile`` of ``linear_cross_entropy_ref`` (fp32 ``F.linear``).
+* ``plain``: ``F.linear`` in bf16, ``F.cross_entropy`` on the fp32 logits (what users write), and
+  ``compile_plain``: ``torch.compile`` of it;
+* ``compile_ref``: ``torch.compile`` of ``linear_cross_entropy_ref`` (fp32 ``F.linear``);
+* ``liger``: liger-kernel's ``LigerFusedLinearCrossEntropyLoss``; ``cce``: Apple's
+  cut-cross-entropy ``linear_cross_entropy`` (default "cce" implementation), when installed.
 
-liger-kernel and cut-cross-entropy are not installed on the GPU machine here (no wheels carried).
 ``peak MiB`` is above the inputs; the returned gradients (input + weight, bf16) are part of it.
 """
 
@@ -56,14 +58,35 @@ def _plain(x, W, t):
     return F.cross_entropy(F.linear(x, W).float(), t)
 
 
-_compiled = None
+_compiled: dict = {}
 
 
-def _compile_ref(x, W, t):
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(linear_cross_entropy_ref)
-    return _compiled(x, W, t)
+def _compiled_step(name, fn):
+    def loss(x, W, t):
+        if name not in _compiled:
+            _compiled[name] = torch.compile(fn)
+        return _compiled[name](x, W, t)
+
+    return loss
+
+
+def _peers() -> dict:
+    """The peers' fused losses that import here, as ``loss(x, W, t)`` callables."""
+    out = {}
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        out["liger"] = lambda x, W, t: liger(W, x, t)
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        out["cce"] = lambda x, W, t: cce(x, W, t)
+    except ImportError:
+        pass
+    return out
 
 
 def sweep(quick: bool) -> Sweep:
@@ -80,14 +103,16 @@ def sweep(quick: bool) -> Sweep:
         "gemms": _gemms,
         "truefuse": _step(linear_cross_entropy),
         "plain": _step(_plain),
-        "compile_ref": _step(_compile_ref),
+        "compile_plain": _step(_compiled_step("plain", _plain)),
+        "compile_ref": _step(_compiled_step("ref", linear_cross_entropy_ref)),
+        **{name: _step(fn) for name, fn in _peers().items()},
     }
-    for c in (1024, 2048, 4096):
+    for c in (2048, 4096):
         providers[f"truefuse_c{c}"] = _step(lambda x, W, t, c=c: linear_cross_entropy(x, W, t, chunk_size=c))
-    for c in (2048, 4096):  # weight gradient accumulated in bf16: no fp32 accumulator
-        providers[f"truefuse_bf16acc_c{c}"] = _step(
-            lambda x, W, t, c=c: linear_cross_entropy(x, W, t, chunk_size=c, fp32_weight_grad=False)
-        )
+    # weight gradient accumulated in bf16: no fp32 accumulator
+    providers["truefuse_bf16acc_c4096"] = _step(
+        lambda x, W, t: linear_cross_entropy(x, W, t, chunk_size=4096, fp32_weight_grad=False)
+    )
     return Sweep(
         name="linear_cross_entropy",
         points=points,
