@@ -1,0 +1,35 @@
+"""``scale_``: ``tensor *= factor`` for a 0-dim device factor, with no pass when it is 1 and no host sync."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from truefuse.ops._triton import triton_runs
+
+
+@functools.cache
+def _programs(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count * 4
+
+
+def scale_(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """Multiply the contiguous ``tensor`` in place by the 0-dim fp32 ``factor``; returns ``tensor``.
+
+    On CUDA (and for fp32 under the CPU interpreter) a Triton kernel reads the factor on the device
+    and touches nothing when it is exactly 1 (``kernels/scale.py``); the result is bitwise
+    ``tensor.mul_(factor)``. Elsewhere, or for another factor dtype, it is ``tensor.mul_(factor)``.
+    """
+    if tensor.numel() == 0:
+        return tensor
+    if not (triton_runs(tensor) and tensor.is_contiguous() and factor.dtype == torch.float32 and factor.numel() == 1):
+        return tensor.mul_(factor)
+    from truefuse.kernels.scale import _scale_inplace_kernel
+
+    block = 4096 if tensor.is_cuda else 64
+    programs = _programs(tensor.device.index or 0) if tensor.is_cuda else 4
+    grid = (max(1, min(programs, -(-tensor.numel() // block))),)
+    warps = 8 if tensor.is_cuda else 1
+    _scale_inplace_kernel[grid](tensor, tensor.numel(), factor.to(tensor.device), BLOCK=block, num_warps=warps)
+    return tensor
