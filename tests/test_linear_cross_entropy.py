@@ -160,3 +160,57 @@ def test_one_chunk_and_many_chunks_agree(device):
         grads.append((xl.grad, Wl.grad))
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _plain_grads(x, W, t, **kw):
+    xl, Wl = x.clone().requires_grad_(), W.clone().requires_grad_()
+    (truefuse.linear_cross_entropy(xl, Wl, t, **kw) * kw.pop("_scale", 1.0)).sum().backward()
+    return xl.grad, Wl.grad
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_fused_main_grad(device, reduction, chunk):
+    """DESIGN §2 for the loss's weight: the gradient (scaled by grad_output) is added into
+    main_grad, autograd gets None; d_input is unchanged. One chunk (d_logits kept for the backward)
+    and several (recomputed in the backward), every reduction."""
+    x, W, t, _ = make_inputs(torch.float32, device)
+    kw = {"reduction": reduction, "chunk_size": chunk, "z_loss": 1e-3}
+    dx_want, dW_want = _plain_grads(x, W, t, **kw)
+    xl, Wl = x.clone().requires_grad_(), W.clone().requires_grad_()
+    start = torch.randn(W.shape, generator=torch.Generator().manual_seed(5)).to(device)
+    Wl.main_grad = start.clone()
+    loss = truefuse.linear_cross_entropy(xl, Wl, t, fuse_wgrad_accumulation=True, **kw)
+    (loss * 3.0).sum().backward()
+    assert Wl.grad is None
+    torch.testing.assert_close(xl.grad, 3.0 * dx_want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(Wl.main_grad, start + 3.0 * dW_want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_fused_main_grad_megatron_attribute_overwrite_and_retain_graph(device, chunk):
+    x, W, t, _ = make_inputs(torch.float32, device)
+    _, dW_want = _plain_grads(x, W, t, chunk_size=chunk)
+    Wl = W.clone().requires_grad_()
+    Wl.main_grad = torch.full(W.shape, 7.0, device=device)
+    Wl.grad_added_to_main_grad = False
+    Wl.overwrite_main_grad = True
+    loss = truefuse.linear_cross_entropy(x, Wl, t, chunk_size=chunk, fuse_wgrad_accumulation=True)
+    loss.backward(retain_graph=True)
+    assert Wl.grad_added_to_main_grad is True
+    assert Wl.grad is not None and not Wl.grad.any()  # the cached zeros: Megatron's hook sees "done"
+    torch.testing.assert_close(Wl.main_grad, dW_want, rtol=1e-5, atol=1e-6)  # overwritten, not added
+    del Wl.overwrite_main_grad
+    loss.backward()  # a second backward adds once more
+    torch.testing.assert_close(Wl.main_grad, 2 * dW_want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_main_grad_missing_is_a_clear_error(device):
+    x, W, t, _ = make_inputs(torch.float32, device)
+    with pytest.raises(RuntimeError, match="linear_weight has no main_grad"):
+        truefuse.linear_cross_entropy(x, W.clone().requires_grad_(), t, fuse_wgrad_accumulation=True)
+    m = truefuse.LinearCrossEntropyLoss(fuse_wgrad_accumulation=True)
+    Wl = W.clone().requires_grad_()
+    Wl.main_grad = torch.zeros(W.shape, dtype=torch.float64, device=device)
+    with pytest.raises(TypeError, match="needs torch.float32"):
+        m(x, Wl, t)

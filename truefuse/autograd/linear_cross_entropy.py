@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.gemm import gemm
 from truefuse.ops.gemm_exec import wide_dtype
@@ -54,14 +55,19 @@ class _Cfg:
     fp32_weight_grad: bool = True
 
 
-def _chunks(cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bool, bool]):
+def _chunks(
+    cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bool, bool], dW_out=None, dW_accumulate=False, keep_d=False
+):
     """Run every chunk; returns per-token (ce, zl, correct) and (dx, dW, db) as asked.
 
-    ``s_ce`` / ``s_z``: 0-dim scales of the reduction, or (N,) per-token upstream gradients."""
+    ``s_ce`` / ``s_z``: 0-dim scales of the reduction, or (N,) per-token upstream gradients.
+    ``dW_out``: write (or with ``dW_accumulate`` add) the weight gradient into this fp32 tensor
+    (``main_grad``), chunk after chunk inside the GEMMs, instead of returning it. ``keep_d``: also
+    return the d_logits of a single chunk (unscaled by anything but ``s_ce`` / ``s_z``)."""
     N = x.shape[0]
     wide = wide_dtype(x)
     gx, gw, gb = want_grad
-    any_grad = gx or gw or gb
+    any_grad = gx or gw or gb or keep_d
     W_sum = float(cw.sum()) if cw is not None else float(cfg.V)  # one host sync, before the loop
     ce = torch.empty(N, dtype=wide, device=x.device)
     zl = torch.empty(N, dtype=wide, device=x.device)
@@ -73,10 +79,11 @@ def _chunks(cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bool, b
     # d_weight in the weight's dtype, accumulating in fp32 inside (the plain path's GEMM).
     one_chunk = N <= cfg.chunk
     acc_dtype = wide if cfg.fp32_weight_grad and not one_chunk else W.dtype
-    dW = torch.empty(W.shape, dtype=acc_dtype, device=x.device) if gw and not one_chunk else None
+    dW = torch.empty(W.shape, dtype=acc_dtype, device=x.device) if gw and not one_chunk and dW_out is None else None
     db = torch.zeros(cfg.V, dtype=wide, device=x.device) if gb else None
     per_token = s_ce.dim() == 1
     chunk = _kernel_chunk if triton_runs(x) else _torch_chunk
+    d = None
     for i, start in enumerate(range(0, N, cfg.chunk)):
         sl = slice(start, min(start + cfg.chunk, N))
         xc = x[sl]
@@ -91,11 +98,13 @@ def _chunks(cfg: _Cfg, x, W, b, t, cw, s_ce, s_z, want_grad: tuple[bool, bool, b
             db += torch.sum(d, dim=0, dtype=wide)
         if gx:
             dx[sl] = gemm(d, W)
-        if gw and one_chunk:
+        if gw and dW_out is not None:
+            gemm(d.t(), xc, out=dW_out, accumulate=dW_accumulate or i > 0)
+        elif gw and one_chunk:
             dW = gemm(d.t(), xc)
         elif gw:
             gemm(d.t(), xc, out=dW, accumulate=i > 0)
-    return ce, zl, correct, (dx, dW, db)
+    return ce, zl, correct, (dx, dW, db, d if keep_d else None)
 
 
 def _torch_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad):
@@ -128,30 +137,42 @@ def _kernel_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad):
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Inputs: x (N, H), W (V, H), bias (V,) or None, target (N,), class weight (V,) fp32 or None."""
+    """Inputs: x (N, H), W (V, H), bias (V,) or None, target (N,), class weight (V,) fp32 or None,
+    the config, and the weight's DESIGN §2 state (None: plain).
+
+    The weight gradient under fused ``main_grad`` accumulation (DESIGN §2) is left to the backward,
+    where ``grad_output`` is known (``main_grad`` holds other contributions: it can only be added
+    to once, already scaled). With one chunk the forward keeps the chunk's d_logits for it: the
+    backward scales them and runs the one GEMM into ``main_grad``. With several chunks, or with
+    ``none``, the backward recomputes the chunks and adds each chunk's GEMM into ``main_grad``."""
 
     @staticmethod
-    def forward(ctx, x, W, b, t, cw, cfg: _Cfg):
+    def forward(ctx, x, W, b, t, cw, cfg: _Cfg, wstate: WgradState | None):
         wide = wide_dtype(x)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
+        fused = wstate is not None and wstate.fuse_wgrad_accumulation and needs[1]
+        if fused:
+            check_main_grad(W, "linear_weight")  # a clear error now, not in the backward
         valid, w_t = target_weights(t, cw, cfg.ignore_index, wide)
-        now = cfg.reduction != "none" and any(needs)
+        keep_d = fused and x.shape[0] <= cfg.chunk  # one chunk: its d_logits serve the backward's GEMM
+        now = cfg.reduction != "none" and any(needs) and (not fused or keep_d)
         if cfg.reduction == "mean":
             s_ce, s_z = mean_scales(valid, w_t)
         else:
             s_ce = s_z = torch.ones((), dtype=wide, device=x.device)
-        ce, zl, correct, grads = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, needs if now else (False, False, False))
+        want = (needs[0], needs[1] and not fused, needs[2]) if now else (False, False, False)
+        ce, zl, correct, grads = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, want, keep_d=keep_d and now)
         loss, z_part = reduce_terms(ce, zl, valid, w_t, cfg.reduction)
         acc = token_accuracy(correct, valid, wide)
-        ctx.cfg, ctx.needs, ctx.now = cfg, needs, now
+        ctx.cfg, ctx.needs, ctx.now, ctx.wstate, ctx.fused = cfg, needs, now, wstate, fused
         if now:
-            dx, dW, db = grads
+            dx, dW, db, d = grads
             dW = None if dW is None else dW.to(W.dtype)
             db = None if db is None else db.to(b.dtype)
-            ctx.save_for_backward(dx, dW, db)
+            ctx.save_for_backward(dx, dW, db, d, x if keep_d else None, W if fused else None)
             ctx.scale = torch.ones((), dtype=wide, device=x.device)  # the factor already applied
         elif any(needs):
-            ctx.save_for_backward(x, W, b, t, cw)
+            ctx.save_for_backward(x, W, b, t, cw, s_ce, s_z)
         ctx.mark_non_differentiable(z_part, acc)
         return loss, z_part, acc
 
@@ -164,22 +185,43 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # applied keeps retain_graph and repeated backward right. A factor of 1 (the usual
             # grad_output) costs no pass over them and no host sync (ops/scale.py): the pass took
             # 2.2 ms of 44 at 8192 x 128256 x 4096 on the H200.
+            dx, dW, db, d, x, W = ctx.saved_tensors
             g = g_loss.to(ctx.scale.dtype)
             factor = g / ctx.scale
             ctx.scale = g.clone()
-            out = []
-            for tensor in ctx.saved_tensors:
+            for tensor in (dx, dW, db, d):
                 if tensor is not None:
                     scale_(tensor.data, factor)
-                out.append(tensor)
-            dx, dW, db = out
+            if ctx.fused:
+
+                def compute(out, accumulate):
+                    return gemm(d.t(), x, out=out, accumulate=accumulate)
+
+                dW = deliver_weight_grad(W, "linear_weight", compute, ctx.wstate)
+            return dx, dW, db, None, None, None, None
+        x, W, b, t, cw, s_ce, s_z = ctx.saved_tensors
+        if cfg.reduction != "none":  # fused main_grad with several chunks: recompute, scaled by g
+            g = g_loss.to(s_ce.dtype)
+            s_ce, s_z = s_ce * g, s_z * g
         else:
-            x, W, b, t, cw = ctx.saved_tensors
-            s = g_loss.reshape(-1).to(wide_dtype(x))
-            _, _, _, (dx, dW, db) = _chunks(cfg, x, W, b, t, cw, s, s, ctx.needs)
+            s_ce = s_z = g_loss.reshape(-1).to(wide_dtype(x))
+        if not ctx.fused:
+            _, _, _, (dx, dW, db, _) = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, ctx.needs)
             dW = None if dW is None else dW.to(W.dtype)
-            db = None if db is None else db.to(b.dtype)
-        return dx, dW, db, None, None, None
+        else:
+            got = {}
+
+            def compute(out, accumulate):
+                # one pass: d_input and d_bias ride along with the chunks' GEMMs into main_grad
+                _, _, _, (got["dx"], dW_new, got["db"], _) = _chunks(
+                    cfg, x, W, b, t, cw, s_ce, s_z, ctx.needs, dW_out=out, dW_accumulate=accumulate
+                )
+                return dW_new
+
+            dW = deliver_weight_grad(W, "linear_weight", compute, ctx.wstate)
+            dx, db = got["dx"], got["db"]
+        db = None if db is None else db.to(b.dtype)
+        return dx, dW, db, None, None, None, None
 
 
 def _default_chunk(N: int, V: int, H: int, itemsize: int, fp32_accumulator: bool) -> int:
@@ -213,6 +255,8 @@ def linear_cross_entropy(
     return_token_accuracy: bool = False,
     chunk_size: int | None = None,
     fp32_weight_grad: bool = True,
+    fuse_wgrad_accumulation: bool = False,
+    wgrad_state: WgradState | None = None,
 ):
     """Cross-entropy of ``input @ linear_weightᵀ + linear_bias`` against ``target``, in chunks of tokens.
 
@@ -232,6 +276,14 @@ def linear_cross_entropy(
             (default: as accurate as the plain path; V·H·4 bytes of memory), or in the weight's
             dtype (no extra memory, one rounding per chunk; measured in docs/benchmarks.md). A
             single chunk needs neither: its one GEMM accumulates in fp32 and rounds once.
+        fuse_wgrad_accumulation: the weight gradient goes to ``linear_weight.main_grad`` (fp32,
+            Megatron's convention) inside the GEMMs, per DESIGN §2 (what autograd gets: None, or
+            a cached zero tensor when the weight has ``grad_added_to_main_grad``; with
+            ``overwrite_main_grad`` it is written, not added). With one chunk (the default rule
+            above) the forward keeps its d_logits for the backward's GEMM; with several chunks
+            (or ``none``) the backward recomputes them (one more logits GEMM).
+        wgrad_state: the weight's DESIGN §2 state (``LinearCrossEntropyLoss`` passes its own, so
+            its ``register_wgrad_hook`` functions fire); default: a fresh one from the flag.
 
     Returns:
         The loss, or a :class:`LinearCrossEntropyOutput` when an extra is asked for. Differentiable
@@ -251,6 +303,10 @@ def linear_cross_entropy(
     x = input.reshape(-1, input.shape[-1])
     cw = None if weight is None else weight.detach().to(wide_dtype(input))
     wgrad = torch.is_grad_enabled() and linear_weight.requires_grad
+    if wgrad_state is None:
+        wgrad_state = WgradState(fuse_wgrad_accumulation=bool(fuse_wgrad_accumulation))
+    if wgrad_state.delay_wgrad_compute:
+        raise ValueError("linear_cross_entropy does not delay its weight gradient (delay_wgrad_compute=True)")
     cfg = _Cfg(
         V,
         reduction,
@@ -258,10 +314,19 @@ def linear_cross_entropy(
         float(label_smoothing),
         float(z_loss),
         softcap,
-        chunk_size or _default_chunk(x.shape[0], V, x.shape[1], x.element_size(), wgrad and bool(fp32_weight_grad)),
+        chunk_size
+        or _default_chunk(
+            x.shape[0],
+            V,
+            x.shape[1],
+            x.element_size(),
+            # the same budget with main_grad fusion: one chunk keeps its d_logits instead of
+            # recomputing the chunks in the backward (one more logits GEMM)
+            wgrad and bool(fp32_weight_grad),
+        ),
         bool(fp32_weight_grad),
     )
-    loss, z_part, acc = LinearCrossEntropyFunction.apply(x, linear_weight, linear_bias, t, cw, cfg)
+    loss, z_part, acc = LinearCrossEntropyFunction.apply(x, linear_weight, linear_bias, t, cw, cfg, wgrad_state)
     if reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape)
     if not (return_z_loss or return_token_accuracy):

@@ -13,7 +13,9 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     Args:
         weight: (V,) per-class weights or None (a buffer, like ``torch.nn.CrossEntropyLoss``'s).
         reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss,
-        return_token_accuracy, chunk_size: as :func:`truefuse.linear_cross_entropy`.
+        return_token_accuracy, chunk_size, fuse_wgrad_accumulation: as
+        :func:`truefuse.linear_cross_entropy` (the last sends the weight gradient to
+        ``linear_weight.main_grad`` per DESIGN §2).
     """
 
     def __init__(
@@ -28,18 +30,21 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         return_z_loss: bool = False,
         return_token_accuracy: bool = False,
         chunk_size: int | None = None,
+        fuse_wgrad_accumulation: bool = False,
     ) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.reduction, self.ignore_index, self.label_smoothing = reduction, ignore_index, label_smoothing
         self.z_loss, self.softcap, self.chunk_size = z_loss, softcap, chunk_size
         self.return_z_loss, self.return_token_accuracy = return_z_loss, return_token_accuracy
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
 
     def forward(self, input, linear_weight, target, linear_bias=None):
         return linear_cross_entropy(
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight, reduction=self.reduction,
             ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
             return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, chunk_size=self.chunk_size,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
