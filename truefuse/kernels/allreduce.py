@@ -90,6 +90,26 @@ def _ll_load_row(src, cols, mask, flag, DT: tl.constexpr, EPW: tl.constexpr):
 
 
 @triton.jit
+def _ll_wait_words(src, words, wmask, flag):
+    """The row's LL words at ``src`` (vector loads), once every one carries ``flag``."""
+    flag_bits = flag.to(tl.int64) << 32
+    w = tl.load(src + words, mask=wmask, other=flag_bits, volatile=True)
+    while tl.sum(((w >> 32).to(tl.int32) != flag).to(tl.int32), axis=0) > 0:
+        w = tl.load(src + words, mask=wmask, other=flag_bits, volatile=True)
+    return w
+
+
+@triton.jit
+def _ll_unpack(w, DT: tl.constexpr, EPW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The inverse of ``_ll_pack``: BLOCK_N values, in the layout join/reshape gives (not ``cols``')."""
+    d = w.to(tl.int32)
+    if EPW == 2:
+        return tl.reshape(tl.join(d.to(tl.int16), (d >> 16).to(tl.int16)), (BLOCK_N,)).to(DT, bitcast=True)
+    else:
+        return d.to(DT, bitcast=True)
+
+
+@triton.jit
 def _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr):
     """This rank's end of a row from the rounded sum ``s``: its own residual row ``res`` added (fp32
     add, one rounding), stored, and normed by ``rms_norm_row`` (the bits of ``truefuse.rms_norm``)."""
@@ -117,7 +137,8 @@ def _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W: tl.constexpr, DT: 
 
 @triton.jit
 def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base, epoch, pid, P, M, N, eps, rank,
-                  W: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+                  W: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  LL_RELOAD: tl.constexpr):  # fmt: skip
     DT: tl.constexpr = x_ptr.dtype.element_ty
     EPW: tl.constexpr = 32 // DT.primitive_bitwidth  # elements per 32 data bits
     BLOCK_W: tl.constexpr = BLOCK_N // EPW
@@ -138,9 +159,21 @@ def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base,
         off = row.to(tl.int64) * N
         res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)  # in flight while we wait
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for q in tl.static_range(W):  # rank order 0..W-1, fp32
-            acc += _ll_load_row(mine + (q * M + row).to(tl.int64) * RW, cols, mask, flag, DT, EPW).to(tl.float32)
-        _finish_row(acc.to(DT), res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
+        if LL_RELOAD and EPW == 2:
+            # vector loads of the words; the rounded sum goes through the out row to come back in
+            # the plain layout of ``cols`` (the norm's mean must sum as truefuse.rms_norm's does)
+            for q in tl.static_range(W):  # rank order 0..W-1, fp32
+                w = _ll_wait_words(mine + (q * M + row).to(tl.int64) * RW, words, wmask, flag)
+                acc += _ll_unpack(w, DT, EPW, BLOCK_N).to(tl.float32)
+            joined = tl.reshape(tl.join(2 * words, 2 * words + 1), (BLOCK_N,))  # the columns of acc's layout
+            tl.store(out_ptr + off + joined, acc.to(DT), mask=joined < N)
+            tl.debug_barrier()  # the whole row is stored before any thread reads it back
+            s = tl.load(out_ptr + off + cols, mask=mask)
+        else:
+            for q in tl.static_range(W):  # rank order 0..W-1, fp32
+                acc += _ll_load_row(mine + (q * M + row).to(tl.int64) * RW, cols, mask, flag, DT, EPW).to(tl.float32)
+            s = acc.to(DT)
+        _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
 
 
 # no argument may be specialised: a value of 1 must not become a constant (one kernel for every call)
@@ -171,6 +204,7 @@ def _allreduce_add_rmsnorm_kernel(
     PUSH: tl.constexpr,
     LL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    LL_RELOAD: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -186,7 +220,7 @@ def _allreduce_add_rmsnorm_kernel(
     if LL:
         ll_base = (epoch % 2).to(tl.int64) * half_words + ll_words
         _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base, epoch, pid, P, M, N, eps, rank,
-                      W, HAS_RES, HAS_NORM, BLOCK_N)  # fmt: skip
+                      W, HAS_RES, HAS_NORM, BLOCK_N, LL_RELOAD)  # fmt: skip
     else:
         # PUSH (small messages): my rows go into slot ``rank`` of every reader's buffer (posted
         # remote stores) and the sum reads local slots. Otherwise my rows go into my own slot 0 and
