@@ -1,6 +1,5 @@
 """Experiment: the allreduce kernel's variants, latency under CUDA graphs and bits against the
-reference path: LL 1-stage (no barrier; "ll-elem": words read per element instead of vector loads + reload),
-1-stage push / pull, 2-stage push / pull; "/1": one program per SM instead of two.
+reference path: LL 1-stage (no barrier), 1-stage push / pull, 2-stage push / pull; "/1": one program per SM instead of two.
 
     python scripts/exp_allreduce_variants.py 4     # world size
 """
@@ -15,9 +14,8 @@ from truefuse.distributed import Workspace, allreduce_add_rmsnorm, symm
 from truefuse.distributed.launch import run_local
 
 ROWS = (1, 4, 16, 64, 256, 1024, 4096)
-VARIANTS = {  # name: (two_stage, push max bytes, LL max bytes, programs per SM); "ll-elem": LL_RELOAD off
+VARIANTS = {  # name: (two_stage, push max bytes, LL max bytes, programs per SM)
     "ll": (False, 1 << 62, 1 << 62, 2),
-    "ll-elem": (False, 1 << 62, 1 << 62, 2),
     "1s-push": (False, 1 << 62, 0, 2),
     "1s-pull": (False, 0, 0, 2),
     "1s-pull/1": (False, 0, 0, 1),
@@ -45,7 +43,6 @@ def _worker(rank, world_size):
                 continue
             ws.two_stage_bytes = 0 if two else 1 << 62
             symm.PUSH_MAX_BYTES, symm.LL_MAX_BYTES, symm.PROGRAMS_PER_SM = push, ll, per_sm
-            symm.LL_RELOAD = name != "ll-elem"
             got = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws)
             same = all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
             us = _graph_us(lambda x=x, res=res, w=w: allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws))

@@ -19,9 +19,6 @@ LL_MAX_BYTES = 128 << 10
 #: program must be resident at once (the barriers wait on peers' programs), so registers are capped
 #: at 128 a thread to make two fit (65536 / (128 × 256 threads)).
 PROGRAMS_PER_SM = 2
-#: LL reader for 16-bit rows: vector loads, then the row back through ``out`` in the norm's layout
-#: (True), or one load per element (False). Being measured; both give truefuse.rms_norm's bits.
-LL_RELOAD = True
 MAXP = 512  # most programs per launch; the signal pad holds 2 regions of MAXP × world_size flags
 
 
@@ -96,7 +93,7 @@ def launch(state: SymmetricState, x, residual, weight, eps: float, two_stage: bo
         normed if normed is not None else out, state.buffer_ptrs, state.signal_ptrs, state.epoch, state.done,
         state.half_bytes // x.element_size(), state.half_bytes // 8, state.ll_offset // 8, M, N, share, float(eps),
         state.rank, W=W, MAXP=MAXP, HAS_RES=residual is not None, HAS_NORM=weight is not None,
-        TWO_STAGE=two_stage, PUSH=nbytes <= PUSH_MAX_BYTES, LL=ll, BLOCK_N=block, LL_RELOAD=LL_RELOAD, num_warps=warps,
+        TWO_STAGE=two_stage, PUSH=nbytes <= PUSH_MAX_BYTES, LL=ll, BLOCK_N=block, num_warps=warps,
         maxnreg=cap,
     )  # fmt: skip
     return normed, out
