@@ -14,6 +14,12 @@ def _programs(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count * 4
 
 
+def scale_ref(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``tensor * factor`` out of place, as PyTorch computes it (fp32 math for a 0-dim fp32 factor,
+    one rounding to ``tensor.dtype``): what :func:`scale_` must equal bit for bit."""
+    return tensor.clone().mul_(factor)
+
+
 def scale_(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """Multiply the contiguous ``tensor`` in place by the 0-dim fp32 ``factor``; returns ``tensor``.
 
