@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks in one call: the test suite on the GPU, verify on cuda, the benchmarks.
+# GPU checks in one call: the test suite on the GPU, verify on cuda, the benchmarks, and on a
+# machine of several GPUs the allreduce table and latency (WORLDS="2 4" by default; "" skips).
 # Runs with the machine's own python3 (torch + triton preinstalled, no network): truefuse from
 # this checkout through PYTHONPATH. Logs and results go under $OUT; a short table is printed last.
 set -uo pipefail
@@ -7,7 +8,14 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_results}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# DESIGN §4 / the device README: never NVLink multicast
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY="${PYTHON:-python3}"
+# peers for the cross-entropy benchmark, carried as wheels in .whl/ (no network on the GPU machine)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 BENCHES="${BENCHES-gemm linear rms_norm grouped linear_cross_entropy}"  # BENCHES="" runs none
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -23,6 +31,16 @@ verify_rc=$?
 $PY -m truefuse info > "$OUT/info.log" 2>&1
 for b in $BENCHES; do
   $PY -m truefuse bench "$b" --out "$OUT" > "$OUT/bench_$b.log" 2>&1 || echo "bench $b failed (see bench_$b.log)"
+done
+# several GPUs: the allreduce's bitwise table and latency at each world size up to the GPU count
+gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
+WORLDS="${WORLDS-2 4}"
+for w in $WORLDS; do
+  [ "$w" -le "$gpus" ] || continue
+  $PY -m truefuse verify --world-size "$w" --device cuda > "$OUT/verify_w$w.log" 2>&1; echo "verify --world-size $w rc=$?"
+  tail -n 1 "$OUT/verify_w$w.log"
+  $PY -m truefuse bench allreduce_add_rmsnorm --world-size "$w" --out "$OUT" > "$OUT/bench_allreduce_w$w.log" 2>&1
+  grep -v -i warn "$OUT/bench_allreduce_w$w.log" | tail -n 29
 done
 
 echo "== verify (failures) =="; grep -E "FAIL" "$OUT/verify.log" | head -20; tail -n 1 "$OUT/verify.log"
