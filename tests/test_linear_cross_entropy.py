@@ -214,3 +214,28 @@ def test_fused_main_grad_missing_is_a_clear_error(device):
     Wl.main_grad = torch.zeros(W.shape, dtype=torch.float64, device=device)
     with pytest.raises(TypeError, match="needs torch.float32"):
         m(x, Wl, t)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_delayed_weight_grad_is_bitwise_the_immediate_one(device, fused, reduction, chunk):
+    """DESIGN §2: with delay_wgrad_compute the backward returns None for the weight and
+    backward_dw() adds the same bits into .grad (or main_grad) as the immediate path."""
+    x, W, t, _ = make_inputs(torch.float32, device)
+    out = {}
+    for delay in (False, True):
+        m = truefuse.LinearCrossEntropyLoss(
+            reduction=reduction, chunk_size=chunk, z_loss=1e-3, fuse_wgrad_accumulation=fused, delay_wgrad_compute=delay
+        )
+        xl, Wl = x.clone().requires_grad_(), W.clone().requires_grad_()
+        if fused:
+            Wl.main_grad = torch.ones(W.shape, device=device)
+        (m(xl, Wl, t) * 2.0).sum().backward()
+        if delay:
+            assert Wl.grad is None and (not fused or torch.equal(Wl.main_grad, torch.ones(W.shape, device=device)))
+            m.backward_dw()
+            m.backward_dw()  # nothing pending: no-op
+        out[delay] = (xl.grad, Wl.main_grad if fused else Wl.grad)
+    for a, b in zip(out[False], out[True], strict=True):
+        assert torch.equal(a, b)

@@ -140,36 +140,38 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """Inputs: x (N, H), W (V, H), bias (V,) or None, target (N,), class weight (V,) fp32 or None,
     the config, and the weight's DESIGN §2 state (None: plain).
 
-    The weight gradient under fused ``main_grad`` accumulation (DESIGN §2) is left to the backward,
-    where ``grad_output`` is known (``main_grad`` holds other contributions: it can only be added
-    to once, already scaled). With one chunk the forward keeps the chunk's d_logits for it: the
-    backward scales them and runs the one GEMM into ``main_grad``. With several chunks, or with
-    ``none``, the backward recomputes the chunks and adds each chunk's GEMM into ``main_grad``."""
+    Under fused ``main_grad`` accumulation or a delayed weight gradient (DESIGN §2) the weight
+    gradient is left to the backward, where ``grad_output`` is known (``main_grad`` holds other
+    contributions: it can only be added to once, already scaled), and handed to
+    ``deliver_weight_grad``. With one chunk the forward keeps the chunk's d_logits for it: the
+    backward scales them and the one GEMM runs then (or in ``backward_dw()``). With several
+    chunks, or with ``none``, the chunks are recomputed: in the backward's pass (fused) or in
+    ``backward_dw()`` (delayed, after the backward's pass for d_input and d_bias)."""
 
     @staticmethod
     def forward(ctx, x, W, b, t, cw, cfg: _Cfg, wstate: WgradState | None):
         wide = wide_dtype(x)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
-        fused = wstate is not None and wstate.fuse_wgrad_accumulation and needs[1]
-        if fused:
+        deferred = wstate is not None and not wstate.plain and needs[1]  # fused and/or delayed
+        if deferred and wstate.fuse_wgrad_accumulation:
             check_main_grad(W, "linear_weight")  # a clear error now, not in the backward
         valid, w_t = target_weights(t, cw, cfg.ignore_index, wide)
-        keep_d = fused and x.shape[0] <= cfg.chunk  # one chunk: its d_logits serve the backward's GEMM
-        now = cfg.reduction != "none" and any(needs) and (not fused or keep_d)
+        keep_d = deferred and x.shape[0] <= cfg.chunk  # one chunk: its d_logits serve the weight's GEMM
+        now = cfg.reduction != "none" and any(needs) and (not deferred or keep_d)
         if cfg.reduction == "mean":
             s_ce, s_z = mean_scales(valid, w_t)
         else:
             s_ce = s_z = torch.ones((), dtype=wide, device=x.device)
-        want = (needs[0], needs[1] and not fused, needs[2]) if now else (False, False, False)
+        want = (needs[0], needs[1] and not deferred, needs[2]) if now else (False, False, False)
         ce, zl, correct, grads = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, want, keep_d=keep_d and now)
         loss, z_part = reduce_terms(ce, zl, valid, w_t, cfg.reduction)
         acc = token_accuracy(correct, valid, wide)
-        ctx.cfg, ctx.needs, ctx.now, ctx.wstate, ctx.fused = cfg, needs, now, wstate, fused
+        ctx.cfg, ctx.needs, ctx.now, ctx.wstate, ctx.deferred = cfg, needs, now, wstate, deferred
         if now:
             dx, dW, db, d = grads
             dW = None if dW is None else dW.to(W.dtype)
             db = None if db is None else db.to(b.dtype)
-            ctx.save_for_backward(dx, dW, db, d, x if keep_d else None, W if fused else None)
+            ctx.save_for_backward(dx, dW, db, d, x if keep_d else None, W if deferred else None)
             ctx.scale = torch.ones((), dtype=wide, device=x.device)  # the factor already applied
         elif any(needs):
             ctx.save_for_backward(x, W, b, t, cw, s_ce, s_z)
@@ -192,7 +194,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             for tensor in (dx, dW, db, d):
                 if tensor is not None:
                     scale_(tensor.data, factor)
-            if ctx.fused:
+            if ctx.deferred:
 
                 def compute(out, accumulate):
                     return gemm(d.t(), x, out=out, accumulate=accumulate)
@@ -200,14 +202,25 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 dW = deliver_weight_grad(W, "linear_weight", compute, ctx.wstate)
             return dx, dW, db, None, None, None, None
         x, W, b, t, cw, s_ce, s_z = ctx.saved_tensors
-        if cfg.reduction != "none":  # fused main_grad with several chunks: recompute, scaled by g
+        if cfg.reduction != "none":  # fused or delayed, several chunks: recompute, scaled by g
             g = g_loss.to(s_ce.dtype)
             s_ce, s_z = s_ce * g, s_z * g
         else:
             s_ce = s_z = g_loss.reshape(-1).to(wide_dtype(x))
-        if not ctx.fused:
+        if not ctx.deferred:
             _, _, _, (dx, dW, db, _) = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, ctx.needs)
             dW = None if dW is None else dW.to(W.dtype)
+        elif ctx.wstate.delay_wgrad_compute:
+            # d_input and d_bias now; the weight's pass over the chunks waits for backward_dw()
+            _, _, _, (dx, _, db, _) = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, (ctx.needs[0], False, ctx.needs[2]))
+
+            def compute(out, accumulate):
+                _, _, _, (_, dW_new, _, _) = _chunks(
+                    cfg, x, W, b, t, cw, s_ce, s_z, (False, True, False), dW_out=out, dW_accumulate=accumulate
+                )
+                return None if dW_new is None else dW_new.to(W.dtype)
+
+            dW = deliver_weight_grad(W, "linear_weight", compute, ctx.wstate)
         else:
             got = {}
 
@@ -282,8 +295,9 @@ def linear_cross_entropy(
             ``overwrite_main_grad`` it is written, not added). With one chunk (the default rule
             above) the forward keeps its d_logits for the backward's GEMM; with several chunks
             (or ``none``) the backward recomputes them (one more logits GEMM).
-        wgrad_state: the weight's DESIGN §2 state (``LinearCrossEntropyLoss`` passes its own, so
-            its ``register_wgrad_hook`` functions fire); default: a fresh one from the flag.
+        wgrad_state: the weight's DESIGN §2 state (``LinearCrossEntropyLoss`` passes its own: it
+            holds ``delay_wgrad_compute`` and the queue ``backward_dw()`` runs); default: a fresh
+            one from ``fuse_wgrad_accumulation``.
 
     Returns:
         The loss, or a :class:`LinearCrossEntropyOutput` when an extra is asked for. Differentiable
@@ -305,8 +319,6 @@ def linear_cross_entropy(
     wgrad = torch.is_grad_enabled() and linear_weight.requires_grad
     if wgrad_state is None:
         wgrad_state = WgradState(fuse_wgrad_accumulation=bool(fuse_wgrad_accumulation))
-    if wgrad_state.delay_wgrad_compute:
-        raise ValueError("linear_cross_entropy does not delay its weight gradient (delay_wgrad_compute=True)")
     cfg = _Cfg(
         V,
         reduction,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.autograd._wgrad import WgradState, run_pending
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
 
 
@@ -16,6 +17,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         return_token_accuracy, chunk_size, fuse_wgrad_accumulation: as
         :func:`truefuse.linear_cross_entropy` (the last sends the weight gradient to
         ``linear_weight.main_grad`` per DESIGN §2).
+        delay_wgrad_compute: the weight gradient waits for :meth:`backward_dw` (DESIGN §2): then
+            added to ``linear_weight.grad``, or to its ``main_grad`` when fused.
     """
 
     def __init__(
@@ -31,21 +34,27 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         return_token_accuracy: bool = False,
         chunk_size: int | None = None,
         fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.reduction, self.ignore_index, self.label_smoothing = reduction, ignore_index, label_smoothing
         self.z_loss, self.softcap, self.chunk_size = z_loss, softcap, chunk_size
         self.return_z_loss, self.return_token_accuracy = return_z_loss, return_token_accuracy
-        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self._wgrad = WgradState(fuse_wgrad_accumulation=fuse_wgrad_accumulation, delay_wgrad_compute=delay_wgrad_compute)
 
     def forward(self, input, linear_weight, target, linear_bias=None):
         return linear_cross_entropy(
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight, reduction=self.reduction,
             ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
             return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, chunk_size=self.chunk_size,
-            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            wgrad_state=self._wgrad,
         )  # fmt: skip
+
+    def backward_dw(self) -> None:
+        """Compute the weight gradients the last backward(s) deferred (``delay_wgrad_compute``)."""
+        with torch.no_grad():
+            run_pending(self._wgrad)
 
     def extra_repr(self) -> str:
         return (
