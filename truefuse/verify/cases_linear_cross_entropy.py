@@ -1,14 +1,17 @@
-"""Contract cases of ``linear_cross_entropy`` (bounded, DESIGN §1): the loss and the gradients of
-input, weight and bias against the float64 reference, with the plain path (``F.linear`` in the
-input dtype, cross-entropy in fp32) as the same-dtype baseline."""
+"""Contract cases of ``linear_cross_entropy`` (DESIGN §1): the loss and the gradients of input,
+weight and bias against the float64 reference (bounded), with the plain path (``F.linear`` in the
+input dtype, cross-entropy in fp32) as the same-dtype baseline; the weight gradient fused into an
+fp32 ``main_grad`` (bounded); and the delayed weight gradient against the immediate one (bitwise,
+DESIGN §2), one chunk and several."""
 
 from __future__ import annotations
 
 import torch
 
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
+from truefuse.nn.linear_cross_entropy import LinearCrossEntropyLoss
 from truefuse.ops.linear_cross_entropy import linear_cross_entropy_plain, linear_cross_entropy_ref
-from truefuse.testing import bounded_report
+from truefuse.testing import bitwise_report, bounded_report
 from truefuse.verify.registry import register
 
 
@@ -80,3 +83,52 @@ def _case(dtype, spec):
 for _dn, _dt in {"bf16": torch.bfloat16, "fp32": torch.float32}.items():
     for _name, _spec in _CASES.items():
         register("linear_cross_entropy", f"{_name}_{_dn}", "bounded")(_case(_dt, _spec))
+
+
+def _fused_main_grad(dtype):
+    """d_weight added into an fp32 main_grad (starting at 0) against the float64 reference."""
+
+    def case(device):
+        x, W, t, _ = make_inputs(dtype, device)
+        reports = {}
+        for chunk in (None, 16):
+            Wl = W.clone().requires_grad_()
+            Wl.main_grad = torch.zeros(W.shape, device=device)
+            linear_cross_entropy(x, Wl, t, chunk_size=chunk, fuse_wgrad_accumulation=True).backward()
+            base = W.clone().requires_grad_()
+            linear_cross_entropy_plain(x, base, t).backward()
+            ref = W.cpu().double().requires_grad_()
+            linear_cross_entropy_ref(x.cpu().double(), ref, t.cpu()).backward()
+            reports[f"main_grad_chunk{chunk or 'all'}"] = bounded_report(Wl.main_grad, ref.grad, base.grad)
+        return reports
+
+    return case
+
+
+def _delayed_vs_immediate(dtype):
+    """LinearCrossEntropyLoss(delay_wgrad_compute=True): backward_dw() gives the immediate bits."""
+
+    def case(device):
+        x, W, t, _ = make_inputs(dtype, device)
+        reports = {}
+        for fused in (False, True):
+            for chunk in (None, 16):
+                got = {}
+                for delay in (False, True):
+                    m = LinearCrossEntropyLoss(chunk_size=chunk, fuse_wgrad_accumulation=fused, delay_wgrad_compute=delay)
+                    Wl = W.clone().requires_grad_()
+                    if fused:
+                        Wl.main_grad = torch.zeros(W.shape, device=device)
+                    m(x, Wl, t).backward()
+                    m.backward_dw()
+                    got[delay] = Wl.main_grad if fused else Wl.grad
+                tag = f"{'main_grad' if fused else 'grad'}_chunk{chunk or 'all'}"
+                reports[tag] = bitwise_report(got[True], got[False])
+        return reports
+
+    return case
+
+
+for _dn, _dt in {"bf16": torch.bfloat16, "fp32": torch.float32}.items():
+    register("linear_cross_entropy", f"fused_main_grad_{_dn}", "bounded")(_fused_main_grad(_dt))
+    register("linear_cross_entropy", f"delayed_vs_immediate_{_dn}", "bitwise")(_delayed_vs_immediate(_dt))
