@@ -22,6 +22,17 @@ PROGRAMS_PER_SM = 2
 MAXP = 512  # most programs per launch; the signal pad holds 2 regions of MAXP × world_size flags
 
 
+def layout(world_size: int, max_bytes: int) -> tuple[int, int, int]:
+    """``(half_bytes, ll_offset, ll_slot_bytes)`` of a symmetric buffer for messages of up to
+    ``max_bytes``: each half holds world_size + 1 regions of ``max_bytes`` (rounded up to 64), then
+    world_size LL slots (their words carry 4 data bytes in 8: twice the message, plus a word's
+    padding per row)."""
+    max_bytes = -(-max_bytes // 64) * 64
+    ll_slot_bytes = 2 * min(max_bytes, LL_MAX_BYTES) + (64 << 10)
+    ll_offset = (world_size + 1) * max_bytes
+    return ll_offset + world_size * ll_slot_bytes, ll_offset, ll_slot_bytes
+
+
 class SymmetricState:
     """One rank's symmetric buffer, the peers' pointers, and the call epoch (device counters: every
     rank runs the same calls, so they agree). The buffer has 2 halves, each of world_size + 1
@@ -33,11 +44,7 @@ class SymmetricState:
         # DESIGN §4: never NVLink multicast (it can take shared GPUs out of service)
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.world_size = dist.get_world_size(group)
-        max_bytes = -(-max_bytes // 64) * 64
-        # LL words carry 4 data bytes in 8: twice the message, plus a word's padding per row
-        self.ll_slot_bytes = 2 * min(max_bytes, LL_MAX_BYTES) + (64 << 10)
-        self.ll_offset = (self.world_size + 1) * max_bytes  # one input slot per rank + the 2-stage sums
-        self.half_bytes = self.ll_offset + self.world_size * self.ll_slot_bytes
+        self.half_bytes, self.ll_offset, self.ll_slot_bytes = layout(self.world_size, max_bytes)
         need = 2 * MAXP * self.world_size * 4
         if symm_mem.get_signal_pad_size() < need:
             symm_mem.set_signal_pad_size(need)

@@ -152,12 +152,12 @@ def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base,
     flag_bits = flag.to(tl.int64) << 32
     mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(tl.int64)) + ll_base
     for row in range(pid, M, P):
-        packed = _ll_pack(tl.load(x_ptr + row.to(tl.int64) * N + cols, mask=mask, other=0.0), EPW, BLOCK_N) | flag_bits
+        packed = _ll_pack(tl.load(x_ptr + tl.cast(row, tl.int64) * N + cols, mask=mask, other=0.0), EPW, BLOCK_N) | flag_bits
         for q in tl.static_range(W):
-            dst = tl.load(buf_ptrs + q).to(tl.pointer_type(tl.int64)) + ll_base + (rank * M + row).to(tl.int64) * RW
+            dst = tl.load(buf_ptrs + q).to(tl.pointer_type(tl.int64)) + ll_base + tl.cast(rank * M + row, tl.int64) * RW
             tl.store(dst + words, packed, mask=wmask)
     for row in range(pid, M, P):
-        off = row.to(tl.int64) * N
+        off = tl.cast(row, tl.int64) * N
         res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)  # in flight while we wait
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if EPW == 2:
@@ -166,7 +166,7 @@ def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base,
             # On 1 H200 as fast as reading each element's word (4.8 / 5.8 us at 1 / 16 rows) and
             # W times fewer loads.
             for q in tl.static_range(W):  # rank order 0..W-1, fp32
-                w = _ll_wait_words(mine + (q * M + row).to(tl.int64) * RW, words, wmask, flag)
+                w = _ll_wait_words(mine + tl.cast(q * M + row, tl.int64) * RW, words, wmask, flag)
                 acc += _ll_unpack(w, DT, EPW, BLOCK_N).to(tl.float32)
             joined = tl.reshape(tl.join(2 * words, 2 * words + 1), (BLOCK_N,))  # the columns of acc's layout
             tl.store(out_ptr + off + joined, acc.to(DT), mask=joined < N)
@@ -174,7 +174,7 @@ def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base,
             s = tl.load(out_ptr + off + cols, mask=mask)
         else:  # 32-bit rows: one word per element, read in the layout of ``cols``
             for q in tl.static_range(W):  # rank order 0..W-1, fp32
-                acc += _ll_load_row(mine + (q * M + row).to(tl.int64) * RW, cols, mask, flag, DT, EPW).to(tl.float32)
+                acc += _ll_load_row(mine + tl.cast(q * M + row, tl.int64) * RW, cols, mask, flag, DT, EPW).to(tl.float32)
             s = acc.to(DT)
         _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
 
@@ -236,11 +236,11 @@ def _allreduce_add_rmsnorm_kernel(
                 else:
                     dst = mine
                 for row in range(q * share + pid, tl.minimum(q * share + share, M), P):
-                    off = row.to(tl.int64) * N
+                    off = tl.cast(row, tl.int64) * N
                     tl.store(dst + off + cols, tl.load(x_ptr + off + cols, mask=mask), mask=mask)
         else:
             for row in range(pid, M, P):
-                off = row.to(tl.int64) * N
+                off = tl.cast(row, tl.int64) * N
                 v = tl.load(x_ptr + off + cols, mask=mask)
                 if PUSH:
                     for q in tl.static_range(W):
@@ -253,7 +253,7 @@ def _allreduce_add_rmsnorm_kernel(
         if TWO_STAGE:
             # stage 1: I reduce my share; the rounded sums go to region W (every rank's when pushing)
             for row in range(rank * share + pid, tl.minimum(rank * share + share, M), P):
-                off = row.to(tl.int64) * N
+                off = tl.cast(row, tl.int64) * N
                 s = _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W, DT, PUSH)
                 if PUSH:
                     for q in tl.static_range(W):
@@ -269,13 +269,13 @@ def _allreduce_add_rmsnorm_kernel(
                 else:
                     src = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base + W * MN
                 for row in range(q * share + pid, tl.minimum(q * share + share, M), P):
-                    off = row.to(tl.int64) * N
+                    off = tl.cast(row, tl.int64) * N
                     s = tl.load(src + off + cols, mask=mask)
                     res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)
                     _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
         else:
             for row in range(pid, M, P):
-                off = row.to(tl.int64) * N
+                off = tl.cast(row, tl.int64) * N
                 res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)
                 s = _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W, DT, PUSH)
                 _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
