@@ -30,13 +30,19 @@ before (the one reading that half).
 import triton
 import triton.language as tl
 
+from truefuse.config import get_config
 from truefuse.kernels.norm import rms_norm_row
+
+# Triton's CPU interpreter cannot run PTX. There (the CPU tests: ranks as processes sharing
+# memory) x86's store order and the interpreter's one-program-at-a-time execution need no fence.
+_INTERPRETED: tl.constexpr = tl.constexpr(get_config().triton_interpret)
 
 
 @triton.jit
 def _fence_sys(dep):
     """One ``fence.acq_rel.sys`` (``dep``: any scalar, only to give the asm an operand)."""
-    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, $1;", "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
+    if not _INTERPRETED:
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, $1;", "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

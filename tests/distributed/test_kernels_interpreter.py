@@ -1,0 +1,105 @@
+"""The allreduce kernels' protocols on the CPU: W processes (ranks) share their "symmetric" buffers
+and signal pads through shared memory and run the real kernel under Triton's interpreter, in
+every variant: LL (data and flag in each word), 1-stage and 2-stage with per-program barriers,
+pushing or pulling. Each rank sums in rank order, adds its own residual and norms. Three
+consecutive calls exercise the alternating halves and the epoch. The interpreter runs one program
+at a time and x86 keeps store order, so the PTX fences are left out there (kernels/allreduce.py);
+on GPUs `verify --world-size N` checks the real thing.
+
+fp32 and fp16 only: the interpreter truncates bf16 casts (DESIGN §8)."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from truefuse.distributed.symm import layout
+
+_CALLS, _MAX_BYTES = 3, 16 << 10
+_VARIANTS = {  # name: (LL, TWO_STAGE, PUSH)
+    "ll": (True, False, True),
+    "1stage_push": (False, False, True),
+    "1stage_pull": (False, False, False),
+    "2stage_push": (False, True, True),
+    "2stage_pull": (False, True, False),
+}
+
+
+def _rank(r, W, M, N, programs, variant, bufs, sigs, xs, res, w, outs, normed, queue):
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported in this process
+    from truefuse.kernels.allreduce import _allreduce_add_rmsnorm_kernel
+    from truefuse.ops.norm import block_and_warps
+
+    try:
+        half, ll_offset, _ = layout(W, _MAX_BYTES)
+        buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)  # this process's mappings
+        sig_ptrs = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64)
+        epoch, done = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        block, warps = block_and_warps(N)
+        ll, two_stage, push = _VARIANTS[variant]
+        for c in range(_CALLS):
+            # a different rank starts late each call: a reader that does not wait for its peers
+            # (a broken barrier or flag) would read their rows before they are written
+            time.sleep(0.3 * ((r + c) % W))
+            _allreduce_add_rmsnorm_kernel[(programs,)](
+                xs[r][c], res[r], w, outs[r][c], normed[r][c], buf_ptrs, sig_ptrs, epoch, done,
+                half // xs[r].element_size(), half // 8, ll_offset // 8, M, N, -(-M // W), 1e-6, r,
+                W=W, MAXP=512, HAS_RES=True, HAS_NORM=True, TWO_STAGE=two_stage, PUSH=push, LL=ll, BLOCK_N=block,
+                num_warps=warps,
+            )  # fmt: skip
+        queue.put((r, None, int(epoch.item())))
+    except Exception:  # noqa: BLE001  (reported to the parent)
+        import traceback
+
+        queue.put((r, traceback.format_exc(), -1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter path; GPUs run the real kernel in verify")
+@pytest.mark.parametrize("variant", list(_VARIANTS))
+@pytest.mark.parametrize("W, M, N, programs", [(2, 5, 41, 2), (3, 7, 64, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_kernels_across_processes(variant, W, M, N, programs, dtype):
+    from truefuse.autograd.norm import rms_norm
+
+    half, _, _ = layout(W, _MAX_BYTES)
+    g = torch.Generator().manual_seed(W * 100 + M)
+    shared = lambda t: t.share_memory_()  # noqa: E731
+    bufs = [shared(torch.zeros(2 * half, dtype=torch.uint8)) for _ in range(W)]
+    sigs = [shared(torch.zeros(2 * 512 * W, dtype=torch.int32)) for _ in range(W)]  # 2 regions × MAXP × W flags
+    # new inputs every call: stale rows of an earlier call must not pass for this call's
+    xs = [shared(torch.randn(_CALLS, M, N, generator=g).to(dtype)) for _ in range(W)]
+    res = [shared(torch.randn(M, N, generator=g).to(dtype)) for _ in range(W)]  # each rank its own
+    w = shared(torch.randn(N, generator=g).to(dtype))
+    outs = [shared(torch.zeros(_CALLS, M, N, dtype=dtype)) for _ in range(W)]
+    normed = [shared(torch.zeros(_CALLS, M, N, dtype=dtype)) for _ in range(W)]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    args = (W, M, N, programs, variant, bufs, sigs, xs, res, w, outs, normed, queue)
+    procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(W)]
+    for p in procs:
+        p.start()
+    try:
+        results = [queue.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    failures = [err for _, err, _ in results if err]
+    assert not failures, failures[0]
+    assert all(ep == _CALLS for _, _, ep in results)  # every call moved the epoch on once
+
+    for c in range(_CALLS):
+        acc = xs[0][c].to(torch.float32, copy=True)
+        for x in xs[1:]:
+            acc += x[c].float()
+        total = acc.to(dtype)  # the ordered fp32 sum, rounded once
+        for r in range(W):
+            assert torch.equal(outs[r][c], total + res[r]), (c, r)
+            want = rms_norm(outs[r][c], w, 1e-6)
+            if dtype == torch.float32:  # truefuse.rms_norm runs the same Triton row code here: bitwise
+                assert torch.equal(normed[r][c], want), (c, r)
+            else:  # the fp16 reference runs in PyTorch on the CPU: another summation order
+                torch.testing.assert_close(normed[r][c], want, rtol=1e-3, atol=1e-3)
