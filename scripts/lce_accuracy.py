@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import truefuse
+from truefuse.bench.bench_linear_cross_entropy import peers
 from truefuse.testing import rel_error
 
 N, V, H = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 128256, 4096)
@@ -24,21 +25,8 @@ def grads(fn, xx, WW):
 
 ref = grads(lambda a, b: F.cross_entropy(F.linear(a, b), t), x.float(), W.float())
 plain = grads(lambda a, b: F.cross_entropy(F.linear(a, b).float(), t), x, W)
-peers = {}
-try:
-    from cut_cross_entropy import linear_cross_entropy as cce
-
-    peers["cce"] = lambda a, b: cce(a, b, t)
-except ImportError:
-    pass
-try:
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-    peers["liger"] = lambda a, b: LigerFusedLinearCrossEntropyLoss()(b, a, t)
-except ImportError:
-    pass
-for name, fn in peers.items():
-    theirs = grads(fn, x, W)
+for name, fn in peers().items():
+    theirs = grads(lambda a, b, fn=fn: fn(a, b, t), x, W)
     for what, i in (("d_input", 0), ("d_weight", 1)):
         e_o, e_p = rel_error(theirs[i], ref[i]), rel_error(plain[i], ref[i])
         print(f"{name} {what}: {e_o:.3e} plain {e_p:.3e} ratio {e_o / e_p:.3f}")

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from truefuse.distributed.allreduce import ordered_sum
 from truefuse.distributed.symm import layout
 
 _CALLS, _MAX_BYTES = 3, 16 << 10
@@ -92,10 +93,7 @@ def test_kernels_across_processes(variant, W, M, N, programs, dtype):
     assert all(ep == _CALLS for _, _, ep in results)  # every call moved the epoch on once
 
     for c in range(_CALLS):
-        acc = xs[0][c].to(torch.float32, copy=True)
-        for x in xs[1:]:
-            acc += x[c].float()
-        total = acc.to(dtype)  # the ordered fp32 sum, rounded once
+        total = ordered_sum([x[c] for x in xs])
         for r in range(W):
             assert torch.equal(outs[r][c], total + res[r]), (c, r)
             want = rms_norm(outs[r][c], w, 1e-6)

@@ -1,14 +1,15 @@
 """The LL word format of the allreduce kernel (kernels/allreduce.py): each int64 word carries 32
 data bits (two 16-bit or one 32-bit element, little-endian, as the row's memory holds them) and the
-call's flag in its high half; reading them back (once the flag is there) gives the row bit for bit. Runs in Triton's
-interpreter on the CPU (bit moves only: right there for fp16 too) and on the GPU in bf16 as well."""
+call's flag in its high half; reading them back (once the flag is there) gives the row bit for
+bit. Runs in Triton's interpreter on the CPU (bit moves only: right there for fp16 too) and on the
+GPU in bf16 as well."""
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from truefuse.kernels.allreduce import _ll_load_row, _ll_pack, _ll_unpack, _ll_wait_words
+from truefuse.kernels.allreduce import _ll_pack, _ll_unpack, _ll_wait_words
 
 
 @triton.jit
@@ -20,7 +21,9 @@ def _roundtrip(x_ptr, y_ptr, w_ptr, N, flag, BLOCK_N: tl.constexpr):
     words = _ll_pack(tl.load(x_ptr + cols, mask=mask, other=0.0), EPW, BLOCK_N) | (flag.to(tl.int64) << 32)
     tl.store(w_ptr + tl.arange(0, BLOCK_N // EPW), words)
     tl.debug_barrier()
-    tl.store(y_ptr + cols, _ll_load_row(w_ptr, cols, mask, flag, DT, EPW), mask=mask)
+    idx = tl.arange(0, BLOCK_N // EPW)
+    v = _ll_unpack(_ll_wait_words(w_ptr, idx, idx < (N + EPW - 1) // EPW, flag), DT, EPW, BLOCK_N)
+    tl.store(y_ptr + cols, v, mask=mask)  # element i of v is element i of the row, whatever its layout
 
 
 def _dtypes(device):

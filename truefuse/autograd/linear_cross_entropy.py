@@ -319,6 +319,8 @@ def linear_cross_entropy(
     wgrad = torch.is_grad_enabled() and linear_weight.requires_grad
     if wgrad_state is None:
         wgrad_state = WgradState(fuse_wgrad_accumulation=bool(fuse_wgrad_accumulation))
+    elif fuse_wgrad_accumulation and not wgrad_state.fuse_wgrad_accumulation:
+        raise ValueError("fuse_wgrad_accumulation=True contradicts wgrad_state (pass one or the other)")
     cfg = _Cfg(
         V,
         reduction,

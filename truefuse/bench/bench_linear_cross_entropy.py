@@ -70,7 +70,7 @@ def _compiled_step(name, fn):
     return loss
 
 
-def _peers() -> dict:
+def peers() -> dict:
     """The peers' fused losses that import here, as ``loss(x, W, t)`` callables."""
     out = {}
     try:
@@ -105,7 +105,7 @@ def sweep(quick: bool) -> Sweep:
         "plain": _step(_plain),
         "compile_plain": _step(_compiled_step("plain", _plain)),
         "compile_ref": _step(_compiled_step("ref", linear_cross_entropy_ref)),
-        **{name: _step(fn) for name, fn in _peers().items()},
+        **{name: _step(fn) for name, fn in peers().items()},
     }
     for c in (2048, 4096):
         providers[f"truefuse_c{c}"] = _step(lambda x, W, t, c=c: linear_cross_entropy(x, W, t, chunk_size=c))

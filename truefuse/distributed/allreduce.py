@@ -67,6 +67,15 @@ def agree(group, x, residual=None, weight=None, workspace: Workspace | None = No
         raise ValueError(f"allreduce: ranks disagree on the input's shape or dtype ({listing})")
 
 
+def ordered_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The allreduce's arithmetic: an fp32 sum of ``parts`` (one per rank) in rank order, rounded
+    once to their dtype. ``parts`` are not modified (the sum starts from a copy, also for fp32)."""
+    acc = parts[0].to(torch.float32, copy=True)
+    for p in parts[1:]:
+        acc += p.float()
+    return acc.to(parts[0].dtype)
+
+
 def allreduce_ref(x: torch.Tensor, *, group=None) -> torch.Tensor:
     """All-gather, then an fp32 sum in rank order 0..N-1, then one rounding to ``x.dtype``.
 
@@ -76,10 +85,7 @@ def allreduce_ref(x: torch.Tensor, *, group=None) -> torch.Tensor:
     group = _group(group)
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
-    acc = parts[0].to(torch.float32, copy=True)  # a copy even for fp32: never sum into a gathered part
-    for p in parts[1:]:
-        acc += p.float()
-    return acc.to(x.dtype)
+    return ordered_sum(parts)
 
 
 def allreduce_add_rmsnorm_ref(x, residual, weight, eps: float = 1e-6, *, group=None):

@@ -7,6 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from truefuse.ops._triton import sm_count
 from truefuse.ops.norm import block_and_warps
 
 #: Messages up to this size push rows into the readers' buffers; larger ones are pulled (measured on
@@ -60,7 +61,7 @@ class SymmetricState:
         self.rank = self.handle.rank
         self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
-        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def available(group, device: torch.device) -> bool:

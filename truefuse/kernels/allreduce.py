@@ -79,27 +79,8 @@ def _ll_pack(v, EPW: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _ll_load_row(src, cols, mask, flag, DT: tl.constexpr, EPW: tl.constexpr):
-    """Row values from the LL words at ``src`` once every word carries ``flag``. Each element reads
-    its own word (a pair of 16-bit elements reads one word twice) so the row keeps the plain 1-D
-    layout of ``cols``. Why it matters: a row rebuilt by join/reshape has another layout, hence
-    another summation order in the norm's mean, hence other bits than ``truefuse.rms_norm`` (seen
-    in fp16 on the H200). The kernel uses it for 32-bit rows; 16-bit rows take vector loads and
-    a trip through memory instead (``_ll_one_stage``)."""
-    flag_bits = flag.to(tl.int64) << 32
-    w = tl.load(src + cols // EPW, mask=mask, other=flag_bits, volatile=True)
-    while tl.sum(((w >> 32).to(tl.int32) != flag).to(tl.int32), axis=0) > 0:
-        w = tl.load(src + cols // EPW, mask=mask, other=flag_bits, volatile=True)
-    d = w.to(tl.int32)
-    if EPW == 2:
-        return (d >> ((cols % 2) * 16)).to(tl.int16).to(DT, bitcast=True)
-    else:
-        return d.to(DT, bitcast=True)
-
-
-@triton.jit
 def _ll_wait_words(src, words, wmask, flag):
-    """The row's LL words at ``src`` (vector loads), once every one carries ``flag``."""
+    """The LL words at ``src + words`` (masked by ``wmask``), once every one carries ``flag``."""
     flag_bits = flag.to(tl.int64) << 32
     w = tl.load(src + words, mask=wmask, other=flag_bits, volatile=True)
     while tl.sum(((w >> 32).to(tl.int32) != flag).to(tl.int32), axis=0) > 0:
@@ -109,7 +90,10 @@ def _ll_wait_words(src, words, wmask, flag):
 
 @triton.jit
 def _ll_unpack(w, DT: tl.constexpr, EPW: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The inverse of ``_ll_pack``: BLOCK_N values, in the layout join/reshape gives (not ``cols``')."""
+    """The inverse of ``_ll_pack``. 16-bit rows come out in the layout join/reshape gives, not the
+    plain layout of ``cols``: a row in another layout sums the norm's mean in another order, hence
+    other bits than ``truefuse.rms_norm`` (seen in fp16 on the H200), so ``_ll_one_stage`` brings
+    16-bit rows back through memory. 32-bit words map one to one onto the elements."""
     d = w.to(tl.int32)
     if EPW == 2:
         return tl.reshape(tl.join(d.to(tl.int16), (d >> 16).to(tl.int16)), (BLOCK_N,)).to(DT, bitcast=True)
@@ -178,9 +162,10 @@ def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base,
             tl.store(out_ptr + off + joined, acc.to(DT), mask=joined < N)
             tl.debug_barrier()  # the whole row is stored before any thread reads it back
             s = tl.load(out_ptr + off + cols, mask=mask)
-        else:  # 32-bit rows: one word per element, read in the layout of ``cols``
+        else:  # 32-bit rows: one word per element, read at ``cols`` (their layout)
             for q in tl.static_range(W):  # rank order 0..W-1, fp32
-                acc += _ll_load_row(mine + tl.cast(q * M + row, tl.int64) * RW, cols, mask, flag, DT, EPW).to(tl.float32)
+                w = _ll_wait_words(mine + tl.cast(q * M + row, tl.int64) * RW, cols, mask, flag)
+                acc += _ll_unpack(w, DT, EPW, BLOCK_N).to(tl.float32)
             s = acc.to(DT)
         _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
 

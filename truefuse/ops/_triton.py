@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from truefuse.config import get_config
@@ -13,3 +15,9 @@ def triton_runs(x: torch.Tensor) -> bool:
     if x.is_cuda:
         return x.dtype in (torch.float16, torch.bfloat16, torch.float32)
     return x.device.type == "cpu" and get_config().triton_interpret and x.dtype == torch.float32
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (persistent kernels size their grids from it)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from truefuse.ops._triton import triton_runs
-
-
-@functools.cache
-def _programs(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count * 4
+from truefuse.ops._triton import sm_count, triton_runs
 
 
 def scale_ref(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -34,7 +27,7 @@ def scale_(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     from truefuse.kernels.scale import _scale_inplace_kernel
 
     block = 4096 if tensor.is_cuda else 64
-    programs = _programs(tensor.device.index or 0) if tensor.is_cuda else 4
+    programs = 4 * sm_count(tensor.device.index or 0) if tensor.is_cuda else 4
     grid = (max(1, min(programs, -(-tensor.numel() // block))),)
     warps = 8 if tensor.is_cuda else 1
     _scale_inplace_kernel[grid](tensor, tensor.numel(), factor.to(tensor.device), BLOCK=block, num_warps=warps)
