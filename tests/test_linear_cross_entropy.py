@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import truefuse
+from truefuse.ops._triton import triton_runs
 from truefuse.ops.linear_cross_entropy import linear_cross_entropy_ref
 from truefuse.verify.cases_linear_cross_entropy import check_lce, make_inputs
 from truefuse.verify.registry import all_cases
@@ -93,9 +94,13 @@ def test_errors(device):
     bad[3] = W.shape[0]
     with pytest.raises(ValueError, match=r"target holds 203, outside \[0, 203\) and not ignore_index=-100"):
         lce(x, W, bad)
+    with pytest.raises(ValueError, match="target holds 203"):  # with class weights indexed by target
+        lce(x, W, bad, weight=torch.ones(W.shape[0], device=device), reduction="none")
     bad[3] = -5
     with pytest.raises(ValueError, match="target holds -5"):
         lce(x, W, bad)
+    with torch.no_grad(), pytest.raises(ValueError, match="target holds -5"):
+        lce(x, W, bad, weight=torch.ones(W.shape[0], device=device))
     with pytest.raises(ValueError, match="linear_weight must be"):
         lce(x, W[:, :-1], t)
     with pytest.raises(ValueError, match="target has shape"):
@@ -239,3 +244,34 @@ def test_delayed_weight_grad_is_bitwise_the_immediate_one(device, fused, reducti
         out[delay] = (xl.grad, Wl.main_grad if fused else Wl.grad)
     for a, b in zip(out[False], out[True], strict=True):
         assert torch.equal(a, b)
+
+
+def test_chunk_kernel_ties_and_infinities(device):
+    """The loss kernel's per-lane online softmax against ``chunk_math`` on rows built to break it:
+    the maximum tied across lanes and blocks (the first one wins, as torch.argmax), -inf logits
+    (first in a lane, and a whole row), +inf, every logit equal, and V not a multiple of the block."""
+    from truefuse.autograd.linear_cross_entropy import _Cfg, _kernel_chunk, _torch_chunk
+
+    if not triton_runs(torch.empty(0, device=device)):
+        pytest.skip("the Triton kernel runs on CUDA, or on the CPU under TRITON_INTERPRET=1")
+    V = 203  # several blocks of 64 on the CPU, a tail of 11
+    z = torch.randn(6, V, generator=torch.Generator().manual_seed(5)).to(device)
+    z[0, [7, 70, 150]] = 9.0  # tie across blocks and lanes: index 7 must win
+    z[1, [133, 69]] = 9.0  # the later lane is seen first in its block order: index 69 must win
+    z[2, ::3] = float("-inf")  # -inf in the first position of lanes
+    z[3] = 0.5  # all equal: argmax 0, lse = 0.5 + log V
+    z[4, [100, 164]] = float("inf")  # lse = +inf, like torch.logsumexp (twice in one lane on the CPU)
+    z[5, 200] = 30.0  # the maximum in the tail block
+    t = z.argmax(-1)
+    assert t[:2].tolist() == [7, 69] and t[3] == 0 and t[5] == 200
+    t[4] = 4  # a miss
+    cfg = _Cfg(V=V, reduction="sum", ignore_index=-100, label_smoothing=0.0, z_loss=1e-3, softcap=None, chunk=8)
+    one = torch.ones((), device=device)
+    got, ref = [], []
+    for fn, out in ((_kernel_chunk, got), (_torch_chunk, ref)):
+        ce, zl, ok = torch.empty(6, device=device), torch.empty(6, device=device), torch.empty(6, dtype=torch.bool, device=device)
+        d = fn(cfg, z.clone(), t, None, ce, zl, ok, one, one, float(V), True)
+        out.extend([ce, zl, ok, d])
+    assert got[2].tolist() == ref[2].tolist() == [True, True, True, True, False, True]
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)

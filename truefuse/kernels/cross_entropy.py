@@ -1,8 +1,11 @@
 """Triton kernel of one chunk of ``linear_cross_entropy``: per token (row of the chunk's logits),
 the loss terms, and the gradient of the logits written in place over them.
 
-Pass 1 streams the row in blocks of BLOCK_V: online max and sum of exponentials (fp32), the
-argmax, Σ_c w_c·z_c for label smoothing. Pass 2 (``WANT_GRAD``) streams it again and writes
+Pass 1 streams the row in blocks of BLOCK_V: online max and sum of exponentials (fp32) per lane,
+the argmax, Σ_c w_c·z_c for label smoothing, reduced across lanes once at the end. Every block but
+a row's last loads and stores without a mask (16-byte vectors; a masked access with V unknown
+mod 16 cannot be vectorised: 3.3 ms instead of 1.9 at 8192 x 128256 bf16 on the H200). Pass 2
+(``WANT_GRAD``) streams it again and writes
 
     g_j = s_ce·[(1-ε)·w_t·(p_j − δ_jt) + ε/V·(p_j·Σw − w_j)] + s_z·2·z_loss·lse·p_j
 
@@ -34,7 +37,66 @@ def _softcap(x, cap, SOFTCAP: tl.constexpr):
     return x
 
 
-@triton.jit(do_not_specialize=["V", "ignore_index"])
+@triton.jit
+def _load_block(base, cols, mask, MASKED: tl.constexpr):
+    """A block of a row: unmasked (16-byte vectors) but for a row's last, partial block."""
+    if MASKED:
+        return tl.load(base + cols, mask=mask, other=0.0)
+    return tl.load(base + cols)
+
+
+@triton.jit
+def _stats_block(base, cw_ptr, cols, V, cap, m, s, arg, wz, HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):
+    """Pass 1 over one block of a row: each lane's running max ``m``, sum of exponentials ``s``
+    (relative to ``m``), index of its first maximum ``arg`` and Σ w_c·z_c ``wz``. Only the last
+    block of a row is ``MASKED``: the others load without a mask, in 16-byte vectors."""
+    mask = cols < V
+    z = _softcap(_load_block(base, cols, mask, MASKED).to(tl.float32), cap, SOFTCAP)
+    if MASKED:
+        z = tl.where(mask, z, float("-inf"))
+    up = z > m  # strictly greater: a lane keeps its first maximum, as torch.argmax
+    e = tl.exp(tl.where(up, m - z, z - m))  # one exp: the sum is rescaled only when the max moves
+    # equal infinities would give NaN: e^0 = 1 for z == m (+inf included), e^-inf = 0
+    e = tl.where(z == float("-inf"), 0.0, tl.where(z == m, 1.0, e))
+    s = tl.where(up, s * e + 1.0, s + e)
+    m = tl.where(up, z, m)
+    arg = tl.where(up, cols, arg)
+    if SMOOTH:
+        if HAS_CW:
+            zw = z * tl.load(cw_ptr + cols, mask=mask, other=0.0)
+        else:
+            zw = z
+        if MASKED:
+            zw = tl.where(mask, zw, 0.0)
+        wz += zw
+    return m, s, arg, wz
+
+
+@triton.jit
+def _grad_block(base, cw_ptr, cols, V, t_safe, a, lse, s_ce, s_z, w_sum, smoothing, z_loss, cap,
+                HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):  # fmt: skip
+    """Pass 2 over one block of a row: the logits' gradient, written over them."""
+    mask = cols < V
+    z = _softcap(_load_block(base, cols, mask, MASKED).to(tl.float32), cap, SOFTCAP)
+    p = tl.exp(z - lse)
+    g = a * p - tl.where(cols == t_safe, a, 0.0)
+    if SMOOTH:
+        if HAS_CW:
+            w_c = tl.load(cw_ptr + cols, mask=mask, other=0.0)
+        else:
+            w_c = 1.0
+        g += smoothing / V * (p * w_sum - w_c) * s_ce
+    g += 2.0 * z_loss * lse * s_z * p
+    if SOFTCAP:
+        g = g * (1.0 - (z / cap) * (z / cap))
+    g = g.to(base.dtype.element_ty)
+    if MASKED:
+        tl.store(base + cols, g, mask=mask)
+    else:
+        tl.store(base + cols, g)
+
+
+@triton.jit(do_not_specialize=["ignore_index"])
 def _lce_chunk_kernel(
     logits_ptr,
     stride,
@@ -45,7 +107,7 @@ def _lce_chunk_kernel(
     ok_ptr,
     s_ce_ptr,
     s_z_ptr,
-    V,
+    V,  # specialized (divisible by 16 or not) like ``stride``: the vector loads need to know
     ignore_index,
     w_sum,
     smoothing,
@@ -64,31 +126,25 @@ def _lce_chunk_kernel(
     valid = t != ignore_index
     t_safe = tl.where(valid, t, 0)
     cols0 = tl.arange(0, BLOCK_V)
+    n_full = V // BLOCK_V
+    tail = V % BLOCK_V != 0
 
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    wz = tl.zeros((), tl.float32)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_i = tl.zeros((), tl.int64)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + cols0
-        mask = cols < V
-        z = _softcap(tl.load(base + cols, mask=mask, other=0.0).to(tl.float32), cap, SOFTCAP)
-        z = tl.where(mask, z, float("-inf"))
-        blk_max = tl.max(z, axis=0)
-        new_m = tl.maximum(m, blk_max)
-        s = s * tl.exp(m - new_m) + tl.sum(tl.exp(z - new_m), axis=0)
-        m = new_m
-        blk_i = tl.argmax(z, axis=0)
-        if blk_max > best:  # strictly greater: the first maximum wins, as torch.argmax
-            best = blk_max
-            best_i = v0 + blk_i.to(tl.int64)
-        if SMOOTH:
-            if HAS_CW:
-                wz += tl.sum(tl.where(mask, z * tl.load(cw_ptr + cols, mask=mask, other=0.0), 0.0), axis=0)
-            else:
-                wz += tl.sum(tl.where(mask, z, 0.0), axis=0)
-    lse = m + tl.log(s)
+    # Pass 1 keeps one running state per lane and reduces across lanes once, after the loop: no
+    # reduction (and so no barrier between warps) per block.
+    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_V,), tl.float32)
+    arg = tl.zeros((BLOCK_V,), tl.int32)
+    wz = tl.zeros((BLOCK_V,), tl.float32)
+    for i in range(0, n_full):
+        m, s, arg, wz = _stats_block(base, cw_ptr, i * BLOCK_V + cols0, V, cap, m, s, arg, wz,
+                                     HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+    if tail:
+        m, s, arg, wz = _stats_block(base, cw_ptr, n_full * BLOCK_V + cols0, V, cap, m, s, arg, wz,
+                                     HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+    mx = tl.max(m, axis=0)
+    scaled = tl.where(m == mx, s, tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)))
+    best_i = tl.min(tl.where(m == mx, arg, V), axis=0).to(tl.int64)  # the first maximum overall
+    lse = mx + tl.log(tl.sum(scaled, axis=0))
     z_t = _softcap(tl.load(base + t_safe).to(tl.float32), cap, SOFTCAP)
     if HAS_CW:
         w_t = tl.load(cw_ptr + t_safe)
@@ -96,7 +152,7 @@ def _lce_chunk_kernel(
         w_t = 1.0
     ce = w_t * (lse - z_t)
     if SMOOTH:
-        ce = (1.0 - smoothing) * ce + smoothing / V * (w_sum * lse - wz)
+        ce = (1.0 - smoothing) * ce + smoothing / V * (w_sum * lse - tl.sum(wz, axis=0))
     vf = tl.where(valid, 1.0, 0.0)
     tl.store(ce_ptr + row, ce * vf)
     tl.store(zl_ptr + row, z_loss * lse * lse * vf)
@@ -110,19 +166,9 @@ def _lce_chunk_kernel(
             s_ce = tl.load(s_ce_ptr) * vf
             s_z = tl.load(s_z_ptr) * vf
         a = (1.0 - smoothing) * w_t * s_ce
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + cols0
-            mask = cols < V
-            z = _softcap(tl.load(base + cols, mask=mask, other=0.0).to(tl.float32), cap, SOFTCAP)
-            p = tl.exp(z - lse)
-            g = a * p - tl.where(cols == t_safe, a, 0.0)
-            if SMOOTH:
-                if HAS_CW:
-                    w_c = tl.load(cw_ptr + cols, mask=mask, other=0.0)
-                else:
-                    w_c = 1.0
-                g += smoothing / V * (p * w_sum - w_c) * s_ce
-            g += 2.0 * z_loss * lse * s_z * p
-            if SOFTCAP:
-                g = g * (1.0 - (z / cap) * (z / cap))
-            tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+        for i in range(0, n_full):
+            _grad_block(base, cw_ptr, i * BLOCK_V + cols0, V, t_safe, a, lse, s_ce, s_z, w_sum, smoothing, z_loss, cap,
+                        HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+        if tail:
+            _grad_block(base, cw_ptr, n_full * BLOCK_V + cols0, V, t_safe, a, lse, s_ce, s_z, w_sum, smoothing, z_loss,
+                        cap, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip

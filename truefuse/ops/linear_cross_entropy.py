@@ -94,7 +94,10 @@ def check_targets(target: torch.Tensor, V: int, ignore_index: int) -> None:
 def target_weights(t: torch.Tensor, cw: torch.Tensor | None, ignore_index: int, dtype: torch.dtype):
     """``(valid, w_t)``: which tokens count, and each token's class weight (0 where ignored)."""
     valid = t != ignore_index
-    w_t = cw[torch.where(valid, t, 0)].to(dtype) if cw is not None else torch.ones(t.shape, dtype=dtype, device=t.device)
+    if cw is None:
+        return valid, torch.ones(t.shape, dtype=dtype, device=t.device) * valid
+    # clamped: this may run before check_targets (which the caller defers past its first GEMM)
+    w_t = cw[torch.where(valid, t, 0).clamp(0, cw.shape[0] - 1)].to(dtype)
     return valid, w_t * valid
 
 
