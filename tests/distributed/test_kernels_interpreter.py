@@ -57,6 +57,10 @@ def _rank(r, W, M, N, programs, variant, bufs, sigs, xs, res, w, outs, normed, q
         queue.put((r, traceback.format_exc(), -1))
 
 
+def _bits(t):
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter path; GPUs run the real kernel in verify")
 @pytest.mark.parametrize("variant", list(_VARIANTS))
 @pytest.mark.parametrize("W, M, N, programs", [(2, 5, 41, 2), (3, 7, 64, 2)])
@@ -72,6 +76,8 @@ def test_kernels_across_processes(variant, W, M, N, programs, dtype):
     # new inputs every call: stale rows of an earlier call must not pass for this call's
     xs = [shared(torch.randn(_CALLS, M, N, generator=g).to(dtype)) for _ in range(W)]
     res = [shared(torch.randn(M, N, generator=g).to(dtype)) for _ in range(W)]  # each rank its own
+    for t in xs + res:  # -0 everywhere in column 0: the sum must stay -0 (a sum from +0 gives +0)
+        t[..., 0] = -0.0
     w = shared(torch.randn(N, generator=g).to(dtype))
     outs = [shared(torch.zeros(_CALLS, M, N, dtype=dtype)) for _ in range(W)]
     normed = [shared(torch.zeros(_CALLS, M, N, dtype=dtype)) for _ in range(W)]
@@ -95,7 +101,7 @@ def test_kernels_across_processes(variant, W, M, N, programs, dtype):
     for c in range(_CALLS):
         total = ordered_sum([x[c] for x in xs])
         for r in range(W):
-            assert torch.equal(outs[r][c], total + res[r]), (c, r)
+            assert torch.equal(_bits(outs[r][c]), _bits(total + res[r])), (c, r)  # bits: -0 is not +0
             want = rms_norm(outs[r][c], w, 1e-6)
             if dtype == torch.float32:  # truefuse.rms_norm runs the same Triton row code here: bitwise
                 assert torch.equal(normed[r][c], want), (c, r)

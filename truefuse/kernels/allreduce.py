@@ -57,10 +57,12 @@ def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, 
     _fence_sys(value)
     for q in tl.static_range(W):
         tl.atomic_xchg(tl.load(sig_ptrs + q).to(tl.pointer_type(tl.int32)) + base + rank, value, sem="relaxed", scope="sys")
-    mine = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32))
-    for q in tl.static_range(W):
-        while tl.load(mine + base + q, volatile=True) < value:
-            pass
+    # every peer's flag in one load per poll: W flags cost one round trip, not W in turn
+    WP: tl.constexpr = 8 if W > 4 else (4 if W > 2 else W)
+    qs = tl.arange(0, WP)
+    flags = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32)) + base + qs
+    while tl.min(tl.load(flags, mask=qs < W, other=value, volatile=True), axis=0) < value:
+        pass
     _fence_sys(value)
     tl.debug_barrier()  # no thread reads a peer's rows before the fence
 
@@ -80,10 +82,10 @@ def _ll_pack(v, EPW: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _ll_wait_words(src, words, wmask, flag):
-    """The LL words at ``src + words`` (masked by ``wmask``), once every one carries ``flag``."""
+    """The LL words at ``src + words`` (any shape; masked by ``wmask``), once every one carries ``flag``."""
     flag_bits = flag.to(tl.int64) << 32
     w = tl.load(src + words, mask=wmask, other=flag_bits, volatile=True)
-    while tl.sum(((w >> 32).to(tl.int32) != flag).to(tl.int32), axis=0) > 0:
+    while tl.sum(((w >> 32).to(tl.int32) != flag).to(tl.int32)) > 0:
         w = tl.load(src + words, mask=wmask, other=flag_bits, volatile=True)
     return w
 
@@ -93,7 +95,7 @@ def _ll_unpack(w, DT: tl.constexpr, EPW: tl.constexpr, BLOCK_N: tl.constexpr):
     """The inverse of ``_ll_pack``. 16-bit rows come out in the layout join/reshape gives, not the
     plain layout of ``cols``: a row in another layout sums the norm's mean in another order, hence
     other bits than ``truefuse.rms_norm`` (seen in fp16 on the H200), so ``_ll_one_stage`` brings
-    16-bit rows back through memory. 32-bit words map one to one onto the elements."""
+    rows back through memory. 32-bit words map one to one onto the elements."""
     d = w.to(tl.int32)
     if EPW == 2:
         return tl.reshape(tl.join(d.to(tl.int16), (d >> 16).to(tl.int16)), (BLOCK_N,)).to(DT, bitcast=True)
@@ -117,13 +119,16 @@ def _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS
 
 @triton.jit
 def _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W: tl.constexpr, DT: tl.constexpr, PUSH: tl.constexpr):
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for q in tl.static_range(W):  # rank order 0..W-1, fp32
+    for q in tl.static_range(W):  # rank order 0..W-1, fp32, from rank 0's row (-0 stays -0)
         if PUSH:  # slot q of my buffer holds rank q's rows
             src = mine + q * MN
         else:  # rank q's rows are in slot 0 of its buffer
             src = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base
-        acc += tl.load(src + off + cols, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(src + off + cols, mask=mask, other=0.0).to(tl.float32)
+        if q == 0:
+            acc = v
+        else:
+            acc += v
     return acc.to(DT)  # the one rounding
 
 
@@ -141,6 +146,8 @@ def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base,
     flag = epoch + 1
     flag_bits = flag.to(tl.int64) << 32
     mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(tl.int64)) + ll_base
+    WP: tl.constexpr = 8 if W > 4 else (4 if W > 2 else W)
+    qs = tl.arange(0, WP)
     for row in range(pid, M, P):
         packed = _ll_pack(tl.load(x_ptr + tl.cast(row, tl.int64) * N + cols, mask=mask, other=0.0), EPW, BLOCK_N) | flag_bits
         for q in tl.static_range(W):
@@ -149,24 +156,24 @@ def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base,
     for row in range(pid, M, P):
         off = tl.cast(row, tl.int64) * N
         res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)  # in flight while we wait
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        # every rank's words of the row in one 2-D load per poll (W slots: one round trip, not W
+        # in turn), then the ranks' rows taken out one by one (an integer select: exact) and summed
+        # in rank order 0..W-1 in fp32, from rank 0's row (not from +0: -0 stays -0)
+        slots = mine + (qs[:, None] * M + row).to(tl.int64) * RW
+        w2 = _ll_wait_words(slots, words[None, :], (qs[:, None] < W) & wmask[None, :], flag)
+        acc = _ll_unpack(tl.sum(tl.where(qs[:, None] == 0, w2, 0), axis=0), DT, EPW, BLOCK_N).to(tl.float32)
+        for q in tl.static_range(1, W):
+            acc += _ll_unpack(tl.sum(tl.where(qs[:, None] == q, w2, 0), axis=0), DT, EPW, BLOCK_N).to(tl.float32)
+        # the rounded sum goes through the out row to come back in the plain layout of ``cols``:
+        # the norm's mean must sum as truefuse.rms_norm's does, and acc has the layout of the 2-D
+        # load (and for 16-bit rows, of join/reshape)
         if EPW == 2:
-            # vector loads of the words; the rounded sum goes through the out row to come back in
-            # the plain layout of ``cols`` (the norm's mean must sum as truefuse.rms_norm's does).
-            # On 1 H200 as fast as reading each element's word (4.8 / 5.8 us at 1 / 16 rows) and
-            # W times fewer loads.
-            for q in tl.static_range(W):  # rank order 0..W-1, fp32
-                w = _ll_wait_words(mine + tl.cast(q * M + row, tl.int64) * RW, words, wmask, flag)
-                acc += _ll_unpack(w, DT, EPW, BLOCK_N).to(tl.float32)
-            joined = tl.reshape(tl.join(2 * words, 2 * words + 1), (BLOCK_N,))  # the columns of acc's layout
-            tl.store(out_ptr + off + joined, acc.to(DT), mask=joined < N)
-            tl.debug_barrier()  # the whole row is stored before any thread reads it back
-            s = tl.load(out_ptr + off + cols, mask=mask)
-        else:  # 32-bit rows: one word per element, read at ``cols`` (their layout)
-            for q in tl.static_range(W):  # rank order 0..W-1, fp32
-                w = _ll_wait_words(mine + tl.cast(q * M + row, tl.int64) * RW, cols, mask, flag)
-                acc += _ll_unpack(w, DT, EPW, BLOCK_N).to(tl.float32)
-            s = acc.to(DT)
+            at = tl.reshape(tl.join(2 * words, 2 * words + 1), (BLOCK_N,))  # the columns of acc's elements
+        else:
+            at = words
+        tl.store(out_ptr + off + at, acc.to(DT), mask=at < N)
+        tl.debug_barrier()  # the whole row is stored before any thread reads it back
+        s = tl.load(out_ptr + off + cols, mask=mask)
         _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
 
 
