@@ -104,7 +104,7 @@ def _ll_unpack(w, DT: tl.constexpr, EPW: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr):
+def _finish_row(s, res, w, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr):
     """This rank's end of a row from the rounded sum ``s``: its own residual row ``res`` added (fp32
     add, one rounding), stored, and normed by ``rms_norm_row`` (the bits of ``truefuse.rms_norm``)."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
@@ -113,7 +113,7 @@ def _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS
         r = (s.to(tl.float32) + res.to(tl.float32)).to(DT)
     tl.store(out_ptr + off + cols, r, mask=mask)
     if HAS_NORM:
-        y, _ = rms_norm_row(r.to(tl.float32), w_ptr, cols, mask, N, eps, True, False)
+        y, _ = rms_norm_row(r.to(tl.float32), w, N, eps, True, False)
         tl.store(normed_ptr + off + cols, y.to(DT), mask=mask)
 
 
@@ -133,7 +133,7 @@ def _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W: tl.constexpr, DT: 
 
 
 @triton.jit
-def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base, epoch, pid, P, M, N, eps, rank,
+def _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, buf_ptrs, ll_base, epoch, pid, P, M, N, eps, rank,
                   W: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     DT: tl.constexpr = x_ptr.dtype.element_ty
     EPW: tl.constexpr = 32 // DT.primitive_bitwidth  # elements per 32 data bits
@@ -174,7 +174,7 @@ def _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base,
         tl.store(out_ptr + off + at, acc.to(DT), mask=at < N)
         tl.debug_barrier()  # the whole row is stored before any thread reads it back
         s = tl.load(out_ptr + off + cols, mask=mask)
-        _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
+        _finish_row(s, res, w, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
 
 
 # no argument may be specialised: a value of 1 must not become a constant (one kernel for every call)
@@ -216,10 +216,12 @@ def _allreduce_add_rmsnorm_kernel(
     epoch = tl.load(epoch_ptr)
     base = (epoch % 2).to(tl.int64) * half  # alternate halves: no end barrier needed (see module doc)
     mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(DT)) + base
+    # the norm's weight once per program, before any store (loaded after one, it would wait)
+    w = tl.load(w_ptr + cols, mask=mask & HAS_NORM, other=0.0).to(tl.float32)
 
     if LL:
         ll_base = (epoch % 2).to(tl.int64) * half_words + ll_words
-        _ll_one_stage(x_ptr, res_ptr, w_ptr, out_ptr, normed_ptr, buf_ptrs, ll_base, epoch, pid, P, M, N, eps, rank,
+        _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, buf_ptrs, ll_base, epoch, pid, P, M, N, eps, rank,
                       W, HAS_RES, HAS_NORM, BLOCK_N)  # fmt: skip
     else:
         # PUSH (small messages): my rows go into slot ``rank`` of every reader's buffer (posted
@@ -270,13 +272,13 @@ def _allreduce_add_rmsnorm_kernel(
                     off = tl.cast(row, tl.int64) * N
                     s = tl.load(src + off + cols, mask=mask)
                     res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)
-                    _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
+                    _finish_row(s, res, w, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
         else:
             for row in range(pid, M, P):
                 off = tl.cast(row, tl.int64) * N
                 res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)
                 s = _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W, DT, PUSH)
-                _finish_row(s, res, w_ptr, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
+                _finish_row(s, res, w, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
     # the last program to finish moves the epoch on, for the next call (after this kernel); a lone
     # program needs no count (it saves an atomic round trip on the smallest, latency-bound calls)
     if P == 1:

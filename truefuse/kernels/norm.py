@@ -22,14 +22,15 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_row(x, w_ptr, cols, mask, N, eps, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+def rms_norm_row(x, w, N, eps, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     """RMSNorm of one fp32 row held in registers, by the rounding rule above (before the final
     rounding). Shared with the fused allreduce + RMSNorm kernel so both give the same bits: the
-    caller must launch with the same BLOCK_N and num_warps as ``ops.norm`` chooses."""
+    caller must launch with the same BLOCK_N and num_warps as ``ops.norm`` chooses. ``w``: the
+    weight row in fp32, loaded by the caller (the allreduce kernel once per program, ahead of any
+    store: a load after a store that may alias it waits one more round trip); unused without HAS_W."""
     rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / N + eps)
     y = x * rstd
     if HAS_W:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             w = w + 1.0
         y = y * w
@@ -64,7 +65,11 @@ def _norm_fwd_kernel(
         mean = tl.sum(x, axis=0) / N
         xc = tl.where(mask, x - mean, 0.0)
         tl.store(mean_ptr + row, mean)
-    y, rstd = rms_norm_row(xc, w_ptr, cols, mask, N, eps, HAS_W, ZERO_CENTERED)
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        w = x
+    y, rstd = rms_norm_row(xc, w, N, eps, HAS_W, ZERO_CENTERED)
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
