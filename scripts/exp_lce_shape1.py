@@ -31,7 +31,7 @@ def step(fn):
 def _unchecked(*args):
     import truefuse.autograd.linear_cross_entropy as lce
 
-    saved, lce.check_targets = lce.check_targets, lambda *a: None
+    saved, lce.check_targets = lce.check_targets, lambda *a: lambda: None
     try:
         return truefuse.linear_cross_entropy(*args)
     finally:
