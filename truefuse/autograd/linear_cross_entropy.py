@@ -82,7 +82,8 @@ def _chunks(
     wide = wide_dtype(x)
     gx, gw, gb = want_grad
     any_grad = gx or gw or gb or keep_d
-    W_sum = float(cw.sum()) if cw is not None else float(cfg.V)  # one host sync, before the loop
+    # Σ w_c serves label smoothing only: a host sync, before the loop, only when both are asked for
+    W_sum = float(cw.sum()) if cw is not None and cfg.label_smoothing > 0 else float(cfg.V)
     ce = torch.empty(N, dtype=wide, device=x.device)
     zl = torch.empty(N, dtype=wide, device=x.device)
     correct = torch.empty(N, dtype=torch.bool, device=x.device)

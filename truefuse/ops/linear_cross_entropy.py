@@ -221,7 +221,8 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s
     Args:
         z: (C, V) fp32 logits after the softcap (``softcap``: its cap, or None).
         t, valid: (C,) targets and their non-ignored mask.
-        cw: (V,) fp32 class weights or None; ``W_sum`` their sum (V without weights).
+        cw: (V,) fp32 class weights or None; ``W_sum`` their sum (V without weights; read only
+            with label smoothing).
         s_ce, s_z: scales of the cross-entropy and z-loss gradients (scalars or (C,) per token).
 
     Returns ``(ce, zl, correct, d_logits or None)``: the gradient is with respect to the logits
