@@ -30,6 +30,8 @@ _VARIANTS = {  # name: (LL, TWO_STAGE, PUSH)
 
 def _rank(r, W, M, N, programs, variant, bufs, sigs, xs, res, w, outs, normed, queue):
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported in this process
+    import triton
+
     from truefuse.kernels.allreduce import _allreduce_add_rmsnorm_kernel
     from truefuse.ops.norm import block_and_warps
 
@@ -47,8 +49,8 @@ def _rank(r, W, M, N, programs, variant, bufs, sigs, xs, res, w, outs, normed, q
             _allreduce_add_rmsnorm_kernel[(programs,)](
                 xs[r][c], res[r], w, outs[r][c], normed[r][c], buf_ptrs, sig_ptrs, epoch, done,
                 half // xs[r].element_size(), half // 8, ll_offset // 8, M, N, -(-M // W), 1e-6, r,
-                W=W, MAXP=512, HAS_RES=True, HAS_NORM=True, TWO_STAGE=two_stage, PUSH=push, LL=ll, BLOCK_N=block,
-                num_warps=warps,
+                W=W, WP=triton.next_power_of_2(W), MAXP=512, HAS_RES=True, HAS_NORM=True, TWO_STAGE=two_stage,
+                PUSH=push, LL=ll, BLOCK_N=block, num_warps=warps,
             )  # fmt: skip
         queue.put((r, None, int(epoch.item())))
     except Exception:  # noqa: BLE001  (reported to the parent)

@@ -77,6 +77,8 @@ def available(group, device: torch.device) -> bool:
 
 def launch(state: SymmetricState, x, residual, weight, eps: float, two_stage: bool):
     """Run the fused kernel on 2-D contiguous ``x`` (M, N); returns ``(normed or None, out)``."""
+    import triton
+
     from truefuse.kernels.allreduce import _allreduce_add_rmsnorm_kernel
 
     M, N = x.shape
@@ -100,7 +102,7 @@ def launch(state: SymmetricState, x, residual, weight, eps: float, two_stage: bo
         x, residual if residual is not None else x, weight if weight is not None else x, out,
         normed if normed is not None else out, state.buffer_ptrs, state.signal_ptrs, state.epoch, state.done,
         state.half_bytes // x.element_size(), state.half_bytes // 8, state.ll_offset // 8, M, N, share, float(eps),
-        state.rank, W=W, MAXP=MAXP, HAS_RES=residual is not None, HAS_NORM=weight is not None,
+        state.rank, W=W, WP=triton.next_power_of_2(W), MAXP=MAXP, HAS_RES=residual is not None, HAS_NORM=weight is not None,
         TWO_STAGE=two_stage, PUSH=nbytes <= PUSH_MAX_BYTES, LL=ll, BLOCK_N=block, num_warps=warps,
         maxnreg=cap,
     )  # fmt: skip

@@ -47,7 +47,7 @@ def _fence_sys(dep):
 
 
 @triton.jit
-def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, MAXP: tl.constexpr):
+def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, WP: tl.constexpr, MAXP: tl.constexpr):
     """Program ``pid`` of every rank meets. One system fence orders this program's stores before
     the flag (region, pid, source) of each pad takes the call's epoch ``value``; the waiter polls
     its flags until they reach it, then fences (measured on 4 H200: 9.5 us against 11.8 with a
@@ -58,8 +58,8 @@ def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, 
     _fence_sys(value)
     for q in tl.static_range(W):
         tl.atomic_xchg(tl.load(sig_ptrs + q).to(tl.pointer_type(tl.int32)) + base + rank, value, sem="relaxed", scope="sys")
-    # every peer's flag in one load per poll: W flags cost one round trip, not W in turn
-    WP: tl.constexpr = 8 if W > 4 else (4 if W > 2 else W)
+    # every peer's flag in one load per poll (WP: W rounded up to a power of 2): W flags cost one
+    # round trip, not W in turn
     qs = tl.arange(0, WP)
     flags = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32)) + base + qs
     while tl.min(tl.load(flags, mask=qs < W, other=value, volatile=True), axis=0) < value:
@@ -153,7 +153,8 @@ def _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W: tl.constexpr, DT: 
 
 @triton.jit
 def _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, buf_ptrs, ll_base, epoch_ptr, done_ptr, epoch, pid, P, M, N, eps, rank,
-                  W: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+                  W: tl.constexpr, WP: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
     DT: tl.constexpr = x_ptr.dtype.element_ty
     EPW: tl.constexpr = 32 // DT.primitive_bitwidth  # elements per 32 data bits
     BLOCK_W: tl.constexpr = BLOCK_N // EPW
@@ -165,7 +166,6 @@ def _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, buf_ptrs, ll_base, epo
     flag = epoch + 1
     flag_bits = flag.to(tl.int64) << 32
     mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(tl.int64)) + ll_base
-    WP: tl.constexpr = 8 if W > 4 else (4 if W > 2 else W)
     qs = tl.arange(0, WP)
     for row in range(pid, M, P):
         packed = _ll_pack(tl.load(x_ptr + tl.cast(row, tl.int64) * N + cols, mask=mask, other=0.0), EPW, BLOCK_N) | flag_bits
@@ -218,6 +218,7 @@ def _allreduce_add_rmsnorm_kernel(
     eps,
     rank,
     W: tl.constexpr,
+    WP: tl.constexpr,  # W rounded up to a power of 2 (the polls' vector width)
     MAXP: tl.constexpr,
     HAS_RES: tl.constexpr,
     HAS_NORM: tl.constexpr,
@@ -244,7 +245,7 @@ def _allreduce_add_rmsnorm_kernel(
     if LL:
         ll_base = (epoch % 2).to(tl.int64) * half_words + ll_words
         _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, buf_ptrs, ll_base, epoch_ptr, done_ptr, epoch, pid, P, M, N,
-                      eps, rank, W, HAS_RES, HAS_NORM, BLOCK_N)  # fmt: skip
+                      eps, rank, W, WP, HAS_RES, HAS_NORM, BLOCK_N)  # fmt: skip
     else:
         # PUSH (small messages): my rows go into slot ``rank`` of every reader's buffer (posted
         # remote stores) and the sum reads local slots. Otherwise my rows go into my own slot 0 and
@@ -271,7 +272,7 @@ def _allreduce_add_rmsnorm_kernel(
                 else:
                     tl.store(mine + off + cols, v, mask=mask)
         _advance_epoch(epoch_ptr, done_ptr, epoch, pid, P)
-        _barrier(sig_ptrs, 0, pid, rank, epoch + 1, W, MAXP)
+        _barrier(sig_ptrs, 0, pid, rank, epoch + 1, W, WP, MAXP)
 
         if TWO_STAGE:
             # stage 1: I reduce my share; the rounded sums go to region W (every rank's when pushing)
@@ -283,7 +284,7 @@ def _allreduce_add_rmsnorm_kernel(
                         tl.store(tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base + W * MN + off + cols, s, mask=mask)
                 else:
                     tl.store(mine + W * MN + off + cols, s, mask=mask)
-            _barrier(sig_ptrs, 1, pid, rank, epoch + 1, W, MAXP)
+            _barrier(sig_ptrs, 1, pid, rank, epoch + 1, W, WP, MAXP)
             # stage 2: every row's sum from its owner (or my region W), then MY residual and norm:
             # the outputs are this rank's own, bitwise the 1-stage result, whatever the peers' residuals
             for q in tl.static_range(W):
