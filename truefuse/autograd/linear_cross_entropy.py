@@ -182,7 +182,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         want = (needs[0], needs[1] and not deferred, needs[2]) if now else (False, False, False)
         checked = check_targets(t, cfg.V, cfg.ignore_index)  # started here, finished inside _chunks
         ce, zl, correct, grads = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, want, keep_d=keep_d and now, check=checked)
-        loss, z_part = reduce_terms(ce, zl, valid, w_t, cfg.reduction)
+        loss, z_part = reduce_terms(ce, zl, cfg.reduction, (s_ce, s_z))
         acc = token_accuracy(correct, valid, wide)
         ctx.cfg, ctx.needs, ctx.now, ctx.wstate, ctx.deferred = cfg, needs, now, wstate, deferred
         if now:

@@ -41,6 +41,7 @@ class SymmetricState:
 
     def __init__(self, group, max_bytes: int, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
+        import triton
 
         # DESIGN §4: never NVLink multicast (it can take shared GPUs out of service)
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -61,6 +62,7 @@ class SymmetricState:
         self.rank = self.handle.rank
         self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
+        self.poll_width = triton.next_power_of_2(self.world_size)  # the kernel's WP: one vector poll of W flags
         self.sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -77,8 +79,6 @@ def available(group, device: torch.device) -> bool:
 
 def launch(state: SymmetricState, x, residual, weight, eps: float, two_stage: bool):
     """Run the fused kernel on 2-D contiguous ``x`` (M, N); returns ``(normed or None, out)``."""
-    import triton
-
     from truefuse.kernels.allreduce import _allreduce_add_rmsnorm_kernel
 
     M, N = x.shape
@@ -102,7 +102,7 @@ def launch(state: SymmetricState, x, residual, weight, eps: float, two_stage: bo
         x, residual if residual is not None else x, weight if weight is not None else x, out,
         normed if normed is not None else out, state.buffer_ptrs, state.signal_ptrs, state.epoch, state.done,
         state.half_bytes // x.element_size(), state.half_bytes // 8, state.ll_offset // 8, M, N, share, float(eps),
-        state.rank, W=W, WP=triton.next_power_of_2(W), MAXP=MAXP, HAS_RES=residual is not None, HAS_NORM=weight is not None,
+        state.rank, W=W, WP=state.poll_width, MAXP=MAXP, HAS_RES=residual is not None, HAS_NORM=weight is not None,
         TWO_STAGE=two_stage, PUSH=nbytes <= PUSH_MAX_BYTES, LL=ll, BLOCK_N=block, num_warps=warps,
         maxnreg=cap,
     )  # fmt: skip

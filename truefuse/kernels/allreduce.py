@@ -181,9 +181,12 @@ def _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, buf_ptrs, ll_base, epo
         # in rank order 0..W-1 in fp32, from rank 0's row (not from +0: -0 stays -0)
         slots = mine + (qs[:, None] * M + row).to(tl.int64) * RW
         w2 = _ll_wait_words(slots, words[None, :], (qs[:, None] < W) & wmask[None, :], flag)
-        acc = _ll_unpack(tl.sum(tl.where(qs[:, None] == 0, w2, 0), axis=0), DT, EPW, BLOCK_N).to(tl.float32)
-        for q in tl.static_range(1, W):
-            acc += _ll_unpack(tl.sum(tl.where(qs[:, None] == q, w2, 0), axis=0), DT, EPW, BLOCK_N).to(tl.float32)
+        for q in tl.static_range(W):
+            v = _ll_unpack(tl.sum(tl.where(qs[:, None] == q, w2, 0), axis=0), DT, EPW, BLOCK_N).to(tl.float32)
+            if q == 0:
+                acc = v
+            else:
+                acc += v
         # the rounded sum goes through the out row to come back in the plain layout of ``cols``:
         # the norm's mean must sum as truefuse.rms_norm's does, and acc has the layout of the 2-D
         # load (and for 16-bit rows, of join/reshape)

@@ -115,7 +115,7 @@ def target_weights(t: torch.Tensor, cw: torch.Tensor | None, ignore_index: int, 
     """``(valid, w_t)``: which tokens count, and each token's class weight (0 where ignored)."""
     valid = t != ignore_index
     if cw is None:
-        return valid, torch.ones(t.shape, dtype=dtype, device=t.device) * valid
+        return valid, valid.to(dtype)
     # clamped: this may run before check_targets (which the caller defers past its first GEMM)
     w_t = cw[torch.where(valid, t, 0).clamp(0, cw.shape[0] - 1)].to(dtype)
     return valid, w_t * valid
@@ -134,13 +134,13 @@ def token_accuracy(correct: torch.Tensor, valid: torch.Tensor, dtype: torch.dtyp
     return torch.where(n > 0, (correct & valid).sum() / torch.clamp(n, min=1), 0.0).to(dtype)
 
 
-def reduce_terms(ce, zl, valid, w_t, reduction):
-    """(loss, z part) from per-token terms, by :func:`mean_scales` for ``mean``."""
+def reduce_terms(ce, zl, reduction, scales):
+    """(loss, z part) from per-token terms; ``scales``: :func:`mean_scales`' pair, read for ``mean`` only."""
     if reduction == "none":
         return ce + zl, zl
     if reduction == "sum":
         return ce.sum() + zl.sum(), zl.sum()
-    s_ce, s_z = mean_scales(valid, w_t)
+    s_ce, s_z = scales
     z_m = zl.sum() * s_z
     return ce.sum() * s_ce + z_m, z_m
 
@@ -156,7 +156,7 @@ def _from_logits(
     ce = F.cross_entropy(logits, t, weight=cw, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
     valid, w_t = target_weights(t, cw, ignore_index, wide)
     zl = z_loss * torch.logsumexp(logits, dim=-1).square() * valid
-    loss, z_part = reduce_terms(ce, zl, valid, w_t, reduction)
+    loss, z_part = reduce_terms(ce, zl, reduction, mean_scales(valid, w_t) if reduction == "mean" else None)
     if reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape)
     if not (return_z_loss or return_token_accuracy):
