@@ -1,7 +1,11 @@
 """Quick side-by-side at one issue shape (default 8192 x 128256 x 4096), bf16 forward + backward:
 the three GEMMs, truefuse.linear_cross_entropy (default) and torch.compile of the plain path, in
-interleaved rounds (median ms), for checking one change without the whole sweep."""
+interleaved rounds (median ms), for checking one change without the whole sweep.
 
+``CHUNKS="4096 8192"`` adds truefuse at those chunk sizes. When V is not a multiple of 64 it adds
+the unpadded logits rows (``LOGITS_ROW_ALIGN = 1``) and the three GEMMs on padded rows."""
+
+import os
 import statistics
 import sys
 
@@ -38,12 +42,30 @@ def _unchecked(*args):
         lce.check_targets = saved
 
 
+def _unpadded(*args):
+    import truefuse.autograd.linear_cross_entropy as lce
+
+    saved, lce.LOGITS_ROW_ALIGN = lce.LOGITS_ROW_ALIGN, 1
+    try:
+        return truefuse.linear_cross_entropy(*args)
+    finally:
+        lce.LOGITS_ROW_ALIGN = saved
+
+
 providers = {
     "gemms": lambda: (x.detach() @ W.detach().t(), d @ W.detach(), d.t() @ x.detach()),
     "truefuse": step(lambda: truefuse.linear_cross_entropy(x, W, t)),
     "compile_plain": step(lambda: plain(x, W, t)),
     "truefuse_nocheck": step(lambda: _unchecked(x, W, t)),  # without the target check's host sync
 }
+for c in os.environ.get("CHUNKS", "").split():
+    providers[f"truefuse_c{c}"] = step(lambda c=int(c): truefuse.linear_cross_entropy(x, W, t, chunk_size=c))
+if V % 64:
+    Vp = -(-V // 64) * 64
+    dp = torch.randn(N, Vp, device="cuda", dtype=torch.bfloat16)[:, :V]
+    lp = torch.empty(N, Vp, device="cuda", dtype=torch.bfloat16)[:, :V]
+    providers["gemms_padded"] = lambda: (torch.mm(x.detach(), W.detach().t(), out=lp), dp @ W.detach(), dp.t() @ x.detach())
+    providers["truefuse_unpadded"] = step(lambda: _unpadded(x, W, t))
 times = {k: [] for k in providers}
 for r in range(3):
     for k in providers if r % 2 == 0 else reversed(providers):

@@ -119,6 +119,38 @@ def test_errors(device):
         lce(x, W, t, softcap=0.0)
 
 
+@pytest.mark.parametrize("delay", [False, True])
+def test_padded_logits_rows_change_nothing(device, monkeypatch, delay):
+    """V = 203 rows are padded to 256 for the kernel (16-byte aligned rows, ``_logits_buffer``):
+    loss and gradients equal the unpadded run's, through the chunk loop, and through the one-chunk
+    d_logits kept for a delayed weight gradient (sliced back to V columns)."""
+    import truefuse.autograd.linear_cross_entropy as lce_mod
+
+    x, W, t, b = make_inputs(torch.float32, device, bias=True)
+    if not triton_runs(x):
+        pytest.skip("the logits are padded for the Triton kernel only")
+    used = []
+    real = lce_mod._logits_buffer
+    monkeypatch.setattr(lce_mod, "_logits_buffer", lambda *a: used.append(real(*a)) or used[-1])
+    out = {}
+    for align in (1, 64):
+        monkeypatch.setattr(lce_mod, "LOGITS_ROW_ALIGN", align)
+        used.clear()
+        m = truefuse.LinearCrossEntropyLoss(z_loss=1e-3, delay_wgrad_compute=delay)
+        xl, Wl, bl = x.clone().requires_grad_(), W.clone().requires_grad_(), b.clone().requires_grad_()
+        loss = m(xl, Wl, t, bl)
+        (loss * 3.0).backward()
+        m.backward_dw()
+        assert all((u is None) == (align == 1) for u in used) and used
+        out[align] = (loss, xl.grad, Wl.grad, bl.grad)
+    assert out[64][0].shape == ()  # the padding never reaches a result
+    for a, b_ in zip(out[1], out[64], strict=True):
+        if device.type == "cpu":
+            assert torch.equal(a, b_)
+        else:  # cuBLAS may pick another kernel for another leading dimension
+            torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-6)
+
+
 def test_module_matches_function(device):
     x, W, t, b = make_inputs(torch.float64, device, bias=True)
     cw = torch.rand(W.shape[0], dtype=torch.float64, device=device)

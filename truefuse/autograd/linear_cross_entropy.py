@@ -42,6 +42,21 @@ from truefuse.ops.scale import scale_
 #: fp32 accumulator would take, one chunk takes all tokens instead (see ``_default_chunk``).
 CHUNK_BYTES = 512 << 20
 
+#: A chunk's logits rows start at multiples of this many elements for the kernel (``_logits_buffer``).
+LOGITS_ROW_ALIGN = 64
+
+
+def _logits_buffer(rows: int, V: int, like: torch.Tensor) -> torch.Tensor | None:
+    """Where a chunk's logits go: ``None`` (a contiguous (rows, V) tensor) unless V is not a
+    multiple of ``LOGITS_ROW_ALIGN`` where the Triton kernel runs; then a (rows, V rounded up)
+    buffer, written as ``buf[:, :V]``. With rows of V elements an odd V (GPT-2's 50257) leaves
+    every row but the first off 16-byte alignment: the loss kernel's loads and stores cannot be
+    vectors, nor can cuBLAS tile its operands by TMA. The padding columns are never read."""
+    if not triton_runs(like) or V % LOGITS_ROW_ALIGN == 0:
+        return None
+    padded = -(-V // LOGITS_ROW_ALIGN) * LOGITS_ROW_ALIGN
+    return torch.empty(rows, padded, dtype=like.dtype, device=like.device)
+
 
 @dataclass(frozen=True)
 class _Cfg:
@@ -75,9 +90,12 @@ def _chunks(
     ``s_ce`` / ``s_z``: 0-dim scales of the reduction, or (N,) per-token upstream gradients.
     ``dW_out``: write (or with ``dW_accumulate`` add) the weight gradient into this fp32 tensor
     (``main_grad``), chunk after chunk inside the GEMMs, instead of returning it. ``keep_d``: also
-    return the d_logits of a single chunk (unscaled by anything but ``s_ce`` / ``s_z``).
-    ``check``: called once, after the first logits GEMM is queued and before anything reads the
-    targets (``check_targets``' finish: its wait then overlaps that GEMM)."""
+    return the d_logits of a single chunk (unscaled by anything but ``s_ce`` / ``s_z``), as the
+    (rows, ≥ V) buffer they were written in: the d_logits are its first V columns.
+    ``check``: ``check_targets``' finish, called once. The Triton kernel reads a bad target as
+    column 0 (memory-safe), so on that path the wait comes after every chunk is queued: the GPU
+    has work for the whole time the host waits. The PyTorch path indexes with the targets, so
+    there it comes before the first chunk's math (after its logits GEMM is queued)."""
     N = x.shape[0]
     wide = wide_dtype(x)
     gx, gw, gb = want_grad
@@ -98,12 +116,13 @@ def _chunks(
     db = torch.zeros(cfg.V, dtype=wide, device=x.device) if gb else None
     per_token = s_ce.dim() == 1
     chunk = _kernel_chunk if triton_runs(x) else _torch_chunk
-    d = None
+    d = full = None
     for i, start in enumerate(range(0, N, cfg.chunk)):
         sl = slice(start, min(start + cfg.chunk, N))
         xc = x[sl]
-        logits = gemm(xc, W.t(), bias=b)
-        if check is not None and i == 0:
+        full = _logits_buffer(xc.shape[0], cfg.V, x)
+        logits = gemm(xc, W.t(), bias=b, out=None if full is None else full[:, : cfg.V])
+        if check is not None and i == 0 and chunk is _torch_chunk:
             check()
         scales = (s_ce[sl], s_z[sl]) if per_token else (s_ce, s_z)
         # the chunk's loss terms into ce/zl/correct, and d_logits in the input dtype (the GEMM
@@ -121,7 +140,10 @@ def _chunks(
             dW = gemm(d.t(), xc)
         elif gw:
             gemm(d.t(), xc, out=dW, accumulate=i > 0)
-    return ce, zl, correct, (dx, dW, db, d if keep_d else None)
+    if check is not None and chunk is _kernel_chunk:
+        check()
+    # kept whole (padding included): contiguous, so the backward's scale_ is one in-place pass
+    return ce, zl, correct, (dx, dW, db, (d if full is None else full) if keep_d else None)
 
 
 def _torch_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad):
@@ -215,7 +237,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if ctx.deferred:
 
                 def compute(out, accumulate):
-                    return gemm(d.t(), x, out=out, accumulate=accumulate)
+                    return gemm(d[:, : cfg.V].t(), x, out=out, accumulate=accumulate)
 
                 dW = deliver_weight_grad(W, "linear_weight", compute, ctx.wstate)
             return dx, dW, db, None, None, None, None

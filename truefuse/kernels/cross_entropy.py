@@ -124,7 +124,9 @@ def _lce_chunk_kernel(
     base = logits_ptr + row * stride
     t = tl.load(t_ptr + row)
     valid = t != ignore_index
-    t_safe = tl.where(valid, t, 0)
+    # a target outside [0, V) reads column 0, not memory outside the row: the host's check of the
+    # targets (which raises) may finish after this kernel ran
+    t_safe = tl.where(valid & (t >= 0) & (t < V), t, 0)
     cols0 = tl.arange(0, BLOCK_V)
     n_full = V // BLOCK_V
     tail = V % BLOCK_V != 0

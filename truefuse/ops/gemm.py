@@ -69,6 +69,12 @@ def _check_tensor(
         raise TypeError(f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}")
 
 
+def _padded_rows(t: torch.Tensor) -> bool:
+    """2-D row-major with room after each row (``buf[:, :N]`` of a wider ``buf``): cuBLAS and the
+    Triton GEMM take the row stride as the leading dimension, so such an ``out`` is written in place."""
+    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= max(1, t.shape[1])
+
+
 def _aligned16(*ts: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride()) for t in ts)
 
@@ -132,8 +138,8 @@ def _validate(
         if out_dtype is not None and out.dtype != out_dtype:
             raise TypeError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
         _check_tensor("out", out, a, out_shape, (a.dtype, torch.float32) if a.dtype != torch.float64 else (a.dtype,))
-        if not out.is_contiguous():
-            raise ValueError("out must be contiguous")
+        if not (out.is_contiguous() or (not grouped and _padded_rows(out))):
+            raise ValueError("out must be contiguous, or row-major with padded rows (stride(1) == 1, stride(0) >= N)")
         if out.requires_grad and torch.is_grad_enabled():
             raise ValueError("out requires grad: gemm writes into it outside autograd; pass a tensor that does not")
         for name, t in (("a", a), ("b", b), ("bias", bias), ("pre_activation", pre_activation)):
@@ -205,8 +211,9 @@ def gemm(
     (shaped like ``a``: pass ``pre.t()``) first turns ``a`` into the gradient of the activation's
     input, ``a * act'(pre)`` rounded to ``a``'s dtype; the bias-gradient is taken after it.
 
-    Output: ``out`` (written, or added into with ``accumulate``; contiguous, dtype ``a``'s or
-    fp32), else a new tensor of ``out_dtype`` (default ``a``'s dtype).
+    Output: ``out`` (written, or added into with ``accumulate``; contiguous, or for a 2-D result
+    row-major with padded rows such as ``buf[:, :N]``; dtype ``a``'s or fp32), else a new tensor
+    of ``out_dtype`` (default ``a``'s dtype).
 
     Grouped: with ``m_splits`` (a list of ints or a 1-D integer tensor; empty groups allowed),
     either ``b`` is (G, K, N) and ``a``'s rows are split (``bias`` (G, N)), or ``b`` is 2-D and the
