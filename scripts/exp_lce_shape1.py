@@ -3,7 +3,7 @@ the three GEMMs, truefuse.linear_cross_entropy (default) and torch.compile of th
 interleaved rounds (median ms), for checking one change without the whole sweep.
 
 ``CHUNKS="4096 8192"`` adds truefuse at those chunk sizes. When V is not a multiple of 64 it adds
-the unpadded logits rows (``LOGITS_ROW_ALIGN = 1``) and the three GEMMs on padded rows."""
+the unpadded logits rows and unsplit GEMMs (``linear_cross_entropy_gemms.ALIGN = 1``) and the three GEMMs on padded rows."""
 
 import os
 import statistics
@@ -43,13 +43,13 @@ def _unchecked(*args):
 
 
 def _unpadded(*args):
-    import truefuse.autograd.linear_cross_entropy as lce
+    import truefuse.autograd.linear_cross_entropy_gemms as lce_gemms
 
-    saved, lce.LOGITS_ROW_ALIGN = lce.LOGITS_ROW_ALIGN, 1
+    saved, lce_gemms.ALIGN = lce_gemms.ALIGN, 1
     try:
         return truefuse.linear_cross_entropy(*args)
     finally:
-        lce.LOGITS_ROW_ALIGN = saved
+        lce_gemms.ALIGN = saved
 
 
 providers = {

@@ -119,36 +119,41 @@ def test_errors(device):
         lce(x, W, t, softcap=0.0)
 
 
-@pytest.mark.parametrize("delay", [False, True])
-def test_padded_logits_rows_change_nothing(device, monkeypatch, delay):
-    """V = 203 rows are padded to 256 for the kernel (16-byte aligned rows, ``_logits_buffer``):
-    loss and gradients equal the unpadded run's, through the chunk loop, and through the one-chunk
-    d_logits kept for a delayed weight gradient (sliced back to V columns)."""
+@pytest.mark.parametrize("mode", ["one_chunk", "delayed", "chunks", "main_grad_chunks"])
+def test_padded_rows_and_split_vocabulary_agree_with_one_gemm(device, monkeypatch, mode):
+    """V = 203: the logits rows are padded to 256 (16-byte aligned for the kernel) and each GEMM is
+    split at 192 classes (``linear_cross_entropy_gemms``). Loss and every gradient agree with the
+    unpadded, unsplit run: through one chunk, the one-chunk d_logits kept for a delayed weight
+    gradient (sliced back to V columns), several chunks with the fp32 accumulator, and main_grad."""
     import truefuse.autograd.linear_cross_entropy as lce_mod
+    import truefuse.autograd.linear_cross_entropy_gemms as gemms_mod
 
     x, W, t, b = make_inputs(torch.float32, device, bias=True)
     if not triton_runs(x):
         pytest.skip("the logits are padded for the Triton kernel only")
-    used = []
-    real = lce_mod._logits_buffer
-    monkeypatch.setattr(lce_mod, "_logits_buffer", lambda *a: used.append(real(*a)) or used[-1])
+    splits = []
+    real = gemms_mod.vocab_split
+    monkeypatch.setattr(lce_mod, "vocab_split", lambda *a: splits.append(real(*a)) or splits[-1])
+    kw = {"chunk_size": 16} if "chunks" in mode else {}
+    fused = mode == "main_grad_chunks"
     out = {}
     for align in (1, 64):
-        monkeypatch.setattr(lce_mod, "LOGITS_ROW_ALIGN", align)
-        used.clear()
-        m = truefuse.LinearCrossEntropyLoss(z_loss=1e-3, delay_wgrad_compute=delay)
+        monkeypatch.setattr(gemms_mod, "ALIGN", align)
+        splits.clear()
+        m = truefuse.LinearCrossEntropyLoss(
+            z_loss=1e-3, delay_wgrad_compute=mode == "delayed", fuse_wgrad_accumulation=fused, **kw
+        )
         xl, Wl, bl = x.clone().requires_grad_(), W.clone().requires_grad_(), b.clone().requires_grad_()
+        if fused:
+            Wl.main_grad = torch.ones(W.shape, device=device)
         loss = m(xl, Wl, t, bl)
         (loss * 3.0).backward()
         m.backward_dw()
-        assert all((u is None) == (align == 1) for u in used) and used
-        out[align] = (loss, xl.grad, Wl.grad, bl.grad)
-    assert out[64][0].shape == ()  # the padding never reaches a result
-    for a, b_ in zip(out[1], out[64], strict=True):
-        if device.type == "cpu":
-            assert torch.equal(a, b_)
-        else:  # cuBLAS may pick another kernel for another leading dimension
-            torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-6)
+        assert splits and all(s == (None if align == 1 else 192) for s in splits), splits
+        out[align] = (loss, xl.grad, Wl.main_grad if fused else Wl.grad, bl.grad)
+    for name, a, b_ in zip(("loss", "d_input", "d_weight", "d_bias"), out[1], out[64], strict=True):
+        assert a.shape == b_.shape, name
+        torch.testing.assert_close(b_, a, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_module_matches_function(device):

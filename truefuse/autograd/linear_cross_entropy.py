@@ -20,8 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
+from truefuse.autograd.linear_cross_entropy_gemms import (
+    input_grad_gemm,
+    logits_buffer,
+    logits_gemm,
+    vocab_split,
+    weight_grad_gemm,
+)
 from truefuse.ops._triton import triton_runs
-from truefuse.ops.gemm import gemm
 from truefuse.ops.gemm_exec import wide_dtype
 from truefuse.ops.linear_cross_entropy import (
     LinearCrossEntropyOutput,
@@ -41,21 +47,6 @@ from truefuse.ops.scale import scale_
 #: When the weight gradient is wanted in fp32 and every token's logits fit in the V·H·4 bytes its
 #: fp32 accumulator would take, one chunk takes all tokens instead (see ``_default_chunk``).
 CHUNK_BYTES = 512 << 20
-
-#: A chunk's logits rows start at multiples of this many elements for the kernel (``_logits_buffer``).
-LOGITS_ROW_ALIGN = 64
-
-
-def _logits_buffer(rows: int, V: int, like: torch.Tensor) -> torch.Tensor | None:
-    """Where a chunk's logits go: ``None`` (a contiguous (rows, V) tensor) unless V is not a
-    multiple of ``LOGITS_ROW_ALIGN`` where the Triton kernel runs; then a (rows, V rounded up)
-    buffer, written as ``buf[:, :V]``. With rows of V elements an odd V (GPT-2's 50257) leaves
-    every row but the first off 16-byte alignment: the loss kernel's loads and stores cannot be
-    vectors, nor can cuBLAS tile its operands by TMA. The padding columns are never read."""
-    if not triton_runs(like) or V % LOGITS_ROW_ALIGN == 0:
-        return None
-    padded = -(-V // LOGITS_ROW_ALIGN) * LOGITS_ROW_ALIGN
-    return torch.empty(rows, padded, dtype=like.dtype, device=like.device)
 
 
 @dataclass(frozen=True)
@@ -120,8 +111,9 @@ def _chunks(
     for i, start in enumerate(range(0, N, cfg.chunk)):
         sl = slice(start, min(start + cfg.chunk, N))
         xc = x[sl]
-        full = _logits_buffer(xc.shape[0], cfg.V, x)
-        logits = gemm(xc, W.t(), bias=b, out=None if full is None else full[:, : cfg.V])
+        full = logits_buffer(xc.shape[0], cfg.V, x)
+        split = vocab_split(cfg.V, full is not None)
+        logits = logits_gemm(xc, W, b, None if full is None else full[:, : cfg.V], split)
         if check is not None and i == 0 and chunk is _torch_chunk:
             check()
         scales = (s_ce[sl], s_z[sl]) if per_token else (s_ce, s_z)
@@ -133,13 +125,13 @@ def _chunks(
         if gb:
             db += torch.sum(d, dim=0, dtype=wide)
         if gx:
-            dx[sl] = gemm(d, W)
+            input_grad_gemm(d, W, dx[sl], split)
         if gw and dW_out is not None:
-            gemm(d.t(), xc, out=dW_out, accumulate=dW_accumulate or i > 0)
+            weight_grad_gemm(d, xc, dW_out, dW_accumulate or i > 0, split)
         elif gw and one_chunk:
-            dW = gemm(d.t(), xc)
+            dW = weight_grad_gemm(d, xc, None, False, split)
         elif gw:
-            gemm(d.t(), xc, out=dW, accumulate=i > 0)
+            weight_grad_gemm(d, xc, dW, i > 0, split)
     if check is not None and chunk is _kernel_chunk:
         check()
     # kept whole (padding included): contiguous, so the backward's scale_ is one in-place pass
@@ -237,7 +229,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if ctx.deferred:
 
                 def compute(out, accumulate):
-                    return gemm(d[:, : cfg.V].t(), x, out=out, accumulate=accumulate)
+                    split = vocab_split(cfg.V, d.shape[1] != cfg.V)
+                    return weight_grad_gemm(d[:, : cfg.V], x, out, accumulate, split)
 
                 dW = deliver_weight_grad(W, "linear_weight", compute, ctx.wstate)
             return dx, dW, db, None, None, None, None

@@ -1,0 +1,76 @@
+"""The linear cross-entropy's three GEMMs, with the vocabulary split where cuBLAS needs it.
+
+cuBLAS (H200, bf16) runs a GEMM whose vocabulary dimension V is not a multiple of 8 five to six
+times slower: at 8192 x 50257 x 4096 (GPT-2's vocabulary) the logits, d_input and d_weight GEMMs
+took 31.0 / 23.9 / 22.7 ms against 4.85 / 4.74 / 4.84 ms with that dimension padded
+(``scripts/exp_odd_vocab_gemms.py``). Padding the weight costs a copy of it; splitting does not.
+With ``split`` = V rounded down to ``ALIGN`` the first ``split`` classes run in aligned GEMMs and
+the rest (fewer than ``ALIGN``) in a small one:
+
+* logits: two column ranges of the output (disjoint: every logit is the same dot product);
+* d_weight: two row ranges of the output (disjoint likewise);
+* d_input contracts over V: the two parts are summed in fp32 and rounded once, as one GEMM's
+  fp32 accumulator is (an fp32 (tokens, H) temporary).
+
+``split`` is None when V is a multiple of ``ALIGN`` (or smaller than it): one GEMM each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.ops._triton import triton_runs
+from truefuse.ops.gemm import gemm
+from truefuse.ops.gemm_exec import wide_dtype
+
+#: The logits buffer's rows are padded to, and the aligned GEMMs' vocabulary is, a multiple of this.
+ALIGN = 64
+
+
+def logits_buffer(rows: int, V: int, like: torch.Tensor) -> torch.Tensor | None:
+    """Where a chunk's logits go: ``None`` (a contiguous (rows, V) tensor) unless V is not a
+    multiple of ``ALIGN`` where the Triton loss kernel runs; then a (rows, V rounded up) buffer,
+    written as ``buf[:, :V]``. With rows of V elements an odd V leaves every row but the first off
+    16-byte alignment: the loss kernel's loads and stores cannot be vectors (nor cuBLAS's tiles
+    TMA loads). The padding columns are never read."""
+    if not triton_runs(like) or V % ALIGN == 0:
+        return None
+    padded = -(-V // ALIGN) * ALIGN
+    return torch.empty(rows, padded, dtype=like.dtype, device=like.device)
+
+
+def vocab_split(V: int, padded: bool) -> int | None:
+    """Where the GEMMs split the vocabulary, or None for one GEMM each. ``padded``: the logits
+    rows are padded (:func:`logits_buffer`), which is when V is not a multiple of ``ALIGN``."""
+    return V // ALIGN * ALIGN if padded and V % ALIGN and V > ALIGN else None
+
+
+def logits_gemm(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None, split: int | None):
+    """``x @ Wᵀ + b`` (tokens, V) into ``out`` (or a new tensor when ``out`` is None)."""
+    if split is None:
+        return gemm(x, W.t(), bias=b, out=out)
+    for cols in (slice(0, split), slice(split, None)):
+        gemm(x, W[cols].t(), bias=None if b is None else b[cols], out=out[:, cols])
+    return out
+
+
+def input_grad_gemm(d: torch.Tensor, W: torch.Tensor, out: torch.Tensor, split: int | None) -> None:
+    """``out = d @ W``: the input gradient of a chunk, ``d`` (tokens, V), ``out`` (tokens, H)."""
+    if split is None:
+        out.copy_(gemm(d, W))
+        return
+    acc = gemm(d[:, split:], W[split:], out_dtype=wide_dtype(d))
+    gemm(d[:, :split], W[:split], out=acc, accumulate=True)
+    out.copy_(acc)  # the one rounding to the input dtype
+
+
+def weight_grad_gemm(d: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None, accumulate: bool, split: int | None):
+    """``dᵀ @ x`` (V, H) written, or added with ``accumulate``, into ``out`` (a new tensor in
+    ``d``'s dtype when None); returns it."""
+    if split is None:
+        return gemm(d.t(), x, out=out, accumulate=accumulate)
+    if out is None:
+        out = torch.empty(d.shape[1], x.shape[1], dtype=d.dtype, device=d.device)
+    for rows in (slice(0, split), slice(split, None)):
+        gemm(d[:, rows].t(), x, out=out[rows], accumulate=accumulate)
+    return out
