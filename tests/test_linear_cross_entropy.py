@@ -180,13 +180,14 @@ def test_weight_grad_accumulated_in_the_weight_dtype(device):
 
 def test_default_chunk_takes_all_tokens_only_within_the_chunked_memory():
     """One chunk when every token's logits fit in what chunking would hold anyway (CHUNK_BYTES, or
-    the fp32 weight-gradient accumulator's V·H·4 bytes when that is wanted); else a power of two."""
+    the fp32 weight-gradient accumulator's V·H·4 bytes when that is wanted); else the largest
+    power of two that fits there."""
     from truefuse.autograd.linear_cross_entropy import CHUNK_BYTES, _default_chunk
 
     assert CHUNK_BYTES == 512 << 20
     assert _default_chunk(8192, 128256, 4096, 2, True) == 8192  # 2.10 GB of logits == the fp32 accumulator
-    assert _default_chunk(8193, 128256, 4096, 2, True) == 2048
-    assert _default_chunk(16384, 128256, 4096, 2, True) == 2048
+    assert _default_chunk(8193, 128256, 4096, 2, True) == 8192  # chunks of the accumulator's size
+    assert _default_chunk(16384, 128256, 4096, 2, True) == 8192
     assert _default_chunk(8192, 128256, 4096, 2, False) == 2048  # no accumulator to trade for
     assert _default_chunk(4096, 256000, 2304, 2, True) == 4096
     assert _default_chunk(100, 1000, 64, 4, False) == 100  # small: inside CHUNK_BYTES

@@ -1,6 +1,8 @@
 """``python -m truefuse bench linear_cross_entropy``: LM-head loss forward + backward, bf16.
 
-Shapes (tokens, V, H) from the issue. Providers, side by side in one run (ratios against
+Shapes (tokens, V, H) from the issue, and 8192 x 50257 x 4096: an odd vocabulary (GPT-2's), where
+cuBLAS's GEMMs on unaligned operands run 5-6x slower (so ``gemms`` is no floor there; truefuse
+splits them, torch.compile pads them). Providers, side by side in one run (ratios against
 ``gemms``, the shape's three cuBLAS GEMMs: logits, input gradient, weight gradient):
 
 * ``truefuse`` (default chunk) and ``truefuse_c{N}`` (chunk of N tokens): the chunk sweep;
@@ -98,6 +100,7 @@ def sweep(quick: bool) -> Sweep:
             {"N": 16384, "V": 128256, "H": 4096},
             {"N": 8192, "V": 32000, "H": 4096},
             {"N": 4096, "V": 256000, "H": 2304},
+            {"N": 8192, "V": 50257, "H": 4096},  # an odd vocabulary (GPT-2's): cuBLAS's slow case
         ]
     providers = {
         "gemms": _gemms,
@@ -107,7 +110,7 @@ def sweep(quick: bool) -> Sweep:
         "compile_ref": _step(_compiled_step("ref", linear_cross_entropy_ref)),
         **{name: _step(fn) for name, fn in peers().items()},
     }
-    for c in (2048, 4096):
+    for c in (2048, 4096, 8192):
         providers[f"truefuse_c{c}"] = _step(lambda x, W, t, c=c: linear_cross_entropy(x, W, t, chunk_size=c))
     # weight gradient accumulated in bf16: no fp32 accumulator
     providers["truefuse_bf16acc_c4096"] = _step(
