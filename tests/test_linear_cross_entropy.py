@@ -3,6 +3,7 @@ input dtype + cross-entropy in fp32) over every option the issue lists, and its 
 
 import pytest
 import torch
+from conftest import requires_cuda
 
 import truefuse
 from truefuse.ops._triton import triton_runs
@@ -137,6 +138,7 @@ def test_padded_rows_and_split_vocabulary_agree_with_one_gemm(device, monkeypatc
     kw = {"chunk_size": 16} if "chunks" in mode else {}
     fused = mode == "main_grad_chunks"
     out = {}
+    monkeypatch.setattr(gemms_mod, "MIN_MACS", 0)  # small sizes are neither padded nor split by default
     for align in (1, 64):
         monkeypatch.setattr(gemms_mod, "ALIGN", align)
         splits.clear()
@@ -154,6 +156,22 @@ def test_padded_rows_and_split_vocabulary_agree_with_one_gemm(device, monkeypatc
     for name, a, b_ in zip(("loss", "d_input", "d_weight", "d_bias"), out[1], out[64], strict=True):
         assert a.shape == b_.shape, name
         torch.testing.assert_close(b_, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@requires_cuda
+def test_odd_vocabulary_at_scale_is_bounded(monkeypatch):
+    """GPT-2's V = 50257 at a size where the GEMMs are split (``MIN_MACS``): per-token losses under
+    a random upstream gradient and every gradient within the bounded contract, bf16 on the GPU."""
+    import truefuse.autograd.linear_cross_entropy as lce_mod
+
+    dev = torch.device("cuda")
+    x, W, t, b = make_inputs(torch.bfloat16, dev, N=1024, H=128, V=50257, bias=True)
+    splits = []
+    real = lce_mod.vocab_split
+    monkeypatch.setattr(lce_mod, "vocab_split", lambda *a: splits.append(real(*a)) or splits[-1])
+    up = torch.randn(t.shape, generator=torch.Generator().manual_seed(4))
+    _assert(check_lce(x, W, t, b, reduction="none", upstream=up, z_loss=1e-3))
+    assert splits and all(s == 50240 for s in splits), splits
 
 
 def test_module_matches_function(device):

@@ -111,7 +111,7 @@ def _chunks(
     for i, start in enumerate(range(0, N, cfg.chunk)):
         sl = slice(start, min(start + cfg.chunk, N))
         xc = x[sl]
-        full = logits_buffer(xc.shape[0], cfg.V, x)
+        full = logits_buffer(xc, cfg.V)
         split = vocab_split(cfg.V, full is not None)
         logits = logits_gemm(xc, W, b, None if full is None else full[:, : cfg.V], split)
         if check is not None and i == 0 and chunk is _torch_chunk:

@@ -12,7 +12,10 @@ the rest (fewer than ``ALIGN``) in a small one:
 * d_input contracts over V: the two parts are summed in fp32 and rounded once, as one GEMM's
   fp32 accumulator is (an fp32 (tokens, H) temporary).
 
-``split`` is None when V is a multiple of ``ALIGN`` (or smaller than it): one GEMM each.
+``split`` is None when V is a multiple of ``ALIGN`` (or smaller than it), or when the chunk's
+logits GEMM is below ``MIN_MACS`` multiply-adds: one GEMM each, into contiguous logits. There the
+slow kernel costs microseconds, and the GEMMs stay the plain path's, bit for bit (a split GEMM,
+or one into padded rows, is another cuBLAS kernel: its fp32 sums run in another order).
 """
 
 from __future__ import annotations
@@ -25,18 +28,23 @@ from truefuse.ops.gemm_exec import wide_dtype
 
 #: The logits buffer's rows are padded to, and the aligned GEMMs' vocabulary is, a multiple of this.
 ALIGN = 64
+#: Tokens x V x H of a chunk below which nothing is padded or split (2^32: ~12 us of GEMM on the
+#: H200 at cuBLAS speed, ~60 us unaligned).
+MIN_MACS = 1 << 32
 
 
-def logits_buffer(rows: int, V: int, like: torch.Tensor) -> torch.Tensor | None:
-    """Where a chunk's logits go: ``None`` (a contiguous (rows, V) tensor) unless V is not a
-    multiple of ``ALIGN`` where the Triton loss kernel runs; then a (rows, V rounded up) buffer,
-    written as ``buf[:, :V]``. With rows of V elements an odd V leaves every row but the first off
-    16-byte alignment: the loss kernel's loads and stores cannot be vectors (nor cuBLAS's tiles
-    TMA loads). The padding columns are never read."""
-    if not triton_runs(like) or V % ALIGN == 0:
+def logits_buffer(x: torch.Tensor, V: int) -> torch.Tensor | None:
+    """Where the logits of a chunk ``x`` (rows, H) go: ``None`` (a contiguous (rows, V) tensor)
+    unless V is not a multiple of ``ALIGN``, the Triton loss kernel runs and the GEMM reaches
+    ``MIN_MACS``; then a (rows, V rounded up) buffer, written as ``buf[:, :V]``. With rows of V
+    elements an odd V leaves every row but the first off 16-byte alignment: the loss kernel's
+    loads and stores cannot be vectors (nor cuBLAS's tiles TMA loads). The padding columns are
+    never read."""
+    rows, H = x.shape
+    if not triton_runs(x) or V % ALIGN == 0 or rows * V * H < MIN_MACS:
         return None
     padded = -(-V // ALIGN) * ALIGN
-    return torch.empty(rows, padded, dtype=like.dtype, device=like.device)
+    return torch.empty(rows, padded, dtype=x.dtype, device=x.device)
 
 
 def vocab_split(V: int, padded: bool) -> int | None:
