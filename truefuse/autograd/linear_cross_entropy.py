@@ -113,13 +113,16 @@ def _chunks(
         xc = x[sl]
         full = logits_buffer(xc, cfg.V)
         split = vocab_split(cfg.V, full is not None)
-        logits = logits_gemm(xc, W, b, None if full is None else full[:, : cfg.V], split)
+        # split GEMMs would get the bias from cuBLAS after the product's rounding (1.41x the
+        # logits' error, measured): the loss kernel adds it in fp32 instead
+        kernel_bias = b if split is not None else None
+        logits = logits_gemm(xc, W, b if kernel_bias is None else None, None if full is None else full[:, : cfg.V], split)
         if check is not None and i == 0 and chunk is _torch_chunk:
             check()
         scales = (s_ce[sl], s_z[sl]) if per_token else (s_ce, s_z)
         # the chunk's loss terms into ce/zl/correct, and d_logits in the input dtype (the GEMM
         # operands are in the input dtype, as the plain path's are), or None without gradients
-        d = chunk(cfg, logits, t[sl], cw, ce[sl], zl[sl], correct[sl], *scales, W_sum, any_grad)
+        d = chunk(cfg, logits, t[sl], cw, ce[sl], zl[sl], correct[sl], *scales, W_sum, any_grad, kernel_bias)
         if d is None:
             continue
         if gb:
@@ -138,9 +141,12 @@ def _chunks(
     return ce, zl, correct, (dx, dW, db, (d if full is None else full) if keep_d else None)
 
 
-def _torch_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad):
-    """The chunk in PyTorch (``chunk_math``, fp32 or fp64): the path off CUDA and for fp64."""
+def _torch_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad, bias=None):
+    """The chunk in PyTorch (``chunk_math``, fp32 or fp64): the path off CUDA and for fp64.
+    ``bias``: added to the logits here (None: the GEMM added it)."""
     z = logits.to(wide_dtype(logits))
+    if bias is not None:
+        z = z + bias.to(z.dtype)
     if cfg.softcap is not None:
         z = cfg.softcap * torch.tanh(z / cfg.softcap)
     c_ce, c_zl, c_ok, g = chunk_math(
@@ -151,16 +157,18 @@ def _torch_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad):
     return None if g is None else g.to(logits.dtype)
 
 
-def _kernel_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad):
-    """The chunk in one Triton kernel; d_logits is written over the logits in place."""
+def _kernel_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad, bias=None):
+    """The chunk in one Triton kernel; d_logits is written over the logits in place. ``bias``:
+    added to the logits by the kernel, in fp32 (None: the GEMM added it)."""
     from truefuse.kernels.cross_entropy import _lce_chunk_kernel
 
     C = logits.shape[0]
     if C == 0:
         return None
     _lce_chunk_kernel[(C,)](
-        logits, logits.stride(0), t, cw if cw is not None else ce, ce, zl, ok, s_ce.contiguous(), s_z.contiguous(),
-        cfg.V, cfg.ignore_index, w_sum, cfg.label_smoothing, cfg.z_loss, cfg.softcap or 1.0, HAS_CW=cw is not None,
+        logits, logits.stride(0), bias if bias is not None else logits, t, cw if cw is not None else ce, ce, zl, ok,
+        s_ce.contiguous(), s_z.contiguous(), cfg.V, cfg.ignore_index, w_sum, cfg.label_smoothing, cfg.z_loss,
+        cfg.softcap or 1.0, HAS_BIAS=bias is not None, HAS_CW=cw is not None,
         SMOOTH=cfg.label_smoothing > 0, SOFTCAP=cfg.softcap is not None, WANT_GRAD=want_grad, PER_TOKEN=s_ce.dim() == 1,
         BLOCK_V=2048 if logits.is_cuda else 64, num_warps=8,  # 8 logits a thread: fastest at every V (H200)
     )  # fmt: skip

@@ -7,7 +7,11 @@ took 31.0 / 23.9 / 22.7 ms against 4.85 / 4.74 / 4.84 ms with that dimension pad
 With ``split`` = V rounded down to ``ALIGN`` the first ``split`` classes run in aligned GEMMs and
 the rest (fewer than ``ALIGN``) in a small one:
 
-* logits: two column ranges of the output (disjoint: every logit is the same dot product);
+* logits: two column ranges of the output (disjoint: every logit is the same dot product). A
+  bias is best left to the caller: into an output with padded rows cuBLAS's aligned kernels add
+  it (as beta·C) after rounding the product, 1.41x the logits' error of ``F.linear``'s bias
+  epilogue at 1024 x 50257 x 128 (``scripts/exp_lce_split_accuracy.py``); the loss kernel adds
+  it in fp32 instead;
 * d_weight: two row ranges of the output (disjoint likewise);
 * d_input contracts over V: the two parts are summed in fp32 and rounded once, as one GEMM's
   fp32 accumulator is (an fp32 (tokens, H) temporary).

@@ -12,6 +12,10 @@ mod 16 cannot be vectorised: 3.3 ms instead of 1.9 at 8192 x 128256 bf16 on the 
 times softcap's derivative, rounded once to the logits' dtype (zero on ignored rows). ``s_ce`` /
 ``s_z`` are the reduction's scales (or the per-token upstream gradient), read from device memory
 so that no host synchronisation is needed. Offsets are int64 (tokens × V passes 2³¹).
+
+``HAS_BIAS``: the logits were written without the bias and the kernel adds it in fp32 as it reads
+them (the vocabulary-split GEMMs of ``autograd/linear_cross_entropy_gemms.py``, where cuBLAS would
+add it after rounding the product). ``stride`` may exceed V (rows padded to 16-byte multiples).
 """
 
 import triton
@@ -46,12 +50,21 @@ def _load_block(base, cols, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _stats_block(base, cw_ptr, cols, V, cap, m, s, arg, wz, HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):
+def _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """A block of a row's logits in fp32: plus the bias when the GEMM left it out, then softcap."""
+    z = _load_block(base, cols, mask, MASKED).to(tl.float32)
+    if HAS_BIAS:
+        z += _load_block(bias_ptr, cols, mask, MASKED).to(tl.float32)
+    return _softcap(z, cap, SOFTCAP)
+
+
+@triton.jit
+def _stats_block(base, bias_ptr, cw_ptr, cols, V, cap, m, s, arg, wz, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):
     """Pass 1 over one block of a row: each lane's running max ``m``, sum of exponentials ``s``
     (relative to ``m``), index of its first maximum ``arg`` and Σ w_c·z_c ``wz``. Only the last
     block of a row is ``MASKED``: the others load without a mask, in 16-byte vectors."""
     mask = cols < V
-    z = _softcap(_load_block(base, cols, mask, MASKED).to(tl.float32), cap, SOFTCAP)
+    z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
     if MASKED:
         z = tl.where(mask, z, float("-inf"))
     up = z > m  # strictly greater: a lane keeps its first maximum, as torch.argmax
@@ -73,11 +86,11 @@ def _stats_block(base, cw_ptr, cols, V, cap, m, s, arg, wz, HAS_CW, SMOOTH, SOFT
 
 
 @triton.jit
-def _grad_block(base, cw_ptr, cols, V, t_safe, a, lse, s_ce, s_z, w_sum, smoothing, z_loss, cap,
-                HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):  # fmt: skip
+def _grad_block(base, bias_ptr, cw_ptr, cols, V, t_safe, a, lse, s_ce, s_z, w_sum, smoothing, z_loss, cap,
+                HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):  # fmt: skip
     """Pass 2 over one block of a row: the logits' gradient, written over them."""
     mask = cols < V
-    z = _softcap(_load_block(base, cols, mask, MASKED).to(tl.float32), cap, SOFTCAP)
+    z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
     p = tl.exp(z - lse)
     g = a * p - tl.where(cols == t_safe, a, 0.0)
     if SMOOTH:
@@ -100,6 +113,7 @@ def _grad_block(base, cw_ptr, cols, V, t_safe, a, lse, s_ce, s_z, w_sum, smoothi
 def _lce_chunk_kernel(
     logits_ptr,
     stride,
+    bias_ptr,  # read only with HAS_BIAS: the GEMM wrote the logits without it
     t_ptr,
     cw_ptr,
     ce_ptr,
@@ -113,6 +127,7 @@ def _lce_chunk_kernel(
     smoothing,
     z_loss,
     cap,
+    HAS_BIAS: tl.constexpr,
     HAS_CW: tl.constexpr,
     SMOOTH: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -138,16 +153,19 @@ def _lce_chunk_kernel(
     arg = tl.zeros((BLOCK_V,), tl.int32)
     wz = tl.zeros((BLOCK_V,), tl.float32)
     for i in range(0, n_full):
-        m, s, arg, wz = _stats_block(base, cw_ptr, i * BLOCK_V + cols0, V, cap, m, s, arg, wz,
-                                     HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+        m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, cap, m, s, arg, wz,
+                                     HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
     if tail:
-        m, s, arg, wz = _stats_block(base, cw_ptr, n_full * BLOCK_V + cols0, V, cap, m, s, arg, wz,
-                                     HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+        m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, cap, m, s, arg, wz,
+                                     HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
     mx = tl.max(m, axis=0)
     scaled = tl.where(m == mx, s, tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)))
     best_i = tl.min(tl.where(m == mx, arg, V), axis=0).to(tl.int64)  # the first maximum overall
     lse = mx + tl.log(tl.sum(scaled, axis=0))
-    z_t = _softcap(tl.load(base + t_safe).to(tl.float32), cap, SOFTCAP)
+    z_t = tl.load(base + t_safe).to(tl.float32)
+    if HAS_BIAS:
+        z_t += tl.load(bias_ptr + t_safe).to(tl.float32)
+    z_t = _softcap(z_t, cap, SOFTCAP)
     if HAS_CW:
         w_t = tl.load(cw_ptr + t_safe)
     else:
@@ -169,8 +187,8 @@ def _lce_chunk_kernel(
             s_z = tl.load(s_z_ptr) * vf
         a = (1.0 - smoothing) * w_t * s_ce
         for i in range(0, n_full):
-            _grad_block(base, cw_ptr, i * BLOCK_V + cols0, V, t_safe, a, lse, s_ce, s_z, w_sum, smoothing, z_loss, cap,
-                        HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+            _grad_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, t_safe, a, lse, s_ce, s_z, w_sum, smoothing,
+                        z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
         if tail:
-            _grad_block(base, cw_ptr, n_full * BLOCK_V + cols0, V, t_safe, a, lse, s_ce, s_z, w_sum, smoothing, z_loss,
-                        cap, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+            _grad_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, t_safe, a, lse, s_ce, s_z, w_sum,
+                        smoothing, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
