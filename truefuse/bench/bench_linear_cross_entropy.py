@@ -8,7 +8,7 @@ splits them, torch.compile pads them). Providers, side by side in one run (ratio
 * ``truefuse`` (default chunk) and ``truefuse_c{N}`` (chunk of N tokens): the chunk sweep;
   ``truefuse_bf16acc_c{N}``: the weight gradient accumulated in bf16 (``fp32_weight_grad=False``);
 * ``plain``: ``F.linear`` in bf16, ``F.cross_entropy`` on the fp32 logits (what users write), and
-  ``compile_plain``: ``torch.compile`` of it;
+  ``compile_plain``: ``torch.compile`` of it (compiled per shape, static shapes);
 * ``compile_ref``: ``torch.compile`` of ``linear_cross_entropy_ref`` (fp32 ``F.linear``);
 * ``liger``: liger-kernel's ``LigerFusedLinearCrossEntropyLoss``; ``cce``: Apple's
   cut-cross-entropy ``linear_cross_entropy`` (default "cce" implementation), when installed.
@@ -64,10 +64,16 @@ _compiled: dict = {}
 
 
 def _compiled_step(name, fn):
+    """``torch.compile(fn)`` compiled afresh for each shape, with static shapes: what a user's
+    model (one shape) gets. A compile reused across the sweep's shapes turns dynamic, and with
+    symbolic sizes Inductor cannot pad the GEMMs of an odd vocabulary (measured 79.5 against
+    16.9 ms at 8192 x 50257 x 4096)."""
+
     def loss(x, W, t):
-        if name not in _compiled:
-            _compiled[name] = torch.compile(fn)
-        return _compiled[name](x, W, t)
+        key = (name, tuple(x.shape), tuple(W.shape))
+        if key not in _compiled:
+            _compiled[key] = torch.compile(fn, dynamic=False)
+        return _compiled[key](x, W, t)
 
     return loss
 
