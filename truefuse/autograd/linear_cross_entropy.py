@@ -96,7 +96,7 @@ def _chunks(
     ce = torch.empty(N, dtype=wide, device=x.device)
     zl = torch.empty(N, dtype=wide, device=x.device)
     correct = torch.empty(N, dtype=torch.bool, device=x.device)
-    dx = torch.empty_like(x) if gx else None
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if gx else None  # contiguous: chunks' GEMMs write rows of it
     # d_weight accumulates across chunks inside the GEMM (beta=1): in fp32 (one rounding at the
     # end, as accurate as one GEMM over all tokens; V*H*4 bytes more) or in the weight's dtype
     # (no extra memory; one rounding per chunk). One chunk needs no accumulator: its GEMM writes

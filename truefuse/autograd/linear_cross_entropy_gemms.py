@@ -67,9 +67,10 @@ def logits_gemm(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, out: t
 
 
 def input_grad_gemm(d: torch.Tensor, W: torch.Tensor, out: torch.Tensor, split: int | None) -> None:
-    """``out = d @ W``: the input gradient of a chunk, ``d`` (tokens, V), ``out`` (tokens, H)."""
+    """``out = d @ W``: the input gradient of a chunk, ``d`` (tokens, V), into ``out`` (tokens, H),
+    contiguous."""
     if split is None:
-        out.copy_(gemm(d, W))
+        gemm(d, W, out=out)  # straight into its rows: no temporary, no copy
         return
     acc = gemm(d[:, split:], W[split:], out_dtype=wide_dtype(d))
     gemm(d[:, :split], W[:split], out=acc, accumulate=True)
