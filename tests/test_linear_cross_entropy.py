@@ -104,6 +104,8 @@ def test_errors(device):
         lce(x, W, bad, weight=torch.ones(W.shape[0], device=device))
     with pytest.raises(ValueError, match="linear_weight must be"):
         lce(x, W[:, :-1], t)
+    with pytest.raises(ValueError, match="V = 0 classes"):
+        lce(x, W[:0], t)
     with pytest.raises(ValueError, match="target has shape"):
         lce(x, W, t[:-1])
     with pytest.raises(TypeError, match="target must hold class indices"):

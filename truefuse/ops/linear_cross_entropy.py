@@ -57,6 +57,8 @@ def check_args(
             f"linear_weight must be (V, H) with H = input.shape[-1] = {input.shape[-1]}, got {tuple(linear_weight.shape)}"
         )
     V = linear_weight.shape[0]
+    if V == 0:
+        raise ValueError("linear_weight has no rows: V = 0 classes")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must hold class indices (int64 or int32), got {target.dtype}")
     if tuple(target.shape) != tuple(input.shape[:-1]):
@@ -83,7 +85,7 @@ def check_args(
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
 
-def check_targets(target: torch.Tensor, V: int, ignore_index: int):
+def check_targets(target: torch.Tensor, V: int, ignore_index: int, valid: torch.Tensor | None = None):
     """Start checking that no target is ≥ V or negative other than ``ignore_index``; returns the
     callable that finishes the check (``ValueError`` naming the first bad value).
 
@@ -92,7 +94,9 @@ def check_targets(target: torch.Tensor, V: int, ignore_index: int):
     stream. A full sync there left the GPU idle 0.25 / 0.44 ms a step at 8192 × 32000 / 128256 ×
     4096 (H200). Call it before anything indexes with the targets (the Triton loss kernel reads
     a bad one as column 0, so it may run first)."""
-    bad = ((target < 0) | (target >= V)) & (target != ignore_index)
+    if valid is None:  # ``target != ignore_index``, when the caller has it already
+        valid = target != ignore_index
+    bad = valid & (target.clamp(0, V - 1) != target)  # three kernels: each launch counts here
     if not target.is_cuda:
         any_bad = bool(bad.any())
         ready = None
