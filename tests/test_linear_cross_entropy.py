@@ -176,6 +176,29 @@ def test_odd_vocabulary_at_scale_is_bounded(monkeypatch):
     assert splits and all(s == 50240 for s in splits), splits
 
 
+@requires_cuda
+def test_one_chunk_of_logits_alive_at_a_time():
+    """Peak memory of a chunked forward + backward: the fp32 weight-gradient accumulator, one
+    chunk's logits and the returned gradients (plus slack), not two chunks' logits."""
+    dev = torch.device("cuda")
+    N, V, H, C = 4096, 32768, 512, 1024
+    x, W, t, _ = make_inputs(torch.bfloat16, dev, N=N, H=H, V=V, ignore="none")
+    x.requires_grad_()
+    W.requires_grad_()
+    truefuse.linear_cross_entropy(x, W, t, chunk_size=C).backward()  # warm-up: cuBLAS workspace, kernel
+    x.grad = W.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    truefuse.linear_cross_entropy(x, W, t, chunk_size=C).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    mib = 1 << 20
+    acc, chunk, grads = V * H * 4, C * V * 2, (N * H + V * H) * 2
+    two = (acc + 2 * chunk + grads) / mib
+    assert peak <= acc + chunk + grads + 16 * mib, f"peak {peak / mib:.0f} MiB; with two chunks alive {two:.0f}"
+
+
 def test_module_matches_function(device):
     x, W, t, b = make_inputs(torch.float64, device, bias=True)
     cw = torch.rand(W.shape[0], dtype=torch.float64, device=device)

@@ -108,6 +108,9 @@ def _chunks(
     chunk = _kernel_chunk if triton_runs(x) else _torch_chunk
     d = full = None
     for i, start in enumerate(range(0, N, cfg.chunk)):
+        # the previous chunk's logits go before this chunk's are allocated, not after: one
+        # chunk of logits alive at a time (2.1 GB less peak at 16384 x 128256 x 4096 in 8192s)
+        logits = d = full = None
         sl = slice(start, min(start + cfg.chunk, N))
         xc = x[sl]
         full = logits_buffer(xc, cfg.V)
