@@ -270,6 +270,7 @@ _B = torch.randn(4, 3)
         ((_A, _B), {"out": torch.empty(8, 3, dtype=torch.float16)}, TypeError, "out has dtype"),
         ((_A, _B), {"out": torch.empty(3, 8).t()}, ValueError, "out must be contiguous, or row-major"),
         ((_A, _B), {"accumulate": True}, ValueError, "pass out="),
+        ((_A, _B), {"out": torch.empty(8, 5)[:, :3], "bias": torch.zeros(3)}, ValueError, "bias with an out of padded rows"),
         ((_A, _B), {"out": torch.empty(8, 3), "accumulate": True, "bias": torch.zeros(3)}, ValueError, "takes no bias"),
         ((_A, _B), {"activation": "swish"}, ValueError, "activation='swish'"),
         ((_A, _B), {"grad_activation": "gelu"}, ValueError, "pre_activation go together"),

@@ -37,6 +37,8 @@ from truefuse.ops.linear_cross_entropy import (
     mean_scales,
     reduce_terms,
     target_weights,
+    token_accuracy,
+    valid_count,
 )
 from truefuse.ops.scale import scale_
 
@@ -113,12 +115,12 @@ def _chunks(
         logits = d = full = None
         sl = slice(start, min(start + cfg.chunk, N))
         xc = x[sl]
-        full = logits_buffer(xc, cfg.V)
-        split = vocab_split(cfg.V, full is not None)
-        # split GEMMs would get the bias from cuBLAS after the product's rounding (1.41x the
+        split = vocab_split(xc, cfg.V)
+        # a split GEMM would get the bias from cuBLAS after the product's rounding (1.41x the
         # logits' error, measured): the loss kernel adds it in fp32 instead
         kernel_bias = b if split is not None else None
-        logits = logits_gemm(xc, W, b if kernel_bias is None else None, None if full is None else full[:, : cfg.V], split)
+        full = None if split is None else logits_buffer(xc.shape[0], cfg.V, xc)
+        logits = logits_gemm(xc, W, None if split is not None else b, None if full is None else full[:, : cfg.V], split)
         if check is not None and i == 0 and chunk is _torch_chunk:
             check()
         scales = (s_ce[sl], s_z[sl]) if per_token else (s_ce, s_z)
@@ -197,24 +199,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if deferred and wstate.fuse_wgrad_accumulation:
             check_main_grad(W, "linear_weight")  # a clear error now, not in the backward
         # Few small kernels around the loop (each is a launch; per call they cost ~2% at
-        # 8192 x 32000 x 4096 against torch.compile's fused ones): the count of valid tokens
-        # serves mean's scales and the accuracy. As a divisor it is at least 1: when nothing counts,
-        # every term it divides is 0 (loss 0, zero gradients, accuracy 0).
+        # 8192 x 32000 x 4096 against torch.compile's fused ones): one count of the valid tokens
+        # serves mean's scales, the accuracy, and the target check reuses the mask.
         valid = t != cfg.ignore_index
-        n = valid.sum().clamp(min=1).to(wide)
+        n = valid_count(valid, wide)
         keep_d = deferred and x.shape[0] <= cfg.chunk  # one chunk: its d_logits serve the weight's GEMM
         now = cfg.reduction != "none" and any(needs) and (not deferred or keep_d)
-        if cfg.reduction == "mean" and cw is None:
-            s_ce = s_z = torch.reciprocal(n)  # Σ w_t is the count without class weights
-        elif cfg.reduction == "mean":
-            s_ce, s_z = mean_scales(*target_weights(t, cw, cfg.ignore_index, wide))
+        if cfg.reduction == "mean":
+            s_ce, s_z = mean_scales(n, None if cw is None else target_weights(t, cw, cfg.ignore_index, wide)[1])
         else:
             s_ce = s_z = torch.ones((), dtype=wide, device=x.device)
         want = (needs[0], needs[1] and not deferred, needs[2]) if now else (False, False, False)
         checked = check_targets(t, cfg.V, cfg.ignore_index, valid)  # started here, finished inside _chunks
         ce, zl, correct, grads = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, want, keep_d=keep_d and now, check=checked)
         loss, z_part = reduce_terms(ce, zl, cfg.reduction, (s_ce, s_z))
-        acc = (correct.sum() / n.float()).to(wide)  # ``correct`` marks valid tokens only; fp32 as the reference
+        acc = token_accuracy(correct, n).to(wide)  # the chunks mark valid tokens only
         ctx.cfg, ctx.needs, ctx.now, ctx.wstate, ctx.deferred = cfg, needs, now, wstate, deferred
         if now:
             dx, dW, db, d = grads
@@ -246,8 +245,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if ctx.deferred:
 
                 def compute(out, accumulate):
-                    split = vocab_split(cfg.V, d.shape[1] != cfg.V)
-                    return weight_grad_gemm(d[:, : cfg.V], x, out, accumulate, split)
+                    return weight_grad_gemm(d[:, : cfg.V], x, out, accumulate, vocab_split(x, cfg.V))
 
                 dW = deliver_weight_grad(W, "linear_weight", compute, ctx.wstate)
             return dx, dW, db, None, None, None, None

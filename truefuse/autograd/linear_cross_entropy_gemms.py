@@ -7,17 +7,17 @@ took 31.0 / 23.9 / 22.7 ms against 4.85 / 4.74 / 4.84 ms with that dimension pad
 With ``split`` = V rounded down to ``ALIGN`` the first ``split`` classes run in aligned GEMMs and
 the rest (fewer than ``ALIGN``) in a small one:
 
-* logits: two column ranges of the output (disjoint: every logit is the same dot product). A
-  bias is best left to the caller: into an output with padded rows cuBLAS's aligned kernels add
-  it (as beta·C) after rounding the product, 1.41x the logits' error of ``F.linear``'s bias
-  epilogue at 1024 x 50257 x 128 (``scripts/exp_lce_split_accuracy.py``); the loss kernel adds
-  it in fp32 instead;
+* logits: two column ranges of the output (disjoint: every logit is the same dot product),
+  without the bias: into an output with padded rows cuBLAS's aligned kernels add a bias (as
+  beta·C) after rounding the product, 1.41x the logits' error of ``F.linear``'s bias epilogue at
+  1024 x 50257 x 128 (``scripts/exp_lce_split_accuracy.py``), so the loss kernel adds it in fp32;
 * d_weight: two row ranges of the output (disjoint likewise);
 * d_input contracts over V: the two parts are summed in fp32 and rounded once, as one GEMM's
   fp32 accumulator is (an fp32 (tokens, H) temporary).
 
-``split`` is None when V is a multiple of ``ALIGN`` (or smaller than it), or when the chunk's
-logits GEMM is below ``MIN_MACS`` multiply-adds: one GEMM each, into contiguous logits. There the
+``split`` (:func:`vocab_split`) is None when V is a multiple of ``ALIGN`` (or smaller than it), or
+when the chunk's logits GEMM is below ``MIN_MACS`` multiply-adds: one GEMM each, into contiguous
+logits. There the
 slow kernel costs microseconds, and the GEMMs stay the plain path's, bit for bit (a split GEMM,
 or one into padded rows, is another cuBLAS kernel: its fp32 sums run in another order).
 """
@@ -37,32 +37,34 @@ ALIGN = 64
 MIN_MACS = 1 << 32
 
 
-def logits_buffer(x: torch.Tensor, V: int) -> torch.Tensor | None:
-    """Where the logits of a chunk ``x`` (rows, H) go: ``None`` (a contiguous (rows, V) tensor)
-    unless V is not a multiple of ``ALIGN``, the Triton loss kernel runs and the GEMM reaches
-    ``MIN_MACS``; then a (rows, V rounded up) buffer, written as ``buf[:, :V]``. With rows of V
-    elements an odd V leaves every row but the first off 16-byte alignment: the loss kernel's
-    loads and stores cannot be vectors (nor cuBLAS's tiles TMA loads). The padding columns are
-    never read."""
+def vocab_split(x: torch.Tensor, V: int) -> int | None:
+    """Where the GEMMs of chunks like ``x`` (rows, H) split the vocabulary: V rounded down to
+    ``ALIGN`` when V is not a multiple of it (and exceeds it), the Triton loss kernel runs and
+    the GEMM reaches ``MIN_MACS``; else None, one GEMM each into contiguous logits."""
     rows, H = x.shape
-    if not triton_runs(x) or V % ALIGN == 0 or rows * V * H < MIN_MACS:
+    if not triton_runs(x) or V % ALIGN == 0 or V < ALIGN or rows * V * H < MIN_MACS:
         return None
-    padded = -(-V // ALIGN) * ALIGN
-    return torch.empty(rows, padded, dtype=x.dtype, device=x.device)
+    return V // ALIGN * ALIGN
 
 
-def vocab_split(V: int, padded: bool) -> int | None:
-    """Where the GEMMs split the vocabulary, or None for one GEMM each. ``padded``: the logits
-    rows are padded (:func:`logits_buffer`), which is when V is not a multiple of ``ALIGN``."""
-    return V // ALIGN * ALIGN if padded and V % ALIGN and V > ALIGN else None
+def logits_buffer(rows: int, V: int, like: torch.Tensor) -> torch.Tensor:
+    """The logits of a split chunk: a (rows, V rounded up to ``ALIGN``) buffer, written as
+    ``buf[:, :V]``. With rows of V elements an odd V leaves every row but the first off 16-byte
+    alignment: the loss kernel's loads and stores cannot be vectors (nor cuBLAS's tiles TMA
+    loads). The padding columns are never read."""
+    return torch.empty(rows, -(-V // ALIGN) * ALIGN, dtype=like.dtype, device=like.device)
 
 
 def logits_gemm(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None, split: int | None):
-    """``x @ Wᵀ + b`` (tokens, V) into ``out`` (or a new tensor when ``out`` is None)."""
+    """The logits ``x @ Wᵀ (+ b)`` (tokens, V): one GEMM with the bias into a new tensor when
+    ``split`` is None; else the two column ranges into ``out`` (``buf[:, :V]`` of a
+    :func:`logits_buffer`), without a bias (the loss kernel adds it). Returns the logits."""
     if split is None:
-        return gemm(x, W.t(), bias=b, out=out)
+        return gemm(x, W.t(), bias=b)
+    if b is not None:
+        raise ValueError("logits_gemm: a split GEMM takes no bias (cuBLAS would add it after rounding)")
     for cols in (slice(0, split), slice(split, None)):
-        gemm(x, W[cols].t(), bias=None if b is None else b[cols], out=out[:, cols])
+        gemm(x, W[cols].t(), out=out[:, cols])
     return out
 
 

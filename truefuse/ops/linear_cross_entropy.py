@@ -126,17 +126,27 @@ def target_weights(t: torch.Tensor, cw: torch.Tensor | None, ignore_index: int, 
     return valid, w_t * valid
 
 
-def mean_scales(valid: torch.Tensor, w_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mean``'s scales of the cross-entropy and z-loss terms: 1 / Σ w_t and 1 / #valid, 0 when
-    nothing counts (so an all-ignored batch gives 0, not NaN). Device tensors: no host sync."""
-    denom, n = w_t.sum(), valid.sum().to(w_t.dtype)
-    return torch.where(denom > 0, 1 / torch.where(denom > 0, denom, 1), 0), torch.where(n > 0, 1 / torch.clamp(n, min=1), 0)
+def valid_count(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The number of tokens that count, as a divisor: at least 1. When none counts every term it
+    divides is 0, so ``mean`` gives 0 (not NaN), zero gradients, and an accuracy of 0."""
+    return valid.sum().clamp(min=1).to(dtype)
 
 
-def token_accuracy(correct: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Fraction of the valid tokens marked ``correct`` (0 when none is valid)."""
-    n = valid.sum()
-    return torch.where(n > 0, (correct & valid).sum() / torch.clamp(n, min=1), 0.0).to(dtype)
+def mean_scales(n: torch.Tensor, w_t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mean``'s scales of the cross-entropy and z-loss terms: 1 / Σ w_t and 1 / n (``n`` from
+    :func:`valid_count`). Without class weights (``w_t`` None) Σ w_t is the count: one scale serves
+    both. Device tensors: no host sync."""
+    s_z = torch.reciprocal(n)
+    if w_t is None:
+        return s_z, s_z
+    denom = w_t.sum()
+    return torch.where(denom > 0, 1 / torch.where(denom > 0, denom, 1), 0), s_z
+
+
+def token_accuracy(correct: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Fraction of the tokens that count marked ``correct`` (which must be False where a token does
+    not count), over ``n`` from :func:`valid_count`; computed in fp32."""
+    return correct.sum() / n.float()
 
 
 def reduce_terms(ce, zl, reduction, scales):
@@ -160,13 +170,14 @@ def _from_logits(
     cw = None if weight is None else weight.to(wide)
     ce = F.cross_entropy(logits, t, weight=cw, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
     valid, w_t = target_weights(t, cw, ignore_index, wide)
+    n = valid_count(valid, wide)
     zl = z_loss * torch.logsumexp(logits, dim=-1).square() * valid
-    loss, z_part = reduce_terms(ce, zl, reduction, mean_scales(valid, w_t) if reduction == "mean" else None)
+    loss, z_part = reduce_terms(ce, zl, reduction, mean_scales(n, None if cw is None else w_t) if reduction == "mean" else None)
     if reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape)
     if not (return_z_loss or return_token_accuracy):
         return loss
-    acc = token_accuracy(logits.argmax(-1) == t, valid, wide) if return_token_accuracy else None
+    acc = token_accuracy((logits.argmax(-1) == t) & valid, n).to(wide) if return_token_accuracy else None
     return LinearCrossEntropyOutput(loss, z_part if return_z_loss else None, acc)
 
 
