@@ -15,8 +15,19 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install -q "torch>=2.9"
   else
-    # On our machines this exact version resolves to the CPU build (DESIGN §8).
-    pip install -q "torch==2.13.0"
+    # The CPU build from PyTorch's own CPU wheel index. PIP_CONFIG_FILE=/dev/null keeps pip's
+    # configured mirrors out of this one call: where a mirror holds a newer torch it is the CUDA
+    # build (5.5 GB with its nvidia-* packages). Wheels in PIP_FIND_LINKS still count.
+    if ! PIP_CONFIG_FILE=/dev/null pip install -q --timeout 10 --retries 1 \
+        --index-url https://download.pytorch.org/whl/cpu "torch>=2.9" >.venv/torch-cpu-index.log 2>&1; then
+      echo "bootstrap: PyTorch's CPU wheel index could not be reached (.venv/torch-cpu-index.log); torch==2.13.0 from pip's own sources" >&2
+      # this version is a CPU build where a local CPU wheel exists (our machines); plain "torch"
+      # would take the CUDA build there
+      pip install -q "torch==2.13.0"
+    fi
+    if .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is None)"; then
+      echo "bootstrap: warning: a CUDA build of torch was installed on a machine without a GPU" >&2
+    fi
   fi
 fi
 

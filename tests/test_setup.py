@@ -1,0 +1,89 @@
+"""The README's set-up: scripts/bootstrap.sh's choice of torch build, and the README's first snippet.
+
+bootstrap.sh runs here against a stub ``.venv/bin/python`` that records every call, so the test
+sees which pip commands the script would run without installing anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+STUB = r"""#!/usr/bin/env bash
+echo "PIP_CONFIG_FILE=${PIP_CONFIG_FILE:-} $*" >> "$STUB_LOG"
+case "$*" in
+  "-c import torch") exit 1 ;;                      # no torch yet
+  *"--index-url"*) exit "$STUB_INDEX_RC" ;;         # PyTorch's CPU index reachable or not
+  "-c import sys, torch"*) exit 1 ;;                # torch.version.cuda is None: a CPU build
+  *) exit 0 ;;
+esac
+"""
+
+
+def _run_bootstrap(tmp_path: Path, index_rc: int) -> list[str]:
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "bootstrap.sh", tmp_path / "scripts" / "bootstrap.sh")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    stub = tmp_path / ".venv" / "bin" / "python"
+    stub.parent.mkdir(parents=True)
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    log = tmp_path / "calls.log"
+    bin_dir = tmp_path / "bin"  # a PATH without nvidia-smi: the machine has no GPU
+    bin_dir.mkdir()
+    for tool in ("bash", "sha256sum", "cut", "cat", "dirname", "env"):
+        shutil.copy(shutil.which(tool), bin_dir / tool)
+    env = {"PATH": str(bin_dir), "STUB_LOG": str(log), "STUB_INDEX_RC": str(index_rc), "HOME": str(tmp_path)}
+    subprocess.run(["bash", str(tmp_path / "scripts" / "bootstrap.sh")], env=env, check=True, capture_output=True)
+    return log.read_text().splitlines()
+
+
+def _torch_installs(calls: list[str]) -> list[str]:
+    return [c for c in calls if re.search(r"-m pip install .*torch", c)]
+
+
+def test_bootstrap_installs_cpu_torch_from_pytorch_cpu_index(tmp_path):
+    installs = _torch_installs(_run_bootstrap(tmp_path, index_rc=0))
+    assert len(installs) == 1, installs
+    # only the CPU index (the machine's configured mirrors are kept out: they may hold CUDA builds)
+    assert f"--index-url {CPU_INDEX}" in installs[0] and installs[0].startswith("PIP_CONFIG_FILE=/dev/null ")
+
+
+def test_bootstrap_falls_back_when_cpu_index_unreachable(tmp_path):
+    installs = _torch_installs(_run_bootstrap(tmp_path, index_rc=1))
+    assert len(installs) == 2, installs
+    assert CPU_INDEX in installs[0]
+    # the fallback names a version: plain "torch" resolves to a CUDA build of several GB here
+    assert installs[1].endswith("torch==2.13.0"), installs[1]
+
+
+def _readme_python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rewrite of the snippet; the GPU runs it as written")
+def test_readme_first_snippet_runs(monkeypatch):
+    """The README's first snippet, on the CPU at a small size: every name it uses is defined."""
+    code = _readme_python_blocks()[0].replace('"cuda"', '"cpu"').replace("8192", "16").replace("4096", "32")
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+    layer = scope["layer"]
+    assert layer.weight.main_grad.abs().sum() > 0  # the snippet's backward reached main_grad
+    assert layer.weight.grad is None
+
+
+def test_readme_first_lines_are_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1).strip().splitlines()
+    assert len(block) == 2
+    assert block[1].split("#")[0].strip() == (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1].strip()
+    assert os.access(ROOT / "scripts" / "bootstrap.sh", os.R_OK)
