@@ -12,14 +12,25 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _positive_int(text: str) -> int:
+    """argparse type of ``--world-size``: a whole number of at least 1 (absent means no group)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n} (leave it out for the plain verify)")
+    return n
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     from truefuse.verify import print_table, verify
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("verify: --device cuda asked for, but torch sees no CUDA device", file=sys.stderr)
         return 2
-    if args.world_size:
-        return _verify_distributed(args.world_size, args.device)
+    if args.world_size is not None:
+        return _verify_distributed(args.world_size, args.device, args.op)
     device = torch.device(args.device)
     try:
         rows = verify(device, args.op or None, quiet=args.quiet)
@@ -30,11 +41,19 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if rows and all(r.passed for r in rows) else 1
 
 
-def _verify_distributed(world_size: int, device: str) -> int:
+def _verify_distributed(world_size: int, device: str, ops: list[str] | None = None) -> int:
     """The bitwise table of the allreduce + RMSNorm contract on a local process group."""
-    from truefuse.distributed.check import format_table, table
+    from truefuse.distributed.check import OPS, format_table, table
     from truefuse.distributed.launch import run_local
 
+    # every row of the table checks all of OPS: an --op among them runs the whole table
+    unknown = [o for o in ops or () if o not in OPS]
+    if unknown:
+        print(
+            f"verify: --op {unknown[0]!r} is not in the distributed table that --world-size runs; its ops: {', '.join(OPS)}",
+            file=sys.stderr,
+        )
+        return 2
     if device == "cuda" and torch.cuda.device_count() < world_size:
         print(f"verify: --world-size {world_size} needs {world_size} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
@@ -48,7 +67,11 @@ def _verify_distributed(world_size: int, device: str) -> int:
 def _cmd_info(args: argparse.Namespace) -> int:
     from truefuse.info import print_info
 
-    print_info()
+    try:
+        print_info()
+    except ValueError as e:  # bad configuration (e.g. TRUEFUSE_GEMM_BACKENDS): one line, not a traceback
+        print(f"info: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -64,13 +87,21 @@ def main(argv: list[str] | None = None) -> int:
 
     v = sub.add_parser("verify", help="check every declared numerics contract on a device")
     v.add_argument("--device", choices=["cpu", "cuda"], default=_default_device(), help="default: cuda if present, else cpu")
-    v.add_argument("--op", action="append", help="only this op (repeatable), e.g. --op gemm")
+    v.add_argument(
+        "--op",
+        nargs="+",
+        action="extend",
+        metavar="NAME",
+        help="only these ops, e.g. --op gemm rms_norm (or --op gemm --op rms_norm)",
+    )
     v.add_argument("--quiet", action="store_true", help="no progress bar")
     v.add_argument(
         "--world-size",
-        type=int,
-        default=0,
-        help="run the allreduce + RMSNorm table on N local processes (gloo on cpu, nccl on cuda)",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="run the allreduce + RMSNorm table on N >= 1 local processes (gloo on cpu, nccl on cuda) "
+        "instead of the plain verify",
     )
     v.set_defaults(fn=_cmd_verify)
 

@@ -11,6 +11,10 @@ from truefuse.testing import bitwise_report
 
 ROWS = (1, 4, 8, 16, 20, 32, 64, 128, 1000)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: The ops the table checks. Every row checks both (the sum, then the fused add + RMSNorm on the
+#: same inputs), so the table has no per-op subset: ``verify --world-size N --op`` accepts these
+#: names and runs the whole table, and refuses any other.
+OPS = ("allreduce", "allreduce_add_rmsnorm")
 
 
 def _rand(shape, seed, dtype, device):

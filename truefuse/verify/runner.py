@@ -1,4 +1,4 @@
-"""Run registered cases and print the verify table (rich, with progress)."""
+"""Run registered cases and print the verify table (rich on a terminal, plain rows in a pipe)."""
 
 from __future__ import annotations
 
@@ -52,25 +52,71 @@ def verify(device: torch.device, ops: list[str] | None = None, quiet: bool = Fal
     return rows
 
 
-def print_table(rows: list[Row], device: torch.device) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
+_COLUMNS = ("op", "case", "contract", "max_diff", "frac_nonzero", "error ratio", "result")
+_RIGHT = ("max_diff", "frac_nonzero", "error ratio")
 
-    table = Table(title=f"truefuse verify on {device}")
-    for col in ("op", "case", "contract", "max_diff", "frac_nonzero", "error ratio", "result"):
-        table.add_column(
-            col,
-            justify="right" if col in ("max_diff", "frac_nonzero", "error ratio") else "left",
-            no_wrap=col != "result",
-        )
-    for r in rows:
-        ratio = "-" if r.ratio is None else f"{r.ratio:.3f}"
-        result = "[green]PASS[/]" if r.passed else f"[red]FAIL[/] {escape(r.error)}"
-        table.add_row(r.op, r.case, r.contract, f"{r.max_diff:.3e}", f"{r.frac_nonzero:.2%}", ratio, result)
-    console = Console()
-    # a pipe or CI log has no width; never truncate the case names there
-    console.width = max(console.width, 150)
-    console.print(table)
+
+def _cells(r: Row) -> tuple[str, ...]:
+    """A row's cells before the result column, as both layouts print them."""
+    ratio = "-" if r.ratio is None else f"{r.ratio:.3f}"
+    return (r.op, r.case, r.contract, f"{r.max_diff:.3e}", f"{r.frac_nonzero:.2%}", ratio)
+
+
+def _summary(rows: list[Row]) -> str:
     n_fail = sum(not r.passed for r in rows)
-    console.print(f"{len(rows) - n_fail} passed, {n_fail} failed")
+    return f"{len(rows) - n_fail} passed, {n_fail} failed"
+
+
+def format_plain(rows: list[Row], device: torch.device) -> list[str]:
+    """The table as plain aligned lines (pipes, logs, narrow terminals): one line per row whose
+    result column is never cut, a failure's message whole after its FAIL (continuation lines of a
+    multi-line message indented), the summary last."""
+    cells = [_cells(r) for r in rows]
+    widths = [max([len(col)] + [len(c[i]) for c in cells]) for i, col in enumerate(_COLUMNS[:-1])]
+
+    def line(values: tuple[str, ...], result: str) -> str:
+        parts = [v.rjust(w) if col in _RIGHT else v.ljust(w) for v, w, col in zip(values, widths, _COLUMNS, strict=False)]
+        return "  ".join([*parts, result])
+
+    lines = [f"truefuse verify on {device}", line(_COLUMNS[:-1], _COLUMNS[-1])]
+    for r, c in zip(rows, cells, strict=True):
+        if r.passed:
+            lines.append(line(c, "PASS"))
+            continue
+        first, *rest = (r.error or "").splitlines() or [""]
+        lines.append(line(c, f"FAIL  {first}".rstrip()))
+        lines.extend("    " + ln for ln in rest)
+    lines.append(_summary(rows))
+    return lines
+
+
+def print_table(rows: list[Row], device: torch.device, console=None) -> None:
+    """Print the verify table and the summary line ("N passed, M failed", always the last line).
+
+    Not on a terminal (a pipe, a CI log), or on a terminal narrower than the table: plain aligned
+    rows (:func:`format_plain`), never cut. On a terminal wide enough: a rich table whose columns
+    are never wrapped, then each failure's message in full, then the summary.
+    """
+    from rich.console import Console
+    from rich.measure import Measurement
+    from rich.table import Table
+    from rich.text import Text
+
+    console = console or Console()
+    if console.is_terminal:
+        table = Table(title=f"truefuse verify on {device}")
+        for col in _COLUMNS:
+            table.add_column(col, justify="right" if col in _RIGHT else "left", no_wrap=True, min_width=len(col))
+        for r in rows:
+            result = Text("PASS", style="green") if r.passed else Text("FAIL", style="red")
+            table.add_row(*_cells(r), result)
+        needed = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+        if needed <= console.width:
+            console.print(table)
+            for r in rows:
+                if not r.passed and r.error:
+                    console.print(Text(f"FAIL {r.op}/{r.case}: {r.error}", style="red"), soft_wrap=True)
+            console.print(_summary(rows), highlight=False)
+            return
+    # plain text: no markup, no highlighting, no wrapping at the console's width
+    console.out("\n".join(format_plain(rows, device)), highlight=False)
