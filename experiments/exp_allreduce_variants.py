@@ -1,7 +1,7 @@
 """Experiment: the allreduce kernel's variants, latency under CUDA graphs and bits against the
 reference path: LL 1-stage (no barrier), 1-stage push / pull, 2-stage push / pull; "/1": one program per SM instead of two.
 
-    python scripts/exp_allreduce_variants.py 4     # world size
+    python experiments/exp_allreduce_variants.py 4     # world size
 """
 
 import sys

@@ -2,7 +2,7 @@
 forward + backward steps (after warm-up), profiled; prints the wall time per step, the GPU kernel
 time per step, and each kernel's mean. Tells apart slower kernels from idle gaps between them.
 
-    python scripts/profile_lce_steady.py [N V H]
+    python experiments/profile_lce_steady.py [N V H]
 """
 
 import sys
