@@ -314,3 +314,210 @@ def test_grouped_fused_fills_a_given_out_or_allocates():
     given = gemm(x, w, m_splits=splits, out=out)
     assert given.data_ptr() == out.data_ptr()
     assert_bitwise(given, fresh, "given out vs allocated")
+
+
+# --- gemm is not differentiable: an operand that requires grad is refused up front ----------------
+
+
+@pytest.mark.parametrize("operand", ["a", "b", "bias", "out"])
+def test_gemm_refuses_operand_that_requires_grad(operand):
+    """``truefuse.gemm(x, layer.weight.t())`` with a Parameter used to fail deep inside PyTorch
+    ("functions with out=... arguments don't support automatic differentiation"): now a TypeError
+    naming the operand and pointing at truefuse.Linear / torch.no_grad() / .detach()."""
+    x, w, bias, out = torch.randn(5, 4), torch.nn.Parameter(torch.randn(3, 4)), torch.randn(3), torch.empty(5, 3)
+    kw = {"bias": bias}
+    if operand == "a":
+        x.requires_grad_()
+    elif operand == "b":
+        pass  # the Parameter
+    elif operand == "bias":
+        kw["bias"] = torch.nn.Parameter(bias)
+    else:
+        kw["out"] = out.requires_grad_()
+    b = w.t() if operand == "b" else w.detach().t()
+    msg = rf"{operand} requires grad.*not differentiable.*truefuse\.Linear.*torch\.no_grad\(\).*\.detach\(\)"
+    with pytest.raises(TypeError, match=msg):
+        gemm(x, b, **kw)
+    with pytest.raises(TypeError, match=msg):
+        gemm_plan_for(x, b, **kw)
+    with torch.no_grad():  # the raw GEMM on such tensors: fine without grad mode
+        got = gemm(x, b, **kw)
+    assert_bitwise(got, torch.addmm(kw["bias"].detach(), x.detach(), b.detach()), "gemm under no_grad")
+
+
+def test_gemm_requires_grad_on_a_triton_plan_is_refused_not_silently_graphless():
+    """With a Triton plan the old code returned a result with no grad_fn: the gradient was lost
+    without a word. Now the same TypeError as on the torch plan."""
+    if not backend_available("triton", "cpu"):
+        pytest.skip("no Triton backend on the CPU here")
+    x, w = torch.randn(5, 4, requires_grad=True), torch.randn(4, 3)
+    with override_capabilities(backends=["triton"]), pytest.raises(TypeError, match="a requires grad"):
+        gemm(x, w)
+
+
+def test_gemm_requires_grad_names_every_operand_and_the_weight_gradient_form():
+    dy, x = torch.randn(6, 3, requires_grad=True), torch.randn(6, 4, requires_grad=True)
+    pre = torch.randn(6, 3, requires_grad=True)
+    with pytest.raises(TypeError, match="a and b and pre_activation require grad"):
+        gemm(dy.t(), x, grad_activation="gelu", pre_activation=pre.t())
+    g = gemm(dy.detach().t(), x.detach(), grad_activation="gelu", pre_activation=pre.detach().t())
+    assert g.shape == (3, 4) and not g.requires_grad
+
+
+# --- m_splits: integral scalars of any kind, nothing else ---------------------------------------
+
+
+def test_gemm_m_splits_accepts_numpy_ints_and_0dim_tensors():
+    np = pytest.importorskip("numpy")
+    x, w = _t((8, 6), torch.float32, torch.device("cpu"), 80), _t((2, 6, 5), torch.float32, torch.device("cpu"), 81)
+    want = gemm(x, w, m_splits=[3, 5])
+    for splits in (
+        [np.int64(3), np.int64(5)],
+        list(np.array([3, 5])),
+        np.array([3, 5], dtype=np.int32),
+        (np.uint8(3), 5),
+        [torch.tensor(3), torch.tensor(5)],
+        torch.tensor([3, 5]),
+    ):
+        assert_bitwise(gemm(x, w, m_splits=splits), want, f"m_splits={splits!r}")
+        assert_bitwise(gemm_ref(x, w, m_splits=splits), gemm_ref(x, w, m_splits=[3, 5]), f"ref m_splits={splits!r}")
+    dy, xx = torch.randn(8, 4), torch.randn(8, 3)
+    assert_bitwise(gemm(dy.t(), xx, m_splits=[np.int64(3), np.int64(5)]), gemm(dy.t(), xx, m_splits=[3, 5]), "contraction")
+
+
+@pytest.mark.parametrize(
+    "bad,exc,match",
+    [
+        ("floats", TypeError, r"m_splits must be a list of ints.*m_splits\[0\] is 4\.0"),
+        ("numpy_floats", TypeError, r"m_splits must be a list of ints.*m_splits\[1\]"),
+        ("numpy_float_array", TypeError, "m_splits must be a list of ints.*NumPy array of dtype float64"),
+        ("bools", TypeError, r"m_splits\[0\] is True"),
+        ("float_0dim_tensor", TypeError, r"m_splits\[0\]"),
+        ("numpy_negative", ValueError, "m_splits has a negative group size"),
+        ("string", TypeError, "m_splits must be a list of ints.*got str"),
+    ],
+)
+def test_gemm_m_splits_rejects_non_integral_and_negative(bad, exc, match):
+    np = pytest.importorskip("numpy")
+    splits = {
+        "floats": [4.0, 4.0],
+        "numpy_floats": [4, np.float64(4.0)],
+        "numpy_float_array": np.array([4.0, 4.0]),
+        "bools": [True, 7],
+        "float_0dim_tensor": [torch.tensor(4.0), 4],
+        "numpy_negative": [np.int64(9), np.int64(-1)],
+        "string": "44",
+    }[bad]
+    with pytest.raises(exc, match=match):
+        gemm(_A, torch.randn(2, 4, 3), m_splits=splits)
+
+
+def test_gemm_ref_m_splits_float_is_refused_not_truncated():
+    """The oracle used int(v): [3.7, 4.3] silently became [3, 4]."""
+    with pytest.raises(TypeError, match="m_splits must be"):
+        gemm_ref(torch.randn(7, 4), torch.randn(2, 4, 3), m_splits=[3.7, 4.3])
+
+
+# --- messages that misled -----------------------------------------------------------------------
+
+
+def test_bias_dtype_error_lists_each_allowed_dtype_once():
+    with pytest.raises(TypeError, match=r"bias has dtype torch\.float64, expected torch\.float32$"):
+        gemm(_A, _B, bias=torch.zeros(3, dtype=torch.float64))
+
+
+def test_out_dtype_must_be_a_dtype():
+    with pytest.raises(TypeError, match="out_dtype must be a torch.dtype.*'float32'"):
+        gemm(_A, _B, out_dtype="float32")
+    with pytest.raises(
+        TypeError, match=r"out_dtype=torch\.float16 is not supported for torch\.float32 inputs; use torch\.float32$"
+    ):
+        gemm(_A, _B, out_dtype=torch.float16)
+
+
+def test_override_capabilities_refuses_unknown_backends():
+    """An unknown (or misspelt) backend used to be dropped silently: every plan then failed with
+    "no GEMM backend is enabled", or the override did nothing."""
+    with pytest.raises(ValueError, match=r"unknown backend\(s\) \['cublas'\]"):
+        with override_capabilities(backends=["cublas"]):
+            pass
+    with pytest.raises(TypeError, match="got the string 'triton'"):
+        with override_capabilities(backends="triton"):
+            pass
+    with pytest.raises(ValueError, match="remove: unknown backend 'trion'"):
+        with override_capabilities(remove=[Capability("grad_bias", backend="trion")]):
+            pass
+
+
+# --- TRUEFUSE_GEMM_BACKENDS is validated where it is read -----------------------------------------
+
+
+@pytest.fixture
+def fresh_config(monkeypatch):
+    """get_config() re-read from a monkeypatched environment, and re-read again afterwards."""
+    from truefuse.config import get_config
+
+    get_config.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    get_config.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ("cublas9000", r"TRUEFUSE_GEMM_BACKENDS='cublas9000': unknown GEMM backend 'cublas9000'; known backends: torch, triton"),
+        ("torch,cublas", r"TRUEFUSE_GEMM_BACKENDS='torch,cublas': unknown GEMM backend 'cublas'; known backends: torch, triton"),
+        ("", r"TRUEFUSE_GEMM_BACKENDS='' names no GEMM backend; known backends: torch, triton"),
+        (" , ", r"TRUEFUSE_GEMM_BACKENDS=' , ' names no GEMM backend"),
+        ("torch,triton,torch", r"names 'torch' more than once"),
+    ],
+)
+def test_gemm_backends_env_bad_value_is_a_clear_error(fresh_config, value, match):
+    from truefuse.config import ConfigError, get_config
+
+    fresh_config.setenv("TRUEFUSE_GEMM_BACKENDS", value)
+    with pytest.raises(ValueError, match=match) as info:
+        get_config()
+    assert isinstance(info.value, ConfigError)
+    with pytest.raises(ValueError, match=match):  # not cached: the next call says it again
+        get_config()
+
+
+def test_gemm_backends_env_good_values(fresh_config):
+    from truefuse.config import get_config
+
+    fresh_config.setenv("TRUEFUSE_GEMM_BACKENDS", " triton , torch ")
+    assert get_config().gemm_backends == ("triton", "torch")
+    get_config.cache_clear()
+    fresh_config.delenv("TRUEFUSE_GEMM_BACKENDS")
+    assert get_config().gemm_backends == ("torch", "triton")
+
+
+def test_print_info_raises_config_error_before_printing(fresh_config, capsys):
+    """``python -m truefuse info`` with a bogus TRUEFUSE_GEMM_BACKENDS: print_info raises the
+    ValueError (the CLI prints it and exits 2) before printing half a report."""
+    from truefuse.info import print_info
+
+    fresh_config.setenv("TRUEFUSE_GEMM_BACKENDS", "cublas9000")
+    with pytest.raises(ValueError, match="TRUEFUSE_GEMM_BACKENDS='cublas9000'.*known backends: torch, triton"):
+        print_info()
+    assert capsys.readouterr().out == ""
+
+
+def test_info_main_cases_without_a_usable_backend_say_so(fresh_config):
+    """A valid order that enables nothing on this device (triton alone, no interpreter) shows
+    "no plan" in the table instead of a traceback."""
+    from truefuse.info import main_cases
+
+    fresh_config.setenv("TRUEFUSE_GEMM_BACKENDS", "triton")
+    fresh_config.delenv("TRITON_INTERPRET", raising=False)
+    plans = main_cases("cpu")
+    assert plans and all(str(p).startswith("no plan: no GEMM backend is enabled") for p in plans.values())
+
+
+def test_known_backends_match_the_capability_tables():
+    from truefuse.config import KNOWN_GEMM_BACKENDS
+    from truefuse.ops.gemm_plan import _BASE_TABLES
+
+    assert tuple(_BASE_TABLES) == KNOWN_GEMM_BACKENDS

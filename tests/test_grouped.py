@@ -79,3 +79,30 @@ def test_m_splits_tensor_and_bad_input(device):
         truefuse.GroupedLinear(0, 8, 4)
     with pytest.raises(ValueError, match="activation='tanh'"):
         truefuse.GroupedMLP(2, 8, 4, activation="tanh")
+
+
+def test_m_splits_numpy_ints_accepted(device):
+    """``list(np_array)`` gives NumPy ints: accepted like Python ints (they used to be refused with
+    "got list"), by both modules and their references."""
+    np = pytest.importorskip("numpy")
+    x = torch.randn(10, 8, device=device)
+    for m in (truefuse.GroupedLinear(3, 8, 4, device=device), truefuse.GroupedMLP(3, 8, 4, device=device)):
+        want = m(x, [4, 0, 6])
+        for splits in (list(np.array([4, 0, 6])), [np.int32(4), np.int64(0), 6], np.array([4, 0, 6])):
+            torch.testing.assert_close(m(x, splits), want, rtol=0, atol=0)
+            torch.testing.assert_close(m.forward_ref(x, splits), m.forward_ref(x, [4, 0, 6]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "make,exc,msg",
+    [
+        (lambda np: [np.float64(4.0), 0, 6], TypeError, r"m_splits must be a list of ints.*m_splits\[0\] is"),
+        (lambda np: np.array([4.0, 0.0, 6.0]), TypeError, "m_splits must be a list of ints.*float64"),
+        (lambda np: [np.int64(12), np.int64(-2), 0], ValueError, "m_splits has a negative group size"),
+    ],
+)
+def test_m_splits_numpy_floats_and_negatives_refused(make, exc, msg, device):
+    np = pytest.importorskip("numpy")
+    for m in (truefuse.GroupedLinear(3, 8, 4, device=device), truefuse.GroupedMLP(3, 8, 4, device=device)):
+        with pytest.raises(exc, match=msg):
+            m(torch.randn(10, 8, device=device), make(np))

@@ -178,3 +178,77 @@ def test_tied_weight_sums_both_contributions(config, device):
         assert_bounded(w.main_grad, start.cpu().double() + w64.grad, start + wb.grad.float(), "tied main_grad")
     else:
         assert_bounded(w.grad, w64.grad, wb.grad, "tied grad")
+
+
+# --- the delayed queue: its length, and a warning when backward_dw() is forgotten -----------------
+
+
+def _small_delayed(kind: str, **kw):
+    """(module, one forward + backward) of a small module with delay_wgrad_compute=True."""
+    import truefuse
+
+    torch.manual_seed(0)
+    if kind == "Linear":
+        m = truefuse.Linear(8, 6, delay_wgrad_compute=True, **kw)
+        return m, lambda: m(torch.randn(3, 8)).sum().backward()
+    if kind == "GroupedMLP/per_group":  # several weights: one pending step per backward, not per weight
+        m = truefuse.GroupedMLP(3, 8, 6, delay_wgrad_compute=True, **kw)
+        return m, lambda: m(torch.randn(5, 8), [2, 0, 3]).sum().backward()
+    if kind == "LinearCrossEntropyLoss":
+        m = truefuse.LinearCrossEntropyLoss(delay_wgrad_compute=True, **kw)
+        W = torch.nn.Parameter(torch.randn(16, 8))
+        return m, lambda: m(torch.randn(4, 8), W, torch.randint(0, 16, (4,))).backward()
+    raise AssertionError(kind)
+
+
+def _steps(step, n):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(n):
+            step()
+    return [w for w in caught if "backward_dw()" in str(w.message)]
+
+
+@pytest.mark.parametrize("kind", ["Linear", "GroupedMLP/per_group", "LinearCrossEntropyLoss"])
+def test_pending_wgrad_counts_and_warns_once_past_the_bound(kind):
+    m, step = _small_delayed(kind)
+    assert m.pending_wgrad == 0 and m.max_pending_wgrad == 16
+    m.max_pending_wgrad = 2
+    assert _steps(step, 2) == [] and m.pending_wgrad == 2
+    warned = _steps(step, 3)  # 3, 4, 5 pending: one warning, when the count first passes 2
+    assert m.pending_wgrad == 5
+    assert len(warned) == 1 and warned[0].category is UserWarning
+    text = str(warned[0].message)
+    assert text.startswith(f"{type(m).__name__}: 3 backward passes") and "max_pending_wgrad=2" in text
+    m.backward_dw()
+    assert m.pending_wgrad == 0
+    assert _steps(step, 2) == [] and m.pending_wgrad == 2  # re-armed by backward_dw, quiet up to the bound
+    assert len(_steps(step, 1)) == 1
+    m.backward_dw()
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LinearCrossEntropyLoss"])
+def test_pending_wgrad_warning_disabled_by_none(kind):
+    m, step = _small_delayed(kind, **({"max_pending_wgrad": None} if kind == "LinearCrossEntropyLoss" else {}))
+    if kind == "Linear":
+        m.max_pending_wgrad = None
+    assert _steps(step, 20) == [] and m.pending_wgrad == 20
+    m.backward_dw()
+    assert m.pending_wgrad == 0
+
+
+def test_pending_wgrad_zero_without_delay_and_bound_validated():
+    import truefuse
+
+    m = truefuse.Linear(8, 6)
+    m(torch.randn(3, 8)).sum().backward()
+    assert m.pending_wgrad == 0
+    g = truefuse.GroupedLinear(2, 8, 6, delay_wgrad_compute=True, max_pending_wgrad=0)
+    assert len(_steps(lambda: g(torch.randn(4, 8), [1, 3]).sum().backward(), 1)) == 1
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="max_pending_wgrad must be None .* or an int >= 0"):
+            m.max_pending_wgrad = bad
+    with pytest.raises(ValueError, match="max_pending_wgrad"):
+        truefuse.LinearCrossEntropyLoss(max_pending_wgrad=-3)

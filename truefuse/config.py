@@ -10,6 +10,34 @@ import functools
 import os
 from dataclasses import dataclass
 
+#: The GEMM backends ``TRUEFUSE_GEMM_BACKENDS`` may name (``truefuse.ops.gemm_plan`` has a
+#: capability table for each; a test keeps the two in step).
+KNOWN_GEMM_BACKENDS: tuple[str, ...] = ("torch", "triton")
+_DEFAULT_GEMM_BACKENDS = "torch,triton"
+
+
+class ConfigError(ValueError):
+    """An environment variable truefuse reads has a value it cannot use (the message names both)."""
+
+
+def _gemm_backends(raw: str) -> tuple[str, ...]:
+    """``TRUEFUSE_GEMM_BACKENDS`` parsed, or :class:`ConfigError`: empty, unknown or repeated names."""
+    names = tuple(s.strip() for s in raw.split(",") if s.strip())
+    hint = (
+        f"known backends: {', '.join(KNOWN_GEMM_BACKENDS)}; give a comma-separated preference order "
+        f"such as TRUEFUSE_GEMM_BACKENDS={_DEFAULT_GEMM_BACKENDS}, or unset it for that default"
+    )
+    if not names:
+        raise ConfigError(f"TRUEFUSE_GEMM_BACKENDS={raw!r} names no GEMM backend; {hint}")
+    unknown = [n for n in names if n not in KNOWN_GEMM_BACKENDS]
+    if unknown:
+        what = "backend" if len(unknown) == 1 else "backends"
+        raise ConfigError(f"TRUEFUSE_GEMM_BACKENDS={raw!r}: unknown GEMM {what} {', '.join(map(repr, unknown))}; {hint}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(f"TRUEFUSE_GEMM_BACKENDS={raw!r} names {', '.join(map(repr, repeated))} more than once; {hint}")
+    return names
+
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
@@ -24,7 +52,9 @@ class Config:
             Then the Triton backend is offered on the CPU too (for fp32 kernel-logic tests; the
             interpreter's bf16 casts truncate, so bf16 numerics are only checked on a GPU).
         gemm_backends: ``TRUEFUSE_GEMM_BACKENDS``, a comma-separated preference order of GEMM
-            backends (default ``torch,triton``). A backend left out is never planned.
+            backends (default ``torch,triton``). A backend left out is never planned. An empty
+            list, a name not in :data:`KNOWN_GEMM_BACKENDS` or a repeated name raises
+            :class:`ConfigError` (a ``ValueError``) from :func:`get_config`.
     """
 
     triton_interpret: bool
@@ -32,14 +62,18 @@ class Config:
 
     @classmethod
     def from_env(cls) -> Config:
-        order = os.environ.get("TRUEFUSE_GEMM_BACKENDS", "torch,triton")
         return cls(
             triton_interpret=_flag("TRITON_INTERPRET"),
-            gemm_backends=tuple(s.strip() for s in order.split(",") if s.strip()),
+            gemm_backends=_gemm_backends(os.environ.get("TRUEFUSE_GEMM_BACKENDS", _DEFAULT_GEMM_BACKENDS)),
         )
 
 
 @functools.cache
 def get_config() -> Config:
-    """The configuration read once from the environment of this process."""
+    """The configuration read once from the environment of this process.
+
+    Raises:
+        ConfigError: (a ``ValueError``) for a value it cannot use, e.g. ``TRUEFUSE_GEMM_BACKENDS=cublas``;
+            nothing is cached then, so every later call raises the same error.
+    """
     return Config.from_env()

@@ -39,18 +39,33 @@ def main_cases(device: str) -> dict[str, object]:
     x, w, dy = torch.empty(16, 8, **bf), torch.empty(4, 8, **bf), torch.empty(16, 4, **bf)
     mg = torch.empty(4, 8, dtype=torch.float32, device=dev)
     bias = torch.empty(4, **bf)
-    return {
-        "forward, bf16, bias + gelu": gemm_plan_for(x, w.t(), bias=bias, activation="gelu"),
-        "wgrad, bf16 -> fp32 main_grad (beta=1)": gemm_plan_for(dy.t(), x, out=mg, accumulate=True),
-        "wgrad, bf16 -> fp32 main_grad + bias-grad": gemm_plan_for(dy.t(), x, out=mg, accumulate=True, grad_bias=True),
-        "wgrad after dgelu + bias-grad": gemm_plan_for(
+    cases = {
+        "forward, bf16, bias + gelu": lambda: gemm_plan_for(x, w.t(), bias=bias, activation="gelu"),
+        "wgrad, bf16 -> fp32 main_grad (beta=1)": lambda: gemm_plan_for(dy.t(), x, out=mg, accumulate=True),
+        "wgrad, bf16 -> fp32 main_grad + bias-grad": lambda: gemm_plan_for(dy.t(), x, out=mg, accumulate=True, grad_bias=True),
+        "wgrad after dgelu + bias-grad": lambda: gemm_plan_for(
             dy.t(), x, out=mg, accumulate=True, grad_bias=True, grad_activation="gelu", pre_activation=dy.t()
         ),
-        "grouped forward, bf16, 2 groups": gemm_plan_for(x, torch.empty(2, 8, 4, **bf), m_splits=[10, 6]),
+        "grouped forward, bf16, 2 groups": lambda: gemm_plan_for(x, torch.empty(2, 8, 4, **bf), m_splits=[10, 6]),
     }
+    plans: dict[str, object] = {}
+    for case, fn in cases.items():
+        try:
+            plans[case] = fn()
+        except RuntimeError as e:  # no enabled backend runs it here (e.g. TRUEFUSE_GEMM_BACKENDS=triton on a CPU)
+            plans[case] = f"no plan: {e}"
+    return plans
 
 
 def print_info() -> None:
+    """Print versions, devices, the configuration, the capability tables and the main plans.
+
+    Raises:
+        ValueError: (``truefuse.config.ConfigError``) before printing anything, when the environment
+            holds a value truefuse cannot use, e.g. ``TRUEFUSE_GEMM_BACKENDS=cublas9000``; the message
+            names the variable, the value and what is accepted (the CLI prints it and exits 2).
+    """
+    cfg = get_config()  # first: a bad environment is one clear error, not a half-printed report
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -60,7 +75,7 @@ def print_info() -> None:
     for k, v in _versions().items():
         console.print(f"{k}: {v}")
     console.print("devices: " + "; ".join(_devices()))
-    console.print(f"config: {get_config()}")
+    console.print(f"config: {cfg}")
     device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for backend in ("torch", "triton"):
         for dev in device_types:

@@ -24,6 +24,7 @@ configuration, from the parameter's post-accumulate-grad hook, i.e. once autogra
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,19 @@ WgradCompute = Callable[[torch.Tensor | None, bool], torch.Tensor]
 
 _ZEROS: dict[tuple, torch.Tensor] = {}
 
+#: Default bound on :attr:`WgradState.pending_steps` past which the module warns (once until the
+#: next ``backward_dw()``): pipeline schedules keep a few micro-batches pending, never this many.
+DEFAULT_MAX_PENDING_WGRAD = 16
+
+
+def check_max_pending(value) -> int | None:
+    """``max_pending_wgrad`` as given (None, or an int >= 0), or a clear error."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"max_pending_wgrad must be None (no warning) or an int >= 0, got {value!r}")
+    return value
+
 
 @dataclass
 class WgradState:
@@ -46,6 +60,9 @@ class WgradState:
         delay_wgrad_compute: weight-gradient GEMMs wait for ``backward_dw()``.
         pending: queued weight-gradient work, run and cleared by :func:`run_pending`.
         hooks: ``register_wgrad_hook`` functions by handle id, each called as ``fn(param)``.
+        max_pending: warn (a ``UserWarning``, once until the next ``backward_dw()``) when
+            :attr:`pending_steps` grows past this; None: never.
+        owner: the module's name in that warning.
     """
 
     fuse_wgrad_accumulation: bool = False
@@ -54,10 +71,38 @@ class WgradState:
     hooks: dict[int, Callable[[torch.nn.Parameter], None]] = field(
         default_factory=OrderedDict
     )  # weak-referenceable, for RemovableHandle
+    max_pending: int | None = DEFAULT_MAX_PENDING_WGRAD
+    owner: str = "module"
+    #: queued computations per weight (by id), i.e. backward passes not yet run by backward_dw()
+    _queued: dict[int, int] = field(default_factory=dict, repr=False)
+    _warned: bool = field(default=False, repr=False)
 
     @property
     def plain(self) -> bool:
         return not (self.fuse_wgrad_accumulation or self.delay_wgrad_compute)
+
+    @property
+    def pending_steps(self) -> int:
+        """How many backward passes have queued weight gradients that ``backward_dw()`` has not run:
+        the most queued computations of any one weight (a backward queues one per weight it reaches,
+        so a module with several weights still counts one per backward)."""
+        return max(self._queued.values(), default=0)
+
+    def _enqueue(self, param: torch.Tensor, finish: Callable[[], None]) -> None:
+        self.pending.append(finish)
+        self._queued[id(param)] = self._queued.get(id(param), 0) + 1
+        n = self.pending_steps
+        if self.max_pending is not None and n > self.max_pending and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self.owner}: {n} backward passes have queued weight gradients (delay_wgrad_compute=True) "
+                f"without a backward_dw() call, more than max_pending_wgrad={self.max_pending}. Each holds its "
+                "saved tensors until backward_dw() runs them all at once, adding every step's gradient. Call "
+                "backward_dw() after each backward (or once per pipeline flush); if this many pending "
+                "micro-batches is intended, raise the module's max_pending_wgrad (None disables this warning).",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def check_main_grad(param: torch.Tensor, name: str) -> None:
@@ -130,7 +175,7 @@ def deliver_weight_grad(param: torch.Tensor, name: str, compute: WgradCompute, s
                     param.grad.add_(g)
             _fire(state, param)
 
-        state.pending.append(finish)
+        state._enqueue(param, finish)
         return _cached_zeros(param) if (fused and has_attr) else None
     if fused:
         _to_main_grad(param, compute)
@@ -143,8 +188,11 @@ def deliver_weight_grad(param: torch.Tensor, name: str, compute: WgradCompute, s
 
 
 def run_pending(state: WgradState) -> None:
-    """``backward_dw()``: run the queued weight-gradient GEMMs in backward order, then clear the queue."""
+    """``backward_dw()``: run the queued weight-gradient GEMMs in backward order, then clear the queue
+    (and re-arm the too-many-pending warning)."""
     pending, state.pending = state.pending, []
+    state._queued.clear()
+    state._warned = False
     for finish in pending:
         finish()
 

@@ -1,5 +1,6 @@
-"""What every linear-family module shares: the DESIGN §2 state, ``backward_dw`` and
-``register_wgrad_hook``, input checks, and torch.nn.Linear's initialisation."""
+"""What every linear-family module shares: the DESIGN §2 state, ``backward_dw`` (with the size of
+its queue, ``pending_wgrad``) and ``register_wgrad_hook``, input checks, and torch.nn.Linear's
+initialisation."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from collections.abc import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from truefuse.autograd._wgrad import WgradState, check_main_grad, on_accumulated, run_pending
+from truefuse.autograd._wgrad import (
+    DEFAULT_MAX_PENDING_WGRAD,
+    WgradState,
+    check_main_grad,
+    check_max_pending,
+    on_accumulated,
+    run_pending,
+)
 
 
 def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -21,14 +29,65 @@ def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         torch.nn.init.uniform_(bias, -bound, bound)
 
 
-class WgradModule(torch.nn.Module):
+class DelayedWgrad(torch.nn.Module):
+    """``backward_dw()`` and its queue's size, over the module's ``self._wgrad`` (a WgradState).
+
+    Shared by every module with ``delay_wgrad_compute``; the queue and its warning live in
+    ``truefuse/autograd/_wgrad.py``.
+    """
+
+    _wgrad: WgradState
+
+    def backward_dw(self) -> None:
+        """Compute the weight gradients the last backward(s) deferred (``delay_wgrad_compute``).
+
+        Adds each into ``param.grad``, or into ``param.main_grad`` under ``fuse_wgrad_accumulation``,
+        then calls the ``register_wgrad_hook`` functions once per weight. Nothing pending: no-op.
+        Afterwards :attr:`pending_wgrad` is 0.
+        """
+        with torch.no_grad():
+            run_pending(self._wgrad)
+
+    @property
+    def pending_wgrad(self) -> int:
+        """Backward passes whose weight gradients wait for :meth:`backward_dw` (0 when not delayed).
+
+        Each holds the tensors its weight-gradient GEMMs read; ``backward_dw()`` runs them all
+        and adds them up. Past :attr:`max_pending_wgrad` the module warns once.
+        """
+        return self._wgrad.pending_steps
+
+    @property
+    def max_pending_wgrad(self) -> int | None:
+        """Warn (``UserWarning``, once until the next :meth:`backward_dw`) when :attr:`pending_wgrad`
+        grows past this (default 16; a forgotten ``backward_dw()`` otherwise holds every step's
+        tensors silently). Set it to the schedule's largest number of pending micro-batches, or None
+        for no warning."""
+        return self._wgrad.max_pending
+
+    @max_pending_wgrad.setter
+    def max_pending_wgrad(self, value: int | None) -> None:
+        self._wgrad.max_pending = check_max_pending(value)
+
+
+class WgradModule(DelayedWgrad):
     """Mixin for modules whose GEMM weights follow DESIGN §2 (see ``truefuse/autograd/_wgrad.py``).
 
     Subclasses call :meth:`_init_wgrad` and list their GEMM weights in :meth:`gemm_weights`.
     """
 
-    def _init_wgrad(self, fuse_wgrad_accumulation: bool, delay_wgrad_compute: bool) -> None:
-        self._wgrad = WgradState(bool(fuse_wgrad_accumulation), bool(delay_wgrad_compute))
+    def _init_wgrad(
+        self,
+        fuse_wgrad_accumulation: bool,
+        delay_wgrad_compute: bool,
+        max_pending_wgrad: int | None = DEFAULT_MAX_PENDING_WGRAD,
+    ) -> None:
+        self._wgrad = WgradState(
+            bool(fuse_wgrad_accumulation),
+            bool(delay_wgrad_compute),
+            max_pending=check_max_pending(max_pending_wgrad),
+            owner=type(self).__name__,
+        )
         self._acc_handles: list[RemovableHandle] = []
 
     def gemm_weights(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -50,15 +109,6 @@ class WgradModule(torch.nn.Module):
     @delay_wgrad_compute.setter
     def delay_wgrad_compute(self, value: bool) -> None:
         self._wgrad.delay_wgrad_compute = bool(value)
-
-    def backward_dw(self) -> None:
-        """Compute the weight gradients the last backward(s) deferred (``delay_wgrad_compute``).
-
-        Adds each into ``param.grad``, or into ``param.main_grad`` under ``fuse_wgrad_accumulation``,
-        then calls the ``register_wgrad_hook`` functions once per weight. Nothing pending: no-op.
-        """
-        with torch.no_grad():
-            run_pending(self._wgrad)
 
     def register_wgrad_hook(self, fn: Callable[[torch.nn.Parameter], None]) -> RemovableHandle:
         """Call ``fn(param)`` once per GEMM weight when its gradient is complete.

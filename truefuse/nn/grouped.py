@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.autograd._wgrad import DEFAULT_MAX_PENDING_WGRAD
 from truefuse.autograd.grouped import GroupedLinearFunction, GroupedMLPFunction, GroupSpec
 from truefuse.nn._base import WgradModule, init_linear_
 from truefuse.ops.activation import activation_ref
@@ -85,9 +86,12 @@ class GroupedLinear(WgradModule):
             the H200), so off by default.
         fuse_wgrad_accumulation, delay_wgrad_compute: DESIGN §2, for the weights (packed or per
             group); biases are always returned to autograd normally.
+        max_pending_wgrad: warn once when more than this many backward passes wait for
+            ``backward_dw()`` (``pending_wgrad``; default 16, None: never).
 
     ``forward(x, m_splits)``: x (M, in_features), rows ordered by group; ``m_splits`` a list of
-    ints or a 1-D integer tensor (one host sync) of ``num_gemms`` sizes summing to M, zeros allowed.
+    integral scalars (Python or NumPy ints), a 1-D NumPy integer array or a 1-D integer tensor (one
+    host sync on a GPU) of ``num_gemms`` sizes summing to M, zeros allowed; floats are refused.
     Returns (M, out_features).
     """
 
@@ -104,6 +108,7 @@ class GroupedLinear(WgradModule):
         fused_grouped_gemm: bool = False,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
+        max_pending_wgrad: int | None = DEFAULT_MAX_PENDING_WGRAD,
     ) -> None:
         super().__init__()
         self.fused_grouped_gemm = bool(fused_grouped_gemm)
@@ -113,7 +118,7 @@ class GroupedLinear(WgradModule):
         self.single_grouped_weight = single_grouped_weight
         fk = {"device": device, "dtype": dtype}
         self._w = _GroupedWeights(self, "", num_gemms, out_features, in_features, bias, single_grouped_weight, fk)
-        self._init_wgrad(fuse_wgrad_accumulation, delay_wgrad_compute)
+        self._init_wgrad(fuse_wgrad_accumulation, delay_wgrad_compute, max_pending_wgrad)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -156,6 +161,7 @@ class GroupedMLP(WgradModule):
             ffn) instead of ``fc1_weight0`` ... and ``fc2_weight0`` ...
         fused_grouped_gemm: as in :class:`GroupedLinear` (packed weights only; off by default).
         fuse_wgrad_accumulation, delay_wgrad_compute: DESIGN §2 for every expert weight.
+        max_pending_wgrad: as in :class:`GroupedLinear`.
 
     ``forward(x, m_splits)``: x (M, hidden_size) ordered by expert; returns (M, hidden_size).
     """
@@ -174,6 +180,7 @@ class GroupedMLP(WgradModule):
         fused_grouped_gemm: bool = False,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
+        max_pending_wgrad: int | None = DEFAULT_MAX_PENDING_WGRAD,
     ) -> None:
         super().__init__()
         self.fused_grouped_gemm = bool(fused_grouped_gemm)
@@ -187,7 +194,7 @@ class GroupedMLP(WgradModule):
         fc1_out = 2 * ffn_hidden_size if activation in GATED_ACTIVATIONS else ffn_hidden_size
         self._fc1 = _GroupedWeights(self, "fc1_", num_experts, fc1_out, hidden_size, bias, single_grouped_weight, fk)
         self._fc2 = _GroupedWeights(self, "fc2_", num_experts, hidden_size, ffn_hidden_size, bias, single_grouped_weight, fk)
-        self._init_wgrad(fuse_wgrad_accumulation, delay_wgrad_compute)
+        self._init_wgrad(fuse_wgrad_accumulation, delay_wgrad_compute, max_pending_wgrad)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.autograd._wgrad import WgradState, run_pending
+from truefuse.autograd._wgrad import DEFAULT_MAX_PENDING_WGRAD, WgradState, check_max_pending
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
+from truefuse.nn._base import DelayedWgrad
 
 
-class LinearCrossEntropyLoss(torch.nn.Module):
+class LinearCrossEntropyLoss(DelayedWgrad):
     """Holds the loss options; ``forward(input, linear_weight, target, linear_bias=None)``.
 
     Args:
@@ -19,6 +20,9 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         ``linear_weight.main_grad`` per DESIGN §2).
         delay_wgrad_compute: the weight gradient waits for :meth:`backward_dw` (DESIGN §2): then
             added to ``linear_weight.grad``, or to its ``main_grad`` when fused.
+            :attr:`pending_wgrad` counts the backward passes waiting.
+        max_pending_wgrad: warn once when more than this many backward passes wait for
+            :meth:`backward_dw` (default 16; None: never). Also a settable attribute.
     """
 
     def __init__(
@@ -35,13 +39,19 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         chunk_size: int | None = None,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
+        max_pending_wgrad: int | None = DEFAULT_MAX_PENDING_WGRAD,
     ) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.reduction, self.ignore_index, self.label_smoothing = reduction, ignore_index, label_smoothing
         self.z_loss, self.softcap, self.chunk_size = z_loss, softcap, chunk_size
         self.return_z_loss, self.return_token_accuracy = return_z_loss, return_token_accuracy
-        self._wgrad = WgradState(fuse_wgrad_accumulation=fuse_wgrad_accumulation, delay_wgrad_compute=delay_wgrad_compute)
+        self._wgrad = WgradState(
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            delay_wgrad_compute=delay_wgrad_compute,
+            max_pending=check_max_pending(max_pending_wgrad),
+            owner=type(self).__name__,
+        )
 
     def forward(self, input, linear_weight, target, linear_bias=None):
         return linear_cross_entropy(
@@ -50,11 +60,6 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, chunk_size=self.chunk_size,
             wgrad_state=self._wgrad,
         )  # fmt: skip
-
-    def backward_dw(self) -> None:
-        """Compute the weight gradients the last backward(s) deferred (``delay_wgrad_compute``)."""
-        with torch.no_grad():
-            run_pending(self._wgrad)
 
     def extra_repr(self) -> str:
         return (

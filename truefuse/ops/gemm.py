@@ -9,6 +9,7 @@ the test oracle (on float64 inputs) and the same-dtype baseline of the bounded c
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -35,16 +36,41 @@ class GemmOutput(NamedTuple):
     grad_bias: torch.Tensor | None
 
 
+def _split_size(v) -> int:
+    """One group size as a Python int: any integral scalar (``int``, a NumPy integer, a 0-dim
+    integer tensor), never a bool or a float (``4.0`` is refused, not truncated)."""
+    if isinstance(v, bool) or (isinstance(v, torch.Tensor) and (v.dim() != 0 or v.dtype == torch.bool)):
+        raise TypeError
+    if type(v).__module__ == "numpy" and getattr(getattr(v, "dtype", None), "kind", None) == "b":
+        raise TypeError
+    return operator.index(v)  # TypeError for floats and anything else not integral
+
+
 def check_splits(m_splits, n_groups: int | None, total: int, axis: str) -> list[int]:
-    """``m_splits`` as a list of ints, or a clear error: not ints, negative, wrong count, wrong sum."""
+    """``m_splits`` as a list of Python ints, or a clear error naming ``m_splits``.
+
+    Accepted: a 1-D integer tensor (a CUDA one costs one host sync), a 1-D NumPy integer array, or
+    a list/tuple of integral scalars (``int``, NumPy integers such as ``list(np_array)`` gives,
+    0-dim integer tensors). Refused: floats, bools, negative sizes, the wrong count or sum.
+    """
+    expected = "m_splits must be a list of ints (Python or NumPy integers) or a 1-D integer tensor"
     if isinstance(m_splits, torch.Tensor):
-        if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.dtype == torch.bool:
+        if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or m_splits.dtype == torch.bool:
             raise TypeError(f"m_splits must be a 1-D integer tensor, got {m_splits.dtype} of shape {tuple(m_splits.shape)}")
         splits = [int(v) for v in m_splits.tolist()]  # a CUDA tensor costs one host sync here
-    elif isinstance(m_splits, Sequence) and all(isinstance(v, int) and not isinstance(v, bool) for v in m_splits):
-        splits = list(m_splits)
     else:
-        raise TypeError(f"m_splits must be a list of ints or a 1-D integer tensor, got {type(m_splits).__name__}")
+        if type(m_splits).__module__ == "numpy" and getattr(m_splits, "ndim", None) == 1:
+            if m_splits.dtype.kind not in "iu":
+                raise TypeError(f"{expected}, got a NumPy array of dtype {m_splits.dtype}")
+            m_splits = m_splits.tolist()
+        if not isinstance(m_splits, Sequence) or isinstance(m_splits, (str, bytes)):
+            raise TypeError(f"{expected}, got {type(m_splits).__name__}")
+        splits = []
+        for i, v in enumerate(m_splits):
+            try:
+                splits.append(_split_size(v))
+            except TypeError:
+                raise TypeError(f"{expected}; m_splits[{i}] is {v!r} ({type(v).__name__})") from None
     if any(v < 0 for v in splits):
         raise ValueError(f"m_splits has a negative group size: {splits}")
     if n_groups is not None and len(splits) != n_groups:
@@ -66,7 +92,27 @@ def _check_tensor(
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
     if t.dtype not in dtypes:
-        raise TypeError(f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}")
+        names = list(dict.fromkeys(str(d) for d in dtypes))
+        raise TypeError(f"{name} has dtype {t.dtype}, expected {' or '.join(names)}")
+
+
+def _check_no_autograd(**operands) -> None:
+    """``gemm`` is not differentiable: it writes its result with ``out=``, outside autograd. An
+    operand that would need a gradient (grad mode on, ``requires_grad``) is refused here, before
+    anything runs, instead of failing deep in PyTorch ("functions with out=... arguments don't
+    support automatic differentiation") or, for a Triton plan, returning a result with no graph."""
+    if not torch.is_grad_enabled():
+        return
+    named = [n for n, t in operands.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not named:
+        return
+    which = " and ".join(named)
+    raise TypeError(
+        f"gemm: {which} {'requires' if len(named) == 1 else 'require'} grad, but truefuse.gemm is not "
+        "differentiable (it writes its result outside autograd). For a layer with gradients use "
+        "truefuse.Linear (or LayerNormLinear, LayerNormMLP, GroupedLinear, GroupedMLP); to run the GEMM "
+        f"itself on such tensors, call it under torch.no_grad() or pass {named[0]}.detach()"
+    )
 
 
 def _padded_rows(t: torch.Tensor) -> bool:
@@ -100,6 +146,7 @@ def _validate(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _FLOATS:
             raise TypeError(f"{name} has dtype {t.dtype}; gemm takes float16, bfloat16, float32 or float64")
+    _check_no_autograd(a=a, b=b, bias=bias, pre_activation=pre_activation, out=out)
     if a.device != b.device:
         raise ValueError(f"a is on {a.device} but b is on {b.device}")
     if a.dtype != b.dtype:
@@ -128,8 +175,11 @@ def _validate(
 
     if out is not None and not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype such as torch.float32, got {out_dtype!r}")
     if out_dtype is not None and out_dtype not in (a.dtype, torch.float32, torch.float64):
-        raise TypeError(f"out_dtype={out_dtype} is not supported for {a.dtype} inputs; use {a.dtype} or torch.float32")
+        allowed = " or ".join(dict.fromkeys(str(d) for d in (a.dtype, torch.float32)))
+        raise TypeError(f"out_dtype={out_dtype} is not supported for {a.dtype} inputs; use {allowed}")
     if out_dtype is not None and out_dtype == torch.float64 and a.dtype != torch.float64:
         raise TypeError(f"out_dtype=torch.float64 needs float64 inputs, got {a.dtype}")
     if out_dtype is not None and a.dtype == torch.float64 and out_dtype != torch.float64:
@@ -144,8 +194,6 @@ def _validate(
             # cuBLAS's fast kernels then add the bias as beta*C after rounding the product (1.41x
             # the error of the contiguous bias epilogue, bf16 on the H200): not this call's contract
             raise ValueError("bias with an out of padded rows: the bias would be added after rounding; pass a contiguous out")
-        if out.requires_grad and torch.is_grad_enabled():
-            raise ValueError("out requires grad: gemm writes into it outside autograd; pass a tensor that does not")
         for name, t in (("a", a), ("b", b), ("bias", bias), ("pre_activation", pre_activation)):
             if t is not None and t.numel() and out.numel() and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
                 raise ValueError(f"out shares memory with {name}; gemm cannot write its result over an input")
@@ -219,7 +267,13 @@ def gemm(
     without bias row-major with padded rows such as ``buf[:, :N]``; dtype ``a``'s or fp32), else a
     new tensor of ``out_dtype`` (default ``a``'s dtype).
 
-    Grouped: with ``m_splits`` (a list of ints or a 1-D integer tensor; empty groups allowed),
+    Not differentiable: ``gemm`` is the low-level GEMM that truefuse's autograd Functions call on
+    tensors that need no gradient. Under grad mode an ``a``, ``b``, ``bias``, ``pre_activation`` or
+    ``out`` that requires grad raises ``TypeError`` before anything runs; use ``truefuse.Linear``
+    (or the other modules) for gradients, or ``torch.no_grad()`` / ``.detach()`` for the raw GEMM.
+
+    Grouped: with ``m_splits`` (a list of integral scalars, Python or NumPy ints, or a 1-D integer
+    tensor; empty groups allowed),
     either ``b`` is (G, K, N) and ``a``'s rows are split (``bias`` (G, N)), or ``b`` is 2-D and the
     contraction is split: ``out`` is (G, N, K_b) and ``grad_bias`` (G, N), one weight-gradient per group.
 
@@ -229,8 +283,9 @@ def gemm(
 
     Raises:
         TypeError / ValueError naming the argument for wrong types, shapes, dtypes, devices,
-        ``m_splits``, or an ``out`` that cannot be written. Never "no algorithm": what a backend
-        cannot fuse is split into the same math (see :func:`gemm_plan_for`).
+        ``m_splits``, an operand that requires grad (see above), or an ``out`` that cannot be
+        written. Never "no algorithm": what a backend cannot fuse is split into the same math
+        (see :func:`gemm_plan_for`).
     """
     request, out_shape, odt, splits, rows_mode = _validate(
         a, b, out=out, out_dtype=out_dtype, accumulate=accumulate, bias=bias, activation=activation,
@@ -281,7 +336,10 @@ def gemm_ref(
     output dtype, then bias, then activation. On float64 inputs it is the float64 reference.
     """
     if m_splits is not None:
-        splits = [int(v) for v in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
+        if b.dim() == 3:
+            splits = check_splits(m_splits, b.shape[0], a.shape[0], "a.shape[0]")
+        else:
+            splits = check_splits(m_splits, None, a.shape[1], "the contraction size a.shape[1]")
         outs, pres, gbs, start = [], [], [], 0
         for g, m in enumerate(splits):
             sl = slice(start, start + m)

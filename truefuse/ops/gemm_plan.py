@@ -147,16 +147,27 @@ def override_capabilities(
 
     Overrides nest; inner blocks apply after outer ones.
     """
-    add = tuple(add)
+    add, remove = tuple(add), tuple(remove)
     for cap in add:
         if None in (cap.feature, cap.in_dtype, cap.out_dtype, cap.device, cap.backend):
             raise ValueError(f"add: {cap} must name feature, in_dtype, out_dtype, device and backend")
         if cap.feature not in FEATURES:
             raise ValueError(f"add: unknown feature {cap.feature!r}; known: {FEATURES}")
+    for what, caps in (("add", add), ("remove", remove)):
+        for cap in caps:
+            if cap.backend is not None and cap.backend not in _BASE_TABLES:
+                raise ValueError(f"{what}: unknown backend {cap.backend!r}; known: {tuple(_BASE_TABLES)}")
     for cap in remove:
         if cap.feature is not None and cap.feature not in FEATURES:
             raise ValueError(f"remove: unknown feature {cap.feature!r}; known: {FEATURES}")
-    ov = _Override(tuple(remove), add, None if backends is None else tuple(backends))
+    if backends is not None:
+        if isinstance(backends, str):  # "triton" would iterate as letters and match nothing
+            raise TypeError(f"backends must be a list of backend names, got the string {backends!r}")
+        backends = tuple(backends)
+        unknown = [b for b in backends if b not in _BASE_TABLES]
+        if unknown:
+            raise ValueError(f"backends: unknown backend(s) {unknown}; known: {tuple(_BASE_TABLES)}")
+    ov = _Override(remove, add, backends)
     token = _OVERRIDES.set(_OVERRIDES.get() + (ov,))
     try:
         yield
