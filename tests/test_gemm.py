@@ -6,7 +6,9 @@ from conftest import requires_cuda
 
 from truefuse import Capability, gemm, gemm_plan_for, gemm_ref, override_capabilities
 from truefuse.ops.activation import ACTIVATIONS, activation_grad_ref
-from truefuse.ops.gemm_plan import FEATURES, TORCH_CAPABILITIES, TRITON_CAPABILITIES, backend_available
+from truefuse.ops.gemm_backends.torch import CAPABILITIES as TORCH_CAPABILITIES
+from truefuse.ops.gemm_backends.triton import CAPABILITIES as TRITON_CAPABILITIES
+from truefuse.ops.gemm_plan import FEATURES, backend_available
 from truefuse.testing import assert_bitwise, assert_bounded, bounded_report
 from truefuse.verify.cases_gemm import check_gemm
 
@@ -229,6 +231,30 @@ def test_grouped_wgrad_per_group(device):
         one = gemm(dy[start : start + m].t(), x[start : start + m], out=mg[g].clone(), accumulate=True, grad_bias=True)
         assert_bitwise(res.out[g], one.out, f"group {g}")
         assert_bitwise(res.grad_bias[g], one.grad_bias, f"group {g} bias")
+        start += m
+
+
+def test_per_group_request_loops_where_a_backend_fuses_grouped():
+    """GroupedLinear's one-GEMM-per-group is said in the request (``grouped_gemm(per_group=True)``),
+    not by removing capabilities: the plan loops even where the first backend fuses ``grouped``,
+    and each group is the very call a 2-D gemm on its slice makes."""
+    from dataclasses import replace
+
+    from truefuse.ops.gemm import grouped_gemm
+    from truefuse.ops.gemm_plan import GemmRequest, plan
+
+    row = Capability("grouped", torch.float32, torch.float32, "cpu", "torch")
+    req = GemmRequest("cpu", torch.float32, torch.float32, grouped=True)
+    splits = [16, 0, 1, 53]
+    x, w = _t((70, 48), torch.float32, "cpu", 53), _t((4, 48, 40), torch.float32, "cpu", 54)
+    with override_capabilities(add=[row], backends=["torch"]):
+        assert plan(req).fused == ("mm", "grouped")
+        assert plan(replace(req, per_group=True)) == plan(replace(req, aligned=False))
+        assert str(plan(replace(req, per_group=True))) == "torch[float32]: fused mm; split grouped"
+        res = grouped_gemm(x, w, m_splits=splits, per_group=True)
+    start = 0
+    for g, m in enumerate(splits):
+        assert_bitwise(res[start : start + m], gemm(x[start : start + m], w[g]), f"group {g}")
         start += m
 
 
@@ -518,6 +544,6 @@ def test_info_main_cases_without_a_usable_backend_say_so(fresh_config):
 
 def test_known_backends_match_the_capability_tables():
     from truefuse.config import KNOWN_GEMM_BACKENDS
-    from truefuse.ops.gemm_plan import _BASE_TABLES
+    from truefuse.ops.gemm_backends import BACKENDS as _BASE_TABLES
 
     assert tuple(_BASE_TABLES) == KNOWN_GEMM_BACKENDS

@@ -10,26 +10,41 @@ import functools
 import os
 from dataclasses import dataclass
 
-#: The GEMM backends ``TRUEFUSE_GEMM_BACKENDS`` may name (``truefuse.ops.gemm_plan`` has a
-#: capability table for each; a test keeps the two in step).
-KNOWN_GEMM_BACKENDS: tuple[str, ...] = ("torch", "triton")
-_DEFAULT_GEMM_BACKENDS = "torch,triton"
+
+def known_gemm_backends() -> tuple[str, ...]:
+    """The GEMM backends ``TRUEFUSE_GEMM_BACKENDS`` may name, in default preference order: the
+    registry ``truefuse.ops.gemm_backends``. Also readable as ``KNOWN_GEMM_BACKENDS``."""
+    # imported when first needed, not with this module: the registry imports torch, and it imports
+    # this module (its backends ask get_config() when they run)
+    from truefuse.ops.gemm_backends import backend_names
+
+    return backend_names()
+
+
+def __getattr__(name: str):
+    if name == "KNOWN_GEMM_BACKENDS":
+        return known_gemm_backends()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ConfigError(ValueError):
     """An environment variable truefuse reads has a value it cannot use (the message names both)."""
 
 
-def _gemm_backends(raw: str) -> tuple[str, ...]:
-    """``TRUEFUSE_GEMM_BACKENDS`` parsed, or :class:`ConfigError`: empty, unknown or repeated names."""
+def _gemm_backends(raw: str | None) -> tuple[str, ...]:
+    """``TRUEFUSE_GEMM_BACKENDS`` parsed (None: unset, the registry's order), or :class:`ConfigError`:
+    empty, unknown or repeated names."""
+    known = known_gemm_backends()
+    if raw is None:
+        return known
     names = tuple(s.strip() for s in raw.split(",") if s.strip())
     hint = (
-        f"known backends: {', '.join(KNOWN_GEMM_BACKENDS)}; give a comma-separated preference order "
-        f"such as TRUEFUSE_GEMM_BACKENDS={_DEFAULT_GEMM_BACKENDS}, or unset it for that default"
+        f"known backends: {', '.join(known)}; give a comma-separated preference order "
+        f"such as TRUEFUSE_GEMM_BACKENDS={','.join(known)}, or unset it for that default"
     )
     if not names:
         raise ConfigError(f"TRUEFUSE_GEMM_BACKENDS={raw!r} names no GEMM backend; {hint}")
-    unknown = [n for n in names if n not in KNOWN_GEMM_BACKENDS]
+    unknown = [n for n in names if n not in known]
     if unknown:
         what = "backend" if len(unknown) == 1 else "backends"
         raise ConfigError(f"TRUEFUSE_GEMM_BACKENDS={raw!r}: unknown GEMM {what} {', '.join(map(repr, unknown))}; {hint}")
@@ -52,9 +67,10 @@ class Config:
             Then the Triton backend is offered on the CPU too (for fp32 kernel-logic tests; the
             interpreter's bf16 casts truncate, so bf16 numerics are only checked on a GPU).
         gemm_backends: ``TRUEFUSE_GEMM_BACKENDS``, a comma-separated preference order of GEMM
-            backends (default ``torch,triton``). A backend left out is never planned. An empty
-            list, a name not in :data:`KNOWN_GEMM_BACKENDS` or a repeated name raises
-            :class:`ConfigError` (a ``ValueError``) from :func:`get_config`.
+            backends (default: every registered backend in the registry's order, today
+            ``torch,triton``). A backend left out is never planned. An empty list, a name not in
+            :func:`known_gemm_backends` or a repeated name raises :class:`ConfigError` (a
+            ``ValueError``) from :func:`get_config`.
     """
 
     triton_interpret: bool
@@ -64,7 +80,7 @@ class Config:
     def from_env(cls) -> Config:
         return cls(
             triton_interpret=_flag("TRITON_INTERPRET"),
-            gemm_backends=_gemm_backends(os.environ.get("TRUEFUSE_GEMM_BACKENDS", _DEFAULT_GEMM_BACKENDS)),
+            gemm_backends=_gemm_backends(os.environ.get("TRUEFUSE_GEMM_BACKENDS")),
         )
 
 

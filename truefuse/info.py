@@ -6,6 +6,7 @@ import torch
 
 from truefuse.config import get_config
 from truefuse.ops.gemm import gemm_plan_for
+from truefuse.ops.gemm_backends import backend_names
 from truefuse.ops.gemm_plan import FEATURES, backend_available, capability_table
 
 
@@ -77,7 +78,7 @@ def print_info() -> None:
     console.print("devices: " + "; ".join(_devices()))
     console.print(f"config: {cfg}")
     device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    for backend in ("torch", "triton"):
+    for backend in backend_names():
         for dev in device_types:
             rows = [r for r in capability_table(backend) if r[3] == dev]
             avail = backend_available(backend, dev)

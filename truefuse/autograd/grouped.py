@@ -11,17 +11,16 @@ exactly the calls ``LinearFunction`` makes for one group, so a per-group Grouped
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops.activation import activation_ref
+from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_bwd, gated_fwd, use_kernel
 from truefuse.ops.gemm import gemm as _gemm
-from truefuse.ops.gemm_exec import split_bias_grad
-from truefuse.ops.gemm_plan import Capability, override_capabilities
+from truefuse.ops.gemm import grouped_gemm
 
 
 @dataclass(frozen=True)
@@ -45,12 +44,10 @@ class GroupSpec:
     names: tuple[str, ...]
     fused_grouped_gemm: bool = False
 
-    def gemm(self, *args, **kwargs):
-        """``truefuse.gemm``, with the fused grouped capability removed unless ``fused_grouped_gemm``:
-        the planner then loops over groups, each group running exactly Linear's GEMM."""
-        ctx = contextlib.nullcontext() if self.fused_grouped_gemm else override_capabilities(remove=[Capability("grouped")])
-        with ctx:
-            return _gemm(*args, **kwargs)
+    def gemm(self, a, b, **kwargs):
+        """The packed weights' grouped ``truefuse.gemm``, asking for one GEMM per group (each exactly
+        Linear's GEMM) unless ``fused_grouped_gemm``."""
+        return grouped_gemm(a, b, per_group=not self.fused_grouped_gemm, **kwargs)
 
     def n_params(self) -> int:
         per = 1 if self.packed else len(self.splits)

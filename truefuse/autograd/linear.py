@@ -11,8 +11,8 @@ import torch
 
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops.activation import activation_grad_ref
+from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.gemm import gemm
-from truefuse.ops.gemm_exec import split_bias_grad
 
 
 class LinearFunction(torch.autograd.Function):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.activation import activation_ref
-from truefuse.ops.gemm_exec import wide_dtype
 
 #: Gated activation name -> the activation applied to the gate half.
 GATED_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}

@@ -16,7 +16,8 @@ from typing import NamedTuple
 import torch
 
 from truefuse.ops.activation import activation_grad_ref, activation_ref, check_activation
-from truefuse.ops.gemm_exec import GemmArgs, run, split_bias_grad
+from truefuse.ops.bias_grad import split_bias_grad
+from truefuse.ops.gemm_exec import GemmArgs, run
 from truefuse.ops.gemm_plan import GemmPlan, GemmRequest, plan
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -139,6 +140,7 @@ def _validate(
     grad_activation=None,
     pre_activation=None,
     m_splits=None,
+    per_group=False,
 ):
     """Check every argument; return (request, out shape, out dtype, splits, rows_mode)."""
     for name, t in (("a", a), ("b", b)):
@@ -230,6 +232,7 @@ def _validate(
         grad_bias=bool(grad_bias),
         grouped=grouped,
         aligned=(not grouped) or _aligned16(a, b),
+        per_group=grouped and bool(per_group),
     )
     return request, out_shape, odt, splits, rows_mode
 
@@ -287,10 +290,36 @@ def gemm(
         written. Never "no algorithm": what a backend cannot fuse is split into the same math
         (see :func:`gemm_plan_for`).
     """
+    return _gemm(
+        a, b, out=out, out_dtype=out_dtype, accumulate=accumulate, bias=bias, activation=activation,
+        return_pre_activation=return_pre_activation, grad_bias=grad_bias, grad_activation=grad_activation,
+        pre_activation=pre_activation, m_splits=m_splits, per_group=False,
+    )  # fmt: skip
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, *, m_splits, per_group: bool, **kwargs) -> torch.Tensor | GemmOutput:
+    """``gemm(a, b, m_splits=m_splits, **kwargs)``, saying in the request how the groups are run.
+
+    ``per_group=True``: one GEMM per group, each exactly the call ``gemm`` makes on that group's
+    slices, never a fused grouped product (cuBLAS ``grouped_mm`` rounds differently: on the H200 a
+    4096×4096 forward and input gradient differed). ``GroupedLinear``/``GroupedMLP`` ask for this to
+    equal one ``Linear`` per group bit for bit. ``per_group=False``: as ``gemm``, the planner fuses
+    the grouped product where a backend offers it. The plan is otherwise the same.
+    """
+    if m_splits is None:
+        raise ValueError("grouped_gemm needs m_splits")
+    return _gemm(a, b, m_splits=m_splits, per_group=per_group, **kwargs)
+
+
+def _gemm(
+    a, b, *, out=None, out_dtype=None, accumulate=False, bias=None, activation=None, return_pre_activation=False,
+    grad_bias=False, grad_activation=None, pre_activation=None, m_splits=None, per_group=False,
+):  # fmt: skip
+    """:func:`gemm`'s body, with the request's ``per_group`` flag (see :func:`grouped_gemm`)."""
     request, out_shape, odt, splits, rows_mode = _validate(
         a, b, out=out, out_dtype=out_dtype, accumulate=accumulate, bias=bias, activation=activation,
         return_pre_activation=return_pre_activation, grad_bias=grad_bias, grad_activation=grad_activation,
-        pre_activation=pre_activation, m_splits=m_splits,
+        pre_activation=pre_activation, m_splits=m_splits, per_group=per_group,
     )  # fmt: skip
     chosen = plan(request)
     if out is None and "grouped" not in chosen.fused:  # a fused grouped call allocates its own

@@ -1,14 +1,14 @@
-"""The GEMM planner: backends' capabilities as data, and the plan that fuses or splits each feature.
+"""The GEMM planner: policy only. Which backend runs a request, and what it fuses or splits.
 
-A request names the features it needs (see :data:`FEATURES`). Each backend states, as a set of
-``(feature, input dtype, output dtype, device type)`` rows, what it can fuse into one call. The
-planner takes the first backend in preference order that can run the product for these dtypes on
-this device; it fuses what that backend can, and every feature it lacks is *split*: done as the
-same math in separate PyTorch steps. The preference order is data too (``TRUEFUSE_GEMM_BACKENDS``,
-or ``override_capabilities(backends=...)``); the default puts cuBLAS first because on the H200 it
-measured faster than the Triton GEMM even when the Triton one fuses the bias-gradient
-(docs/benchmarks.md). The planner never refuses a valid request (the failure DESIGN §3 exists to
-prevent is "Unable to find any suitable algorithms" for bf16 in, fp32 out, fused bias-gradient).
+A request names the features it needs (see :data:`FEATURES`). Each backend registered in
+``truefuse.ops.gemm_backends`` states, as a set of ``(feature, input dtype, output dtype, device
+type)`` rows, what it can fuse into one call. The planner takes the first backend in preference
+order that can run the product for these dtypes on this device; it fuses what that backend can, and
+every feature it lacks is *split*: done as the same math in separate PyTorch steps. The preference
+order is data too (``TRUEFUSE_GEMM_BACKENDS``, default the registry's order, or
+``override_capabilities(backends=...)``). The planner never refuses a valid request (the failure
+DESIGN §3 exists to prevent is "Unable to find any suitable algorithms" for bf16 in, fp32 out,
+fused bias-gradient), and never names a backend: it asks the registry.
 
 :func:`override_capabilities` changes the tables for a block of code, so a test on any machine can
 play a platform that lacks a fused path.
@@ -24,28 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from truefuse.config import get_config
-
-#: Every feature a GEMM request may need, in the order a plan lists them.
-#:
-#: * ``mm``: the product itself with output dtype == input dtype.
-#: * ``out_dtype``: a wider output than the inputs (bf16/fp16 in, fp32 out) without upcasting them.
-#: * ``accumulate``: add into an existing output (beta=1), e.g. fp32 ``main_grad``.
-#: * ``bias`` / ``activation``: forward epilogues ``act(a @ b + bias)``.
-#: * ``grad_activation``: the left operand is multiplied by ``act'(pre_activation)`` first.
-#: * ``grad_bias``: the sum of the (effective) left operand over the contraction dimension.
-#: * ``grouped``: one call over groups given by ``m_splits``.
-FEATURES: tuple[str, ...] = (
-    "mm",
-    "out_dtype",
-    "accumulate",
-    "bias",
-    "activation",
-    "grad_activation",
-    "grad_bias",
-    "grouped",
-)
-
-_F16, _BF16, _F32, _F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+from truefuse.ops.gemm_backends import BACKENDS, backend_names
+from truefuse.ops.gemm_backends._base import FEATURES, Row
 
 
 @dataclass(frozen=True)
@@ -66,7 +46,7 @@ class Capability:
     device: str | None = None
     backend: str | None = None
 
-    def matches(self, backend: str, row: tuple[str, torch.dtype, torch.dtype, str]) -> bool:
+    def matches(self, backend: str, row: Row) -> bool:
         f, i, o, d = row
         return (
             (self.backend is None or self.backend == backend)
@@ -75,47 +55,6 @@ class Capability:
             and (self.out_dtype is None or self.out_dtype == o)
             and (self.device is None or self.device == d)
         )
-
-
-def _rows(features: Iterable[str], pairs: Iterable[tuple[torch.dtype, torch.dtype]], devices: Iterable[str]):
-    return {(f, i, o, d) for f in features for (i, o) in pairs for d in devices}
-
-
-_SAME = [(_F16, _F16), (_BF16, _BF16), (_F32, _F32), (_F64, _F64)]
-_WIDEN = [(_F16, _F32), (_BF16, _F32)]
-
-#: The ``torch`` backend: cuBLAS/cuBLASLt (CUDA) or the CPU BLAS through PyTorch ops.
-#: CPU PyTorch has no ``mm``/``addmm`` with ``out_dtype`` (CUDA has, torch >= 2.9), so widening is
-#: CUDA-only. PyTorch exposes no bias-gradient epilogue and no activation-derivative prologue, and
-#: we keep forward activations out of cuBLASLt (its GELU is the tanh form only).
-#: ``grouped`` is torch.nn.functional.grouped_mm, documented for bf16 on CUDA; it has no beta=1
-#: and no per-group bias, so it fuses only with the product itself (see :data:`FUSES_ONLY_WITH`).
-TORCH_CAPABILITIES = frozenset(
-    _rows(["mm", "accumulate", "bias"], _SAME, ["cpu", "cuda"])
-    | _rows(["mm", "out_dtype", "accumulate"], _WIDEN, ["cuda"])
-    | _rows(["grouped"], [(_BF16, _BF16)], ["cuda"])  # torch 2.11: "output dtype must match mat_a"
-)
-
-#: Features a backend fuses only when every other feature of the plan is in the given set; when
-#: the request needs more, the feature is split instead (for ``grouped``: a loop over groups in
-#: which each group's GEMM still fuses the rest).
-FUSES_ONLY_WITH: dict[tuple[str, str], frozenset[str]] = {
-    ("torch", "grouped"): frozenset({"mm", "out_dtype", "grouped"}),
-}
-
-#: The ``triton`` backend: truefuse's Triton GEMM (``kernels/gemm.py``): fp32 accumulators, the
-#: activation-derivative prologue and the bias-gradient epilogue of a weight-gradient GEMM, writing
-#: or accumulating into a wider output. On the CPU it exists only under ``TRITON_INTERPRET=1``,
-#: and only for fp32: the interpreter's bf16/fp16 casts truncate and its bf16 ``tl.dot`` is wrong
-#: (DESIGN §8), so half-precision rows are CUDA-only.
-_TRITON_FEATURES = ["mm", "accumulate", "grad_activation", "grad_bias"]
-TRITON_CAPABILITIES = frozenset(
-    _rows(_TRITON_FEATURES, [(_F16, _F16), (_BF16, _BF16), (_F32, _F32)], ["cuda"])
-    | _rows([*_TRITON_FEATURES, "out_dtype"], _WIDEN, ["cuda"])
-    | _rows(_TRITON_FEATURES, [(_F32, _F32)], ["cpu"])
-)
-
-_BASE_TABLES: dict[str, frozenset] = {"torch": TORCH_CAPABILITIES, "triton": TRITON_CAPABILITIES}
 
 
 @dataclass(frozen=True)
@@ -145,7 +84,9 @@ def override_capabilities(
         backends: if given, only these backends are planned inside the block, in this order of
             preference (e.g. ``["triton", "torch"]`` prefers the fused Triton weight-gradient GEMM).
 
-    Overrides nest; inner blocks apply after outer ones.
+    Overrides nest; inner blocks apply after outer ones. This is a tool for tests and for playing a
+    platform; library code says what it wants in its request instead (e.g. the grouped layers'
+    ``grouped_gemm(..., per_group=True)``).
     """
     add, remove = tuple(add), tuple(remove)
     for cap in add:
@@ -153,10 +94,12 @@ def override_capabilities(
             raise ValueError(f"add: {cap} must name feature, in_dtype, out_dtype, device and backend")
         if cap.feature not in FEATURES:
             raise ValueError(f"add: unknown feature {cap.feature!r}; known: {FEATURES}")
+        if cap.backend in BACKENDS and cap.feature == "grouped" and BACKENDS[cap.backend].grouped_product is None:
+            raise ValueError(f"add: backend {cap.backend!r} has no grouped product to fuse 'grouped' with")
     for what, caps in (("add", add), ("remove", remove)):
         for cap in caps:
-            if cap.backend is not None and cap.backend not in _BASE_TABLES:
-                raise ValueError(f"{what}: unknown backend {cap.backend!r}; known: {tuple(_BASE_TABLES)}")
+            if cap.backend is not None and cap.backend not in BACKENDS:
+                raise ValueError(f"{what}: unknown backend {cap.backend!r}; known: {backend_names()}")
     for cap in remove:
         if cap.feature is not None and cap.feature not in FEATURES:
             raise ValueError(f"remove: unknown feature {cap.feature!r}; known: {FEATURES}")
@@ -164,9 +107,9 @@ def override_capabilities(
         if isinstance(backends, str):  # "triton" would iterate as letters and match nothing
             raise TypeError(f"backends must be a list of backend names, got the string {backends!r}")
         backends = tuple(backends)
-        unknown = [b for b in backends if b not in _BASE_TABLES]
+        unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
-            raise ValueError(f"backends: unknown backend(s) {unknown}; known: {tuple(_BASE_TABLES)}")
+            raise ValueError(f"backends: unknown backend(s) {unknown}; known: {backend_names()}")
     ov = _Override(remove, add, backends)
     token = _OVERRIDES.set(_OVERRIDES.get() + (ov,))
     try:
@@ -175,9 +118,9 @@ def override_capabilities(
         _OVERRIDES.reset(token)
 
 
-def capability_table(backend: str) -> frozenset[tuple[str, torch.dtype, torch.dtype, str]]:
+def capability_table(backend: str) -> frozenset[Row]:
     """The effective capability rows of ``backend``, overrides applied."""
-    rows = set(_BASE_TABLES[backend])
+    rows = set(BACKENDS[backend].capabilities)
     for ov in _OVERRIDES.get():
         rows = {r for r in rows if not any(p.matches(backend, r) for p in ov.remove)}
         rows |= {(c.feature, c.in_dtype, c.out_dtype, c.device) for c in ov.add if c.backend == backend}
@@ -185,18 +128,14 @@ def capability_table(backend: str) -> frozenset[tuple[str, torch.dtype, torch.dt
 
 
 def backend_available(backend: str, device: str) -> bool:
-    """Whether ``backend`` can run on ``device`` here (before capability overrides)."""
-    cfg = get_config()
-    if backend not in _BASE_TABLES or backend not in cfg.gemm_backends:
+    """Whether ``backend`` is enabled (configuration, ``override_capabilities(backends=...)``) and
+    can run on ``device`` here (the backend's own check), before capability overrides."""
+    if backend not in BACKENDS or backend not in get_config().gemm_backends:
         return False
     for ov in _OVERRIDES.get():
         if ov.backends is not None and backend not in ov.backends:
             return False
-    if backend == "triton":
-        if device == "cuda":
-            return torch.cuda.is_available()
-        return device == "cpu" and cfg.triton_interpret
-    return device in ("cpu", "cuda")
+    return BACKENDS[backend].available(device)
 
 
 def backends_in_order(device: str) -> list[str]:
@@ -224,6 +163,9 @@ class GemmRequest:
     #: every stride and base address of the grouped operands is a multiple of 16 bytes, which
     #: grouped GEMM kernels require; an unaligned grouped request is planned as a loop
     aligned: bool = True
+    #: the caller asks for one GEMM per group (a loop in which each group runs exactly the call a
+    #: plain ``gemm`` on its slice makes), never a fused grouped product, which may round differently
+    per_group: bool = False
 
     def features(self) -> tuple[str, ...]:
         flags = {
@@ -264,14 +206,14 @@ class GemmPlan:
 
 def _coverage(backend: str, table, feats: tuple[str, ...], request: GemmRequest, in_dt) -> tuple[str, ...]:
     fused = [f for f in feats if (f, in_dt, request.out_dtype, request.device) in table]
-    if "grouped" in fused and not request.aligned:
+    if "grouped" in fused and (request.per_group or not request.aligned):
         fused.remove("grouped")
     if "grad_bias" in feats and "grad_bias" not in fused and "grad_activation" in fused:
         # a split bias-gradient is summed from the operand after the derivative: the derivative
         # must then be a split step too, or the sum would see the raw output-gradient
         fused.remove("grad_activation")
     for f in list(fused):
-        allowed = FUSES_ONLY_WITH.get((backend, f))
+        allowed = BACKENDS[backend].fuses_only_with.get(f)
         if allowed is not None and not set(fused) <= allowed:
             fused.remove(f)
     return tuple(fused)
@@ -294,7 +236,9 @@ def plan(request: GemmRequest) -> GemmPlan:
             fused = _coverage(name, table, wanted, request, compute)
             split = tuple(f for f in feats if f not in fused)
             return GemmPlan(name, compute, fused, split)
+    runnable = [n for n, b in BACKENDS.items() if b.available(request.device)]
+    hint = f"enable {' or '.join(map(repr, runnable))}" if runnable else "no registered backend runs there"
     raise RuntimeError(
         f"no GEMM backend is enabled for device {request.device!r} "
-        f"(TRUEFUSE_GEMM_BACKENDS={','.join(get_config().gemm_backends)!r}); enable 'torch'"
+        f"(TRUEFUSE_GEMM_BACKENDS={','.join(get_config().gemm_backends)!r}); {hint}"
     )

@@ -1,0 +1,33 @@
+"""The registry of GEMM backends, in default preference order.
+
+Each backend is one module here defining ``BACKEND`` (a :class:`~._base.GemmBackend`): its
+capability rows, its availability check and its product. The planner (``gemm_plan``), the executor
+(``gemm_exec``), ``truefuse.config`` (the names ``TRUEFUSE_GEMM_BACKENDS`` may give, and the
+default order) and ``truefuse info`` read this list; nothing else names a backend. To add one,
+write its module and list it in :data:`BACKENDS`.
+
+``torch`` comes first by default because on the H200 cuBLAS measured faster than the Triton GEMM
+even where the Triton one fuses the bias-gradient (docs/benchmarks.md).
+
+This module must not ``import torch``: the submodule ``torch`` below takes that name here. Nor may
+anything under it call ``get_config()`` at import time: ``truefuse.config`` imports this registry
+while it reads the environment.
+"""
+
+from __future__ import annotations
+
+from truefuse.ops.gemm_backends import torch as _torch_backend
+from truefuse.ops.gemm_backends import triton as _triton_backend
+from truefuse.ops.gemm_backends._base import GemmBackend
+
+#: name -> backend, in default preference order.
+BACKENDS: dict[str, GemmBackend] = {b.name: b for b in (_torch_backend.BACKEND, _triton_backend.BACKEND)}
+
+
+def backend_names() -> tuple[str, ...]:
+    """The registered backends' names, in default preference order."""
+    return tuple(BACKENDS)
+
+
+def get_backend(name: str) -> GemmBackend:
+    return BACKENDS[name]
