@@ -5,8 +5,9 @@ Tokens are processed in chunks: a chunk's logits by ``truefuse.gemm``, its loss 
 gradient of its logits in closed form (``ops.linear_cross_entropy.chunk_math``, fp32), then the
 input gradient by a GEMM into its slice and the weight gradient accumulated across chunks in fp32
 inside the GEMM (beta=1). For ``mean`` and ``sum`` the gradients are computed in the forward (when
-grad is enabled) and the backward scales them by ``grad_output``; ``none`` (a per-token upstream
-gradient) recomputes the chunks in the backward instead.
+grad is enabled) and the first backward scales them in place by ``grad_output`` and hands them
+over (a later backward, under ``retain_graph``, recomputes them from the saved inputs); ``none`` (a
+per-token upstream gradient) recomputes the chunks in the backward instead.
 
 The chunk's loss terms and d_logits come from one Triton kernel (``kernels/cross_entropy.py``:
 online softmax over V blocks, fp32 math, d_logits written in place over the logits) on CUDA and
@@ -27,8 +28,8 @@ from truefuse.autograd.linear_cross_entropy_gemms import (
     vocab_split,
     weight_grad_gemm,
 )
+from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops._triton import triton_runs
-from truefuse.ops.gemm_exec import wide_dtype
 from truefuse.ops.linear_cross_entropy import (
     LinearCrossEntropyOutput,
     check_args,
@@ -141,8 +142,19 @@ def _chunks(
             weight_grad_gemm(d, xc, dW, i > 0, split)
     if check is not None and chunk is _kernel_chunk:
         check()
+    if N == 0 and gw:  # no tokens, no chunk ran: the weight gradient is zero, as torch's
+        if dW_out is None:
+            dW = torch.zeros(W.shape, dtype=W.dtype, device=W.device)
+        elif not dW_accumulate:  # written (overwrite_main_grad), not added to
+            dW_out.zero_()
     # kept whole (padding included): contiguous, so the backward's scale_ is one in-place pass
     return ce, zl, correct, (dx, dW, db, (d if full is None else full) if keep_d else None)
+
+
+def _in_dtypes(grads, W, b):
+    """``_chunks``' gradients (dx, dW, db, d) with dW and db in the parameters' dtypes."""
+    dx, dW, db, d = grads
+    return dx, None if dW is None else dW.to(W.dtype), None if db is None else db.to(b.dtype), d
 
 
 def _torch_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad, bias=None):
@@ -189,7 +201,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     ``deliver_weight_grad``. With one chunk the forward keeps the chunk's d_logits for it: the
     backward scales them and the one GEMM runs then (or in ``backward_dw()``). With several
     chunks, or with ``none``, the chunks are recomputed: in the backward's pass (fused) or in
-    ``backward_dw()`` (delayed, after the backward's pass for d_input and d_bias)."""
+    ``backward_dw()`` (delayed, after the backward's pass for d_input and d_bias).
+
+    Repeated backward (``retain_graph``): a returned gradient is never written by this function
+    afterwards (autograd may have made it a leaf's ``.grad``). The forward's gradients serve the
+    first backward only; every later one recomputes them from the saved inputs (x, W, bias,
+    targets, class weights, scales), the same bits, scaled by its own ``grad_output``. Saving x
+    keeps the input alive until the graph is freed (N·H elements, where nothing else holds it)."""
 
     @staticmethod
     def forward(ctx, x, W, b, t, cw, cfg: _Cfg, wstate: WgradState | None):
@@ -203,7 +221,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # serves mean's scales, the accuracy, and the target check reuses the mask.
         valid = t != cfg.ignore_index
         n = valid_count(valid, wide)
-        keep_d = deferred and x.shape[0] <= cfg.chunk  # one chunk: its d_logits serve the weight's GEMM
+        # one chunk: its d_logits serve the weight's GEMM (no tokens: no chunk, nothing to keep)
+        keep_d = deferred and 0 < x.shape[0] <= cfg.chunk
         now = cfg.reduction != "none" and any(needs) and (not deferred or keep_d)
         if cfg.reduction == "mean":
             s_ce, s_z = mean_scales(n, None if cw is None else target_weights(t, cw, cfg.ignore_index, wide)[1])
@@ -215,13 +234,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         loss, z_part = reduce_terms(ce, zl, cfg.reduction, (s_ce, s_z))
         acc = token_accuracy(correct, n).to(wide)  # the chunks mark valid tokens only
         ctx.cfg, ctx.needs, ctx.now, ctx.wstate, ctx.deferred = cfg, needs, now, wstate, deferred
+        ctx.want, ctx.keep_d, ctx.grads = want, keep_d, None
         if now:
-            dx, dW, db, d = grads
-            dW = None if dW is None else dW.to(W.dtype)
-            db = None if db is None else db.to(b.dtype)
-            ctx.save_for_backward(dx, dW, db, d, x if keep_d else None, W if deferred else None)
-            ctx.scale = torch.ones((), dtype=wide, device=x.device)  # the factor already applied
-        elif any(needs):
+            # Plain attributes, not saved tensors: the first backward scales them in place and
+            # hands them to autograd (dx may become the leaf's .grad, the same storage), which may
+            # then write them; ctx forgets them there, so nothing here reads them again and no
+            # saved-tensor version check trips on that write.
+            ctx.grads = _in_dtypes(grads, W, b)
+        if any(needs):
+            # what a later backward (retain_graph) recomputes from; references, not copies
             ctx.save_for_backward(x, W, b, t, cw, s_ce, s_z)
         ctx.mark_non_differentiable(z_part, acc)
         return loss, z_part, acc
@@ -230,19 +251,26 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, g_loss, g_z, g_acc):
         cfg = ctx.cfg
         if ctx.now:
-            # Scale the saved gradients in place (through .data: no version bump, no copy, so
-            # autograd can take them as .grad without a clone). Tracking the factor already
-            # applied keeps retain_graph and repeated backward right. A factor of 1 (the usual
-            # grad_output) costs no pass over them and no host sync (ops/scale.py): the pass took
-            # 2.2 ms of 44 at 8192 x 128256 x 4096 on the H200.
-            dx, dW, db, d, x, W = ctx.saved_tensors
-            g = g_loss.to(ctx.scale.dtype)
-            factor = g / ctx.scale
-            ctx.scale = g.clone()
+            # Gradients computed in the forward: scale them in place by grad_output and hand them
+            # over. A factor of 1 (the usual grad_output) costs no pass over them and no host sync
+            # (ops/scale.py): the pass took 2.2 ms of 44 at 8192 x 128256 x 4096 on the H200.
+            # The first backward takes the forward's and ctx lets go of them: autograd owns what
+            # it gets (a leaf's .grad may be dx itself, which later accumulations write in
+            # place), and the delayed weight GEMM's closure alone holds d. A later backward
+            # (retain_graph) recomputes them from the saved inputs as the forward did (the same
+            # bits), then scales them by its own grad_output likewise.
+            if ctx.grads is not None:
+                (dx, dW, db, d), ctx.grads = ctx.grads, None
+            else:
+                x, W, b, t, cw, s_ce, s_z = ctx.saved_tensors
+                grads = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, ctx.want, keep_d=ctx.keep_d)[3]
+                dx, dW, db, d = _in_dtypes(grads, W, b)
+            g = g_loss.to(wide_dtype(g_loss))
             for tensor in (dx, dW, db, d):
                 if tensor is not None:
-                    scale_(tensor.data, factor)
+                    scale_(tensor, g)
             if ctx.deferred:
+                x, W = ctx.saved_tensors[:2]
 
                 def compute(out, accumulate):
                     return weight_grad_gemm(d[:, : cfg.V], x, out, accumulate, vocab_split(x, cfg.V))
@@ -254,7 +282,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             g = g_loss.to(s_ce.dtype)
             s_ce, s_z = s_ce * g, s_z * g
         else:
-            s_ce = s_z = g_loss.reshape(-1).to(wide_dtype(x))
+            # delayed: a copy (N values), since backward_dw() reads it after this backward
+            # returned, when the caller may have written its upstream tensor
+            delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
+            s_ce = s_z = g_loss.reshape(-1).to(wide_dtype(x), copy=delayed)
         if not ctx.deferred:
             _, _, _, (dx, dW, db, _) = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, ctx.needs)
             dW = None if dW is None else dW.to(W.dtype)
@@ -353,7 +384,21 @@ def linear_cross_entropy(
     Returns:
         The loss, or a :class:`LinearCrossEntropyOutput` when an extra is asked for. Differentiable
         in ``input``, ``linear_weight`` and ``linear_bias``; the weight gradient is accumulated in
-        fp32 across chunks and rounded once. When every target is ignored, ``mean`` is 0.
+        fp32 across chunks and rounded once. When every target is ignored, ``mean`` is 0; with no
+        tokens at all the loss is 0 (``none``: empty) and the gradients are zeros. Backward may
+        run several times (``retain_graph``): each adds its own gradient, as the reference's does.
+
+    Non-finite values give what the reference gives (``F.cross_entropy``): a NaN logit makes its
+    token's loss, z-loss and d_logits NaN and its argmax is the first NaN (``torch.argmax``); a
+    +inf logit, or a row of -inf, makes the token's cross-entropy and d_logits NaN (its
+    log_softmax is), its z-loss term z_loss·lse² +inf (NaN for z_loss = 0, 0·inf, as in the
+    reference); a -inf logit elsewhere just has probability 0. An ignored
+    token never reaches the loss: an inf or NaN hidden state there leaves it finite. Its d_logits
+    are 0, except NaN where its log_softmax is NaN (a ±inf / NaN logit, no softcap), as torch's
+    backward gives (0 − exp(NaN)·0): then its d_input row and all of d_weight and d_bias are NaN,
+    exactly as the reference's. With softcap its logits are finite: d_input's row is 0 and
+    d_weight is NaN only in the columns where the hidden state is inf (0·inf in the weight GEMM,
+    as in ``F.linear``'s backward).
 
     Raises:
         TypeError / ValueError naming the argument; ``ValueError`` for a target outside [0, V)

@@ -3,14 +3,14 @@
 cuBLAS (H200, bf16) runs a GEMM whose vocabulary dimension V is not a multiple of 8 five to six
 times slower: at 8192 x 50257 x 4096 (GPT-2's vocabulary) the logits, d_input and d_weight GEMMs
 took 31.0 / 23.9 / 22.7 ms against 4.85 / 4.74 / 4.84 ms with that dimension padded
-(``scripts/exp_odd_vocab_gemms.py``). Padding the weight costs a copy of it; splitting does not.
+(``experiments/exp_odd_vocab_gemms.py``). Padding the weight costs a copy of it; splitting does not.
 With ``split`` = V rounded down to ``ALIGN`` the first ``split`` classes run in aligned GEMMs and
 the rest (fewer than ``ALIGN``) in a small one:
 
 * logits: two column ranges of the output (disjoint: every logit is the same dot product),
   without the bias: into an output with padded rows cuBLAS's aligned kernels add a bias (as
   beta·C) after rounding the product, 1.41x the logits' error of ``F.linear``'s bias epilogue at
-  1024 x 50257 x 128 (``scripts/exp_lce_split_accuracy.py``), so the loss kernel adds it in fp32;
+  1024 x 50257 x 128 (``experiments/exp_lce_split_accuracy.py``), so the loss kernel adds it in fp32;
 * d_weight: two row ranges of the output (disjoint likewise);
 * d_input contracts over V: the two parts are summed in fp32 and rounded once, as one GEMM's
   fp32 accumulator is (an fp32 (tokens, H) temporary).
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.gemm import gemm
-from truefuse.ops.gemm_exec import wide_dtype
 
 #: The logits buffer's rows are padded to, and the aligned GEMMs' vocabulary is, a multiple of this.
 ALIGN = 64

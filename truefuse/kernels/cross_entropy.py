@@ -9,9 +9,16 @@ mod 16 cannot be vectorised: 3.3 ms instead of 1.9 at 8192 x 128256 bf16 on the 
 
     g_j = s_ce·[(1-ε)·w_t·(p_j − δ_jt) + ε/V·(p_j·Σw − w_j)] + s_z·2·z_loss·lse·p_j
 
-times softcap's derivative, rounded once to the logits' dtype (zero on ignored rows). ``s_ce`` /
-``s_z`` are the reduction's scales (or the per-token upstream gradient), read from device memory
-so that no host synchronisation is needed. Offsets are int64 (tokens × V passes 2³¹).
+times softcap's derivative, rounded once to the logits' dtype. ``s_ce`` / ``s_z`` are the
+reduction's scales (or the per-token upstream gradient), read from device memory so that no host
+synchronisation is needed. Offsets are int64 (tokens × V passes 2³¹).
+
+Non-finite logits give what ``F.cross_entropy`` / ``torch.logsumexp`` / ``torch.argmax`` give
+(``linear_cross_entropy_ref``): a NaN makes its lane's sum NaN for good and the row's lse NaN;
+the cross-entropy and p_j use lse where it is finite and NaN where it is ±inf (log_softmax is NaN
+on such a row), the z-loss uses torch.logsumexp's ±inf; the argmax is the first maximum, or the
+first NaN (found by a second pass over that row alone). Ignored rows: loss terms 0 (selected, never
+multiplied by 0), d_logits 0·p_j (torch's 0 − exp(log_softmax)·0: NaN only where that is NaN).
 
 ``HAS_BIAS``: the logits were written without the bias and the kernel adds it in fp32 as it reads
 them (the vocabulary-split GEMMs of ``autograd/linear_cross_entropy_gemms.py``, where cuBLAS would
@@ -159,9 +166,25 @@ def _lce_chunk_kernel(
         m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, cap, m, s, arg, wz,
                                      HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
     mx = tl.max(m, axis=0)
-    scaled = tl.where(m == mx, s, tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)))
+    # A lane whose max stayed -inf holds s = 0, or NaN if it met a NaN (NaN > m is never true, so
+    # a NaN moves no max but makes the lane's sum NaN for good): its s is its share as it stands.
+    scaled = tl.where(m == mx, s, tl.where(m == float("-inf"), s, s * tl.exp(m - mx)))
     best_i = tl.min(tl.where(m == mx, arg, V), axis=0).to(tl.int64)  # the first maximum overall
+    # torch.logsumexp: +inf with a +inf logit, -inf when every logit is -inf, NaN with a NaN
     lse = mx + tl.log(tl.sum(scaled, axis=0))
+    if lse != lse:
+        # a NaN logit (nothing else makes lse NaN): torch.argmax returns the first NaN. A second
+        # pass over this row only, off the common path.
+        first = tl.zeros((BLOCK_V,), tl.int32) + V
+        for i in range(0, tl.cdiv(V, BLOCK_V)):
+            cols = i * BLOCK_V + cols0
+            mask = cols < V
+            z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, True)
+            first = tl.minimum(first, tl.where(mask & (z != z), cols, V))
+        best_i = tl.min(first, axis=0).to(tl.int64)
+    # F.cross_entropy's log_softmax is NaN on the whole row when its max is not finite (z - max
+    # gives inf - inf) or a logit is NaN: the loss and the gradients use this lse, NaN there
+    lse_ce = tl.where(tl.abs(lse) < float("inf"), lse, float("nan"))
     z_t = tl.load(base + t_safe).to(tl.float32)
     if HAS_BIAS:
         z_t += tl.load(bias_ptr + t_safe).to(tl.float32)
@@ -170,25 +193,31 @@ def _lce_chunk_kernel(
         w_t = tl.load(cw_ptr + t_safe)
     else:
         w_t = 1.0
-    ce = w_t * (lse - z_t)
+    ce = w_t * (lse_ce - z_t)
     if SMOOTH:
-        ce = (1.0 - smoothing) * ce + smoothing / V * (w_sum * lse - tl.sum(wz, axis=0))
-    vf = tl.where(valid, 1.0, 0.0)
-    tl.store(ce_ptr + row, ce * vf)
-    tl.store(zl_ptr + row, z_loss * lse * lse * vf)
+        ce = (1.0 - smoothing) * ce + smoothing / V * (w_sum * lse_ce - tl.sum(wz, axis=0))
+    # selected, not multiplied by 0: an ignored row's logits are never part of the loss (an
+    # inf or NaN there must not make it NaN, as it does not in torch)
+    tl.store(ce_ptr + row, tl.where(valid, ce, 0.0))
+    tl.store(zl_ptr + row, tl.where(valid, z_loss * lse * lse, 0.0))
     tl.store(ok_ptr + row, (best_i == t) & valid)
 
     if WANT_GRAD:
         if PER_TOKEN:
-            s_ce = tl.load(s_ce_ptr + row) * vf
-            s_z = tl.load(s_z_ptr + row) * vf
+            s_ce = tl.load(s_ce_ptr + row)
+            s_z = tl.load(s_z_ptr + row)
         else:
-            s_ce = tl.load(s_ce_ptr) * vf
-            s_z = tl.load(s_z_ptr) * vf
+            s_ce = tl.load(s_ce_ptr)
+            s_z = tl.load(s_z_ptr)
+        # An ignored row's upstream gradient is never read (it may be inf or NaN under ``none``):
+        # its scales are 0, so its d_logits are 0·p, as torch's log_softmax backward gives them
+        # (0 − exp(out)·0): 0, or NaN on a row whose log_softmax is NaN (lse_ce NaN, p NaN)
+        s_ce = tl.where(valid, s_ce, 0.0)
+        s_z = tl.where(valid, s_z, 0.0)
         a = (1.0 - smoothing) * w_t * s_ce
         for i in range(0, n_full):
-            _grad_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, t_safe, a, lse, s_ce, s_z, w_sum, smoothing,
+            _grad_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, t_safe, a, lse_ce, s_ce, s_z, w_sum, smoothing,
                         z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
         if tail:
-            _grad_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, t_safe, a, lse, s_ce, s_z, w_sum,
+            _grad_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, t_safe, a, lse_ce, s_ce, s_z, w_sum,
                         smoothing, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip

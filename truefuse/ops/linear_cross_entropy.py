@@ -6,7 +6,15 @@ Semantics (``linear_cross_entropy_ref``): ``logits = F.linear(input, W, b)`` in 
 non-ignored token. Reductions of the z-loss term: summed for ``sum``, divided by the number of
 non-ignored tokens for ``mean`` (the cross-entropy term of ``mean`` is divided by the summed class
 weights of the non-ignored targets, as torch does). When every target is ignored, ``mean`` is 0
-with zero gradients, not NaN (torch gives NaN): a documented difference.
+with zero gradients, not NaN (torch gives NaN): a documented difference. An ignored token's
+z-loss term is selected away (``torch.where``), not multiplied by 0, so that an inf or NaN in its
+logits stays out of the loss, as in ``F.cross_entropy``.
+
+Non-finite logits: torch's own behaviour, which the fused op matches. ``F.cross_entropy``'s
+log_softmax is NaN on a whole row whose max is ±inf or that holds a NaN, so such a token's loss
+and d_logits are NaN; an ignored token's d_logits are 0 − exp(log_softmax)·0 there, NaN too.
+``torch.logsumexp`` (the z-loss) gives ±inf for a ±inf max; ``torch.argmax`` (the accuracy) takes
+the first NaN, else the first maximum.
 
 ``chunk_math`` is the same math for one chunk of tokens given its logits, with the gradient of the
 logits in closed form; the chunked op (``truefuse/autograd/linear_cross_entropy.py``) runs it.
@@ -14,12 +22,13 @@ logits in closed form; the chunked op (``truefuse/autograd/linear_cross_entropy.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from truefuse.ops.gemm_exec import wide_dtype
+from truefuse.ops._dtypes import wide_dtype
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -75,12 +84,13 @@ def check_args(
             raise ValueError(f"{name} is on {t.device} but input is on {input.device}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    # written so that NaN fails each test (every comparison with NaN is false), and inf is named
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if float(z_loss) < 0:
-        raise ValueError(f"z_loss must be non-negative, got {z_loss}")
-    if softcap is not None and not float(softcap) > 0:
-        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    if not 0.0 <= float(z_loss) < math.inf:
+        raise ValueError(f"z_loss must be non-negative and finite, got {z_loss}")
+    if softcap is not None and not 0.0 < float(softcap) < math.inf:
+        raise ValueError(f"softcap must be positive and finite, or None, got {softcap}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
@@ -171,7 +181,9 @@ def _from_logits(
     ce = F.cross_entropy(logits, t, weight=cw, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
     valid, w_t = target_weights(t, cw, ignore_index, wide)
     n = valid_count(valid, wide)
-    zl = z_loss * torch.logsumexp(logits, dim=-1).square() * valid
+    # selected, not multiplied by the mask: an ignored row's logits never reach the loss (as in
+    # F.cross_entropy), so an inf or NaN there leaves it finite
+    zl = torch.where(valid, z_loss * torch.logsumexp(logits, dim=-1).square(), 0.0)
     loss, z_part = reduce_terms(ce, zl, reduction, mean_scales(n, None if cw is None else w_t) if reduction == "mean" else None)
     if reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape)
@@ -242,31 +254,38 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s
         s_ce, s_z: scales of the cross-entropy and z-loss gradients (scalars or (C,) per token).
 
     Returns ``(ce, zl, correct, d_logits or None)``: the gradient is with respect to the logits
-    before the softcap, scaled, zero on ignored rows.
+    before the softcap, scaled; on ignored rows the terms are 0 and the gradient is 0 (NaN where
+    torch's is: a row whose log_softmax is NaN). Non-finite logits: as the module docstring says.
     """
-    lse = torch.logsumexp(z, dim=-1)
+    lse = torch.logsumexp(z, dim=-1)  # the z-loss's: ±inf with a ±inf max, NaN with a NaN
+    # F.cross_entropy's log_softmax is NaN on a row whose max is ±inf (z − max = inf − inf): the
+    # cross-entropy and its gradient use lse where finite, NaN elsewhere
+    lse_ce = torch.where(lse.isfinite(), lse, torch.nan)
     t_safe = torch.where(valid, t, 0)
     z_t = z.gather(1, t_safe[:, None]).squeeze(1)
     w_t = cw[t_safe] if cw is not None else torch.ones_like(lse)
     eps = float(label_smoothing)
-    ce = w_t * (lse - z_t)
+    ce = w_t * (lse_ce - z_t)
     if eps > 0:
         wz = z @ cw if cw is not None else z.sum(-1)
-        ce = (1 - eps) * ce + eps / V * (W_sum * lse - wz)
-    vf = valid.to(z.dtype)
-    ce = ce * vf
-    zl = z_loss * lse.square() * vf
+        ce = (1 - eps) * ce + eps / V * (W_sum * lse_ce - wz)
+    # selected, not multiplied by 0: an ignored row's inf / NaN logits must not reach the loss
+    ce = torch.where(valid, ce, 0.0)
+    zl = torch.where(valid, z_loss * lse.square(), 0.0)
     correct = (z.argmax(-1) == t) & valid
     if not want_grad:
         return ce, zl, correct, None
-    p = torch.exp(z - lse[:, None])
+    p = torch.exp(z - lse_ce[:, None])
     g = p * ((1 - eps) * w_t)[:, None]
     g.scatter_add_(1, t_safe[:, None], -((1 - eps) * w_t)[:, None])
     if eps > 0:
         g += eps / V * (p * W_sum - (cw[None, :] if cw is not None else 1.0))
-    g *= (s_ce * vf)[:, None]  # s_ce, s_z: 0-dim (a reduction's scale) or (C,) (per-token upstream)
+    # s_ce, s_z: 0-dim (a reduction's scale) or (C,) (per-token upstream). An ignored row's are 0,
+    # whatever the upstream (inf or NaN included): its d_logits are 0·p, as torch's log_softmax
+    # backward gives (0 − exp(out)·0): 0, or NaN on a row whose log_softmax is NaN
+    g *= torch.where(valid, s_ce, 0.0)[:, None]
     if z_loss:
-        g += (2 * z_loss * lse * s_z * vf)[:, None] * p
+        g += (2 * z_loss * lse_ce * torch.where(valid, s_z, 0.0))[:, None] * p
     if softcap is not None:
         g *= 1 - (z / softcap).square()
     return ce, zl, correct, g
