@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from truefuse.bench.bench_allreduce_add_rmsnorm import _graph_us
-from truefuse.distributed import Workspace, allreduce_add_rmsnorm, symm
+from truefuse.distributed import Workspace, allreduce_add_rmsnorm
 from truefuse.distributed.launch import run_local
+from truefuse.ops import allreduce as allreduce_ops  # the launcher reads its thresholds at each call
 
 ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 VARIANTS = {  # name: (two_stage, push max bytes, LL max bytes, programs per SM)
@@ -29,7 +30,7 @@ VARIANTS = {  # name: (two_stage, push max bytes, LL max bytes, programs per SM)
 def _worker(rank, world_size):
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    symm.LL_MAX_BYTES = 256 * 4096 * 2  # LL slots sized for up to 256 rows
+    allreduce_ops.LL_MAX_BYTES = 256 * 4096 * 2  # LL slots sized for up to 256 rows
     ws = Workspace(max_bytes=max(ROWS) * 4096 * 2, validate=False)
     out = []
     for m in ROWS:
@@ -42,7 +43,7 @@ def _worker(rank, world_size):
             if (name.startswith("ll") and m > 64) or (name.endswith("/1") and m < 256) or (name.startswith("2s") and m < 16):
                 continue
             ws.two_stage_bytes = 0 if two else 1 << 62
-            symm.PUSH_MAX_BYTES, symm.LL_MAX_BYTES, symm.PROGRAMS_PER_SM = push, ll, per_sm
+            allreduce_ops.PUSH_MAX_BYTES, allreduce_ops.LL_MAX_BYTES, allreduce_ops.PROGRAMS_PER_SM = push, ll, per_sm
             got = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws)
             same = all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
             us = _graph_us(lambda x=x, res=res, w=w: allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws))

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_results}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# DESIGN §4 / the device README: never NVLink multicast
+# docs/design.md §4 / the device README: never NVLink multicast
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY="${PYTHON:-python3}"
 # peers for the cross-entropy benchmark, carried as wheels in .whl/ (no network on the GPU machine)

@@ -87,3 +87,18 @@ def test_readme_first_lines_are_the_two_commands():
     assert len(block) == 2
     assert block[1].split("#")[0].strip() == (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1].strip()
     assert os.access(ROOT / "scripts" / "bootstrap.sh", os.R_OK)
+
+
+def test_design_references_resolve_inside_the_repository():
+    """Every "docs/design.md §N" cited in the tree names a section of docs/design.md, and nothing
+    points at a design doc outside the repository (a clone has only this one)."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    sections = set(re.findall(r"^## (\d+)\.", design, flags=re.M))
+    cited, outside = set(), []
+    for path in [*ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md"), *(ROOT / "truefuse").rglob("*.py"), *(ROOT / "scripts").glob("*")]:
+        text = path.read_text()
+        cited |= {m.split(".")[0] for m in re.findall(r"docs/design\.md §(\d+(?:\.\d+)?)", text)}
+        if re.search(r"shared/DESIGN|DESIGN §", text):
+            outside.append(str(path.relative_to(ROOT)))
+    assert not outside, f"references to a design doc outside the repository: {outside}"
+    assert cited and cited <= sections, f"cited sections missing from docs/design.md: {sorted(cited - sections)}"

@@ -1,15 +1,15 @@
 """truefuse: fused kernels and modules for training and serving LLMs, numerically faithful.
 
-Public API (see README.md and shared/DESIGN.md):
+Public API (see README.md and docs/design.md):
 
 * :func:`gemm` / :func:`gemm_ref`, :func:`gemm_plan_for`, :func:`override_capabilities`,
-  :class:`Capability`: the one GEMM entry point (DESIGN §3).
+  :class:`Capability`: the one GEMM entry point (docs/design.md §3).
 * :func:`rms_norm`, :func:`layer_norm`, :func:`gated_activation` and :class:`RMSNorm`: fused
   norms and gated activations (references in ``truefuse.ops``).
 * :func:`linear_cross_entropy` / :func:`linear_cross_entropy_ref`: the LM head's loss in chunks.
 * :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP`, :class:`GroupedLinear`,
   :class:`GroupedMLP`: modules with fp32 ``main_grad``
-  accumulation and delayed weight gradients under one weight-gradient contract (DESIGN §2).
+  accumulation and delayed weight gradients under one weight-gradient contract (docs/design.md §2).
 """
 
 from truefuse.autograd.gated_activation import gated_activation

@@ -43,8 +43,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _verify_distributed(world_size: int, device: str, ops: list[str] | None = None) -> int:
     """The bitwise table of the allreduce + RMSNorm contract on a local process group."""
-    from truefuse.distributed.check import OPS, format_table, table
     from truefuse.distributed.launch import run_local
+    from truefuse.verify.distributed_table import OPS, format_table, table
 
     # every row of the table checks all of OPS: an --op among them runs the whole table
     unknown = [o for o in ops or () if o not in OPS]

@@ -10,21 +10,15 @@ import functools
 import os
 from dataclasses import dataclass
 
+#: The GEMM backends ``TRUEFUSE_GEMM_BACKENDS`` may name, in default preference order. Each is one
+#: file of ``truefuse/ops/gemm_backends/``, whose registry checks at import that it lists exactly
+#: these (config sits below ops: it names them, it does not import them).
+KNOWN_GEMM_BACKENDS: tuple[str, ...] = ("torch", "triton")
+
 
 def known_gemm_backends() -> tuple[str, ...]:
-    """The GEMM backends ``TRUEFUSE_GEMM_BACKENDS`` may name, in default preference order: the
-    registry ``truefuse.ops.gemm_backends``. Also readable as ``KNOWN_GEMM_BACKENDS``."""
-    # imported when first needed, not with this module: the registry imports torch, and it imports
-    # this module (its backends ask get_config() when they run)
-    from truefuse.ops.gemm_backends import backend_names
-
-    return backend_names()
-
-
-def __getattr__(name: str):
-    if name == "KNOWN_GEMM_BACKENDS":
-        return known_gemm_backends()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """:data:`KNOWN_GEMM_BACKENDS`."""
+    return KNOWN_GEMM_BACKENDS
 
 
 class ConfigError(ValueError):

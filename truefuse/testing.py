@@ -1,4 +1,4 @@
-"""Numerics helpers of the contract (DESIGN §1), shared by the tests and ``truefuse verify``.
+"""Numerics helpers of the contract (docs/design.md §1), shared by the tests and ``truefuse verify``.
 
 Two checks exist and nothing else decides PASS/FAIL:
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-#: Allowed error ratio against the same-dtype baseline (DESIGN §1).
+#: Allowed error ratio against the same-dtype baseline (docs/design.md §1).
 BOUNDED_RATIO = 1.25
 #: Relative-error floor: below this, both paths are at fp32 rounding level and the ratio is noise.
 BOUNDED_FLOOR = 1e-6
@@ -123,7 +123,7 @@ def bounded_report(
         ref64: the same quantity computed in float64 (usually ``<op>_ref`` on upcast CPU inputs).
         baseline: the same-dtype unfused PyTorch path's result (usually ``<op>_ref`` on the same
             inputs), whose error against ``ref64`` sets the tolerance.
-        ratio: allowed error ratio (DESIGN §1: 1.25).
+        ratio: allowed error ratio (docs/design.md §1: 1.25).
         floor: relative-error floor added to the bound.
     """
     err = rel_error(out, ref64)

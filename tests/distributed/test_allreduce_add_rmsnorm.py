@@ -1,13 +1,13 @@
 """allreduce / allreduce_add_rmsnorm on gloo with 2 and 4 CPU processes: the bitwise table of
-DESIGN §4 (printed), and bad input as the same clear error on every rank (no hang)."""
+docs/design.md §4 (printed), and bad input as the same clear error on every rank (no hang)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from truefuse.distributed import Workspace, allreduce, allreduce_add_rmsnorm
-from truefuse.distributed.check import format_table, table
 from truefuse.distributed.launch import run_local
+from truefuse.verify.distributed_table import format_table, table
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -77,3 +77,72 @@ def test_backward_needs_no_collective():
     """The allreduce's backward is the identity: x and residual get the same gradient."""
     for gx, gres, gw in run_local(2, _grad):
         assert torch.equal(gx, gres) and gw.shape == (16,) and torch.isfinite(gx).all()
+
+
+def _grads_against_rms_norm(rank, world_size):
+    """The fused op's backward (the norm's backward on the saved rstd) against autograd through
+    ``truefuse.rms_norm(residual_out, w, eps)`` on the same residual_out; fp32 on the CPU, where
+    the norm's Triton kernels run (interpreter), so allreduce_add_rmsnorm's Function is the path."""
+    from truefuse.autograd.norm import rms_norm
+
+    out = []
+    eps = 1e-6
+    for shape, used in [((5, 41), "both"), ((2, 3, 64), "both"), ((4, 17), "normed"), ((4, 17), "residual_out")]:
+        g = torch.Generator().manual_seed(1000 * rank + shape[-1])
+        x, res = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        x[..., 0], res[..., 0] = -0.0, -0.0  # -0 rows in column 0: signed zeros in the gradients too
+        w = torch.randn(shape[-1], generator=torch.Generator().manual_seed(7))
+        gy, gr = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        gy[..., 1] = 0.0
+        xg, rg, wg = (t.clone().requires_grad_() for t in (x, res, w))
+        normed, res_out = allreduce_add_rmsnorm(xg, rg, wg, eps)
+        fused = type(normed.grad_fn).__name__ == "FusedAllreduceAddRMSNormBackward"
+        picks = {"both": ((normed, res_out), (gy, gr)), "normed": ((normed,), (gy,)), "residual_out": ((res_out,), (gr,))}
+        outputs, grads = picks[used]
+        dx, dres, dw = torch.autograd.grad(outputs, (xg, rg, wg), grads, allow_unused=True)
+        # the same gradients through truefuse.rms_norm on the same residual_out
+        r, w2 = res_out.detach().requires_grad_(), w.clone().requires_grad_()
+        want_dw = None
+        if used == "residual_out":
+            want = gr
+        else:
+            y = rms_norm(r, w2, eps)
+            dr, want_dw = torch.autograd.grad(y, (r, w2), gy)
+            want = dr if used == "normed" else gr + dr
+        out.append((shape, used, fused, dx, dres, dw, want, want_dw))
+    return out
+
+
+def _bits(t):
+    return None if t is None else t.view(torch.int32)
+
+
+def test_backward_is_the_norms_backward_bitwise():
+    """d_x, d_residual and d_weight of allreduce_add_rmsnorm are bitwise those of torch.autograd.grad
+    through truefuse.rms_norm(residual_out, w, eps) (the residual's gradient added), on every rank,
+    whichever outputs the loss uses."""
+    for rank, rows in enumerate(run_local(2, _grads_against_rms_norm)):
+        for shape, used, fused, dx, dres, dw, want, want_dw in rows:
+            where = (rank, shape, used)
+            assert fused, where  # the Function with the saved rstd, not the plain composition
+            assert dx.shape == shape and torch.equal(_bits(dx), _bits(want)), where
+            assert torch.equal(_bits(dres), _bits(want)), where
+            if want_dw is None:
+                assert dw is None, where  # the norm was not in the loss: no weight gradient
+            else:
+                assert torch.equal(_bits(dw), _bits(want_dw)), where
+
+
+def test_distributed_imports_no_kernels():
+    """docs/design.md §5: distributed/ builds on ops/ and autograd/; only ops/ launches kernels."""
+    import ast
+    import pathlib
+
+    import truefuse.distributed
+
+    for path in sorted(pathlib.Path(truefuse.distributed.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            assert not any(n == "truefuse.kernels" or n.startswith("truefuse.kernels.") for n in names), path.name

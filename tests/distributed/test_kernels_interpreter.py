@@ -6,7 +6,7 @@ consecutive calls exercise the alternating halves and the epoch. The interpreter
 at a time and x86 keeps store order, so the PTX fences are left out there (kernels/allreduce.py);
 on GPUs `verify --world-size N` checks the real thing.
 
-fp32 and fp16 only: the interpreter truncates bf16 casts (DESIGN §8)."""
+fp32 and fp16 only: the interpreter truncates bf16 casts (docs/design.md §8)."""
 
 import os
 import time
@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from truefuse.distributed.allreduce import ordered_sum
-from truefuse.distributed.symm import layout
+from truefuse.distributed.workspace import layout
 
 _CALLS, _MAX_BYTES = 3, 16 << 10
 _VARIANTS = {  # name: (LL, TWO_STAGE, PUSH)
@@ -28,7 +28,7 @@ _VARIANTS = {  # name: (LL, TWO_STAGE, PUSH)
 }
 
 
-def _rank(r, W, M, N, programs, variant, bufs, sigs, xs, res, w, outs, normed, queue):
+def _rank(r, W, M, N, programs, variant, bufs, sigs, xs, res, w, outs, normed, queue, rstds=None):
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported in this process
     import triton
 
@@ -50,7 +50,9 @@ def _rank(r, W, M, N, programs, variant, bufs, sigs, xs, res, w, outs, normed, q
                 xs[r][c], res[r], w, outs[r][c], normed[r][c], buf_ptrs, sig_ptrs, epoch, done,
                 half // xs[r].element_size(), half // 8, ll_offset // 8, M, N, -(-M // W), 1e-6, r,
                 W=W, WP=triton.next_power_of_2(W), MAXP=512, HAS_RES=True, HAS_NORM=True, TWO_STAGE=two_stage,
-                PUSH=push, LL=ll, BLOCK_N=block, num_warps=warps,
+                PUSH=push, LL=ll, BLOCK_N=block, INTERPRETED=True, num_warps=warps,
+                # rstd on calls 0 and 2, none on call 1 (the launcher's choice: only when a gradient is wanted)
+                rstd_ptr=rstds[r][c] if rstds is not None and c != 1 else None,
             )  # fmt: skip
         queue.put((r, None, int(epoch.item())))
     except Exception:  # noqa: BLE001  (reported to the parent)
@@ -63,13 +65,8 @@ def _bits(t):
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter path; GPUs run the real kernel in verify")
-@pytest.mark.parametrize("variant", list(_VARIANTS))
-@pytest.mark.parametrize("W, M, N, programs", [(2, 5, 41, 2), (3, 7, 64, 2)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_kernels_across_processes(variant, W, M, N, programs, dtype):
-    from truefuse.autograd.norm import rms_norm
-
+def _run(W, M, N, programs, variant, dtype, with_rstd=False):
+    """Every rank's _CALLS kernel calls, ranks as spawned processes: (xs, res, w, outs, normed, rstds, results)."""
     half, _, _ = layout(W, _MAX_BYTES)
     g = torch.Generator().manual_seed(W * 100 + M)
     shared = lambda t: t.share_memory_()  # noqa: E731
@@ -83,9 +80,10 @@ def test_kernels_across_processes(variant, W, M, N, programs, dtype):
     w = shared(torch.randn(N, generator=g).to(dtype))
     outs = [shared(torch.zeros(_CALLS, M, N, dtype=dtype)) for _ in range(W)]
     normed = [shared(torch.zeros(_CALLS, M, N, dtype=dtype)) for _ in range(W)]
+    rstds = [shared(torch.full((_CALLS, M), -1.0)) for _ in range(W)] if with_rstd else None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    args = (W, M, N, programs, variant, bufs, sigs, xs, res, w, outs, normed, queue)
+    args = (W, M, N, programs, variant, bufs, sigs, xs, res, w, outs, normed, queue, rstds)
     procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(W)]
     for p in procs:
         p.start()
@@ -96,6 +94,22 @@ def test_kernels_across_processes(variant, W, M, N, programs, dtype):
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
+    return xs, res, w, outs, normed, rstds, results
+
+
+_INTERPRETER_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU interpreter path; GPUs run the real kernel in verify"
+)
+
+
+@_INTERPRETER_ONLY
+@pytest.mark.parametrize("variant", list(_VARIANTS))
+@pytest.mark.parametrize("W, M, N, programs", [(2, 5, 41, 2), (3, 7, 64, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_kernels_across_processes(variant, W, M, N, programs, dtype):
+    from truefuse.autograd.norm import rms_norm
+
+    xs, res, w, outs, normed, _, results = _run(W, M, N, programs, variant, dtype)
     failures = [err for _, err, _ in results if err]
     assert not failures, failures[0]
     assert all(ep == _CALLS for _, _, ep in results)  # every call moved the epoch on once
@@ -109,3 +123,27 @@ def test_kernels_across_processes(variant, W, M, N, programs, dtype):
                 assert torch.equal(normed[r][c], want), (c, r)
             else:  # the fp16 reference runs in PyTorch on the CPU: another summation order
                 torch.testing.assert_close(normed[r][c], want, rtol=1e-3, atol=1e-3)
+
+
+@_INTERPRETER_ONLY
+@pytest.mark.parametrize("variant", ["ll", "1stage_pull", "2stage_push"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_kernel_rstd_is_the_norm_forwards(variant, dtype):
+    """With ``rstd_ptr`` every rank stores each row's rstd: bitwise what the norm's own forward
+    kernel (``ops.norm.norm_fwd``, what ``truefuse.rms_norm`` saves for its backward) gives on
+    that rank's residual_out; without it (call 1) nothing is written and the outputs are unchanged."""
+    from truefuse.ops.norm import norm_fwd
+
+    W, M, N, programs = 2, 5, 41, 2
+    xs, res, w, outs, normed, rstds, results = _run(W, M, N, programs, variant, dtype, with_rstd=True)
+    failures = [err for _, err, _ in results if err]
+    assert not failures, failures[0]
+    for c in range(_CALLS):
+        for r in range(W):
+            want_normed, _, want_rstd = norm_fwd(outs[r][c], w, None, 1e-6, rms=True, zero_centered_gamma=False)
+            assert torch.equal(_bits(outs[r][c]), _bits(ordered_sum([x[c] for x in xs]) + res[r])), (c, r)
+            assert torch.equal(_bits(normed[r][c]), _bits(want_normed)), (c, r)
+            if c == 1:
+                assert torch.all(rstds[r][c] == -1.0), (c, r)  # not written
+            else:
+                assert torch.equal(_bits(rstds[r][c]), _bits(want_rstd)), (c, r)

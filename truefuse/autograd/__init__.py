@@ -1,1 +1,1 @@
-"""torch.autograd.Function classes and the functional API built on them (DESIGN §5)."""
+"""torch.autograd.Function classes and the functional API built on them (docs/design.md §5)."""

@@ -1,4 +1,4 @@
-"""DESIGN §2, the weight-gradient contract, in one function: :func:`deliver_weight_grad`.
+"""docs/design.md §2, the weight-gradient contract, in one function: :func:`deliver_weight_grad`.
 
 Every module's backward hands each GEMM weight's gradient computation to ``deliver_weight_grad``
 and returns whatever it returns to autograd. Nothing else in truefuse touches ``main_grad``.
@@ -146,7 +146,7 @@ def _fire(state: WgradState, param: torch.Tensor) -> None:
 
 
 def deliver_weight_grad(param: torch.Tensor, name: str, compute: WgradCompute, state: WgradState) -> torch.Tensor | None:
-    """Run or queue ``param``'s weight-gradient GEMM per DESIGN §2; return what autograd gets.
+    """Run or queue ``param``'s weight-gradient GEMM per docs/design.md §2; return what autograd gets.
 
     Args:
         param: the GEMM weight (a Parameter, possibly tied into other modules).

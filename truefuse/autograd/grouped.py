@@ -5,7 +5,7 @@ rows. Weights are either *packed*, one (G, N, K) tensor (and one (G, N) bias), o
 tensors (N, K). Packed weights go through ``truefuse.gemm``'s grouped forms (rows mode forward and
 input gradient, contraction mode weight gradient into a (G, N, K) output); per-group weights run
 exactly the calls ``LinearFunction`` makes for one group, so a per-group GroupedLinear equals one
-``truefuse.Linear`` per group bit for bit. Every weight gradient goes through DESIGN §2
+``truefuse.Linear`` per group bit for bit. Every weight gradient goes through docs/design.md §2
 (``_wgrad.deliver_weight_grad``), packed or per group.
 """
 
@@ -85,13 +85,13 @@ def grouped_dgrad(spec: GroupSpec, dy, weights) -> torch.Tensor:
 
 
 def grouped_bgrad(spec: GroupSpec, dy, biases) -> list[torch.Tensor]:
-    """Per group ``Σ_rows dy`` in fp32 rounded once (DESIGN §3's split formula, as LinearFunction)."""
+    """Per group ``Σ_rows dy`` in fp32 rounded once (docs/design.md §3's split formula, as LinearFunction)."""
     sums = [split_bias_grad(dy[sl], biases[0].dtype) for sl in spec.slices()]
     return [torch.stack(sums)] if spec.packed else sums
 
 
 def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState) -> list[torch.Tensor | None]:
-    """Hand each weight's gradient ``dy_gᵀ @ x_g`` to DESIGN §2; returns what autograd gets."""
+    """Hand each weight's gradient ``dy_gᵀ @ x_g`` to docs/design.md §2; returns what autograd gets."""
     if spec.packed:
         splits = list(spec.splits)
 

@@ -1,5 +1,5 @@
 """``LinearFunction``: ``act(x @ Wᵀ + b)`` through ``truefuse.gemm``, with the weight gradient
-handed to the DESIGN §2 contract (``_wgrad.deliver_weight_grad``).
+handed to the docs/design.md §2 contract (``_wgrad.deliver_weight_grad``).
 
 Every linear-family module is built from this Function (plus the norm and gated-activation
 Functions), so one code path decides what a weight's backward returns.
@@ -42,7 +42,7 @@ class LinearFunction(torch.autograd.Function):
         dx = gemm(d, weight) if ctx.needs_input_grad[0] else None
         db = None
         if ctx.needs_input_grad[2]:
-            # DESIGN §3's split bias-gradient formula, the same whatever the backends fuse
+            # docs/design.md §3's split bias-gradient formula, the same whatever the backends fuse
             db = split_bias_grad(d, ctx.bias_dtype)
         dw = None
         if ctx.needs_input_grad[1]:

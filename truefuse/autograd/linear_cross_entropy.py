@@ -34,6 +34,7 @@ from truefuse.ops.linear_cross_entropy import (
     LinearCrossEntropyOutput,
     check_args,
     check_targets,
+    chunk_kernel,
     chunk_math,
     mean_scales,
     reduce_terms,
@@ -174,28 +175,19 @@ def _torch_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad, bi
 
 
 def _kernel_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad, bias=None):
-    """The chunk in one Triton kernel; d_logits is written over the logits in place. ``bias``:
-    added to the logits by the kernel, in fp32 (None: the GEMM added it)."""
-    from truefuse.kernels.cross_entropy import _lce_chunk_kernel
-
-    C = logits.shape[0]
-    if C == 0:
-        return None
-    _lce_chunk_kernel[(C,)](
-        logits, logits.stride(0), bias if bias is not None else logits, t, cw if cw is not None else ce, ce, zl, ok,
-        s_ce.contiguous(), s_z.contiguous(), cfg.V, cfg.ignore_index, w_sum, cfg.label_smoothing, cfg.z_loss,
-        cfg.softcap or 1.0, HAS_BIAS=bias is not None, HAS_CW=cw is not None,
-        SMOOTH=cfg.label_smoothing > 0, SOFTCAP=cfg.softcap is not None, WANT_GRAD=want_grad, PER_TOKEN=s_ce.dim() == 1,
-        BLOCK_V=2048 if logits.is_cuda else 64, num_warps=8,  # 8 logits a thread: fastest at every V (H200)
+    """The chunk in one Triton kernel (``ops.linear_cross_entropy.chunk_kernel``); d_logits is
+    written over the logits in place. ``bias``: added by the kernel in fp32 (None: the GEMM added it)."""
+    return chunk_kernel(
+        logits, t, cw, ce, zl, ok, s_ce, s_z, V=cfg.V, ignore_index=cfg.ignore_index, w_sum=w_sum,
+        label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, softcap=cfg.softcap, want_grad=want_grad, bias=bias,
     )  # fmt: skip
-    return logits if want_grad else None
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Inputs: x (N, H), W (V, H), bias (V,) or None, target (N,), class weight (V,) fp32 or None,
-    the config, and the weight's DESIGN §2 state (None: plain).
+    the config, and the weight's docs/design.md §2 state (None: plain).
 
-    Under fused ``main_grad`` accumulation or a delayed weight gradient (DESIGN §2) the weight
+    Under fused ``main_grad`` accumulation or a delayed weight gradient (docs/design.md §2) the weight
     gradient is left to the backward, where ``grad_output`` is known (``main_grad`` holds other
     contributions: it can only be added to once, already scaled), and handed to
     ``deliver_weight_grad``. With one chunk the forward keeps the chunk's d_logits for it: the
@@ -372,12 +364,12 @@ def linear_cross_entropy(
             dtype (no extra memory, one rounding per chunk; measured in docs/benchmarks.md). A
             single chunk needs neither: its one GEMM accumulates in fp32 and rounds once.
         fuse_wgrad_accumulation: the weight gradient goes to ``linear_weight.main_grad`` (fp32,
-            Megatron's convention) inside the GEMMs, per DESIGN §2 (what autograd gets: None, or
+            Megatron's convention) inside the GEMMs, per docs/design.md §2 (what autograd gets: None, or
             a cached zero tensor when the weight has ``grad_added_to_main_grad``; with
             ``overwrite_main_grad`` it is written, not added). With one chunk (the default rule
             above) the forward keeps its d_logits for the backward's GEMM; with several chunks
             (or ``none``) the backward recomputes them (one more logits GEMM).
-        wgrad_state: the weight's DESIGN §2 state (``LinearCrossEntropyLoss`` passes its own: it
+        wgrad_state: the weight's docs/design.md §2 state (``LinearCrossEntropyLoss`` passes its own: it
             holds ``delay_wgrad_compute`` and the queue ``backward_dw()`` runs); default: a fresh
             one from ``fuse_wgrad_accumulation``.
 

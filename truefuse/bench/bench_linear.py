@@ -23,7 +23,7 @@ from truefuse.bench.harness import Sweep
 from truefuse.nn.layernorm_mlp import LayerNormMLP
 from truefuse.nn.linear import Linear
 
-COPY_BW = 4.3e12  # bytes/s, the H200's measured device copy bandwidth (DESIGN §8)
+COPY_BW = 4.3e12  # bytes/s, the H200's measured device copy bandwidth (docs/design.md §8)
 _BF = torch.bfloat16
 
 

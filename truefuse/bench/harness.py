@@ -1,4 +1,4 @@
-"""The one timing harness (DESIGN §7). Every benchmark measures through :func:`measure`.
+"""The one timing harness (docs/design.md §7). Every benchmark measures through :func:`measure`.
 
 * time: ``triton.testing.do_bench`` median after warm-up on CUDA, optionally over a CUDA graph
   replay (``do_bench_cudagraph``) for microsecond ops; on the CPU a wall-clock median (a smoke

@@ -1,7 +1,7 @@
 """``allreduce`` and ``allreduce_add_rmsnorm``: validation agreed by every rank, the reference
 composition, and the autograd Function.
 
-The contract (DESIGN §1, §4): the allreduce is an fp32 sum in rank order 0..N-1 rounded once to the
+The contract (docs/design.md §1, §4): the allreduce is an fp32 sum in rank order 0..N-1 rounded once to the
 input dtype, bitwise identical on every rank; ``residual_out = allreduce(x) + residual`` as PyTorch
 adds in the input dtype; ``normed = truefuse.rms_norm(residual_out, weight, eps)``.
 """
@@ -13,8 +13,11 @@ import torch.distributed as dist
 
 from truefuse.autograd.norm import rms_norm
 from truefuse.distributed.workspace import Workspace
+from truefuse.ops.allreduce import allreduce_add_rmsnorm_fwd
+from truefuse.ops.norm import norm_bwd_op, norm_fwd_op, use_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what truefuse.rms_norm takes
 MAX_HIDDEN = 16384
 
 
@@ -24,7 +27,7 @@ def _group(group):
     return group if group is not None else dist.group.WORLD
 
 
-def _local_problem(x, residual, weight, workspace) -> str | None:
+def _local_problem(x, residual, weight, workspace, eps=None) -> str | None:
     """What is wrong with this rank's arguments (None when nothing is)."""
     if not isinstance(x, torch.Tensor):
         return f"x must be a torch.Tensor, got {type(x).__name__}"
@@ -43,6 +46,10 @@ def _local_problem(x, residual, weight, workspace) -> str | None:
     if weight is not None and (not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (x.shape[-1],)):
         got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
         return f"weight must have shape ({x.shape[-1]},), got {got}"
+    if weight is not None and (weight.dtype not in _WEIGHT_DTYPES or weight.device != x.device):
+        return f"weight must be a float tensor on x's device ({x.device}), got {weight.dtype} on {weight.device}"
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0):
+        return f"eps must be a non-negative number, got {eps!r}"
     if workspace is not None:
         if workspace.closed:
             return "the workspace is closed"
@@ -52,10 +59,10 @@ def _local_problem(x, residual, weight, workspace) -> str | None:
     return None
 
 
-def agree(group, x, residual=None, weight=None, workspace: Workspace | None = None) -> None:
+def agree(group, x, residual=None, weight=None, workspace: Workspace | None = None, eps=None) -> None:
     """Every rank checks its arguments and learns the others' verdict, so bad input is the same
     clear ``ValueError`` on every rank instead of a hang in the collective. One small all-gather."""
-    problem = _local_problem(x, residual, weight, workspace)
+    problem = _local_problem(x, residual, weight, workspace, eps)
     desc = None if problem is not None else (tuple(x.shape), str(x.dtype), x.device.type)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (problem, desc), group=group)
@@ -102,49 +109,60 @@ def _kernel_path(x, workspace: Workspace | None, group) -> bool:
     return True
 
 
-def _check(group, x, residual, weight, workspace) -> None:
+def _check(group, x, residual, weight, workspace, eps=None) -> None:
     capturing = isinstance(x, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing()
     if (workspace is not None and not workspace.validate) or capturing:
-        problem = _local_problem(x, residual, weight, workspace)
+        problem = _local_problem(x, residual, weight, workspace, eps)
         if problem is not None:
             raise ValueError(f"allreduce: bad input: {problem}")
         return
-    agree(group, x, residual, weight, workspace)
+    agree(group, x, residual, weight, workspace, eps)
 
 
 class FusedAllreduceAddRMSNorm(torch.autograd.Function):
-    """The symmetric-memory kernel; backward: the norm's backward (local) plus the residual path,
-    identity through the allreduce."""
+    """``(normed, residual_out)``: on a workspace's symmetric memory the fused kernel, else the
+    reference allreduce, the add and the norm's own forward op (``torch.ops.truefuse.norm_fwd``).
+    Either way each row's fp32 rstd is saved when a gradient is wanted: the kernel writes it (the
+    same ``rms_norm_row``, BLOCK_N and num_warps as ``truefuse.rms_norm``: the same bits), or the
+    norm's forward op returns it. Backward: the norm's own backward (``torch.ops.truefuse.norm_bwd``)
+    on the saved rstd, plus the residual path; the identity through the allreduce. Without a
+    weight (the plain ``allreduce`` on the kernel path) it is the allreduce (and add) alone."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, workspace):
-        from truefuse.distributed.symm import launch
-
+    def forward(ctx, x, residual, weight, eps, group, workspace, want_rstd):
+        ctx.set_materialize_grads(False)  # an unused output sends None: no zeros added (-0 stays -0)
         x2 = x.reshape(-1, x.shape[-1])
         res2 = None if residual is None else residual.reshape(-1, x.shape[-1])
-        two_stage = x.numel() * x.element_size() >= workspace.two_stage_bytes
-        normed, out = launch(workspace.symmetric, x2, res2, weight, eps, two_stage)
-        ctx.save_for_backward(out, weight)
-        ctx.eps, ctx.has_res = eps, residual is not None
+        if workspace is not None:
+            normed, out, rstd = allreduce_add_rmsnorm_fwd(
+                workspace.symmetric, x2, res2, weight, eps, workspace.two_stage_bytes, want_rstd=want_rstd
+            )
+        else:  # the reference: exactly truefuse.rms_norm(allreduce_ref(x) + residual, weight, eps)
+            out = allreduce_ref(x2, group=group)
+            if res2 is not None:
+                out = out + res2
+            normed, _, rstd = norm_fwd_op(out, weight, None, eps, True, False)
+        ctx.save_for_backward(out, weight, rstd if want_rstd else None)
+        ctx.x_shape, ctx.has_res, ctx.has_norm = x.shape, residual is not None, normed is not None
         out = out.view(x.shape)
         # a plain allreduce has no normed output: an empty placeholder, never the same tensor twice
         return (normed.view(x.shape) if normed is not None else out.new_empty(0)), out
 
     @staticmethod
     def backward(ctx, d_normed, d_out):
-        out, weight = ctx.saved_tensors
-        d = torch.zeros_like(out) if d_out is None else d_out.reshape(out.shape).clone()
+        out, weight, rstd = ctx.saved_tensors
+        d = None if d_out is None else d_out.reshape(out.shape)
         dw = None
-        if weight is not None and d_normed is not None:
-            with torch.enable_grad():
-                r = out.detach().requires_grad_()
-                w = weight.detach().requires_grad_(weight.requires_grad)
-                y = rms_norm(r, w, ctx.eps)
-                grads = torch.autograd.grad(y, [r, w] if weight.requires_grad else [r], d_normed.reshape(out.shape))
-            d += grads[0]
-            dw = grads[1] if weight.requires_grad else None
-        d = d.view(out.shape)
-        return d, (d if ctx.has_res else None), dw, None, None
+        if ctx.has_norm and d_normed is not None:
+            if out.numel() == 0:  # nothing to launch: the gradients of no elements
+                dx, dw = torch.zeros_like(out), (None if weight is None else torch.zeros_like(weight))
+            else:  # the call truefuse.rms_norm's registered backward makes, on the same saved rstd
+                dx, dw, _ = norm_bwd_op(d_normed.reshape(out.shape), out, weight, None, rstd.new_empty(0), rstd, True, False)
+                dw = None if weight is None else dw
+            d = dx if d is None else d + dx
+        if d is not None:
+            d = d.view(ctx.x_shape)
+        return d, (d if ctx.has_res else None), dw, None, None, None, None
 
 
 class AllreduceFunction(torch.autograd.Function):
@@ -161,7 +179,7 @@ class AllreduceFunction(torch.autograd.Function):
 
 
 def allreduce(x: torch.Tensor, *, group=None, workspace: Workspace | None = None) -> torch.Tensor:
-    """The sum of ``x`` over the ranks of ``group`` (None: the default group), DESIGN §4's contract:
+    """The sum of ``x`` over the ranks of ``group`` (None: the default group), docs/design.md §4's contract:
     an fp32 sum in rank order rounded once, bitwise identical on every rank. ``x`` is not modified.
 
     Args:
@@ -174,7 +192,7 @@ def allreduce(x: torch.Tensor, *, group=None, workspace: Workspace | None = None
     group = _group(group)
     _check(group, x, None, None, workspace)
     if _kernel_path(x, workspace, group):
-        return FusedAllreduceAddRMSNorm.apply(x, None, None, 0.0, workspace)[1]
+        return FusedAllreduceAddRMSNorm.apply(x, None, None, 0.0, group, workspace, False)[1]
     return AllreduceFunction.apply(x, group)
 
 
@@ -191,8 +209,13 @@ def allreduce_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *, group=None,
         ``(normed, residual_out)``, both shaped like ``x``. Differentiable in x, residual and weight.
     """
     group = _group(group)
-    _check(group, x, residual, weight, workspace)
-    if _kernel_path(x, workspace, group):
-        return FusedAllreduceAddRMSNorm.apply(x, residual, weight, float(eps), workspace)
-    residual_out = AllreduceFunction.apply(x, group) + residual
+    _check(group, x, residual, weight, workspace, eps)
+    kernel = _kernel_path(x, workspace, group)
+    if kernel or use_kernel(x):  # the norm's kernels run: its backward takes the saved rstd
+        want_rstd = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight))
+        return FusedAllreduceAddRMSNorm.apply(x, residual, weight, float(eps), group, workspace if kernel else None, want_rstd)
+    # the norm's reference (e.g. bf16 on the CPU): autograd differentiates it
+    residual_out = AllreduceFunction.apply(x, group)
+    if residual is not None:
+        residual_out = residual_out + residual
     return rms_norm(residual_out, weight, eps), residual_out

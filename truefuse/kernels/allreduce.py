@@ -1,4 +1,4 @@
-"""Triton allreduce + residual add + RMSNorm over torch symmetric memory (DESIGN §4). No multicast.
+"""Triton allreduce + residual add + RMSNorm over torch symmetric memory (docs/design.md §4). No multicast.
 
 Every rank's workspace buffer (symmetric: every peer can write and read it) has two halves, used
 by alternate calls. Each half holds W + 1 regions of M×N elements (one input slot per source
@@ -26,28 +26,41 @@ waiter polls its flags until they reach it, then fences. No end barrier: a rank 
 again only two calls later, after the first wait of the call in between (a barrier, or the LL
 flags), which it can pass only once every peer has started that call, so has finished the one
 before (the one reading that half).
+
+With ``rstd_ptr`` (the launcher passes it when a gradient is wanted) every rank also stores each
+row's fp32 ``rstd`` from ``rms_norm_row``: what ``truefuse.rms_norm``'s forward saves for its backward.
+
+``INTERPRETED`` (a constexpr the launcher passes, ``ops/allreduce.py``; False on a GPU): Triton's
+CPU interpreter cannot run PTX. There (the CPU tests: ranks as processes sharing memory) x86's
+store order and the interpreter's one-program-at-a-time execution need no fence, and the epoch
+moves on in the last program instead of program 0 (see ``_advance_epoch``).
 """
 
 import triton
 import triton.language as tl
 
-from truefuse.config import get_config
 from truefuse.kernels.norm import rms_norm_row
-
-# Triton's CPU interpreter cannot run PTX. There (the CPU tests: ranks as processes sharing
-# memory) x86's store order and the interpreter's one-program-at-a-time execution need no fence.
-_INTERPRETED: tl.constexpr = tl.constexpr(get_config().triton_interpret)
 
 
 @triton.jit
-def _fence_sys(dep):
-    """One ``fence.acq_rel.sys`` (``dep``: any scalar, only to give the asm an operand)."""
-    if not _INTERPRETED:
+def _fence_sys(dep, INTERPRETED: tl.constexpr):
+    """One ``fence.acq_rel.sys`` (``dep``: any scalar, only to give the asm an operand); none in the interpreter."""
+    if not INTERPRETED:
         tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, $1;", "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, WP: tl.constexpr, MAXP: tl.constexpr):
+def _barrier(
+    sig_ptrs,
+    region: tl.constexpr,
+    pid,
+    rank,
+    value,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    MAXP: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """Program ``pid`` of every rank meets. One system fence orders this program's stores before
     the flag (region, pid, source) of each pad takes the call's epoch ``value``; the waiter polls
     its flags until they reach it, then fences (measured on 4 H200: 9.5 us against 11.8 with a
@@ -55,7 +68,7 @@ def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, 
     call (value + 1) also satisfies the wait."""
     tl.debug_barrier()  # every thread's stores of this program are issued before the fence
     base = (region * MAXP + pid) * W
-    _fence_sys(value)
+    _fence_sys(value, INTERPRETED)
     for q in tl.static_range(W):
         tl.atomic_xchg(tl.load(sig_ptrs + q).to(tl.pointer_type(tl.int32)) + base + rank, value, sem="relaxed", scope="sys")
     # every peer's flag in one load per poll (WP: W rounded up to a power of 2): W flags cost one
@@ -64,18 +77,18 @@ def _barrier(sig_ptrs, region: tl.constexpr, pid, rank, value, W: tl.constexpr, 
     flags = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32)) + base + qs
     while tl.min(tl.load(flags, mask=qs < W, other=value, volatile=True), axis=0) < value:
         pass
-    _fence_sys(value)
+    _fence_sys(value, INTERPRETED)
     tl.debug_barrier()  # no thread reads a peer's rows before the fence
 
 
 @triton.jit
-def _advance_epoch(epoch_ptr, done_ptr, epoch, pid, P):
+def _advance_epoch(epoch_ptr, done_ptr, epoch, pid, P, INTERPRETED: tl.constexpr):
     """Program 0 moves the epoch on for the next call once every program of this call has read it
     (each other program counts itself in ``done`` with a release right after its read). Called
     after the sends, so the wait for the count overlaps the wait for the peers' data; the other
     programs' tails have no atomic round trip (with every program counting in at its end, the
     last moving the epoch on, 4 and 16 rows took ~0.9 us more than 1 row on one H200)."""
-    if _INTERPRETED:  # programs run one after another, in order: the last one has seen all read it
+    if INTERPRETED:  # programs run one after another, in order: the last one has seen all read it
         if pid == P - 1:
             tl.store(epoch_ptr, epoch + 1)
     elif pid == 0:
@@ -123,17 +136,22 @@ def _ll_unpack(w, DT: tl.constexpr, EPW: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _finish_row(s, res, w, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr):
+def _finish_row(
+    s, res, w, out_ptr, normed_ptr, rstd_ptr, row, off, cols, mask, N, eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr
+):
     """This rank's end of a row from the rounded sum ``s``: its own residual row ``res`` added (fp32
-    add, one rounding), stored, and normed by ``rms_norm_row`` (the bits of ``truefuse.rms_norm``)."""
+    add, one rounding), stored, and normed by ``rms_norm_row`` (the bits of ``truefuse.rms_norm``);
+    the row's rstd stored too when ``rstd_ptr`` is given (None: no code for it)."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     r = s
     if HAS_RES:
         r = (s.to(tl.float32) + res.to(tl.float32)).to(DT)
     tl.store(out_ptr + off + cols, r, mask=mask)
     if HAS_NORM:
-        y, _ = rms_norm_row(r.to(tl.float32), w, N, eps, True, False)
+        y, rstd = rms_norm_row(r.to(tl.float32), w, N, eps, True, False)
         tl.store(normed_ptr + off + cols, y.to(DT), mask=mask)
+        if rstd_ptr is not None:
+            tl.store(rstd_ptr + row, rstd)
 
 
 @triton.jit
@@ -152,9 +170,9 @@ def _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W: tl.constexpr, DT: 
 
 
 @triton.jit
-def _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, buf_ptrs, ll_base, epoch_ptr, done_ptr, epoch, pid, P, M, N, eps, rank,
-                  W: tl.constexpr, WP: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
-                  BLOCK_N: tl.constexpr):  # fmt: skip
+def _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, rstd_ptr, buf_ptrs, ll_base, epoch_ptr, done_ptr, epoch, pid, P, M, N,
+                  eps, rank, W: tl.constexpr, WP: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     DT: tl.constexpr = x_ptr.dtype.element_ty
     EPW: tl.constexpr = 32 // DT.primitive_bitwidth  # elements per 32 data bits
     BLOCK_W: tl.constexpr = BLOCK_N // EPW
@@ -172,7 +190,7 @@ def _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, buf_ptrs, ll_base, epo
         for q in tl.static_range(W):
             dst = tl.load(buf_ptrs + q).to(tl.pointer_type(tl.int64)) + ll_base + tl.cast(rank * M + row, tl.int64) * RW
             tl.store(dst + words, packed, mask=wmask)
-    _advance_epoch(epoch_ptr, done_ptr, epoch, pid, P)
+    _advance_epoch(epoch_ptr, done_ptr, epoch, pid, P, INTERPRETED)
     for row in range(pid, M, P):
         off = tl.cast(row, tl.int64) * N
         res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)  # in flight while we wait
@@ -196,8 +214,8 @@ def _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, buf_ptrs, ll_base, epo
             at = words
         tl.store(out_ptr + off + at, acc.to(DT), mask=at < N)
         tl.debug_barrier()  # the whole row is stored before any thread reads it back
-        s = tl.load(out_ptr + off + cols, mask=mask)
-        _finish_row(s, res, w, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
+        s = tl.load(out_ptr + off + cols, mask=mask, other=0.0)  # masked lanes enter the norm's sum
+        _finish_row(s, res, w, out_ptr, normed_ptr, rstd_ptr, row, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
 
 
 # no argument may be specialised: a value of 1 must not become a constant (one kernel for every call)
@@ -229,6 +247,8 @@ def _allreduce_add_rmsnorm_kernel(
     PUSH: tl.constexpr,
     LL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    INTERPRETED: tl.constexpr,  # Triton's CPU interpreter (no PTX fences, see _advance_epoch); False on a GPU
+    rstd_ptr=None,  # (M,) fp32: each row's rstd (for the norm's backward); None: not stored, no code for it
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -238,7 +258,7 @@ def _allreduce_add_rmsnorm_kernel(
     MN = M.to(tl.int64) * N
     # this call's epoch: the same on every rank (every rank runs the same sequence of calls)
     epoch = tl.load(epoch_ptr)
-    if pid > 0 and not _INTERPRETED:  # counted in once the epoch is read (the release orders the read first)
+    if pid > 0 and not INTERPRETED:  # counted in once the epoch is read (the release orders the read first)
         tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
     base = (epoch % 2).to(tl.int64) * half  # alternate halves: no end barrier needed (see module doc)
     mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(DT)) + base
@@ -247,8 +267,8 @@ def _allreduce_add_rmsnorm_kernel(
 
     if LL:
         ll_base = (epoch % 2).to(tl.int64) * half_words + ll_words
-        _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, buf_ptrs, ll_base, epoch_ptr, done_ptr, epoch, pid, P, M, N,
-                      eps, rank, W, WP, HAS_RES, HAS_NORM, BLOCK_N)  # fmt: skip
+        _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, rstd_ptr, buf_ptrs, ll_base, epoch_ptr, done_ptr, epoch, pid, P,
+                      M, N, eps, rank, W, WP, HAS_RES, HAS_NORM, BLOCK_N, INTERPRETED)  # fmt: skip
     else:
         # PUSH (small messages): my rows go into slot ``rank`` of every reader's buffer (posted
         # remote stores) and the sum reads local slots. Otherwise my rows go into my own slot 0 and
@@ -274,8 +294,8 @@ def _allreduce_add_rmsnorm_kernel(
                         tl.store(dst + off + cols, v, mask=mask)
                 else:
                     tl.store(mine + off + cols, v, mask=mask)
-        _advance_epoch(epoch_ptr, done_ptr, epoch, pid, P)
-        _barrier(sig_ptrs, 0, pid, rank, epoch + 1, W, WP, MAXP)
+        _advance_epoch(epoch_ptr, done_ptr, epoch, pid, P, INTERPRETED)
+        _barrier(sig_ptrs, 0, pid, rank, epoch + 1, W, WP, MAXP, INTERPRETED)
 
         if TWO_STAGE:
             # stage 1: I reduce my share; the rounded sums go to region W (every rank's when pushing)
@@ -287,7 +307,7 @@ def _allreduce_add_rmsnorm_kernel(
                         tl.store(tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base + W * MN + off + cols, s, mask=mask)
                 else:
                     tl.store(mine + W * MN + off + cols, s, mask=mask)
-            _barrier(sig_ptrs, 1, pid, rank, epoch + 1, W, WP, MAXP)
+            _barrier(sig_ptrs, 1, pid, rank, epoch + 1, W, WP, MAXP, INTERPRETED)
             # stage 2: every row's sum from its owner (or my region W), then MY residual and norm:
             # the outputs are this rank's own, bitwise the 1-stage result, whatever the peers' residuals
             for q in tl.static_range(W):
@@ -297,12 +317,12 @@ def _allreduce_add_rmsnorm_kernel(
                     src = tl.load(buf_ptrs + q).to(tl.pointer_type(DT)) + base + W * MN
                 for row in range(q * share + pid, tl.minimum(q * share + share, M), P):
                     off = tl.cast(row, tl.int64) * N
-                    s = tl.load(src + off + cols, mask=mask)
+                    s = tl.load(src + off + cols, mask=mask, other=0.0)  # masked lanes enter the norm's sum
                     res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)
-                    _finish_row(s, res, w, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
+                    _finish_row(s, res, w, out_ptr, normed_ptr, rstd_ptr, row, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
         else:
             for row in range(pid, M, P):
                 off = tl.cast(row, tl.int64) * N
                 res = tl.load(res_ptr + off + cols, mask=mask & HAS_RES, other=0.0)
                 s = _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W, DT, PUSH)
-                _finish_row(s, res, w, out_ptr, normed_ptr, off, cols, mask, N, eps, HAS_RES, HAS_NORM)
+                _finish_row(s, res, w, out_ptr, normed_ptr, rstd_ptr, row, off, cols, mask, N, eps, HAS_RES, HAS_NORM)

@@ -2,7 +2,7 @@
 
 One program normalizes one row in the forward (the whole row in registers, ``BLOCK_N`` = the next
 power of two of the hidden size), so a row's statistics are reduced in the same order whatever the
-number of rows (batch invariance, DESIGN §1). Statistics and the weight-gradient partials are fp32.
+number of rows (batch invariance, docs/design.md §1). Statistics and the weight-gradient partials are fp32.
 
 The rounding rule (fixed; the fused allreduce + RMSNorm reuses it bit for bit):
 

@@ -1,4 +1,4 @@
-"""What every linear-family module shares: the DESIGN §2 state, ``backward_dw`` (with the size of
+"""What every linear-family module shares: the docs/design.md §2 state, ``backward_dw`` (with the size of
 its queue, ``pending_wgrad``) and ``register_wgrad_hook``, input checks, and torch.nn.Linear's
 initialisation."""
 
@@ -71,7 +71,7 @@ class DelayedWgrad(torch.nn.Module):
 
 
 class WgradModule(DelayedWgrad):
-    """Mixin for modules whose GEMM weights follow DESIGN §2 (see ``truefuse/autograd/_wgrad.py``).
+    """Mixin for modules whose GEMM weights follow docs/design.md §2 (see ``truefuse/autograd/_wgrad.py``).
 
     Subclasses call :meth:`_init_wgrad` and list their GEMM weights in :meth:`gemm_weights`.
     """

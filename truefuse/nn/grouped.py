@@ -1,5 +1,5 @@
 """``truefuse.GroupedLinear`` and ``truefuse.GroupedMLP``: mixture-of-experts layers over rows
-ordered by expert, under the DESIGN §2 weight-gradient contract."""
+ordered by expert, under the docs/design.md §2 weight-gradient contract."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class GroupedLinear(WgradModule):
             (cuBLAS ``grouped_mm``: bf16, 16-byte aligned) instead of one GEMM per group. Faster
             for many small groups, but not bitwise equal to one ``Linear`` per group (measured on
             the H200), so off by default.
-        fuse_wgrad_accumulation, delay_wgrad_compute: DESIGN §2, for the weights (packed or per
+        fuse_wgrad_accumulation, delay_wgrad_compute: docs/design.md §2, for the weights (packed or per
             group); biases are always returned to autograd normally.
         max_pending_wgrad: warn once when more than this many backward passes wait for
             ``backward_dw()`` (``pending_wgrad``; default 16, None: never).
@@ -160,7 +160,7 @@ class GroupedMLP(WgradModule):
         single_grouped_weight: ``fc1_weight`` (E, fc1_out, hidden) and ``fc2_weight`` (E, hidden,
             ffn) instead of ``fc1_weight0`` ... and ``fc2_weight0`` ...
         fused_grouped_gemm: as in :class:`GroupedLinear` (packed weights only; off by default).
-        fuse_wgrad_accumulation, delay_wgrad_compute: DESIGN §2 for every expert weight.
+        fuse_wgrad_accumulation, delay_wgrad_compute: docs/design.md §2 for every expert weight.
         max_pending_wgrad: as in :class:`GroupedLinear`.
 
     ``forward(x, m_splits)``: x (M, hidden_size) ordered by expert; returns (M, hidden_size).

@@ -48,7 +48,7 @@ class LayerNormLinear(WgradModule):
         zero_centered_gamma: the norm's scale is ``1 + layer_norm_weight`` (initialised to zeros).
         return_layernorm_output: ``forward`` returns ``(out, norm(x))``; gradients flowing into the
             norm output are added to those from the linear layer.
-        fuse_wgrad_accumulation, delay_wgrad_compute: DESIGN §2, for ``weight`` only (the norm's
+        fuse_wgrad_accumulation, delay_wgrad_compute: docs/design.md §2, for ``weight`` only (the norm's
             parameters and ``bias`` are always returned to autograd normally).
 
     Parameters: ``layer_norm_weight`` (in,), ``layer_norm_bias`` (in,) for LayerNorm, ``weight``

@@ -24,7 +24,7 @@ class LayerNormMLP(WgradModule):
             derivative), or gated ``swiglu``, ``geglu``, ``reglu``: fc1's output is twice
             ``ffn_hidden_size`` wide, split in halves [gate, up], and ``swiglu = silu(gate) * up``
             (one fused Triton kernel forward and backward).
-        fuse_wgrad_accumulation, delay_wgrad_compute: DESIGN §2 for ``fc1_weight`` and ``fc2_weight``.
+        fuse_wgrad_accumulation, delay_wgrad_compute: docs/design.md §2 for ``fc1_weight`` and ``fc2_weight``.
 
     Parameters: ``layer_norm_weight`` / ``layer_norm_bias`` (hidden,), ``fc1_weight``
     (ffn or 2·ffn, hidden), ``fc1_bias``, ``fc2_weight`` (hidden, ffn), ``fc2_bias`` (hidden,).

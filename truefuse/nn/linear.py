@@ -15,7 +15,7 @@ class Linear(torch.nn.Linear, WgradModule):
     Args:
         in_features, out_features, bias, device, dtype: as ``torch.nn.Linear``.
         fuse_wgrad_accumulation: the weight gradient is accumulated in fp32 into ``weight.main_grad``
-            inside the GEMM (beta=1) instead of being returned (DESIGN §2).
+            inside the GEMM (beta=1) instead of being returned (docs/design.md §2).
         delay_wgrad_compute: the weight gradient waits for :meth:`backward_dw`.
 
     Shapes: input (..., in_features) in the parameters' dtype; output (..., out_features).

@@ -17,8 +17,8 @@ class LinearCrossEntropyLoss(DelayedWgrad):
         reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss,
         return_token_accuracy, chunk_size, fuse_wgrad_accumulation: as
         :func:`truefuse.linear_cross_entropy` (the last sends the weight gradient to
-        ``linear_weight.main_grad`` per DESIGN §2).
-        delay_wgrad_compute: the weight gradient waits for :meth:`backward_dw` (DESIGN §2): then
+        ``linear_weight.main_grad`` per docs/design.md §2).
+        delay_wgrad_compute: the weight gradient waits for :meth:`backward_dw` (docs/design.md §2): then
             added to ``linear_weight.grad``, or to its ``main_grad`` when fused.
             :attr:`pending_wgrad` counts the backward passes waiting.
         max_pending_wgrad: warn once when more than this many backward passes wait for

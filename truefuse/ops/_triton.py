@@ -11,7 +11,7 @@ from truefuse.config import get_config
 
 def triton_runs(x: torch.Tensor) -> bool:
     """Whether a Triton kernel takes ``x``: on CUDA for fp16/bf16/fp32, or on the CPU under
-    ``TRITON_INTERPRET=1`` for fp32 only (the interpreter truncates bf16 casts, DESIGN §8)."""
+    ``TRITON_INTERPRET=1`` for fp32 only (the interpreter truncates bf16 casts, docs/design.md §8)."""
     if x.is_cuda:
         return x.dtype in (torch.float16, torch.bfloat16, torch.float32)
     return x.device.type == "cpu" and get_config().triton_interpret and x.dtype == torch.float32

@@ -1,4 +1,4 @@
-"""DESIGN §3's split bias-gradient: the one formula every path that does not fuse it uses.
+"""docs/design.md §3's split bias-gradient: the one formula every path that does not fuse it uses.
 
 ``truefuse.gemm``'s split step and ``gemm_ref``, ``LinearFunction`` and the grouped layers all call
 :func:`split_bias_grad`; the Triton GEMM's fused epilogue sums the same rounded operand in fp32.

@@ -94,7 +94,7 @@ def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool =
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library custom ops (DESIGN §6.7), with fake implementations and the backward on the op.
+# torch.library custom ops (docs/design.md §6.7), with fake implementations and the backward on the op.
 
 
 @torch.library.custom_op("truefuse::gated_activation_fwd", mutates_args=())

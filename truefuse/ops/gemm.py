@@ -1,6 +1,6 @@
 """``truefuse.gemm``: the one entry point every matmul goes through, and ``gemm_ref`` beside it.
 
-DESIGN §3. The call validates its arguments (a clear error naming the argument, before anything
+docs/design.md §3. The call validates its arguments (a clear error naming the argument, before anything
 runs), asks the planner (``gemm_plan``) which backend fuses what, and runs the plan
 (``gemm_exec``). ``gemm_ref`` is the same math in plain PyTorch, in the inputs' dtype: the fallback,
 the test oracle (on float64 inputs) and the same-dtype baseline of the bounded contract.

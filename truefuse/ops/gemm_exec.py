@@ -29,7 +29,7 @@ def _run_one(plan: GemmPlan, args: GemmArgs) -> None:
     if args.grad_activation is not None and "grad_activation" in split:
         a = activation_grad_ref(a, args.pre_activation, args.grad_activation)
     if args.grad_bias_out is not None and "grad_bias" in split:
-        # DESIGN §3: the split bias-gradient is grad_output.float().sum(0) cast to the input dtype
+        # docs/design.md §3: the split bias-gradient is grad_output.float().sum(0) cast to the input dtype
         # (a = grad_output.t(), so a.t() is the gradient in its own layout)
         args.grad_bias_out.copy_(split_bias_grad(a.t()))
     b = args.b

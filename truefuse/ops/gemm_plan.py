@@ -7,7 +7,7 @@ order that can run the product for these dtypes on this device; it fuses what th
 every feature it lacks is *split*: done as the same math in separate PyTorch steps. The preference
 order is data too (``TRUEFUSE_GEMM_BACKENDS``, default the registry's order, or
 ``override_capabilities(backends=...)``). The planner never refuses a valid request (the failure
-DESIGN §3 exists to prevent is "Unable to find any suitable algorithms" for bf16 in, fp32 out,
+docs/design.md §3 exists to prevent is "Unable to find any suitable algorithms" for bf16 in, fp32 out,
 fused bias-gradient), and never names a backend: it asks the registry.
 
 :func:`override_capabilities` changes the tables for a block of code, so a test on any machine can

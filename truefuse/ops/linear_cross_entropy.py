@@ -289,3 +289,34 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s
     if softcap is not None:
         g *= 1 - (z / softcap).square()
     return ce, zl, correct, g
+
+
+def chunk_kernel(
+    logits, t, cw, ce, zl, ok, s_ce, s_z, *, V, ignore_index, w_sum, label_smoothing, z_loss, softcap, want_grad, bias=None
+):
+    """:func:`chunk_math` for one chunk in one Triton kernel (``kernels/cross_entropy.py``), on CUDA
+    or for fp32 under the CPU interpreter.
+
+    Args:
+        logits: (C, ≥ V) logits in the input dtype, rows of ``logits.stride(0)`` elements (padded
+            rows allowed); d_logits are written over their first V columns when ``want_grad``.
+        t: (C,) int64 targets. cw: (V,) fp32 class weights or None. ce, zl, ok: (C,) outputs
+            (per-token cross-entropy and z-loss in fp32, argmax == target).
+        s_ce, s_z: 0-dim or (C,) fp32 scales of the gradient, read on the device (no host sync).
+        bias: (V,) added to the logits in fp32 by the kernel, or None (the GEMM added it).
+
+    Returns the d_logits (the ``logits`` tensor) when ``want_grad``, else None.
+    """
+    from truefuse.kernels.cross_entropy import _lce_chunk_kernel
+
+    C = logits.shape[0]
+    if C == 0:
+        return None
+    _lce_chunk_kernel[(C,)](
+        logits, logits.stride(0), bias if bias is not None else logits, t, cw if cw is not None else ce, ce, zl, ok,
+        s_ce.contiguous(), s_z.contiguous(), V, ignore_index, w_sum, label_smoothing, z_loss,
+        softcap or 1.0, HAS_BIAS=bias is not None, HAS_CW=cw is not None,
+        SMOOTH=label_smoothing > 0, SOFTCAP=softcap is not None, WANT_GRAD=want_grad, PER_TOKEN=s_ce.dim() == 1,
+        BLOCK_V=2048 if logits.is_cuda else 64, num_warps=8,  # 8 logits a thread: fastest at every V (H200)
+    )  # fmt: skip
+    return logits if want_grad else None

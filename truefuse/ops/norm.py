@@ -74,12 +74,16 @@ def layer_norm_torch(x, weight=None, bias=None, eps=1e-5, *, zero_centered_gamma
 
 def use_kernel(x: torch.Tensor) -> bool:
     """Whether the Triton kernels take ``x`` (else the reference runs): CUDA, or the CPU interpreter
-    in fp32 only (its bf16 casts truncate, DESIGN §8); a hidden size of at most MAX_KERNEL_N."""
+    in fp32 only (its bf16 casts truncate, docs/design.md §8); a hidden size of at most MAX_KERNEL_N."""
     return 0 < x.shape[-1] <= MAX_KERNEL_N and triton_runs(x)
 
 
 def block_and_warps(n: int) -> tuple[int, int]:
-    """BLOCK_N and num_warps, from the hidden size only (never the row count: batch invariance)."""
+    """BLOCK_N and num_warps, from the hidden size only (never the row count: batch invariance).
+
+    The one choice for every kernel that norms rows with ``kernels/norm.py::rms_norm_row``: the norm
+    launchers here and the fused allreduce's (``ops/allreduce.py``), whose normed rows and rstd must
+    be the bits of ``truefuse.rms_norm`` (the row's sum reduces in an order set by both)."""
     block = max(16, 1 << (n - 1).bit_length())
     return block, max(1, min(16, block // 512))
 
@@ -149,7 +153,7 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library custom ops (DESIGN §6.7): opaque to torch.compile, with fake implementations and
+# torch.library custom ops (docs/design.md §6.7): opaque to torch.compile, with fake implementations and
 # the backward registered on the op. Optional outputs are empty tensors (an op returns no None).
 
 

@@ -1,4 +1,4 @@
-"""Contract cases of ``truefuse.gemm`` (bounded against ``gemm_ref`` in float64, DESIGN §1/§3).
+"""Contract cases of ``truefuse.gemm`` (bounded against ``gemm_ref`` in float64, docs/design.md §1/§3).
 
 Each case runs the planned GEMM, the same-dtype ``gemm_ref`` (the baseline) and ``gemm_ref`` on
 float64 CPU copies (the reference), and reports every output the call returns. The split cases

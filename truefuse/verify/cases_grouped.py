@@ -1,5 +1,5 @@
 """Contract case: ``GroupedLinear`` equals one ``truefuse.Linear`` per group bit for bit on the same
-backend (DESIGN §1): forward, input gradient, weight and bias gradients, per-group and packed
+backend (docs/design.md §1): forward, input gradient, weight and bias gradients, per-group and packed
 weights, with an empty group and a group of one row. (Bounded and §2 cases of the grouped modules
 are in ``cases_linear`` with the other modules.)"""
 

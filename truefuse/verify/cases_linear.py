@@ -1,4 +1,4 @@
-"""Contract cases of the linear-family modules (DESIGN §1, §2).
+"""Contract cases of the linear-family modules (docs/design.md §1, §2).
 
 * ``fwd_bwd``: output, input gradient and every parameter gradient, bounded against the module's
   ``forward_ref`` on float64 copies, with ``forward_ref`` in the module's dtype as the baseline.

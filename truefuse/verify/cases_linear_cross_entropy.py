@@ -1,8 +1,8 @@
-"""Contract cases of ``linear_cross_entropy`` (DESIGN §1): the loss and the gradients of input,
+"""Contract cases of ``linear_cross_entropy`` (docs/design.md §1): the loss and the gradients of input,
 weight and bias against the float64 reference (bounded), with the plain path (``F.linear`` in the
 input dtype, cross-entropy in fp32) as the same-dtype baseline; the weight gradient fused into an
 fp32 ``main_grad`` (bounded); and the delayed weight gradient against the immediate one (bitwise,
-DESIGN §2), one chunk and several."""
+docs/design.md §2), one chunk and several."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Contract cases of the norms and gated activations (bounded, DESIGN §1).
+"""Contract cases of the norms and gated activations (bounded, docs/design.md §1).
 
 The op under test runs on the device; the float64 reference is the op's ``_ref`` on float64 CPU
 copies; the baseline is PyTorch's own same-dtype path (``F.rms_norm``, ``F.layer_norm``,

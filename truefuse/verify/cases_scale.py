@@ -1,4 +1,4 @@
-"""Contract cases of ``scale_`` (bitwise, DESIGN §1): the in-place device-factor scaling the loss
+"""Contract cases of ``scale_`` (bitwise, docs/design.md §1): the in-place device-factor scaling the loss
 functions' backward uses equals ``scale_ref`` (PyTorch's ``mul_``) bit for bit, for a factor of 1
 (the kernel then writes nothing) and another, on an odd size (masked tail)."""
 

@@ -36,7 +36,7 @@ class Case:
     Attributes:
         op: the op's stem (``gemm``, ``rms_norm``, ...), what ``--op`` selects.
         name: the case within the op.
-        contract: ``"bitwise"`` or ``"bounded"`` (DESIGN §1).
+        contract: ``"bitwise"`` or ``"bounded"`` (docs/design.md §1).
         fn: runs the case on a device and returns its reports.
         devices: device types the case applies to.
     """

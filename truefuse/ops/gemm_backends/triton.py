@@ -3,7 +3,7 @@
 fp32 accumulators, the activation-derivative prologue and the bias-gradient epilogue of a
 weight-gradient GEMM, writing or accumulating into a wider output. On the CPU it exists only under
 ``TRITON_INTERPRET=1``, and only for fp32: the interpreter's bf16/fp16 casts truncate and its bf16
-``tl.dot`` is wrong (DESIGN §8), so half-precision rows are CUDA-only.
+``tl.dot`` is wrong (docs/design.md §8), so half-precision rows are CUDA-only.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
         return
     gb_target = gb
     if gb is not None and gb.dtype != torch.float32 and get_config().triton_interpret:
-        # the interpreter's narrowing casts truncate (DESIGN §8): round on the host instead
+        # the interpreter's narrowing casts truncate (docs/design.md §8): round on the host instead
         gb_target = torch.empty(gb.shape, dtype=torch.float32, device=gb.device)
     kernel = _kernel(a.dtype)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731

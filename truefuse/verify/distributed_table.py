@@ -1,4 +1,6 @@
-"""The bitwise table of DESIGN §4, run inside every rank of a process group (tests, verify)."""
+"""The bitwise table of docs/design.md §4 (``allreduce`` and ``allreduce_add_rmsnorm``), run inside every
+rank of a process group: ``python -m truefuse verify --world-size N`` and tests/distributed. Not a
+``cases_<op>`` module of the registry: its rows need a process group, which ``run_local`` makes."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import torch.distributed as dist
 
 from truefuse.autograd.norm import rms_norm
 from truefuse.distributed.allreduce import allreduce, allreduce_add_rmsnorm, ordered_sum
+from truefuse.ops.norm import use_kernel
 from truefuse.testing import bitwise_report
 
 ROWS = (1, 4, 8, 16, 20, 32, 64, 128, 1000)
@@ -24,7 +27,7 @@ def _rand(shape, seed, dtype, device):
 def case(m: int, hidden: int, dtype: torch.dtype, device, workspace=None, path: str = "reference", reference=None) -> dict:
     """One row: the allreduce against the ordered fp32 sum of every rank's input (rebuilt locally
     from the seeds, no collective involved), equal bits on every rank, residual_out, normed, a zero
-    residual, and untouched inputs."""
+    residual, untouched inputs, and the gradients."""
     rank, world = dist.get_rank(), dist.get_world_size()
     seed = (m * 7919 + hidden) * 16
     xs = [_rand((m, hidden), seed + r, dtype, device) for r in range(world)]
@@ -51,8 +54,24 @@ def case(m: int, hidden: int, dtype: torch.dtype, device, workspace=None, path: 
         n1, o1 = allreduce_add_rmsnorm(x[r : r + 1], residual[r : r + 1], weight, 1e-6, workspace=workspace)
         invariant &= bitwise_report(n1, normed[r : r + 1]).equal and bitwise_report(o1, residual_out[r : r + 1]).equal
     untouched = bitwise_report(x, x0).equal and bitwise_report(residual, res0).equal
+    # the backward: d_x = d_residual = the residual's gradient plus the norm's backward (on the rstd
+    # the forward saved), d_weight the norm's; bitwise autograd through truefuse.rms_norm on residual_out.
+    # Wherever the norm's kernels run (use_kernel): every row on a GPU (each kernel variant stores
+    # rstd); on the CPU (fp32 under TRITON_INTERPRET=1: one code path at any size, and slow) rows up
+    # to 8. Elsewhere autograd differentiates the norm's reference inside the composition, whose
+    # gradient sums its terms in the engine's order, not as gr + dr
+    grads = True
+    if use_kernel(x) and (x.is_cuda or m <= 8):
+        xg, rg, wg = (t.clone().requires_grad_() for t in (x, residual, weight))
+        normed_g, res_out_g = allreduce_add_rmsnorm(xg, rg, wg, 1e-6, workspace=workspace)
+        gy, gr = _rand((m, hidden), seed - 5, dtype, device), _rand((m, hidden), seed - 6, dtype, device)
+        dx, dres, dw = torch.autograd.grad((normed_g, res_out_g), (xg, rg, wg), (gy, gr))
+        r, w2 = res_out_g.detach().requires_grad_(), weight.clone().requires_grad_()
+        dr, want_dw = torch.autograd.grad(rms_norm(r, w2, 1e-6), (r, w2), gy)
+        want = gr + dr
+        grads = all(bitwise_report(a, b).equal for a, b in ((dx, want), (dres, want), (dw, want_dw)))
     # the CPU result for the same inputs (what gloo computes): sum and residual_out bitwise. normed is
-    # bitwise only on one device (DESIGN §1: the norm's mean may sum in another order on the CPU)
+    # bitwise only on one device (docs/design.md §1: the norm's mean may sum in another order on the CPU)
     cpu = True
     if got.device.type != "cpu":
         want_cpu = ordered_sum([t.cpu() for t in xs])
@@ -61,7 +80,7 @@ def case(m: int, hidden: int, dtype: torch.dtype, device, workspace=None, path: 
     same_as_reference = reference is None or all(bitwise_report(a, b).equal for a, b in zip(outputs, reference, strict=True))
     checks = {"sum": rep.equal, "all_ranks": same_everywhere, "residual_out": ok_res, "normed": ok_norm,
               "zero_residual": ok_zero, "batch_invariant": invariant, "cpu_equal": cpu, "inputs_unchanged": untouched,
-              "same_as_reference": same_as_reference}  # fmt: skip
+              "grads": grads, "same_as_reference": same_as_reference}  # fmt: skip
     return {
         "rows": m,
         "hidden": hidden,
@@ -79,7 +98,7 @@ def case(m: int, hidden: int, dtype: torch.dtype, device, workspace=None, path: 
 def table(rank: int, world_size: int, device: str = "cpu", hiddens=(4096, 1001), rows=ROWS, dtypes=tuple(DTYPES)) -> list[dict]:
     """Every (rows, hidden, dtype) case on this rank (a ``run_local`` target): the reference path,
     and on CUDA also the 1-stage and 2-stage kernels, each bitwise equal to the reference."""
-    from truefuse.distributed.workspace import Workspace
+    from truefuse.distributed import Workspace
 
     dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
     if dev.type == "cuda":
