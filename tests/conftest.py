@@ -1,7 +1,7 @@
 """Test session set-up: without a GPU, Triton kernels run in Triton's CPU interpreter.
 
 TRITON_INTERPRET must be set before any kernel module is imported, hence here. The interpreter is
-right for fp32 and wrong for bf16 (DESIGN §8): the Triton backend offers only fp32 on the CPU.
+right for fp32 and wrong for bf16 (docs/design.md §8): the Triton backend offers only fp32 on the CPU.
 """
 
 import os

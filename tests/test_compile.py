@@ -1,4 +1,4 @@
-"""DESIGN §6.7: the Triton-backed ops are torch.library custom ops (opcheck: schema, fake
+"""docs/design.md §6.7: the Triton-backed ops are torch.library custom ops (opcheck: schema, fake
 implementation, autograd registration), and torch.compile(fullgraph=True) traces the public
 functions through them. On the CPU the kernels run in fp32 under Triton's interpreter."""
 

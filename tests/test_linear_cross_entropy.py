@@ -257,7 +257,7 @@ def _plain_grads(x, W, t, **kw):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("chunk", [None, 7])
 def test_fused_main_grad(device, reduction, chunk):
-    """DESIGN §2 for the loss's weight: the gradient (scaled by grad_output) is added into
+    """docs/design.md §2 for the loss's weight: the gradient (scaled by grad_output) is added into
     main_grad, autograd gets None; d_input is unchanged. One chunk (d_logits kept for the backward)
     and several (recomputed in the backward), every reduction."""
     x, W, t, _ = make_inputs(torch.float32, device)
@@ -306,7 +306,7 @@ def test_fused_main_grad_missing_is_a_clear_error(device):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("chunk", [None, 7])
 def test_delayed_weight_grad_is_bitwise_the_immediate_one(device, fused, reduction, chunk):
-    """DESIGN §2: with delay_wgrad_compute the backward returns None for the weight and
+    """docs/design.md §2: with delay_wgrad_compute the backward returns None for the weight and
     backward_dw() adds the same bits into .grad (or main_grad) as the immediate path."""
     x, W, t, _ = make_inputs(torch.float32, device)
     out = {}

@@ -1,4 +1,4 @@
-"""DESIGN §2, the weight-gradient contract: every module × the six configurations, the same assertions.
+"""docs/design.md §2, the weight-gradient contract: every module × the six configurations, the same assertions.
 
 After backward, and again after backward_dw where delayed, it checks what ``param.grad`` holds (the
 gradient, None or zeros), what ``main_grad`` holds (its random start plus the gradient, untouched
