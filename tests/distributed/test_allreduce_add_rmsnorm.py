@@ -117,6 +117,11 @@ def _bits(t):
     return None if t is None else t.view(torch.int32)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="gloo's CPU tensors reach the norm kernels only under the CPU suite's interpreter; on a GPU "
+    "machine verify --world-size checks the kernel path's gradients",
+)
 def test_backward_is_the_norms_backward_bitwise():
     """d_x, d_residual and d_weight of allreduce_add_rmsnorm are bitwise those of torch.autograd.grad
     through truefuse.rms_norm(residual_out, w, eps) (the residual's gradient added), on every rank,
