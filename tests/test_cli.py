@@ -245,7 +245,11 @@ def test_installed_version_is_truefuse_version():
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
     assert "version" not in project and "version" in project["dynamic"]
-    assert importlib.metadata.version("truefuse") == truefuse.__version__
+    try:
+        installed = importlib.metadata.version("truefuse")
+    except importlib.metadata.PackageNotFoundError:  # the GPU machine runs the checkout from PYTHONPATH
+        pytest.skip("truefuse is not installed here (PYTHONPATH checkout)")
+    assert installed == truefuse.__version__
 
 
 def test_info_bad_configuration_is_one_line_and_exit_2(monkeypatch, capsys):
