@@ -86,17 +86,22 @@ def _backend(name: str):
 DIM = st.one_of(st.integers(1, 20), st.sampled_from([33, 47]))
 
 
-#: bf16 sizes. bf16 takes truefuse's PyTorch paths on the CPU (cheap), and over a few dozen bf16
-#: elements the 1.25 error ratio is a coin toss between two results an ulp or two apart: measured
-#: for swiglu's dx over 100 seeds, 3-7% of draws exceed 1.25 at 32 elements (median ratio 0.87-0.95),
-#: none at 8192 (median 0.82-0.84). Feature sizes of 64-160 and 8-24 tokens keep bf16 out of that.
+#: bf16 sizes. bf16 takes truefuse's PyTorch paths on the CPU, and over a few dozen bf16 elements
+#: the 1.25 error ratio is a coin toss between two results an ulp or two apart: measured for
+#: swiglu's dx over 100 seeds, 3-7% of draws exceed 1.25 at 32 elements (median ratio 0.87-0.95), 1%
+#: at 256, none at 8192; with 64-160 features, draws of a norm's dx or weight gradient still reached
+#: 1.35-1.53. Element-wise ops and norms therefore draw 256-512 features in bf16 (no failure in
+#: 2 x 6 times this file's examples), the GEMMs, whose bf16 path is mostly gemm_ref's own, less
+#: (bf16 matmuls are slow on the CPU).
 BF16_FEATURES = st.integers(256, 512)
+BF16_GEMM_FEATURES = st.integers(16, 64)
 BF16_TOKENS = st.integers(16, 32)
+BF16_GEMM_TOKENS = st.integers(8, 24)
 
 
-def _feat(draw, dtype, lo: int, hi: int) -> int:
+def _feat(draw, dtype, lo: int, hi: int, bf16=BF16_FEATURES) -> int:
     """A feature (hidden, out, vocabulary) size: [lo, hi], larger for bf16."""
-    return draw(BF16_FEATURES if dtype == BF16 else st.integers(lo, hi))
+    return draw(bf16 if dtype == BF16 else st.integers(lo, hi))
 
 
 def _tokens(draw, dtype, lo: int, hi: int, *, zero: bool = True) -> int:
@@ -106,10 +111,10 @@ def _tokens(draw, dtype, lo: int, hi: int, *, zero: bool = True) -> int:
     return draw(BF16_TOKENS if dtype == BF16 else st.integers(lo, hi))
 
 
-def _gemm_dim(draw, dtype, *, zero: bool = False) -> int:
+def _gemm_dim(draw, dtype, *, zero: bool = False, tokens: bool = False) -> int:
     if zero and draw(st.integers(0, 5)) == 0:
         return 0
-    return draw(BF16_FEATURES if dtype == BF16 else DIM)
+    return draw((BF16_GEMM_TOKENS if tokens else BF16_GEMM_FEATURES) if dtype == BF16 else DIM)
 
 
 def _backend_for(draw, dtype, bias: bool) -> str:
@@ -133,7 +138,7 @@ def _out_dtypes(dtype) -> list:
 @st.composite
 def gemm_forward_cases(draw):
     dtype = draw(DTYPES)
-    M, K, N = _gemm_dim(draw, dtype, zero=True), _gemm_dim(draw, dtype), _gemm_dim(draw, dtype)
+    M, K, N = _gemm_dim(draw, dtype, zero=True, tokens=True), _gemm_dim(draw, dtype), _gemm_dim(draw, dtype)
     out_dtype = draw(st.sampled_from(_out_dtypes(dtype)))
     odt = out_dtype or dtype
     bias = draw(st.sampled_from([None, "in", "out"]))
@@ -194,7 +199,7 @@ def gemm_wgrad_cases(draw):
     out = draw(st.sampled_from([None, "same", "fp32"] if dtype != F64 else [None, "same"]))
     return {
         "dtype": dtype,
-        "T": _gemm_dim(draw, dtype, zero=True),  # tokens: the contraction
+        "T": _gemm_dim(draw, dtype, zero=True, tokens=True),  # tokens: the contraction
         "N": _gemm_dim(draw, dtype),
         "K": _gemm_dim(draw, dtype),
         "out": out,
@@ -226,7 +231,7 @@ def test_gemm_weight_gradient(c):
 def splits(draw, max_groups: int = 4, max_rows: int = 6, dtype=None):
     """Group sizes, empty groups and (but for bf16, see BF16_TOKENS) groups of one row included."""
     n = draw(st.integers(1, max_groups))
-    size = st.integers(0, max_rows) if dtype != BF16 else st.one_of(st.just(0), BF16_TOKENS)
+    size = st.integers(0, max_rows) if dtype != BF16 else st.one_of(st.just(0), BF16_GEMM_TOKENS)
     return draw(st.lists(size, min_size=n, max_size=n))
 
 
@@ -239,8 +244,8 @@ def gemm_grouped_cases(draw):
         "form": form,
         "splits": draw(splits(dtype=dtype)),
         "splits_as_tensor": draw(st.booleans()),
-        "K": _feat(draw, dtype, 1, 12),
-        "N": _feat(draw, dtype, 1, 12),
+        "K": _feat(draw, dtype, 1, 12, BF16_GEMM_FEATURES),
+        "N": _feat(draw, dtype, 1, 12, BF16_GEMM_FEATURES),
         "backend": draw(BACKENDS),
         "seed": draw(SEEDS),
     }
@@ -303,6 +308,17 @@ def test_gemm_grouped(c):
 _NORM_BWD_NO_PARAMS_BUG = True
 
 
+#: Smallest hidden size drawn for a norm. dx lies in the (H-1)-dimensional (RMSNorm) or
+#: (H-2)-dimensional (LayerNorm) complement of x (and of 1): at H = 1 / 2 it vanishes analytically,
+#: and one dimension above (RMSNorm H = 2, LayerNorm H = 3) it is still mostly a cancellation, so
+#: its fp32 relative error exceeds the 1e-6 floor and the 1.25 ratio turns into a coin toss. Measured
+#: (40 seeds each, fp32, scale 30, eps 0.1): the kernel's dx ratio to F.layer_norm's has median
+#: 0.71-0.99 at H = 3..32 (at par or better), with single draws up to 2.3-5.9 that the floor
+#: absorbs except at LayerNorm H = 3 with one row (1 in 40: seed 7105 of this property, dx 1.72e-6
+#: vs 4.97e-7, absolute difference 3.5e-9). Not a divergence of the kernel.
+NORM_MIN_H = {"RMSNorm": 3, "LayerNorm": 4}
+
+
 def _lead(draw, dtype, min_dims: int = 0) -> tuple[int, ...]:
     """Leading dimensions: () (a 1-D x), (T,) or (B, T); empty ones (0) included."""
     n = draw(st.integers(min_dims, 2))
@@ -321,10 +337,9 @@ def norm_cases(draw):
         "rms": rms,
         "dtype": dtype,
         "lead": _lead(draw, dtype),
-        # rms H >= 2, layer H >= 3: below that the norm's output is constant up to eps (sign(x) for
-        # RMSNorm of one element, ±1 for LayerNorm of two), dx vanishes analytically and its relative
-        # error measures only the rounding noise of a cancellation, in every implementation
-        "H": _feat(draw, dtype, 2 if rms else 3, 40),
+        # H >= NORM_MIN_H (see there): smaller rows make dx a cancellation whose relative error
+        # is rounding noise in every implementation
+        "H": _feat(draw, dtype, NORM_MIN_H["RMSNorm" if rms else "LayerNorm"], 40),
         "weight": weight,
         "bias": bias,
         "zero_centered_gamma": weight is not None and draw(st.booleans()),
@@ -339,11 +354,6 @@ def norm_cases(draw):
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by this property, not yet fixed: layer_norm fp32, H=3, no bias, eps=0.1, inputs of scale 30 "
-    "(seed 7105): dx error 1.72e-6 against F.layer_norm's 4.97e-7 (3.46x, bound 1.25x + 1e-6)",
-)
 @_settings(40)
 @given(c=norm_cases())
 def test_norm_forward_backward(c):
@@ -424,7 +434,11 @@ def test_gated_activation(c):
 
 #: Known divergences of the fp32 path (the Triton loss kernel; reproducers below, xfail). While
 #: True, the property keeps fp32 examples out of their reach: logits of order 0.25 (no confident
-#: token, so lse stays close to the loss) and no saturated softcap.
+#: token, so lse stays close to the loss), H >= 4 and no saturated softcap. (The rounded lse also
+#: gives every p = exp(z - lse) of a row one common relative error, which a one-token, H = 1 d_input,
+#: a cancelling sum over V, amplifies: 1 token x H=1 x V=131, label_smoothing=0.1, z_loss=0.1,
+#: logits ~0.25: d_input 7.9e-5 vs the plain path's 1.6e-5; over 25 seeds its median ratio is
+#: 1.2-2.4, up to 47, and at par (1.0-1.2) at 16 tokens x H=16. p = exp(z - max) / sum halves it.)
 _LCE_LSE_CANCELLATION_BUG = True
 _LCE_SOFTCAP_TANH_BUG = True
 
@@ -472,7 +486,7 @@ def lce_cases(draw):
     c = {
         "dtype": dtype,
         "lead": lead,
-        "H": draw(st.integers(1, 16)),
+        "H": draw(st.integers(4 if dtype == F32 and _LCE_LSE_CANCELLATION_BUG else 1, 16)),
         "V": V,
         "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
         "ignore_index": ignore_index,
@@ -605,8 +619,8 @@ def module_cases(draw):
         "kind": kind,
         "dtype": dtype,
         "lead": _lead(draw, dtype, min_dims=1),  # (T,) or (B, T)
-        # hidden sizes where the norm's dx does not vanish analytically (see norm_cases)
-        "H": _feat(draw, dtype, {None: 1, "RMSNorm": 2, "LayerNorm": 3}[norm], 16),
+        # hidden sizes where the norm's dx is not a cancellation (see NORM_MIN_H)
+        "H": _feat(draw, dtype, NORM_MIN_H.get(norm, 1), 16),
         "N": _feat(draw, dtype, 1, 16),  # out_features, or ffn_hidden_size of the MLP
         "bias": draw(st.booleans()),
         "fuse_wgrad_accumulation": _fused(draw, dtype),
@@ -621,7 +635,13 @@ def module_cases(draw):
     if kind == "LayerNormLinear":
         c["return_layernorm_output"] = draw(st.booleans())
     if kind == "LayerNormMLP":
-        c["activation"] = draw(st.sampled_from(list(MLP_ACTIVATIONS)))
+        # not ReLU in bf16: the module's norm rounds once where F.layer_norm rounds twice, so a few
+        # bf16 pre-activations near 0 land on the other side of ReLU's kink than the reference's;
+        # each flips a whole gradient entry, and the error ratio turns heavy-tailed both ways
+        # (measured, 30 seeds at 16 x 321 x 256: median 0.6, but 3.3-3.6 in a fifth of them;
+        # gelu: median 0.65-0.89, max 0.94). fp32 and fp64 keep every activation.
+        acts = [a for a in MLP_ACTIVATIONS if dtype != BF16 or a not in ("relu", "reglu")]
+        c["activation"] = draw(st.sampled_from(acts))
     return c
 
 
@@ -693,8 +713,8 @@ def grouped_cases(draw):
         "kind": kind,
         "dtype": dtype,
         "splits": draw(splits(dtype=dtype)),
-        "H": _feat(draw, dtype, 1, 12),
-        "N": _feat(draw, dtype, 1, 12),
+        "H": _feat(draw, dtype, 1, 12, st.integers(64, 128)),
+        "N": _feat(draw, dtype, 1, 12, st.integers(64, 128)),
         "bias": draw(st.booleans()),
         "packed": draw(st.booleans()),
         "fuse_wgrad_accumulation": _fused(draw, dtype),
