@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv from nothing, idempotently: a virtual environment, torch (the CPU build unless a
-# GPU is present; never CUDA wheels on a CPU machine), then truefuse with its dev and bench extras.
+# GPU is present; never CUDA wheels on a CPU machine), then truefuse with its dev, bench and hf extras.
 # Re-running it is cheap: it reinstalls only when pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +34,6 @@ fi
 stamp=.venv/.truefuse-installed
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  pip install -q -e ".[dev,bench]"
+  pip install -q -e ".[dev,bench,hf]"
   echo "$want" > "$stamp"
 fi

@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_fwd_op, use_kernel
+from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated2_fwd_op, gated_activation_ref, gated_fwd_op, use_kernel
 
 
-def gated_activation(x: torch.Tensor, name: str) -> torch.Tensor:
-    """``act(gate) * up`` where ``gate, up = x.chunk(2, dim=-1)``.
+def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(gate) * up`` where ``gate, up = x.chunk(2, dim=-1)``, or ``act(x) * up`` with ``up`` given.
 
     Args:
-        x: (..., 2F), fp16 / bf16 / fp32 / fp64.
+        x: (..., 2F), fp16 / bf16 / fp32 / fp64; or, with ``up``, the (..., F) gate.
         name: ``swiglu`` (silu), ``geglu`` (erf gelu) or ``reglu`` (relu).
+        up: (..., F) like ``x``, or None. Two tensors (a Hugging Face MLP's two projections) save
+            the (..., 2F) concatenation's copy; the backward returns a gradient to each.
 
     Returns:
         (..., F) in ``x.dtype``: fp32 math, one rounding (``gated_activation_ref``, bounded contract).
     """
     if name not in GATED_ACTIVATIONS:
         raise ValueError(f"gated activation {name!r} is not supported; choose one of {tuple(GATED_ACTIVATIONS)}")
+    if up is not None:
+        return _gated_two(x, up, name)
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"x's last dimension must be even (the [gate, up] halves), got shape {tuple(x.shape)}")
     if not use_kernel(x):
@@ -27,3 +31,18 @@ def gated_activation(x: torch.Tensor, name: str) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y = gated_fwd_op(x2, name)
     return y.view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def _gated_two(gate: torch.Tensor, up: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(up, torch.Tensor) or up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
+        got = (tuple(up.shape), up.dtype, up.device) if isinstance(up, torch.Tensor) else type(up).__name__
+        raise ValueError(f"up must be a tensor of gate's shape, dtype and device {(tuple(gate.shape), gate.dtype, gate.device)}, got {got}")
+    if gate.dim() == 0:
+        raise ValueError("gate must have at least one dimension")
+    if not use_kernel(gate):
+        return gated_activation_ref(torch.cat([gate, up], -1), name)
+    F = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, F), up.reshape(-1, F)
+    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
+    u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
+    return gated2_fwd_op(g2, u2, name).view(gate.shape)

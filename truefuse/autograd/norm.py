@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops.norm import layer_norm_ref, norm_fwd_op, rms_norm_ref, use_kernel
+from truefuse.ops.norm import (
+    HF_NORM_STYLES,
+    hf_rstd,
+    layer_norm_ref,
+    norm_fwd_op,
+    rms_norm_hf_fwd_op,
+    rms_norm_hf_ref,
+    rms_norm_ref,
+    use_kernel,
+)
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -88,3 +97,34 @@ def layer_norm(
     """
     _check(x, {"weight": weight, "bias": bias}, eps)
     return _run(x, weight, bias, eps, False, zero_centered_gamma)
+
+
+def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, style: str = "llama") -> torch.Tensor:
+    """A transformers RMSNorm's forward, bit for bit, with truefuse's fused backward.
+
+    The statistics are the stock module's own expression (``hf_rstd``: torch reduces, so the bits
+    are torch's); the kernel applies them and the weight with the stock rounding of ``style``
+    (``llama``: weight × round(x·rstd); ``gemma``: round(x·rstd·(1 + weight)); see
+    ``ops.norm.HF_NORM_STYLES``), and the backward is one kernel from the saved rstd instead of
+    autograd's chain of eight ops and their saved fp32 copies.
+
+    Args:
+        x: (..., H) fp16 / bf16 / fp32. weight: (H,).
+        eps: the module's ``variance_epsilon`` / ``eps``.
+        style: ``llama`` or ``gemma``.
+
+    Returns:
+        (..., H): ``promote(x.dtype, weight.dtype)`` for ``llama``, x's dtype for ``gemma`` (as stock).
+        Forward bitwise equal to :func:`truefuse.ops.norm.rms_norm_hf_ref`; gradients bounded.
+    """
+    _check(x, {"weight": weight}, eps)
+    if style not in HF_NORM_STYLES:
+        raise ValueError(f"style must be one of {HF_NORM_STYLES}, got {style!r}")
+    if weight is None:
+        raise ValueError("weight must be a tensor: the stock modules always scale")
+    if not use_kernel(x):
+        return rms_norm_hf_ref(x, weight, eps, style=style)
+    with torch.no_grad():  # the op's backward differentiates through the statistics itself
+        rstd = hf_rstd(x, eps).reshape(-1)
+    y = rms_norm_hf_fwd_op(x.reshape(-1, x.shape[-1]).contiguous(), weight, rstd, style)
+    return y.view(x.shape)

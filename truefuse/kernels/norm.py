@@ -54,6 +54,8 @@ def _norm_fwd_kernel(
     HAS_B: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RSTD_IN: tl.constexpr = False,
+    ROUND_NORMED: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -69,11 +71,24 @@ def _norm_fwd_kernel(
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     else:
         w = x
-    y, rstd = rms_norm_row(xc, w, N, eps, HAS_W, ZERO_CENTERED)
+    if RSTD_IN:
+        # a caller's rstd (a stock module's statistics, for its bits: ops/norm.py::rms_norm_hf_ref);
+        # ROUND_NORMED rounds x * rstd to x's dtype before the weight, as Llama's RMSNorm does
+        rstd = tl.load(rstd_ptr + row)
+        y = xc * rstd
+        if ROUND_NORMED:
+            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        if HAS_W:
+            if ZERO_CENTERED:
+                w = w + 1.0
+            y = y * w
+    else:
+        y, rstd = rms_norm_row(xc, w, N, eps, HAS_W, ZERO_CENTERED)
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    if not RSTD_IN:
+        tl.store(rstd_ptr + row, rstd)
 
 
 @triton.jit

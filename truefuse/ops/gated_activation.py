@@ -56,38 +56,62 @@ def _act(name: str) -> tuple[str, bool]:
     return (GATED_ACTIVATIONS[name], True) if name in GATED_ACTIVATIONS else (name, False)
 
 
-def gated_fwd(x: torch.Tensor, name: str) -> torch.Tensor:
-    """Forward kernel on a contiguous ``x``: (M, 2F) for a gated ``name``, (M, F) for a plain
-    activation; returns (M, F) in ``x.dtype``."""
+def _gate_up(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gate and up views of a contiguous (M, 2F) gated ``x`` (up None for a plain activation)."""
+    if not _act(name)[1]:
+        return x, None
+    F = x.shape[1] // 2
+    return x[:, :F], x[:, F:]
+
+
+def gated_fwd(x: torch.Tensor, name: str, up: torch.Tensor | None = None) -> torch.Tensor:
+    """Forward kernel. ``x``: a contiguous (M, 2F) ``[gate, up]`` for a gated ``name`` (or, with
+    ``up`` given, the (M, F) gate, rows strided), (M, F) for a plain activation; returns (M, F) in
+    the gate's dtype."""
     from truefuse.kernels.activation import ACT_CODES
     from truefuse.kernels.gated_activation import _gated_activation_fwd_kernel
 
     act, gated = _act(name)
-    M, F = x.shape[0], x.shape[1] // (2 if gated else 1)
-    y = torch.empty((M, F), dtype=x.dtype, device=x.device)
+    g, u = (x, up) if up is not None else _gate_up(x, name)
+    M, F = g.shape
+    y = torch.empty((M, F), dtype=g.dtype, device=g.device)
     if M and F:
         grid, block = _launch_shape(M, F)
-        _gated_activation_fwd_kernel[grid](x, y, x.stride(0), y.stride(0), F, ACT=ACT_CODES[act], GATED=gated, BLOCK=block)
+        u_ = u if gated else g
+        _gated_activation_fwd_kernel[grid](
+            g, u_, y, g.stride(0), u_.stride(0), y.stride(0), F, ACT=ACT_CODES[act], GATED=gated, BLOCK=block
+        )
     return y
 
 
-def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool = False):
-    """Backward kernel: ``dy`` (M, F) and ``x`` (M, 2F) or (M, F), contiguous.
+def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool = False, up: torch.Tensor | None = None):
+    """Backward kernel: ``dy`` (M, F) contiguous; ``x`` and ``up`` as in :func:`gated_fwd`.
 
-    Returns d``x`` shaped like ``x``; with ``recompute`` returns ``(dx, y)`` where ``y`` is the
-    forward's output written again by the same pass (bitwise what :func:`gated_fwd` gives).
+    Returns d``x`` shaped like ``x`` (with ``up``: the pair ``(dgate, dup)``); with ``recompute``
+    also the forward's output written again by the same pass (bitwise what :func:`gated_fwd`
+    gives), as ``(dx, y)``.
     """
     from truefuse.kernels.activation import ACT_CODES
     from truefuse.kernels.gated_activation import _gated_activation_bwd_kernel
 
     act, gated = _act(name)
     M, F = dy.shape
-    dx = torch.empty_like(x)
+    if up is not None:
+        g, u = x, up
+        dg, du = torch.empty((M, F), dtype=g.dtype, device=g.device), torch.empty((M, F), dtype=u.dtype, device=u.device)
+        dx = (dg, du)
+    else:
+        g, u = _gate_up(x, name)
+        dx = torch.empty_like(x)
+        dg, du = _gate_up(dx, name)
+    u = u if gated else g
+    du = du if gated else dg
     y = torch.empty_like(dy) if recompute else None
     if M and F:
         grid, block = _launch_shape(M, F)
+        a = y if recompute else dg
         _gated_activation_bwd_kernel[grid](
-            dy, x, dx, y if recompute else dx, dy.stride(0), x.stride(0), dx.stride(0), y.stride(0) if recompute else 0, F,
+            dy, g, u, dg, du, a, dy.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0), a.stride(0), F,
             ACT=ACT_CODES[act], GATED=gated, STORE_ACT=recompute, BLOCK=block,
         )  # fmt: skip
     return (dx, y) if recompute else dx
@@ -139,3 +163,44 @@ def _no_double_backward(ctx, *grads):
 
 # registered so that tracing a backward graph (torch.compile, AOT) accepts the op; never run
 gated_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# Two-tensor form (a separate gate and up, as a Hugging Face MLP's two projections give them: no
+# concatenation copy): the same kernels with two row-strided inputs.
+
+
+@torch.library.custom_op("truefuse::gated_activation2_fwd", mutates_args=())
+def gated2_fwd_op(gate: torch.Tensor, up: torch.Tensor, name: str) -> torch.Tensor:
+    """``act(gate) * up`` for (M, F) ``gate`` and ``up`` whose rows are contiguous."""
+    return gated_fwd(gate, name, up)
+
+
+@gated2_fwd_op.register_fake
+def _(gate, up, name):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("truefuse::gated_activation2_bwd", mutates_args=())
+def gated2_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``gate`` and ``up``."""
+    return gated_bwd(dy.contiguous(), gate, name, up=up)
+
+
+@gated2_bwd_op.register_fake
+def _(dy, gate, up, name):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(up, memory_format=torch.contiguous_format)
+
+
+def _gated2_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.name = inputs[2]
+
+
+def _gated2_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    dg, du = gated2_bwd_op(dy, gate, up, ctx.name)
+    return dg, du, None
+
+
+gated2_fwd_op.register_autograd(_gated2_backward, setup_context=_gated2_setup)
+gated2_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)

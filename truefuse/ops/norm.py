@@ -60,6 +60,35 @@ def layer_norm_ref(
     return _affine(xc * rstd, weight, bias, zero_centered_gamma).to(x.dtype)
 
 
+#: Stock Hugging Face RMSNorm forwards that ``rms_norm_hf`` reproduces bit for bit (docs/huggingface.md):
+#: ``llama`` (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral) rounds ``x * rstd`` to x's dtype, then
+#: multiplies by the weight in torch's promoted dtype (two roundings); ``gemma`` (Gemma 2/3)
+#: multiplies by ``1 + weight`` in fp32 and rounds once to x's dtype.
+HF_NORM_STYLES = ("llama", "gemma")
+
+
+def hf_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The stock modules' statistics, by their own expression (so the reduction order is torch's):
+    ``rsqrt(mean(x.float()²) + eps)``, (...) fp32 with x's leading shape."""
+    xf = x.to(torch.float32)
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps).squeeze(-1)
+
+
+def rms_norm_hf_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, style: str = "llama") -> torch.Tensor:
+    """A transformers RMSNorm's forward, as its module writes it (the bitwise reference of ``rms_norm_hf``).
+
+    Args:
+        x: (..., H) any float dtype; the statistics are fp32 (an fp64 x is rounded to fp32, as stock does).
+        weight: (H,). ``llama``: the output dtype is ``promote(x.dtype, weight.dtype)``; ``gemma``:
+            the scale is ``1 + weight`` and the output has x's dtype.
+        style: one of :data:`HF_NORM_STYLES`.
+    """
+    h = x.to(torch.float32) * hf_rstd(x, eps).unsqueeze(-1)
+    if style == "llama":
+        return weight * h.to(x.dtype)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
 def rms_norm_torch(x, weight=None, eps=1e-6, *, zero_centered_gamma=False):
     """What a user without truefuse writes: ``F.rms_norm`` in ``x``'s dtype (the bounded baseline)."""
     w = weight + 1 if (weight is not None and zero_centered_gamma) else weight
@@ -88,16 +117,25 @@ def block_and_warps(n: int) -> tuple[int, int]:
     return block, max(1, min(16, block // 512))
 
 
-def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: bool):
+def norm_fwd(
+    x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: bool, rstd=None, round_normed=False, out_dtype=None
+):
     """Launch the forward kernel on a contiguous (M, N) ``x``.
 
-    Returns ``(y, mean, rstd)``: y (M, N) in ``x.dtype``; mean (M,) fp32 (None for RMSNorm); rstd (M,) fp32.
+    ``rstd`` (M,) fp32, given: the kernel takes it instead of its own statistics (RMSNorm only);
+    ``round_normed`` then rounds ``x * rstd`` to x's dtype before the weight; ``out_dtype``: y's
+    dtype (default x's). Returns ``(y, mean, rstd)``: y (M, N); mean (M,) fp32 (None for RMSNorm);
+    rstd (M,) fp32.
     """
     from truefuse.kernels.norm import _norm_fwd_kernel
 
     M, N = x.shape
-    y = torch.empty_like(x)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    y = torch.empty_like(x, dtype=out_dtype or x.dtype)
+    rstd_in = rstd is not None
+    if rstd_in and not rms:
+        raise ValueError("a given rstd is for RMSNorm only")
+    if rstd is None:
+        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     mean = None if rms else torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0:
         return y, mean, rstd
@@ -106,7 +144,7 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
         x, weight if weight is not None else x, bias if bias is not None else x, y,
         mean if mean is not None else rstd, rstd, x.stride(0), y.stride(0), N, float(eps),
         IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ZERO_CENTERED=zero_centered_gamma,
-        BLOCK_N=block, num_warps=warps,
+        BLOCK_N=block, RSTD_IN=rstd_in, ROUND_NORMED=bool(round_normed), num_warps=warps,
     )  # fmt: skip
     return y, mean, rstd
 
@@ -225,3 +263,41 @@ def _no_double_backward(ctx, *grads):
 
 # registered so that tracing a backward graph (torch.compile, AOT) accepts the op; never run
 norm_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# The stock-rounding RMSNorm (``rms_norm_hf``): the statistics come in (torch's, for their bits),
+# the kernel applies them and the weight; the backward is the norm's own with that rstd.
+
+
+@torch.library.custom_op("truefuse::rms_norm_hf_fwd", mutates_args=())
+def rms_norm_hf_fwd_op(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, style: str) -> torch.Tensor:
+    """y of :func:`rms_norm_hf_ref` for a contiguous (M, N) ``x`` and its (M,) fp32 ``rstd`` (``hf_rstd``)."""
+    y, _, _ = norm_fwd(
+        x, weight, None, 0.0, rms=True, zero_centered_gamma=style == "gemma",
+        rstd=rstd, round_normed=style == "llama", out_dtype=_hf_out_dtype(x, weight, style),
+    )  # fmt: skip
+    return y
+
+
+def _hf_out_dtype(x, weight, style: str) -> torch.dtype:
+    return torch.promote_types(x.dtype, weight.dtype) if style == "llama" else x.dtype
+
+
+@rms_norm_hf_fwd_op.register_fake
+def _(x, weight, rstd, style):
+    return torch.empty_like(x, dtype=_hf_out_dtype(x, weight, style))
+
+
+def _hf_setup(ctx, inputs, output):
+    x, weight, rstd, style = inputs
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.zero_centered_gamma = style == "gemma"
+
+
+def _hf_backward(ctx, dy):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw, _ = norm_bwd_op(dy, x, weight, None, rstd.new_empty(0), rstd, True, ctx.zero_centered_gamma)
+    return dx, dw, None, None
+
+
+rms_norm_hf_fwd_op.register_autograd(_hf_backward, setup_context=_hf_setup)

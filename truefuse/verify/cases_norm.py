@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd.gated_activation import gated_activation
-from truefuse.autograd.norm import layer_norm, rms_norm
+from truefuse.autograd.norm import layer_norm, rms_norm, rms_norm_hf
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_activation_torch
-from truefuse.ops.norm import layer_norm_ref, layer_norm_torch, rms_norm_ref, rms_norm_torch
-from truefuse.testing import bounded_report
+from truefuse.ops.norm import HF_NORM_STYLES, layer_norm_ref, layer_norm_torch, rms_norm_hf_ref, rms_norm_ref, rms_norm_torch
+from truefuse.testing import bitwise_report, bounded_report
 from truefuse.verify.registry import register
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -73,3 +73,39 @@ def _gated_case(name: str, dtype):
 for _dn, _dt in _DTYPES.items():
     for _name in GATED_ACTIVATIONS:
         register("gated_activation", f"{_name}_{_dn}", "bounded")(_gated_case(_name, _dt))
+
+
+def _hf_norm_inputs(style: str, dtype, device):
+    return _rand((_M, _H), dtype, device, 5, 2.0, 0.5), _rand((_H,), dtype, device, 6, 0.5, 0.0 if style == "gemma" else 1.0)
+
+
+def _hf_fwd_case(style: str, dtype):
+    """The stock transformers module's forward, bit for bit (docs/huggingface.md)."""
+
+    def case(device):
+        x, w = _hf_norm_inputs(style, dtype, device)
+        return {"out": bitwise_report(rms_norm_hf(x, w, 1e-6, style=style), rms_norm_hf_ref(x, w, 1e-6, style=style))}
+
+    return case
+
+
+def _hf_bwd_case(style: str, dtype):
+    """Gradients against float64 (the same math: ``rms_norm_ref``), the stock module as the baseline."""
+
+    def case(device):
+        x, w = _hf_norm_inputs(style, dtype, device)
+        zc = style == "gemma"
+        return check_fn(
+            lambda x, w: rms_norm_hf(x, w, 1e-6, style=style),
+            lambda x, w: rms_norm_ref(x, w, 1e-6, zero_centered_gamma=zc),
+            lambda x, w: rms_norm_hf_ref(x, w, 1e-6, style=style),
+            {"x": x, "weight": w},
+        )
+
+    return case
+
+
+for _dn, _dt in _DTYPES.items():
+    for _style in HF_NORM_STYLES:
+        register("rms_norm_hf", f"fwd_{_style}_{_dn}", "bitwise")(_hf_fwd_case(_style, _dt))
+        register("rms_norm_hf", f"fwd_bwd_{_style}_{_dn}", "bounded")(_hf_bwd_case(_style, _dt))

@@ -1,0 +1,40 @@
+"""truefuse in Hugging Face transformers (``pip install truefuse[hf]``; docs/huggingface.md).
+
+    from truefuse.integrations.huggingface import apply_truefuse
+    model = AutoModelForCausalLM.from_config(config)   # or from_pretrained
+    print(apply_truefuse(model))                         # PatchReport: what runs on truefuse
+
+The norms give the stock module's bits; the loss never builds the logits when ``labels`` are given.
+"""
+
+from truefuse.integrations.huggingface.architectures import ARCHITECTURES
+from truefuse.integrations.huggingface.patch import (
+    apply_truefuse,
+    apply_truefuse_to,
+    apply_truefuse_to_gemma2,
+    apply_truefuse_to_gemma3,
+    apply_truefuse_to_llama,
+    apply_truefuse_to_mistral,
+    apply_truefuse_to_mixtral,
+    apply_truefuse_to_qwen2,
+    apply_truefuse_to_qwen3,
+    apply_truefuse_to_qwen3_moe,
+    unpatch_truefuse,
+)
+from truefuse.integrations.huggingface.report import PatchReport
+
+__all__ = [
+    "ARCHITECTURES",
+    "PatchReport",
+    "apply_truefuse",
+    "apply_truefuse_to",
+    "apply_truefuse_to_gemma2",
+    "apply_truefuse_to_gemma3",
+    "apply_truefuse_to_llama",
+    "apply_truefuse_to_mistral",
+    "apply_truefuse_to_mixtral",
+    "apply_truefuse_to_qwen2",
+    "apply_truefuse_to_qwen3",
+    "apply_truefuse_to_qwen3_moe",
+    "unpatch_truefuse",
+]

@@ -1,0 +1,88 @@
+"""The forwards that replace stock transformers modules' forwards, in place.
+
+A stock module keeps its identity, parameters and state_dict keys: its class is swapped for a
+subclass whose ``forward`` runs truefuse (``isinstance`` against the stock class still holds, and
+``unpatch`` swaps it back). Each replacement reproduces the stock module's rounding where truefuse
+can (the norms: bit for bit; docs/huggingface.md).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from truefuse.autograd.gated_activation import gated_activation
+from truefuse.autograd.norm import rms_norm_hf
+
+#: ``config.hidden_act`` -> truefuse's gated activation of an MLP ``act(gate) * up``.
+GATED_FOR_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "relu": "reglu"}
+
+_SUBCLASSES: dict[tuple[type, str], type] = {}
+
+
+def _subclass(stock: type, kind: str, forward) -> type:
+    """The truefuse subclass of ``stock`` (one per stock class and kind), registered in this module
+    under a stable name so that a patched model still pickles."""
+    key = (stock, kind)
+    if key not in _SUBCLASSES:
+        name = f"Truefuse{stock.__name__}"
+        sub = type(name, (stock,), {"forward": forward, "_truefuse_stock": stock, "_truefuse_kind": kind})
+        sub.__module__ = __name__
+        setattr(sys.modules[__name__], name, sub)
+        _SUBCLASSES[key] = sub
+    return _SUBCLASSES[key]
+
+
+def is_patched(module: torch.nn.Module) -> bool:
+    return hasattr(type(module), "_truefuse_stock")
+
+
+def unpatch(module: torch.nn.Module) -> None:
+    """Give ``module`` its stock class back (no-op on a stock module)."""
+    stock = getattr(type(module), "_truefuse_stock", None)
+    if stock is not None:
+        module.__class__ = stock
+
+
+def _llama_norm_forward(self, hidden_states):
+    return rms_norm_hf(hidden_states, self.weight, self.variance_epsilon, style="llama")
+
+
+def _gemma_norm_forward(self, x):
+    return rms_norm_hf(x, self.weight, self.eps, style="gemma")
+
+
+_NORM_FORWARDS = {"llama": _llama_norm_forward, "gemma": _gemma_norm_forward}
+
+
+def norm_class(stock: type, style: str) -> type:
+    """The truefuse subclass of a stock RMSNorm class of ``style`` (``llama`` / ``gemma``)."""
+    return _subclass(stock, f"rms_norm_{style}", _NORM_FORWARDS[style])
+
+
+def gated_for(act_fn) -> str | None:
+    """truefuse's gated activation computing what the stock ``act_fn`` module computes, or None."""
+    from transformers import activations
+
+    if isinstance(act_fn, (torch.nn.SiLU, activations.SiLUActivation)):
+        return "swiglu"
+    if type(act_fn) is activations.GELUActivation and act_fn.act is torch.nn.functional.gelu:
+        return "geglu"  # erf GELU; the tanh approximation (Gemma's) has no truefuse kernel
+    if isinstance(act_fn, torch.nn.ReLU):
+        return "reglu"
+    return None
+
+
+def _gated_mlp_forward(self, x):
+    gated = gated_for(self.act_fn)
+    if gated is None:  # a class-level patch met an activation truefuse does not have
+        return self._truefuse_stock.forward(self, x)
+    return self.down_proj(gated_activation(self.gate_proj(x), gated, self.up_proj(x)))
+
+
+def mlp_class(stock: type) -> type:
+    """The truefuse subclass of a stock gated MLP (``down(act(gate(x)) * up(x))``): the activation
+    and the product are one kernel that saves gate and up only (stock also keeps act(gate)) and
+    rounds once (stock: twice)."""
+    return _subclass(stock, "mlp_gated", _gated_mlp_forward)

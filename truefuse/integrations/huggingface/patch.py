@@ -1,0 +1,168 @@
+"""``apply_truefuse``: put a Hugging Face model's norms, MLPs, experts and loss on truefuse.
+
+Modules are found by type (the architecture's classes, ``architectures.py``) over the whole
+module tree, checked all first and then patched, so a model is either patched as the report says
+or left untouched with an error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.integrations.huggingface import modules
+from truefuse.integrations.huggingface.architectures import ARCHITECTURES, Architecture, architecture_of
+from truefuse.integrations.huggingface.report import PatchReport
+
+
+def _model_type(model: torch.nn.Module) -> str:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "model_type"):
+        raise TypeError(f"apply_truefuse needs a transformers PreTrainedModel (with .config), got {type(model).__name__}")
+    return config.model_type
+
+
+def apply_truefuse(
+    model: torch.nn.Module,
+    *,
+    rms_norm: bool = True,
+    mlp: bool = True,
+    experts: bool = True,
+    linear_cross_entropy: bool = True,
+) -> PatchReport:
+    """Patch an instantiated transformers model in place.
+
+    Args:
+        model: a ``*ForCausalLM`` (or its base model) of an architecture in ``ARCHITECTURES``
+            (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Qwen3-MoE, Mixtral).
+        rms_norm: every RMSNorm runs ``truefuse.rms_norm_hf`` (the stock forward's bits, a fused backward).
+        mlp: every dense gated MLP runs its activation and product as one truefuse kernel.
+        experts: every mixture-of-experts experts module runs truefuse's grouped GEMMs.
+        linear_cross_entropy: with ``labels`` the forward computes ``truefuse.linear_cross_entropy``
+            on the last hidden states (the logits are never built); HF's label shift,
+            ``ignore_index=-100`` and ``num_items_in_batch`` as HF's loss.
+
+    Returns:
+        A :class:`PatchReport`. Calling it again on a patched model changes nothing.
+
+    Raises:
+        ValueError for an unknown architecture, before anything is patched.
+    """
+    arch = architecture_of(_model_type(model))
+    report = PatchReport(_model_type(model))
+    norm_cls, mlp_cls = arch.cls(arch.norm), arch.cls(arch.mlp) if arch.mlp else None
+    experts_cls = arch.cls(arch.experts) if arch.experts else None
+    plan: list[tuple[torch.nn.Module, type]] = []
+    expert_mods: list[torch.nn.Module] = []
+    for m in model.modules():
+        stock = getattr(type(m), "_truefuse_stock", type(m))
+        if isinstance(m, norm_cls):
+            if rms_norm:
+                plan.append((m, modules.norm_class(stock, arch.norm_style)))
+                report.replaced[(stock.__name__, f"truefuse.rms_norm_hf (style {arch.norm_style}: stock bits)")] += 1
+            else:
+                report.left[(stock.__name__, "rms_norm=False")] += 1
+        elif mlp_cls is not None and isinstance(m, mlp_cls):
+            gated = modules.gated_for(m.act_fn)
+            if not mlp:
+                report.left[(stock.__name__, "mlp=False")] += 1
+            elif gated is None:
+                report.left[(stock.__name__, f"activation {type(m.act_fn).__name__} has no truefuse kernel")] += 1
+            else:
+                plan.append((m, modules.mlp_class(stock)))
+                report.replaced[(stock.__name__, f"truefuse.gated_activation ({gated}, one rounding)")] += 1
+        elif experts_cls is not None and isinstance(m, experts_cls):
+            if experts:
+                expert_mods.append(m)
+            else:
+                report.left[(stock.__name__, "experts=False")] += 1
+    expert_patch = _experts_patcher(expert_mods, report) if expert_mods else None
+    loss_patch = _loss_patcher(model, arch, linear_cross_entropy, report)
+    # everything is checked: now patch
+    for m, cls in plan:
+        m.__class__ = cls
+    if expert_patch:
+        expert_patch()
+    if loss_patch:
+        loss_patch()
+    return report
+
+
+def _experts_patcher(mods: list[torch.nn.Module], report: PatchReport):
+    from truefuse.integrations.huggingface import moe
+
+    todo = []
+    for m in mods:
+        reason = moe.unsupported_reason(m)
+        name = getattr(type(m), "_truefuse_stock", type(m)).__name__
+        if reason:
+            report.left[(name, reason)] += 1
+        else:
+            todo.append(m)
+            report.replaced[(name, "truefuse grouped GEMMs (GroupedMLP)")] += 1
+    return lambda: [moe.patch_experts(m) for m in todo]
+
+
+def _loss_patcher(model: torch.nn.Module, arch: Architecture, wanted: bool, report: PatchReport):
+    from truefuse.integrations.huggingface import loss
+
+    if not wanted:
+        report.loss_note = "linear_cross_entropy=False"
+        return None
+    if not isinstance(model, arch.cls(arch.causal_lm)):
+        report.loss_note = f"{type(model).__name__} is not a {arch.causal_lm}: no loss to patch"
+        return None
+    reason = loss.supports_loss(model)
+    if reason:
+        report.loss_note = reason
+        return None
+    report.loss = True
+    return lambda: loss.patch_loss(model)
+
+
+def unpatch_truefuse(model: torch.nn.Module) -> None:
+    """Give every patched module of ``model`` (and its forward) the stock code back."""
+    from truefuse.integrations.huggingface import loss
+
+    for m in model.modules():
+        modules.unpatch(m)
+    loss.unpatch_loss(model)
+
+
+def apply_truefuse_to(model_type: str, *, rms_norm: bool = True, mlp: bool = True, linear_cross_entropy: bool = True) -> None:
+    """Patch the architecture's classes before models are built (``from_pretrained``): the
+    modeling module's norm and MLP classes become truefuse's subclasses and the causal LM's
+    forward computes truefuse's loss. Affects models built afterwards in this process. Experts
+    are patched on instances only (``apply_truefuse``)."""
+    import importlib
+
+    from truefuse.integrations.huggingface import loss
+
+    arch = architecture_of(model_type)
+    mod = importlib.import_module(arch.module)
+    if rms_norm:
+        setattr(mod, arch.norm, modules.norm_class(arch.cls(arch.norm), arch.norm_style))
+    if mlp and arch.mlp:
+        setattr(mod, arch.mlp, modules.mlp_class(arch.cls(arch.mlp)))
+    if linear_cross_entropy:
+        loss.patch_loss(arch.cls(arch.causal_lm))
+
+
+def _class_patcher(model_type: str):
+    def apply(**kw) -> None:
+        apply_truefuse_to(model_type, **kw)
+
+    apply.__name__ = f"apply_truefuse_to_{model_type}"
+    apply.__doc__ = f"``apply_truefuse_to({model_type!r}, ...)``: patch the {model_type} classes before models are built."
+    return apply
+
+
+apply_truefuse_to_llama = _class_patcher("llama")
+apply_truefuse_to_mistral = _class_patcher("mistral")
+apply_truefuse_to_qwen2 = _class_patcher("qwen2")
+apply_truefuse_to_qwen3 = _class_patcher("qwen3")
+apply_truefuse_to_gemma2 = _class_patcher("gemma2")
+apply_truefuse_to_gemma3 = _class_patcher("gemma3_text")
+apply_truefuse_to_qwen3_moe = _class_patcher("qwen3_moe")
+apply_truefuse_to_mixtral = _class_patcher("mixtral")
+
+__all__ = ["ARCHITECTURES", "apply_truefuse", "apply_truefuse_to", "unpatch_truefuse"]

@@ -1,0 +1,38 @@
+"""``PatchReport``: what ``apply_truefuse`` replaced, by type and count, and what it left and why."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PatchReport:
+    """The outcome of one ``apply_truefuse`` call.
+
+    Attributes:
+        architecture: the architecture key (``llama``, ``gemma2``, ...).
+        replaced: ``{(stock type, truefuse path): count}`` of the modules now on truefuse.
+        left: ``{(stock type, reason): count}`` of the modules of a patchable kind left stock.
+        loss: whether the causal-LM forward computes ``truefuse.linear_cross_entropy``.
+    """
+
+    architecture: str
+    replaced: Counter = field(default_factory=Counter)
+    left: Counter = field(default_factory=Counter)
+    loss: bool = False
+    loss_note: str = ""
+
+    def count(self, stock_type: str) -> int:
+        """How many modules of ``stock_type`` were replaced."""
+        return sum(n for (t, _), n in self.replaced.items() if t == stock_type)
+
+    def __str__(self) -> str:
+        lines = [f"truefuse patch of a {self.architecture} model"]
+        for (t, how), n in sorted(self.replaced.items()):
+            lines.append(f"  replaced {n:4d} x {t:<24} -> {how}")
+        loss = "truefuse.linear_cross_entropy (no logits when labels are given)" if self.loss else f"stock ({self.loss_note})"
+        lines.append(f"  loss: {loss}")
+        for (t, why), n in sorted(self.left.items()):
+            lines.append(f"  left     {n:4d} x {t:<24} ({why})")
+        return "\n".join(lines)
