@@ -40,23 +40,27 @@ def test_report_counts_every_module(model_type):
         n_mlp = _count(model, arch.mlp)
         left = sum(n for (t, _), n in report.left.items() if t == arch.mlp)
         assert report.count(arch.mlp) + left == n_mlp
-        assert left == (n_mlp if "gemma" in model_type else 0)  # Gemma's tanh GELU has no kernel
+        assert left == 0
     assert report.loss
     assert str(report).startswith(f"truefuse patch of a {model_type} model")
 
 
 @pytest.mark.parametrize("model_type", ALL)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norms_give_stock_bits(model_type, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_norms_give_stock_bits(model_type, dtype, device):
     """With only the norms patched the whole model's logits are the stock model's, bit for bit
-    (fp32: the Triton kernel under the interpreter; bf16 on the CPU: the reference path)."""
-    stock = tiny_model(model_type, dtype)
+    (CUDA: the kernel in every dtype; CPU: the kernel under the interpreter in fp32, the reference
+    path in bf16 / fp16), and so are the hidden states after every layer."""
+    stock = tiny_model(model_type, dtype).to(device)
     patched = copy.deepcopy(stock)
     report = apply_truefuse(patched, mlp=False, experts=False, linear_cross_entropy=False)
     assert report.count(ARCHITECTURES[model_type].norm) > 0
+    ids = _ids().to(device)
     with torch.no_grad():
-        a, b = stock(_ids()).logits, patched(_ids()).logits
-    assert torch.equal(a, b), (a - b).abs().max()
+        a, b = stock(ids, output_hidden_states=True), patched(ids, output_hidden_states=True)
+    assert torch.equal(a.logits, b.logits), (a.logits - b.logits).abs().max()
+    for ha, hb in zip(a.hidden_states, b.hidden_states, strict=True):
+        assert torch.equal(ha, hb)
 
 
 @pytest.mark.parametrize("model_type", ALL)

@@ -13,7 +13,7 @@ def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None)
 
     Args:
         x: (..., 2F), fp16 / bf16 / fp32 / fp64; or, with ``up``, the (..., F) gate.
-        name: ``swiglu`` (silu), ``geglu`` (erf gelu) or ``reglu`` (relu).
+        name: ``swiglu`` (silu), ``geglu`` (erf gelu), ``geglu_tanh`` (tanh gelu) or ``reglu`` (relu).
         up: (..., F) like ``x``, or None. Two tensors (a Hugging Face MLP's two projections) save
             the (..., 2F) concatenation's copy; the backward returns a gradient to each.
 

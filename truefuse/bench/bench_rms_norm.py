@@ -3,7 +3,8 @@ bf16, under CUDA graphs (a ~0.1 ms op: without graphs the host's launch time is 
 
 Providers, side by side in one run: ``floor`` (device copies moving the op's minimal bytes: read x,
 write y; read x and dy, write dx), ``truefuse`` (``truefuse.rms_norm``), ``torch``
-(``F.rms_norm``). GB/s counts those minimal bytes; the goal is ≥ 80% of the 4.3 TB/s copy bandwidth.
+(``F.rms_norm``), ``hf_stock`` (a transformers Llama RMSNorm's forward) and ``truefuse_hf``
+(``truefuse.rms_norm_hf``, that forward's bits). GB/s counts those minimal bytes; the goal is ≥ 80% of the 4.3 TB/s copy bandwidth.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from truefuse.autograd.norm import rms_norm
+from truefuse.autograd.norm import rms_norm, rms_norm_hf
+from truefuse.ops.norm import rms_norm_hf_ref
 from truefuse.bench.harness import Sweep
 
 CUDA_GRAPH = True
@@ -63,6 +65,9 @@ def sweep(quick: bool) -> Sweep:
             "floor": _floor,
             "truefuse": _provider(lambda x, w: rms_norm(x, w, 1e-5)),
             "torch": _provider(lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-5)),
+            # a transformers Llama RMSNorm: its own forward, and truefuse.rms_norm_hf (its bits)
+            "hf_stock": _provider(lambda x, w: rms_norm_hf_ref(x, w, 1e-5, style="llama")),
+            "truefuse_hf": _provider(lambda x, w: rms_norm_hf(x, w, 1e-5, style="llama")),
         },
         reference="floor",
         x="M",

@@ -1,4 +1,4 @@
-"""Triton kernels of the MLP activations: gated ``act(gate) * up`` (swiglu, geglu, reglu) and plain
+"""Triton kernels of the MLP activations: gated ``act(gate) * up`` (swiglu, geglu, geglu_tanh, reglu) and plain
 ``act(x)`` (``GATED=False``), forward and backward.
 
 Gated inputs are a gate and an up (M, F) each, row-strided: two tensors, or the halves of one

@@ -14,7 +14,7 @@ from truefuse.ops._triton import triton_runs
 from truefuse.ops.activation import activation_ref
 
 #: Gated activation name -> the activation applied to the gate half.
-GATED_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
+GATED_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh", "reglu": "relu"}
 
 
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,7 +26,7 @@ def gated_activation_ref(x: torch.Tensor, name: str) -> torch.Tensor:
 
     Args:
         x: (..., 2F) float tensor.
-        name: ``swiglu`` (silu), ``geglu`` (erf gelu) or ``reglu`` (relu).
+        name: ``swiglu`` (silu), ``geglu`` (erf gelu), ``geglu_tanh`` (tanh-approximated gelu, Gemma's) or ``reglu`` (relu).
 
     Returns:
         (..., F) in ``x.dtype``.

@@ -68,7 +68,10 @@ def gated_for(act_fn) -> str | None:
     if isinstance(act_fn, (torch.nn.SiLU, activations.SiLUActivation)):
         return "swiglu"
     if type(act_fn) is activations.GELUActivation and act_fn.act is torch.nn.functional.gelu:
-        return "geglu"  # erf GELU; the tanh approximation (Gemma's) has no truefuse kernel
+        return "geglu"  # erf GELU
+    tanh_gelu = tuple(getattr(activations, n) for n in ("GELUTanh", "PytorchGELUTanh") if hasattr(activations, n))
+    if isinstance(act_fn, tanh_gelu):
+        return "geglu_tanh"  # Gemma's
     if isinstance(act_fn, torch.nn.ReLU):
         return "reglu"
     return None
