@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from truefuse.autograd._autocast import autocast_disabled, cast, wgrad_dtype
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops.activation import activation_ref
 from truefuse.ops.bias_grad import split_bias_grad
@@ -36,6 +37,8 @@ class GroupSpec:
             where the planner offers it. Off by default: on the H200 it is not bitwise equal to the
             per-group GEMM a ``Linear`` runs (4096×4096 forward and input gradient differ), and
             the contract says GroupedLinear is.
+        dtype: the autocast dtype the weights and biases are cast to for the GEMMs (None outside
+            autocast; ``_autocast``); their gradients come back in the parameters' dtypes.
     """
 
     splits: tuple[int, ...]
@@ -43,6 +46,7 @@ class GroupSpec:
     has_bias: bool
     names: tuple[str, ...]
     fused_grouped_gemm: bool = False
+    dtype: torch.dtype | None = None
 
     def gemm(self, a, b, **kwargs):
         """The packed weights' grouped ``truefuse.gemm``, asking for one GEMM per group (each exactly
@@ -56,6 +60,11 @@ class GroupSpec:
     def unpack(self, params) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         per = 1 if self.packed else len(self.splits)
         return list(params[:per]), (list(params[per : 2 * per]) if self.has_bias else None)
+
+    def cast(self, params) -> list[torch.Tensor]:
+        """The parameters as the GEMMs take them: cast to :attr:`dtype` under autocast (a copy per
+        forward, see ``_autocast``), else themselves."""
+        return [cast(p, self.dtype) for p in params]
 
     def slices(self):
         start = 0
@@ -92,12 +101,15 @@ def grouped_bgrad(spec: GroupSpec, dy, biases) -> list[torch.Tensor]:
 
 def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState) -> list[torch.Tensor | None]:
     """Hand each weight's gradient ``dy_gᵀ @ x_g`` to docs/design.md §2; returns what autograd gets."""
+    # a new gradient is in the parameter's dtype: under autocast an fp32 weight gets the fp32 GEMM
+    # result of the cast operands, rounded once (_autocast.wgrad_dtype)
+    odt, pdt = wgrad_dtype(x.dtype, weights[0].dtype), weights[0].dtype
     if spec.packed:
         splits = list(spec.splits)
 
         def compute(out, accumulate):
             if out is None:
-                return spec.gemm(dy.t(), x, m_splits=splits)
+                return spec.gemm(dy.t(), x, m_splits=splits, out_dtype=odt).to(pdt)
             return spec.gemm(dy.t(), x, m_splits=splits, out=out, accumulate=accumulate)
 
         return [deliver_weight_grad(weights[0], spec.names[0], compute, state)]
@@ -107,7 +119,7 @@ def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState) -> list[to
 
         def compute(out, accumulate, dy_g=dy_g, x_g=x_g):
             if out is None:
-                return _gemm(dy_g.t(), x_g)
+                return _gemm(dy_g.t(), x_g, out_dtype=odt).to(pdt)
             return _gemm(dy_g.t(), x_g, out=out, accumulate=accumulate)
 
         grads.append(deliver_weight_grad(weights[g], spec.names[g], compute, state))
@@ -125,21 +137,29 @@ def _param_grads(spec, ctx_needs, offset, dy, x, weights, biases, state):
 
 
 class GroupedLinearFunction(torch.autograd.Function):
-    """``apply(x, spec, state, *weights, *biases)``: x (M, K) ordered by group -> (M, N)."""
+    """``apply(x, spec, state, *weights, *biases)``: x (M, K) ordered by group -> (M, N).
+
+    Under autocast (``spec.dtype``) x arrives cast; the GEMMs take the parameters cast likewise,
+    and the backward hands the parameters themselves to docs/design.md §2."""
 
     @staticmethod
+    @autocast_disabled
     def forward(ctx, x, spec: GroupSpec, state: WgradState, *params):
-        weights, biases = spec.unpack(params)
-        ctx.save_for_backward(x, *params)
+        cw, cb = spec.unpack(spec.cast(params))
+        # the parameters (for §2 and their dtypes) and the cast weights (for the input gradient):
+        # the same tensors twice outside autocast
+        ctx.save_for_backward(x, *params, *cw)
         ctx.spec, ctx.state = spec, state
-        return grouped_forward(spec, x, weights, biases)
+        return grouped_forward(spec, x, cw, cb)
 
     @staticmethod
+    @autocast_disabled
     def backward(ctx, dy):
-        x, *params = ctx.saved_tensors
+        x, *saved = ctx.saved_tensors
         spec = ctx.spec
+        params, cw = saved[: spec.n_params()], saved[spec.n_params() :]
         weights, biases = spec.unpack(params)
-        dx = grouped_dgrad(spec, dy, weights) if ctx.needs_input_grad[0] else None
+        dx = grouped_dgrad(spec, dy, cw) if ctx.needs_input_grad[0] else None
         return dx, None, None, *_param_grads(spec, ctx.needs_input_grad, 3, dy, x, weights, biases, ctx.state)
 
 
@@ -169,28 +189,34 @@ class GroupedMLPFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_disabled
     def forward(ctx, x, spec1: GroupSpec, spec2: GroupSpec, activation: str, state: WgradState, *params):
-        p1, p2 = params[: spec1.n_params()], params[spec1.n_params() :]
-        w1, b1 = spec1.unpack(p1)
-        w2, b2 = spec2.unpack(p2)
+        n1 = spec1.n_params()
+        w1, b1 = spec1.unpack(spec1.cast(params[:n1]))  # cast under autocast (x arrives cast)
+        w2, b2 = spec2.unpack(spec2.cast(params[n1:]))
         h = grouped_forward(spec1, x, w1, b1)
         y = grouped_forward(spec2, _act_fwd(h, activation), w2, b2)
-        ctx.save_for_backward(x, h, *params)
+        # the parameters (for §2) and the cast weights (for the input gradients): the same tensors
+        # twice outside autocast
+        ctx.save_for_backward(x, h, *params, *w1, *w2)
         ctx.spec1, ctx.spec2, ctx.activation, ctx.state = spec1, spec2, activation, state
         return y
 
     @staticmethod
+    @autocast_disabled
     def backward(ctx, dy):
-        x, h, *params = ctx.saved_tensors
+        x, h, *saved = ctx.saved_tensors
         spec1, spec2 = ctx.spec1, ctx.spec2
-        n1 = spec1.n_params()
+        n1, n = spec1.n_params(), spec1.n_params() + spec2.n_params()
+        params = saved[:n]
         w1, b1 = spec1.unpack(params[:n1])
         w2, b2 = spec2.unpack(params[n1:])
-        da = grouped_dgrad(spec2, dy, w2)
+        cw1, cw2 = saved[n : n + len(w1)], saved[n + len(w1) :]
+        da = grouped_dgrad(spec2, dy, cw2)
         dh, a = _act_bwd(da, h, ctx.activation)
         del da
         needs = ctx.needs_input_grad
         g2 = _param_grads(spec2, needs, 5 + n1, dy, a, w2, b2, ctx.state)
-        dx = grouped_dgrad(spec1, dh, w1) if needs[0] else None
+        dx = grouped_dgrad(spec1, dh, cw1) if needs[0] else None
         g1 = _param_grads(spec1, needs, 5, dh, x, w1, b1, ctx.state)
         return dx, None, None, None, None, *g1, *g2

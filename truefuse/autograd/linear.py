@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.autograd._autocast import autocast_disabled, autocast_dtype, cast, wgrad_dtype
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops.activation import activation_grad_ref
 from truefuse.ops.bias_grad import split_bias_grad
@@ -20,26 +21,33 @@ class LinearFunction(torch.autograd.Function):
 
     Backward: ``d = dy * act'(pre)`` (ATen's backward op), ``dx = d @ W``, bias-gradient
     ``Σ_tokens d`` in fp32 rounded once (always returned normally, also under delay), and the weight
-    gradient ``dᵀ @ x`` through :func:`deliver_weight_grad`.
+    gradient ``dᵀ @ x`` through :func:`deliver_weight_grad`. ``dtype``: the autocast dtype the
+    weight and bias are cast to for the GEMMs (None outside autocast); the gradients come back in
+    the parameters' dtypes.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, state: WgradState, weight_name: str):
+    @autocast_disabled
+    def forward(ctx, x, weight, bias, activation, state: WgradState, weight_name: str, dtype):
+        # under autocast (``dtype`` set) the GEMMs take the weight and bias cast as torch's autocast
+        # casts F.linear's; x arrives cast (``linear``). The parameters stay for the backward (§2).
+        w, b = cast(weight, dtype), cast(bias, dtype)
         pre = None
         if activation is None:
-            out = gemm(x, weight.t(), bias=bias)
+            out = gemm(x, w.t(), bias=b)
         else:
-            out, pre, _ = gemm(x, weight.t(), bias=bias, activation=activation, return_pre_activation=True)
-        ctx.save_for_backward(x, weight, pre)
+            out, pre, _ = gemm(x, w.t(), bias=b, activation=activation, return_pre_activation=True)
+        ctx.save_for_backward(x, w, pre, weight)
         ctx.activation, ctx.state, ctx.weight_name = activation, state, weight_name
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
     @staticmethod
+    @autocast_disabled
     def backward(ctx, dy):
-        x, weight, pre = ctx.saved_tensors
+        x, w, pre, weight = ctx.saved_tensors
         d = dy if ctx.activation is None else activation_grad_ref(dy, pre, ctx.activation)
-        dx = gemm(d, weight) if ctx.needs_input_grad[0] else None
+        dx = gemm(d, w) if ctx.needs_input_grad[0] else None
         db = None
         if ctx.needs_input_grad[2]:
             # docs/design.md §3's split bias-gradient formula, the same whatever the backends fuse
@@ -49,11 +57,13 @@ class LinearFunction(torch.autograd.Function):
 
             def compute(out, accumulate):
                 if out is None:
-                    return gemm(d.t(), x)
+                    # in the parameter's dtype: an fp32 weight under autocast gets the fp32 GEMM
+                    # result of the cast operands, rounded once (_autocast.wgrad_dtype)
+                    return gemm(d.t(), x, out_dtype=wgrad_dtype(x.dtype, weight.dtype)).to(weight.dtype)
                 return gemm(d.t(), x, out=out, accumulate=accumulate)
 
             dw = deliver_weight_grad(weight, ctx.weight_name, compute, ctx.state)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def linear(
@@ -65,6 +75,11 @@ def linear(
     state: WgradState,
     weight_name: str = "weight",
 ) -> torch.Tensor:
-    """Apply :class:`LinearFunction` to ``x`` (..., K), flattened to 2-D once; returns (..., N)."""
-    y = LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, activation, state, weight_name)
+    """Apply :class:`LinearFunction` to ``x`` (..., K), flattened to 2-D once; returns (..., N).
+
+    Under ``torch.autocast`` the GEMMs run in the autocast dtype, as ``F.linear``'s do there
+    (``_autocast``): ``x`` is cast here, differentiably, the weight and bias inside the Function."""
+    dtype = autocast_dtype(x.device)
+    x = cast(x, dtype)
+    y = LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, activation, state, weight_name, dtype)
     return y.view(*x.shape[:-1], weight.shape[0])

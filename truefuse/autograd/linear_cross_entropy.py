@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dtype, cast, wgrad_dtype
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.autograd.linear_cross_entropy_gemms import (
     input_grad_gemm,
@@ -78,6 +79,7 @@ def _chunks(
     dW_accumulate=False,
     keep_d=False,
     check=None,
+    w_dtype=None,
 ):
     """Run every chunk; returns per-token (ce, zl, correct) and (dx, dW, db) as asked.
 
@@ -89,7 +91,10 @@ def _chunks(
     ``check``: ``check_targets``' finish, called once. The Triton kernel reads a bad target as
     column 0 (memory-safe), so on that path the wait comes after every chunk is queued: the GPU
     has work for the whole time the host waits. The PyTorch path indexes with the targets, so
-    there it comes before the first chunk's math (after its logits GEMM is queued)."""
+    there it comes before the first chunk's math (after its logits GEMM is queued).
+    ``w_dtype``: the weight parameter's dtype (default ``W``'s; under autocast ``W`` is its cast
+    copy): a returned weight gradient is accumulated in fp32 and ends in a dtype the caller
+    rounds to it once (``_autocast.wgrad_dtype``)."""
     N = x.shape[0]
     wide = wide_dtype(x)
     gx, gw, gb = want_grad
@@ -104,9 +109,13 @@ def _chunks(
     # end, as accurate as one GEMM over all tokens; V*H*4 bytes more) or in the weight's dtype
     # (no extra memory; one rounding per chunk). One chunk needs no accumulator: its GEMM writes
     # d_weight in the weight's dtype, accumulating in fp32 inside (the plain path's GEMM).
+    # Under autocast (an fp32 weight, operands cast to bf16) "the weight's dtype" is the parameter's:
+    # its one GEMM writes fp32, and without fp32_weight_grad the chunks accumulate in fp32 too.
+    w_dtype = W.dtype if w_dtype is None else w_dtype
     one_chunk = N <= cfg.chunk
-    acc_dtype = wide if cfg.fp32_weight_grad and not one_chunk else W.dtype
-    dW = torch.empty(W.shape, dtype=acc_dtype, device=x.device) if gw and not one_chunk and dW_out is None else None
+    acc_dtype = wide if cfg.fp32_weight_grad and not one_chunk else wgrad_dtype(x.dtype, w_dtype)
+    direct = one_chunk and acc_dtype == x.dtype  # the one GEMM returns the gradient in its dtype
+    dW = torch.empty(W.shape, dtype=acc_dtype, device=x.device) if gw and not direct and dW_out is None else None
     db = torch.zeros(cfg.V, dtype=wide, device=x.device) if gb else None
     per_token = s_ce.dim() == 1
     chunk = _kernel_chunk if triton_runs(x) else _torch_chunk
@@ -137,7 +146,7 @@ def _chunks(
             input_grad_gemm(d, W, dx[sl], split)
         if gw and dW_out is not None:
             weight_grad_gemm(d, xc, dW_out, dW_accumulate or i > 0, split)
-        elif gw and one_chunk:
+        elif gw and direct:
             dW = weight_grad_gemm(d, xc, None, False, split)
         elif gw:
             weight_grad_gemm(d, xc, dW, i > 0, split)
@@ -145,17 +154,17 @@ def _chunks(
         check()
     if N == 0 and gw:  # no tokens, no chunk ran: the weight gradient is zero, as torch's
         if dW_out is None:
-            dW = torch.zeros(W.shape, dtype=W.dtype, device=W.device)
+            dW = torch.zeros(W.shape, dtype=w_dtype, device=W.device)
         elif not dW_accumulate:  # written (overwrite_main_grad), not added to
             dW_out.zero_()
     # kept whole (padding included): contiguous, so the backward's scale_ is one in-place pass
     return ce, zl, correct, (dx, dW, db, (d if full is None else full) if keep_d else None)
 
 
-def _in_dtypes(grads, W, b):
+def _in_dtypes(grads, w_dtype, b_dtype):
     """``_chunks``' gradients (dx, dW, db, d) with dW and db in the parameters' dtypes."""
     dx, dW, db, d = grads
-    return dx, None if dW is None else dW.to(W.dtype), None if db is None else db.to(b.dtype), d
+    return dx, None if dW is None else dW.to(w_dtype), None if db is None else db.to(b_dtype), d
 
 
 def _torch_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad, bias=None):
@@ -185,7 +194,10 @@ def _kernel_chunk(cfg, logits, t, cw, ce, zl, ok, s_ce, s_z, w_sum, want_grad, b
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Inputs: x (N, H), W (V, H), bias (V,) or None, target (N,), class weight (V,) fp32 or None,
-    the config, and the weight's docs/design.md §2 state (None: plain).
+    the config, the weight's docs/design.md §2 state (None: plain), and the autocast dtype (None
+    outside autocast): under autocast x arrives cast, the GEMMs take W and the bias cast likewise
+    (``_autocast``), and their gradients come back in the parameters' dtypes, the weight's
+    accumulated in fp32 and rounded once.
 
     Under fused ``main_grad`` accumulation or a delayed weight gradient (docs/design.md §2) the weight
     gradient is left to the backward, where ``grad_output`` is known (``main_grad`` holds other
@@ -202,12 +214,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     keeps the input alive until the graph is freed (N·H elements, where nothing else holds it)."""
 
     @staticmethod
-    def forward(ctx, x, W, b, t, cw, cfg: _Cfg, wstate: WgradState | None):
+    @autocast_disabled
+    def forward(ctx, x, W, b, t, cw, cfg: _Cfg, wstate: WgradState | None, dtype):
         wide = wide_dtype(x)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         deferred = wstate is not None and not wstate.plain and needs[1]  # fused and/or delayed
         if deferred and wstate.fuse_wgrad_accumulation:
             check_main_grad(W, "linear_weight")  # a clear error now, not in the backward
+        # the parameter (for §2 and the gradients' dtypes); the GEMMs take W and b cast under autocast
+        Wp, ctx.b_dtype = W, None if b is None else b.dtype
+        W, b = cast(W, dtype), cast(b, dtype)
         # Few small kernels around the loop (each is a launch; per call they cost ~2% at
         # 8192 x 32000 x 4096 against torch.compile's fused ones): one count of the valid tokens
         # serves mean's scales, the accuracy, and the target check reuses the mask.
@@ -222,7 +238,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             s_ce = s_z = torch.ones((), dtype=wide, device=x.device)
         want = (needs[0], needs[1] and not deferred, needs[2]) if now else (False, False, False)
         checked = check_targets(t, cfg.V, cfg.ignore_index, valid)  # started here, finished inside _chunks
-        ce, zl, correct, grads = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, want, keep_d=keep_d and now, check=checked)
+        ce, zl, correct, grads = _chunks(
+            cfg, x, W, b, t, cw, s_ce, s_z, want, keep_d=keep_d and now, check=checked, w_dtype=Wp.dtype
+        )
         loss, z_part = reduce_terms(ce, zl, cfg.reduction, (s_ce, s_z))
         acc = token_accuracy(correct, n).to(wide)  # the chunks mark valid tokens only
         ctx.cfg, ctx.needs, ctx.now, ctx.wstate, ctx.deferred = cfg, needs, now, wstate, deferred
@@ -232,14 +250,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # hands them to autograd (dx may become the leaf's .grad, the same storage), which may
             # then write them; ctx forgets them there, so nothing here reads them again and no
             # saved-tensor version check trips on that write.
-            ctx.grads = _in_dtypes(grads, W, b)
+            ctx.grads = _in_dtypes(grads, Wp.dtype, ctx.b_dtype)
         if any(needs):
-            # what a later backward (retain_graph) recomputes from; references, not copies
-            ctx.save_for_backward(x, W, b, t, cw, s_ce, s_z)
+            # what a later backward (retain_graph) recomputes from; references, not copies (W and
+            # Wp are one tensor outside autocast)
+            ctx.save_for_backward(x, W, b, t, cw, s_ce, s_z, Wp)
         ctx.mark_non_differentiable(z_part, acc)
         return loss, z_part, acc
 
     @staticmethod
+    @autocast_disabled
     def backward(ctx, g_loss, g_z, g_acc):
         cfg = ctx.cfg
         if ctx.now:
@@ -254,22 +274,28 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if ctx.grads is not None:
                 (dx, dW, db, d), ctx.grads = ctx.grads, None
             else:
-                x, W, b, t, cw, s_ce, s_z = ctx.saved_tensors
-                grads = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, ctx.want, keep_d=ctx.keep_d)[3]
-                dx, dW, db, d = _in_dtypes(grads, W, b)
+                x, W, b, t, cw, s_ce, s_z, Wp = ctx.saved_tensors
+                grads = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, ctx.want, keep_d=ctx.keep_d, w_dtype=Wp.dtype)[3]
+                dx, dW, db, d = _in_dtypes(grads, Wp.dtype, ctx.b_dtype)
             g = g_loss.to(wide_dtype(g_loss))
             for tensor in (dx, dW, db, d):
                 if tensor is not None:
                     scale_(tensor, g)
             if ctx.deferred:
-                x, W = ctx.saved_tensors[:2]
+                saved = ctx.saved_tensors
+                x, Wp = saved[0], saved[7]
 
                 def compute(out, accumulate):
-                    return weight_grad_gemm(d[:, : cfg.V], x, out, accumulate, vocab_split(x, cfg.V))
+                    split = vocab_split(x, cfg.V)
+                    if out is not None:  # main_grad
+                        return weight_grad_gemm(d[:, : cfg.V], x, out, accumulate, split)
+                    odt = wgrad_dtype(x.dtype, Wp.dtype)  # autocast: fp32 out of the cast operands
+                    new = None if odt == d.dtype else torch.empty(Wp.shape, dtype=odt, device=x.device)
+                    return weight_grad_gemm(d[:, : cfg.V], x, new, False, split).to(Wp.dtype)
 
-                dW = deliver_weight_grad(W, "linear_weight", compute, ctx.wstate)
-            return dx, dW, db, None, None, None, None
-        x, W, b, t, cw, s_ce, s_z = ctx.saved_tensors
+                dW = deliver_weight_grad(Wp, "linear_weight", compute, ctx.wstate)
+            return dx, dW, db, None, None, None, None, None
+        x, W, b, t, cw, s_ce, s_z, Wp = ctx.saved_tensors
         if cfg.reduction != "none":  # fused or delayed, several chunks: recompute, scaled by g
             g = g_loss.to(s_ce.dtype)
             s_ce, s_z = s_ce * g, s_z * g
@@ -279,33 +305,34 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
             s_ce = s_z = g_loss.reshape(-1).to(wide_dtype(x), copy=delayed)
         if not ctx.deferred:
-            _, _, _, (dx, dW, db, _) = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, ctx.needs)
-            dW = None if dW is None else dW.to(W.dtype)
+            _, _, _, (dx, dW, db, _) = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, ctx.needs, w_dtype=Wp.dtype)
+            dW = None if dW is None else dW.to(Wp.dtype)
         elif ctx.wstate.delay_wgrad_compute:
             # d_input and d_bias now; the weight's pass over the chunks waits for backward_dw()
             _, _, _, (dx, _, db, _) = _chunks(cfg, x, W, b, t, cw, s_ce, s_z, (ctx.needs[0], False, ctx.needs[2]))
 
             def compute(out, accumulate):
                 _, _, _, (_, dW_new, _, _) = _chunks(
-                    cfg, x, W, b, t, cw, s_ce, s_z, (False, True, False), dW_out=out, dW_accumulate=accumulate
-                )
-                return None if dW_new is None else dW_new.to(W.dtype)
+                    cfg, x, W, b, t, cw, s_ce, s_z, (False, True, False), dW_out=out, dW_accumulate=accumulate,
+                    w_dtype=Wp.dtype,
+                )  # fmt: skip
+                return None if dW_new is None else dW_new.to(Wp.dtype)
 
-            dW = deliver_weight_grad(W, "linear_weight", compute, ctx.wstate)
+            dW = deliver_weight_grad(Wp, "linear_weight", compute, ctx.wstate)
         else:
             got = {}
 
             def compute(out, accumulate):
                 # one pass: d_input and d_bias ride along with the chunks' GEMMs into main_grad
                 _, _, _, (got["dx"], dW_new, got["db"], _) = _chunks(
-                    cfg, x, W, b, t, cw, s_ce, s_z, ctx.needs, dW_out=out, dW_accumulate=accumulate
+                    cfg, x, W, b, t, cw, s_ce, s_z, ctx.needs, dW_out=out, dW_accumulate=accumulate, w_dtype=Wp.dtype
                 )
                 return dW_new
 
-            dW = deliver_weight_grad(W, "linear_weight", compute, ctx.wstate)
+            dW = deliver_weight_grad(Wp, "linear_weight", compute, ctx.wstate)
             dx, db = got["dx"], got["db"]
-        db = None if db is None else db.to(b.dtype)
-        return dx, dW, db, None, None, None, None
+        db = None if db is None else db.to(ctx.b_dtype)
+        return dx, dW, db, None, None, None, None, None
 
 
 def _default_chunk(N: int, V: int, H: int, itemsize: int, fp32_accumulator: bool) -> int:
@@ -380,6 +407,10 @@ def linear_cross_entropy(
         tokens at all the loss is 0 (``none``: empty) and the gradients are zeros. Backward may
         run several times (``retain_graph``): each adds its own gradient, as the reference's does.
 
+    Autocast: as ``F.cross_entropy(F.linear(input, W, b).float(), target)`` under ``torch.autocast``:
+    the GEMMs on input, weight and bias cast to the autocast dtype, the loss in fp32; gradients in
+    the input's and parameters' dtypes (docs/linear.md, "Autocast").
+
     Non-finite values give what the reference gives (``F.cross_entropy``): a NaN logit makes its
     token's loss, z-loss and d_logits NaN and its argmax is the first NaN (``torch.argmax``); a
     +inf logit, or a row of -inf, makes the token's cross-entropy and d_logits NaN (its
@@ -396,9 +427,14 @@ def linear_cross_entropy(
         TypeError / ValueError naming the argument; ``ValueError`` for a target outside [0, V)
         other than ``ignore_index`` (the host waits for that check only, not for the stream).
     """
+    # under torch.autocast F.linear's operands are cast to its dtype (the input here, differentiably;
+    # the weight and bias inside the Function, which needs the parameters): checked as cast
+    dtype = autocast_dtype(input.device) if isinstance(input, torch.Tensor) else None
+    input = cast(input, dtype)
     check_args(
-        input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, chunk_size
-    )
+        input, as_cast(linear_weight, dtype), target, as_cast(linear_bias, dtype), weight, reduction, ignore_index,
+        label_smoothing, z_loss, softcap, chunk_size,
+    )  # fmt: skip
     V = linear_weight.shape[0]
     t = target.reshape(-1).to(torch.int64)  # checked against V in the forward (check_targets)
     x = input.reshape(-1, input.shape[-1])
@@ -427,7 +463,7 @@ def linear_cross_entropy(
         ),
         bool(fp32_weight_grad),
     )
-    loss, z_part, acc = LinearCrossEntropyFunction.apply(x, linear_weight, linear_bias, t, cw, cfg, wgrad_state)
+    loss, z_part, acc = LinearCrossEntropyFunction.apply(x, linear_weight, linear_bias, t, cw, cfg, wgrad_state, dtype)
     if reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape)
     if not (return_z_loss or return_token_accuracy):

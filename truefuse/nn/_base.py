@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from truefuse.autograd._autocast import autocast_dtype, cast_dtype
 from truefuse.autograd._wgrad import (
     DEFAULT_MAX_PENDING_WGRAD,
     WgradState,
@@ -128,13 +129,17 @@ class WgradModule(DelayedWgrad):
         return handle
 
     def _check_input(self, x: torch.Tensor, features: int, weight: torch.Tensor) -> None:
-        """Clear errors before anything runs: x's type, last dimension and dtype; main_grad when fused."""
+        """Clear errors before anything runs: x's type, last dimension and dtype (x and the weight in
+        one dtype, or both cast to it by torch.autocast); main_grad when fused."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != features:
             raise ValueError(f"input has shape {tuple(x.shape)}: its last dimension must be in_features={features}")
-        if x.dtype != weight.dtype:
-            raise TypeError(f"input has dtype {x.dtype} but the module's parameters are {weight.dtype}")
+        # under torch.autocast both are cast to its dtype first (fp64 is not), as F.linear's are
+        dtype = autocast_dtype(x.device)
+        if cast_dtype(x, dtype) != cast_dtype(weight, dtype):
+            under = "" if dtype is None else f" (under torch.autocast to {dtype}, fp64 is not cast)"
+            raise TypeError(f"input has dtype {x.dtype} but the module's parameters are {weight.dtype}{under}")
         if x.device != weight.device:
             raise ValueError(f"input is on {x.device} but the module's parameters are on {weight.device}")
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._wgrad import DEFAULT_MAX_PENDING_WGRAD
 from truefuse.autograd.grouped import GroupedLinearFunction, GroupedMLPFunction, GroupSpec
 from truefuse.nn._base import WgradModule, init_linear_
@@ -40,8 +41,8 @@ class _GroupedWeights:
     def params(self, module) -> list[torch.nn.Parameter]:
         return [getattr(module, n) for n in (*self.weight_names(), *self.bias_names())]
 
-    def spec(self, splits, fused_grouped_gemm: bool) -> GroupSpec:
-        return GroupSpec(tuple(splits), self.packed, self.bias, tuple(self.weight_names()), fused_grouped_gemm)
+    def spec(self, splits, fused_grouped_gemm: bool, dtype: torch.dtype | None) -> GroupSpec:
+        return GroupSpec(tuple(splits), self.packed, self.bias, tuple(self.weight_names()), fused_grouped_gemm, dtype)
 
     def group(self, module, g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) of group ``g`` (views into the packed parameters)."""
@@ -65,12 +66,14 @@ def _splits(m_splits, groups: int, x: torch.Tensor) -> list[int]:
     return check_splits(m_splits, groups, x.shape[0], "the number of rows of x")
 
 
-def _check_grouped(module: WgradModule, x: torch.Tensor, features: int, groups: int, m_splits) -> list[int]:
-    """The grouped forward's input checks; returns ``m_splits`` as a list."""
+def _check_grouped(module: WgradModule, x: torch.Tensor, features: int, groups: int, m_splits):
+    """The grouped forward's input checks; returns ``m_splits`` as a list, the autocast dtype
+    (None outside autocast) and ``x`` cast to it (differentiably, as ``F.linear``'s input)."""
     module._check_input(x, features, module.gemm_weights()[0][1])
     if x.dim() != 2:
         raise ValueError(f"input must be 2-D (tokens, {features}) with rows ordered by group, got shape {tuple(x.shape)}")
-    return _splits(m_splits, groups, x)
+    dtype = autocast_dtype(x.device)
+    return _splits(m_splits, groups, x), dtype, cast(x, dtype)
 
 
 class GroupedLinear(WgradModule):
@@ -93,6 +96,9 @@ class GroupedLinear(WgradModule):
     integral scalars (Python or NumPy ints), a 1-D NumPy integer array or a 1-D integer tensor (one
     host sync on a GPU) of ``num_gemms`` sizes summing to M, zeros allowed; floats are refused.
     Returns (M, out_features).
+
+    Autocast: each group as ``torch.nn.Linear`` under ``torch.autocast``: operands cast to the
+    autocast dtype, output in it; gradients in the parameters' dtypes (docs/linear.md, "Autocast").
     """
 
     def __init__(
@@ -128,8 +134,8 @@ class GroupedLinear(WgradModule):
         return [(n, getattr(self, n)) for n in self._w.weight_names()]
 
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
-        splits = _check_grouped(self, x, self.in_features, self.num_gemms, m_splits)
-        spec = self._w.spec(splits, self.fused_grouped_gemm)
+        splits, dtype, x = _check_grouped(self, x, self.in_features, self.num_gemms, m_splits)
+        spec = self._w.spec(splits, self.fused_grouped_gemm, dtype)
         return GroupedLinearFunction.apply(x, spec, self._wgrad, *self._w.params(self))
 
     def forward_ref(self, x: torch.Tensor, m_splits) -> torch.Tensor:
@@ -153,7 +159,7 @@ class GroupedMLP(WgradModule):
 
     Args:
         num_experts, hidden_size, ffn_hidden_size, bias, device, dtype: the experts and their widths.
-        activation: ``swiglu`` (default), ``geglu``, ``reglu`` (fc1 twice ``ffn_hidden_size`` wide,
+        activation: ``swiglu`` (default), ``geglu``, ``geglu_tanh``, ``reglu`` (fc1 twice ``ffn_hidden_size`` wide,
             halves [gate, up]) or ``gelu``, ``gelu_tanh``, ``relu``, ``silu``. Its backward is one
             Triton pass that also recomputes the activation's output, so nothing but x and fc1's
             output is kept for the backward.
@@ -164,6 +170,9 @@ class GroupedMLP(WgradModule):
         max_pending_wgrad: as in :class:`GroupedLinear`.
 
     ``forward(x, m_splits)``: x (M, hidden_size) ordered by expert; returns (M, hidden_size).
+
+    Autocast: fc1 and fc2 of each expert as ``torch.nn.Linear`` under ``torch.autocast``, the
+    activation in the autocast dtype: output in it; gradients in the parameters' dtypes.
     """
 
     def __init__(
@@ -205,9 +214,9 @@ class GroupedMLP(WgradModule):
         return [(n, getattr(self, n)) for n in (*self._fc1.weight_names(), *self._fc2.weight_names())]
 
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
-        splits = _check_grouped(self, x, self.hidden_size, self.num_experts, m_splits)
+        splits, dtype, x = _check_grouped(self, x, self.hidden_size, self.num_experts, m_splits)
         return GroupedMLPFunction.apply(
-            x, self._fc1.spec(splits, self.fused_grouped_gemm), self._fc2.spec(splits, self.fused_grouped_gemm),
+            x, self._fc1.spec(splits, self.fused_grouped_gemm, dtype), self._fc2.spec(splits, self.fused_grouped_gemm, dtype),
             self.activation, self._wgrad,
             *self._fc1.params(self), *self._fc2.params(self),
         )  # fmt: skip

@@ -53,6 +53,10 @@ class LayerNormLinear(WgradModule):
 
     Parameters: ``layer_norm_weight`` (in,), ``layer_norm_bias`` (in,) for LayerNorm, ``weight``
     (out, in), ``bias`` (out,). Shapes: input (..., in_features), output (..., out_features).
+
+    Autocast: the norm runs on the input as given (fp32 statistics, output in the input's dtype),
+    the linear layer as ``torch.nn.Linear`` under ``torch.autocast``: output in the autocast dtype,
+    as ``torch.nn.Sequential(LayerNorm, Linear)`` gives; gradients in the parameters' dtypes.
     """
 
     def __init__(

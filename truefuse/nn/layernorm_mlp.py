@@ -21,7 +21,7 @@ class LayerNormMLP(WgradModule):
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``; eps, zero_centered_gamma: the norm's.
         activation: ``gelu``, ``gelu_tanh``, ``relu``, ``silu`` (in fc1's GEMM epilogue where the GEMM
             backend fuses it; the backward takes fc1's bias-gradient after the activation's
-            derivative), or gated ``swiglu``, ``geglu``, ``reglu``: fc1's output is twice
+            derivative), or gated ``swiglu``, ``geglu``, ``geglu_tanh``, ``reglu``: fc1's output is twice
             ``ffn_hidden_size`` wide, split in halves [gate, up], and ``swiglu = silu(gate) * up``
             (one fused Triton kernel forward and backward).
         fuse_wgrad_accumulation, delay_wgrad_compute: docs/design.md §2 for ``fc1_weight`` and ``fc2_weight``.
@@ -29,6 +29,10 @@ class LayerNormMLP(WgradModule):
     Parameters: ``layer_norm_weight`` / ``layer_norm_bias`` (hidden,), ``fc1_weight``
     (ffn or 2·ffn, hidden), ``fc1_bias``, ``fc2_weight`` (hidden, ffn), ``fc2_bias`` (hidden,).
     Shapes: input and output (..., hidden_size).
+
+    Autocast: the norm runs on the input as given, fc1 and fc2 as ``torch.nn.Linear`` under
+    ``torch.autocast`` (the activation in between in the autocast dtype): output in the autocast
+    dtype, as the torch.nn composition gives; gradients in the parameters' dtypes.
     """
 
     def __init__(

@@ -19,6 +19,9 @@ class Linear(torch.nn.Linear, WgradModule):
         delay_wgrad_compute: the weight gradient waits for :meth:`backward_dw`.
 
     Shapes: input (..., in_features) in the parameters' dtype; output (..., out_features).
+
+    Autocast: under ``torch.autocast`` as ``torch.nn.Linear``: input, weight and bias cast to the
+    autocast dtype, output in it; gradients in the parameters' dtypes (docs/linear.md, "Autocast").
     """
 
     def __init__(

@@ -23,6 +23,9 @@ class LinearCrossEntropyLoss(DelayedWgrad):
             :attr:`pending_wgrad` counts the backward passes waiting.
         max_pending_wgrad: warn once when more than this many backward passes wait for
             :meth:`backward_dw` (default 16; None: never). Also a settable attribute.
+
+    Autocast: as :func:`truefuse.linear_cross_entropy`: GEMMs in the autocast dtype, the loss in
+    fp32, as ``F.cross_entropy(F.linear(...).float(), target)`` under ``torch.autocast``.
     """
 
     def __init__(
