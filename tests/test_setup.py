@@ -95,7 +95,12 @@ def test_design_references_resolve_inside_the_repository():
     design = (ROOT / "docs" / "design.md").read_text()
     sections = set(re.findall(r"^## (\d+)\.", design, flags=re.M))
     cited, outside = set(), []
-    for path in [*ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md"), *(ROOT / "truefuse").rglob("*.py"), *(ROOT / "scripts").glob("*")]:
+    for path in [
+        *ROOT.glob("*.md"),
+        *(ROOT / "docs").glob("*.md"),
+        *(ROOT / "truefuse").rglob("*.py"),
+        *(ROOT / "scripts").glob("*"),
+    ]:
         text = path.read_text()
         cited |= {m.split(".")[0] for m in re.findall(r"docs/design\.md §(\d+(?:\.\d+)?)", text)}
         if re.search(r"shared/DESIGN|DESIGN §", text):

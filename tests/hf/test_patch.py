@@ -71,6 +71,8 @@ def test_patched_model_bounded(model_type):
     patched = copy.deepcopy(stock)
     apply_truefuse(patched)
     ref = copy.deepcopy(stock).double()
+    if hasattr(ref.config, "_experts_implementation"):
+        ref.config._experts_implementation = "eager"  # torch's grouped_mm takes no float64
     labels = _ids(2)
     labels[0, :3] = -100
 
@@ -81,9 +83,9 @@ def test_patched_model_bounded(model_type):
         return out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
     (l_s, g_s), (l_p, g_p), (l_r, g_r) = run(stock), run(patched), run(ref)
-    assert bounded_report(l_p, l_r, l_s).ok
+    assert bounded_report(l_p, l_r, l_s).passed
     assert g_p.keys() == g_s.keys()
-    bad = {n: bounded_report(g_p[n], g_r[n], g_s[n]) for n in g_s if not bounded_report(g_p[n], g_r[n], g_s[n]).ok}
+    bad = {n: bounded_report(g_p[n], g_r[n], g_s[n]) for n in g_s if not bounded_report(g_p[n], g_r[n], g_s[n]).passed}
     assert not bad, bad
 
 

@@ -36,7 +36,9 @@ def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None)
 def _gated_two(gate: torch.Tensor, up: torch.Tensor, name: str) -> torch.Tensor:
     if not isinstance(up, torch.Tensor) or up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
         got = (tuple(up.shape), up.dtype, up.device) if isinstance(up, torch.Tensor) else type(up).__name__
-        raise ValueError(f"up must be a tensor of gate's shape, dtype and device {(tuple(gate.shape), gate.dtype, gate.device)}, got {got}")
+        raise ValueError(
+            f"up must be a tensor of gate's shape, dtype and device {(tuple(gate.shape), gate.dtype, gate.device)}, got {got}"
+        )
     if gate.dim() == 0:
         raise ValueError("gate must have at least one dimension")
     if not use_kernel(gate):

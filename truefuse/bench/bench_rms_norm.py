@@ -4,7 +4,9 @@ bf16, under CUDA graphs (a ~0.1 ms op: without graphs the host's launch time is 
 Providers, side by side in one run: ``floor`` (device copies moving the op's minimal bytes: read x,
 write y; read x and dy, write dx), ``truefuse`` (``truefuse.rms_norm``), ``torch``
 (``F.rms_norm``), ``hf_stock`` (a transformers Llama RMSNorm's forward) and ``truefuse_hf``
-(``truefuse.rms_norm_hf``, that forward's bits). GB/s counts those minimal bytes; the goal is ≥ 80% of the 4.3 TB/s copy bandwidth.
+(``truefuse.rms_norm_hf``, that forward's bits). GB/s counts those minimal bytes; the goal is
+≥ 80% of the 4.3 TB/s copy bandwidth.
+≥ 80% of the 4.3 TB/s copy bandwidth.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from truefuse.autograd.norm import rms_norm, rms_norm_hf
-from truefuse.ops.norm import rms_norm_hf_ref
 from truefuse.bench.harness import Sweep
+from truefuse.ops.norm import rms_norm_hf_ref
 
 CUDA_GRAPH = True
 _BF = torch.bfloat16

@@ -188,7 +188,9 @@ def gated2_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, name: 
 
 @gated2_bwd_op.register_fake
 def _(dy, gate, up, name):
-    return torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(up, memory_format=torch.contiguous_format)
+    return torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(
+        up, memory_format=torch.contiguous_format
+    )
 
 
 def _gated2_setup(ctx, inputs, output):
