@@ -6,7 +6,6 @@ write y; read x and dy, write dx), ``truefuse`` (``truefuse.rms_norm``), ``torch
 (``F.rms_norm``), ``hf_stock`` (a transformers Llama RMSNorm's forward) and ``truefuse_hf``
 (``truefuse.rms_norm_hf``, that forward's bits). GB/s counts those minimal bytes; the goal is
 ≥ 80% of the 4.3 TB/s copy bandwidth.
-≥ 80% of the 4.3 TB/s copy bandwidth.
 """
 
 from __future__ import annotations
