@@ -1,0 +1,311 @@
+"""Hugging Face mixture-of-experts on truefuse (truefuse/integrations/huggingface/moe.py): tiny
+Qwen3-MoE and Mixtral models on the CPU, patched experts against a deep copy left stock.
+
+fp32: logits within 1e-5 relative and every parameter's gradient within 1e-5 relative (measured
+≤ 7e-7; fp32 ε is 1.2e-7). bf16: bounded as docs/design.md §1 (error against float64 ≤ 1.25 × stock
+bf16's + 1e-6); with an activation that is exact in bf16 (ReLU) the forward is bitwise stock's, which
+pins the routing weights' rounding order.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts  # noqa: E402
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: E402
+
+from truefuse.integrations.huggingface import moe  # noqa: E402
+from truefuse.integrations.huggingface.moe import EXPERT_CLASSES, find_experts, patch_experts  # noqa: E402
+
+H, E, VOCAB = 32, 4, 128
+
+
+def _config(arch: str, top_k: int = 2, **kw):
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=H, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=E, num_experts_per_tok=top_k,
+            decoder_sparse_step=1, max_position_embeddings=64, initializer_range=0.2, **kw,
+        )  # fmt: skip
+    return MixtralConfig(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=E, num_experts_per_tok=top_k, max_position_embeddings=64,
+        initializer_range=0.2, **kw,
+    )  # fmt: skip
+
+
+_MODEL = {"qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM}
+_EXPERTS = {"qwen3_moe": Qwen3MoeExperts, "mixtral": MixtralExperts}
+
+
+def _set_impl(model_or_config, impl: str) -> None:
+    """Select the stock experts implementation (skip where this transformers has no such switch)."""
+    if isinstance(model_or_config, torch.nn.Module):
+        if not hasattr(model_or_config, "set_experts_implementation"):
+            pytest.skip("this transformers has no set_experts_implementation")
+        model_or_config.set_experts_implementation(impl)
+        cfg = model_or_config.config
+    else:
+        cfg = model_or_config
+        cfg._experts_implementation = impl
+    if getattr(cfg, "_experts_implementation", None) != impl:
+        pytest.skip(f"this transformers does not dispatch experts_implementation={impl!r}")
+
+
+def _model(arch: str, seed: int = 0, impl: str | None = None):
+    torch.manual_seed(seed)
+    m = _MODEL[arch](_config(arch))
+    if impl is not None:
+        _set_impl(m, impl)
+    return m
+
+
+def _patch_all(model) -> int:
+    n = 0
+    for _, e in find_experts(model):
+        res = patch_experts(e)
+        assert res, res.reason
+        n += 1
+    return n
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(seed))
+
+
+# each architecture once, under each implementation once (the rounding rules of both are pinned
+# bitwise per module below; two more model runs would double this file's time)
+@pytest.mark.parametrize("arch,impl", [("qwen3_moe", "grouped_mm"), ("mixtral", "eager")])
+def test_fp32_logits_and_every_gradient_match_stock(arch, impl, monkeypatch):
+    stock = _model(arch, impl=impl)
+    ours = copy.deepcopy(stock)
+    assert _patch_all(ours) == 2
+    pairs = zip(find_experts(ours), find_experts(stock), strict=True)
+    assert all(type(e).__name__ == f"Truefuse{type(s).__name__}" for (_, e), (_, s) in pairs)
+
+    calls = []
+    real = moe.GroupedMLPFunction
+
+    class Counting(real):
+        @staticmethod
+        def forward(ctx, *args):
+            calls.append(1)
+            return real.forward(ctx, *args)
+
+    monkeypatch.setattr(moe, "GroupedMLPFunction", Counting)
+    ids = _ids()
+    out_s = stock(ids, labels=ids)
+    out_t = ours(ids, labels=ids)
+    assert len(calls) == 2  # one grouped MLP per MoE layer, nothing through stock's loop
+    assert _rel(out_t.logits, out_s.logits) <= 1e-5
+    out_s.loss.backward()
+    out_t.loss.backward()
+    for (name, ps), (name_t, pt) in zip(stock.named_parameters(), ours.named_parameters(), strict=True):
+        assert name == name_t
+        assert (ps.grad is None) == (pt.grad is None), name
+        if ps.grad is not None:
+            assert ps.grad.norm() > 0, name  # the comparison below would pass vacuously otherwise
+            assert _rel(pt.grad, ps.grad) <= 1e-5, f"{name}: {_rel(pt.grad, ps.grad):.3e}"
+
+
+def test_tolerance_catches_a_wrong_gate_up_order():
+    """The 1e-5 check above can fail: reading gate_up_proj as [up, gate] moves the logits by ~50%."""
+    stock = _model("mixtral")
+    ours = copy.deepcopy(stock)
+    _patch_all(ours)
+    with torch.no_grad():
+        for _, e in find_experts(ours):
+            g, u = e.gate_up_proj.chunk(2, dim=1)
+            e.gate_up_proj.copy_(torch.cat([u, g], dim=1))
+        assert _rel(ours(_ids()).logits, stock(_ids()).logits) > 1e-2
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_parameters_and_state_dict_unchanged(arch):
+    stock = _model(arch)
+    ours = copy.deepcopy(stock)
+    before = {n: p for n, p in ours.named_parameters()}
+    _patch_all(ours)
+    assert {n: p for n, p in ours.named_parameters()}.keys() == before.keys()
+    assert all(p is before[n] for n, p in ours.named_parameters())  # the same tensors, not copies
+    sd_s, sd_t = stock.state_dict(), ours.state_dict()
+    assert list(sd_t) == list(sd_s)
+    assert all(sd_t[k].shape == sd_s[k].shape and sd_t[k].dtype == sd_s[k].dtype for k in sd_s)
+    # checkpoints go both ways, strictly
+    fresh = _model(arch, seed=7)
+    _patch_all(fresh)
+    fresh.load_state_dict(sd_s, strict=True)
+    assert all(torch.equal(fresh.state_dict()[k], sd_s[k]) for k in sd_s)
+    _model(arch, seed=8).load_state_dict(sd_t, strict=True)
+    # a patched model pickles (the subclass lives in the moe module) and stays patched
+    e = next(iter(find_experts(pickle.loads(pickle.dumps(ours)))))[1]
+    assert type(e) is type(next(iter(find_experts(ours)))[1]) and isinstance(e, _EXPERTS[arch])
+
+
+def _experts(arch: str, *, top_k: int = 2, act: str = "silu", impl: str = "eager", dtype=torch.float32, seed: int = 0):
+    """A stock experts module with O(1) outputs, and its patched copy."""
+    cfg = _config(arch, top_k=top_k, hidden_act=act)
+    _set_impl(cfg, impl)
+    torch.manual_seed(seed)
+    stock = _EXPERTS[arch](cfg)
+    with torch.no_grad():
+        stock.gate_up_proj.normal_(0, 0.3)
+        stock.down_proj.normal_(0, 0.3)
+    stock = stock.to(dtype)
+    ours = copy.deepcopy(stock)
+    res = patch_experts(ours)
+    assert res, res.reason
+    return stock, ours
+
+
+def _routing(T: int, top_k: int, experts: int, w_dtype, seed: int = 2):
+    """Distinct experts per token drawn from ``range(experts)``, and softmax weights."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, top_k, generator=g), dim=-1).to(w_dtype)
+    return idx, w
+
+
+def _run(module, x, idx, w, dy, autocast: bool = False):
+    """Output and gradients (x, routing weights, gate_up_proj, down_proj) of one forward/backward
+    (the forward under CPU bf16 autocast if asked, the backward outside it, as torch recommends)."""
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = module(x, idx, w)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), x.grad, w.grad, module.gate_up_proj.grad, module.down_proj.grad
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_expert_without_tokens_gets_zero_gradient(arch):
+    stock, ours = _experts(arch)
+    idx, w = _routing(40, 2, E - 1, torch.float32)  # expert E-1 never routed to
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(3))
+    dy = torch.randn(40, H, generator=torch.Generator().manual_seed(4))
+    got, want = _run(ours, x, idx, w, dy), _run(stock, x, idx, w, dy)
+    for name, a, b in zip(("y", "dx", "dw_route", "dgate_up", "ddown"), got, want, strict=True):
+        assert _rel(a, b) <= 1e-5, f"{name}: {_rel(a, b):.3e}"
+    for p_t, p_s in ((got[3], want[3]), (got[4], want[4])):
+        assert torch.count_nonzero(p_s[E - 1]) == 0  # stock's answer ...
+        assert torch.count_nonzero(p_t[E - 1]) == 0  # ... and ours: exact zeros
+        assert all(torch.count_nonzero(p_t[e]) > 0 for e in range(E - 1))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_expert_parallel_sentinel_and_no_tokens(arch):
+    """Index ``num_experts`` (an expert-parallel sentinel) contributes nothing, as in stock's loop;
+    zero tokens give an empty output."""
+    stock, ours = _experts(arch)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(5))
+    idx = torch.tensor([[0, E], [E, 1], [2, 3], [E, E], [1, 0]])
+    w = torch.rand(5, 2, generator=torch.Generator().manual_seed(6))
+    y_t, y_s = ours(x, idx, w), stock(x, idx, w)
+    assert _rel(y_t, y_s) <= 1e-5
+    assert torch.count_nonzero(y_t[3]) == 0
+    y0 = ours(torch.randn(0, H), idx[:0], w[:0])
+    assert y0.shape == (0, H)
+
+
+@pytest.mark.parametrize("top_k", [2, 3])
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_bf16_routing_rounding_is_stock(arch, impl, top_k):
+    """With ReLU (exact in bf16, so ``relu(gate) * up`` rounds once in both) the only roundings left
+    are the GEMMs' and the routing weights': the forward is bitwise stock's, and the rule of the
+    other implementation would not be (top_k=3: eager rounds after each expert's add; Mixtral's
+    fp32 weights: eager rounds each product to bf16 before the add)."""
+    stock, ours = _experts(arch, top_k=top_k, act="relu", impl=impl, dtype=torch.bfloat16)
+    w_dtype = torch.float32 if arch == "mixtral" else torch.bfloat16  # what each router hands over
+    idx, w = _routing(64, top_k, E, w_dtype)
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.no_grad():
+        y_s = stock(x, idx, w)
+        assert torch.equal(ours(x, idx, w), y_s)
+        if top_k == 3 or w_dtype != torch.bfloat16:  # otherwise both rules round once (moe.py)
+            ours.config._experts_implementation = "grouped_mm" if impl == "eager" else "eager"
+            assert not torch.equal(ours(x, idx, w), y_s)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_bf16_experts_bounded(arch):
+    """SwiGLU in bf16: output and every gradient against the float64 stock module, ≤ 1.25 × stock
+    bf16's error + 1e-6 (truefuse rounds ``silu(gate) * up`` once, stock twice)."""
+    stock, ours = _experts(arch, dtype=torch.bfloat16)
+    ref = copy.deepcopy(stock).double()
+    w_dtype = torch.float32 if arch == "mixtral" else torch.bfloat16
+    idx, w = _routing(64, 2, E, w_dtype)
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(3))
+    dy = torch.randn(64, H, generator=torch.Generator().manual_seed(4))
+    r = _run(ref, x.double(), idx, w.double(), dy.double())
+    s = _run(stock, x.bfloat16(), idx, w, dy.bfloat16())
+    t = _run(ours, x.bfloat16(), idx, w, dy.bfloat16())
+    for name, a, b, c in zip(("y", "dx", "dw_route", "dgate_up", "ddown"), t, s, r, strict=True):
+        assert a.dtype == b.dtype, name
+        err_t, err_s = _rel(a, c), _rel(b, c)
+        assert 0 < err_s and err_t <= 1.25 * err_s + 1e-6, f"{name}: truefuse {err_t:.3e} vs stock {err_s:.3e}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_bf16_model_forward_bounded(arch):
+    stock = _model(arch)
+    ref = copy.deepcopy(stock).double()
+    _set_impl(ref, "eager")  # grouped_mm has no float64 kernel
+    stock = stock.bfloat16()
+    ours = copy.deepcopy(stock)
+    _patch_all(ours)
+    with torch.no_grad():
+        lr, ls, lt = ref(_ids()).logits, stock(_ids()).logits, ours(_ids()).logits
+    assert lt.dtype == torch.bfloat16 and torch.isfinite(lt).all()
+    err_t, err_s = _rel(lt, lr), _rel(ls, lr)
+    assert err_t <= 1.25 * err_s + 1e-6, f"truefuse {err_t:.3e} vs stock {err_s:.3e}"
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_cpu_autocast_follows_stock(impl):
+    """fp32 weights under bf16 autocast: eager's F.linear runs in bf16, grouped_mm in fp32; ours
+    follows the configured one (bounded against float64), gradients back in fp32."""
+    stock, ours = _experts("mixtral", impl=impl)
+    ref = copy.deepcopy(stock).double()
+    ref.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+    idx, w = _routing(48, 2, E, torch.float32)
+    x = torch.randn(48, H, generator=torch.Generator().manual_seed(3))
+    dy = torch.randn(48, H, generator=torch.Generator().manual_seed(4))
+    r = _run(ref, x.double(), idx, w.double(), dy.double())
+    s = _run(stock, x, idx, w, dy, autocast=True)
+    t = _run(ours, x, idx, w, dy, autocast=True)
+    for name, a, b, c in zip(("y", "dx", "dw_route", "dgate_up", "ddown"), t, s, r, strict=True):
+        assert a.dtype == b.dtype, name
+        err_t, err_s = _rel(a, c), _rel(b, c)
+        assert err_t <= 1.25 * err_s + 1e-6, f"{name}: truefuse {err_t:.3e} vs stock {err_s:.3e}"
+    err_y = _rel(t[0], r[0])
+    assert (err_y > 1e-4) if impl == "eager" else (err_y < 1e-5)  # bf16 GEMMs vs fp32 GEMMs
+
+
+def test_refusals_leave_the_module_stock():
+    m = MixtralExperts(_config("mixtral", hidden_act="gelu_pytorch_tanh"))
+    res = patch_experts(m)
+    assert not res and "gelu_pytorch_tanh" in res.reason and type(m) is MixtralExperts
+    m = Qwen3MoeExperts(_config("qwen3_moe"))
+    m.has_bias = True
+    res = patch_experts(m)
+    assert not res and "has_bias" in res.reason and type(m) is Qwen3MoeExperts
+    assert moe.unsupported_reason(m) == res.reason
+    res = patch_experts(torch.nn.Linear(4, 4))
+    assert not res and "not one of the supported" in res.reason
+    m = Qwen3MoeExperts(_config("qwen3_moe"))
+    assert moe.unsupported_reason(m) == ""
+    assert patch_experts(m) and patch_experts(m).activation == "swiglu"  # twice: still patched, same class
+    assert type(m).__name__ == "TruefuseQwen3MoeExperts" and type(m).__mro__[1] is Qwen3MoeExperts
+    assert set(EXPERT_CLASSES) == {"Qwen3MoeExperts", "MixtralExperts"}

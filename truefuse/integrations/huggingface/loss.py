@@ -1,0 +1,519 @@
+"""The causal-LM loss of Hugging Face models through ``truefuse.linear_cross_entropy``.
+
+``patch_loss(model_or_class)`` replaces the ``forward`` of a supported ``*ForCausalLM`` (see
+``SUPPORTED``) with :func:`causal_lm_forward` (MoE classes: :func:`moe_causal_lm_forward`, the same
+with the stock positional signature). With ``labels``, the loss is computed from the last hidden
+states and ``lm_head.weight`` in chunks: the (tokens, vocab) logits never exist. Everything else is
+the stock forward's: the base model call, ``logits_to_keep``, Gemma's ``final_logit_softcapping``
+(the loss's ``softcap``), MoE's router auxiliary loss, the output class and ``return_dict``.
+
+Loss semantics are ``transformers.loss.loss_utils.ForCausalLMLoss``'s: labels shifted left (padded
+with ``ignore_index``), or ``shift_labels`` used as given; ``ignore_index`` (default -100);
+``num_items_in_batch`` (a tensor or an int) makes it ``sum / num_items_in_batch``, else the mean
+over non-ignored tokens (NaN, with zero gradients, when every label is ignored: stock's 0 / 0); the
+loss is fp32.
+
+Logits with labels: returned when ``return_logits=True`` (a keyword of the patched forward), not
+when ``return_logits=False``; by default (``None``) only when the model is not training
+(``model.eval()``: evaluation loops want them), since in training they are what the fusion avoids.
+They are then the stock logits (sliced, softcapped), computed by ``lm_head`` beside the fused loss.
+Without labels the logits are always computed exactly as stock (generation, evaluation).
+Note that ``return_dict=False`` drops ``None`` fields from the tuple, as stock's ``to_tuple``
+does: without logits, the tuple's second item is not the logits.
+
+The fused path needs a plain ``nn.Linear`` ``lm_head`` without hooks and the stock loss function:
+when ``lm_head`` is wrapped (e.g. PEFT ``modules_to_save`` or LoRA on the head, quantized layers,
+offloading hooks) or ``model.loss_function`` was replaced, the forward falls back to the stock
+computation (logits, then ``model.loss_function``) with a warning.
+
+Importable without transformers: it is imported lazily, when a forward runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "SUPPORTED",
+    "causal_lm_forward",
+    "moe_causal_lm_forward",
+    "patch_loss",
+    "supports_loss",
+    "unpatch_loss",
+]
+
+#: Supported classes (module.qualname of the class whose ``forward`` is the stock one) -> traits.
+#: ``softcap``: the config attribute the stock forward applies to its logits (tanh softcapping);
+#: ``moe``: the forward adds the router load-balancing loss (``output_router_logits``).
+SUPPORTED: dict[str, dict] = {
+    "transformers.models.llama.modeling_llama.LlamaForCausalLM": {},
+    "transformers.models.mistral.modeling_mistral.MistralForCausalLM": {},
+    "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM": {},
+    "transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM": {},
+    "transformers.models.gemma2.modeling_gemma2.Gemma2ForCausalLM": {"softcap": "final_logit_softcapping"},
+    "transformers.models.gemma3.modeling_gemma3.Gemma3ForCausalLM": {"softcap": "final_logit_softcapping"},
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeForCausalLM": {"moe": True},
+    "transformers.models.mixtral.modeling_mixtral.MixtralForCausalLM": {"moe": True},
+}
+
+#: Where patch_loss records what it replaced, in the __dict__ it patched: that dict's own forward,
+#: or None when it had none (None, not a sentinel object: the record survives pickling and deepcopy).
+_STOCK = "_truefuse_stock_forward"
+
+
+# ----------------------------------------------------------------------------------------------
+# which class, which traits
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _stock_forward_class(cls: type) -> type | None:
+    """The class whose own (unpatched) ``forward`` ``cls`` runs: the first in the MRO defining one,
+    looking through a forward that ``patch_loss`` set there without replacing one of that class."""
+    for c in cls.__mro__:
+        f = c.__dict__.get("forward")
+        if f is None:
+            continue
+        if getattr(f, "_truefuse_loss", False) and _STOCK in c.__dict__ and c.__dict__[_STOCK] is None:
+            continue  # patched onto a class that inherited its forward: the stock one is further up
+        return c
+    return None
+
+
+def _traits(cls: type) -> dict | None:
+    c = _stock_forward_class(cls)
+    return None if c is None else SUPPORTED.get(_qualname(c))
+
+
+def supports_loss(model) -> str | None:
+    """None when ``model`` (an instance or a class) runs the stock ``forward`` of a supported
+    ``*ForCausalLM`` (``SUPPORTED``; a subclass that does not override ``forward`` counts), else
+    a one-line reason."""
+    cls = model if isinstance(model, type) else type(model)
+    c = _stock_forward_class(cls)
+    if c is not None and _qualname(c) in SUPPORTED:
+        return None
+    names = ", ".join(n.rsplit(".", 1)[1] for n in SUPPORTED)
+    if c is not None and any(_qualname(b) in SUPPORTED for b in c.__mro__):
+        return f"{cls.__name__}'s forward is overridden by {c.__name__}: truefuse's loss replaces only the stock one of {names}"
+    return f"{cls.__name__} is not supported by truefuse's loss (supported: {names})"
+
+
+# ----------------------------------------------------------------------------------------------
+# the forward
+
+
+def _return_tuple(func):
+    """transformers' ``can_return_tuple``, written here so that this module imports without
+    transformers: ``return_dict`` (a keyword, else ``config.return_dict``) False gives
+    ``output.to_tuple()`` (None fields dropped)."""
+
+    @functools.wraps(func)
+    def wrapper(self, *args, **kwargs):
+        return_dict = self.config.return_dict if hasattr(self, "config") else True
+        passed = kwargs.pop("return_dict", return_dict)
+        if passed is not None:
+            return_dict = passed
+        out = func(self, *args, **kwargs)
+        if not return_dict and not isinstance(out, tuple):
+            out = out.to_tuple()
+        return out
+
+    return wrapper
+
+
+def _slice_to_keep(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """The hidden states the stock forward projects: transformers' ``slice_logits_to_keep`` where it
+    exists (newer releases: also 2-D index / boolean tensors), else the older inline slicing."""
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+    except ImportError:
+        idx = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden[:, idx, :]
+    return slice_logits_to_keep(hidden, logits_to_keep)
+
+
+def _softcap(self, traits: dict) -> float | None:
+    name = traits.get("softcap")
+    return None if name is None else getattr(self.config, name, None)
+
+
+def _stock_logits(self, hidden: torch.Tensor, traits: dict) -> torch.Tensor:
+    """The logits exactly as the stock forward computes them from the sliced hidden states."""
+    logits = self.lm_head(hidden)
+    cap = _softcap(self, traits)
+    if cap is not None:
+        logits = logits / cap
+        logits = torch.tanh(logits)
+        logits = logits * cap
+    return logits
+
+
+def _fallback_reason(self) -> str | None:
+    """Why the fused loss cannot stand in for the stock one on this model (None: it can)."""
+    head = getattr(self, "lm_head", None)
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        return f"lm_head is {type(head).__name__}, not a plain torch.nn.Linear"
+    if head._forward_hooks or head._forward_pre_hooks:
+        return "lm_head has forward hooks (e.g. offloading or sharding)"
+    if head.weight.device.type == "meta":
+        return "lm_head.weight is on the meta device"
+    if hasattr(self, "_loss_function"):  # what PreTrainedModel.loss_function's setter sets
+        return "model.loss_function was replaced"
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # pragma: no cover - transformers 5 has it
+        return None
+    if getattr(self.loss_function, "__func__", self.loss_function) is not ForCausalLMLoss:
+        return f"model.loss_function is {getattr(self.loss_function, '__name__', self.loss_function)!r}, not ForCausalLMLoss"
+    return None
+
+
+def _first_bad(t: torch.Tensor, V: int, ignore_index: int) -> int | None:
+    bad = (t != ignore_index) & ((t < 0) | (t >= V))
+    return int(t[bad][0]) if bool(bad.any()) else None
+
+
+@functools.cache
+def _early_range_check(t: torch.Tensor) -> bool:
+    """Check the targets' range here, before the loss runs, where that costs no host sync (off
+    CUDA). On CUDA the loss's own check (queued before its first GEMM, waited for after every chunk
+    is queued; its kernel reads a bad target as class 0, memory-safe) raises before the loss
+    returns, and :func:`_fused_loss` renames its error to the labels."""
+    return not t.is_cuda
+
+
+def _range_error(name: str, value: int, V: int, ignore_index: int) -> ValueError:
+    return ValueError(
+        f"{name} holds {value}, outside [0, vocab_size={V}) and not ignore_index={ignore_index} "
+        "(class indices of the next token; -100 marks tokens that do not count)"
+    )
+
+
+def _targets(labels, kwargs, tokens_shape, ignore_index: int):
+    """The shifted targets, as ForCausalLMLoss builds them, checked against ``tokens_shape`` (the
+    leading dims of the projected hidden states): (name, tensor of that shape)."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor of class indices, got {type(labels).__name__}")
+    shift = kwargs.get("shift_labels")
+    name = "labels" if shift is None else "shift_labels"
+    src = labels if shift is None else shift
+    if not isinstance(src, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of class indices, got {type(src).__name__}")
+    if src.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must hold class indices (int64 or int32), got {src.dtype}")
+    tokens_shape = tuple(tokens_shape)
+    if shift is None:
+        if tuple(labels.shape) != tokens_shape:
+            raise ValueError(
+                f"labels has shape {tuple(labels.shape)} but the model's tokens are {tokens_shape} "
+                "(labels are the input ids, shifted inside the model; -100 where a token does not count)"
+            )
+        t = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    else:
+        if src.numel() != _numel(tokens_shape):
+            raise ValueError(f"shift_labels has shape {tuple(src.shape)}: one per token expected, tokens are {tokens_shape}")
+        t = src.reshape(tokens_shape)
+    return name, t
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _tokens_shape(input_ids, inputs_embeds):
+    if input_ids is not None:
+        return tuple(input_ids.shape)
+    if inputs_embeds is not None:
+        return tuple(inputs_embeds.shape[:-1])
+    return None
+
+
+def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict) -> torch.Tensor:
+    """ForCausalLMLoss of ``lm_head(hidden)`` (softcapped for Gemma) through the fused op."""
+    from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
+
+    ignore_index = int(kwargs.get("ignore_index", -100))
+    name, t = _targets(labels, kwargs, hidden.shape[:-1], ignore_index)
+    x = hidden.reshape(-1, hidden.shape[-1])
+    t = t.reshape(-1).to(device=x.device)
+    W, b = self.lm_head.weight, self.lm_head.bias
+    V = W.shape[0]
+    if _early_range_check(t):
+        bad = _first_bad(t, V, ignore_index)
+        if bad is not None:
+            raise _range_error(name, bad, V, ignore_index)
+    num_items = kwargs.get("num_items_in_batch")
+    try:  # under torch.autocast the op casts its operands as F.linear does (autograd/_autocast.py)
+        loss = linear_cross_entropy(
+            x,
+            W,
+            t,
+            linear_bias=b,
+            reduction="mean" if num_items is None else "sum",
+            ignore_index=ignore_index,
+            softcap=_softcap(self, traits),
+        )
+    except ValueError as e:
+        # on CUDA the loss checks the targets without a host sync of its own (memory-safe, raised
+        # before it returns): name the labels here
+        bad = _first_bad(t, V, ignore_index)
+        if bad is None:
+            raise
+        raise _range_error(name, bad, V, ignore_index) from e
+    loss = loss.float()
+    if num_items is None:
+        # stock's mean over no counted token is 0 / 0 = NaN (its gradients zeros); the op's is 0:
+        # give stock's answer, on the device (no host sync)
+        loss = torch.where((t != ignore_index).any(), loss, torch.full_like(loss, float("nan")))
+    if num_items is not None:
+        if torch.is_tensor(num_items):
+            num_items = num_items.to(loss.device)
+        loss = loss / num_items
+    return loss
+
+
+def _load_balancing_loss_func(cls: type):
+    """The stock module's ``load_balancing_loss_func`` (its implementation differs between releases)."""
+    for c in cls.__mro__:
+        fn = getattr(sys.modules.get(c.__module__), "load_balancing_loss_func", None)
+        if fn is not None:
+            return fn
+    raise RuntimeError(f"{cls.__name__}: no load_balancing_loss_func in its modeling module")
+
+
+def _forward(
+    self,
+    input_ids,
+    attention_mask,
+    position_ids,
+    past_key_values,
+    inputs_embeds,
+    labels,
+    use_cache,
+    output_router_logits,
+    logits_to_keep,
+    kwargs,
+):
+    traits = _traits(type(self))
+    if traits is None:
+        raise TypeError(supports_loss(self))
+    moe = bool(traits.get("moe"))
+    return_logits = kwargs.pop("return_logits", None)
+    if labels is not None:
+        # clear errors on the labels' type and shape before the base model runs
+        shape = _tokens_shape(input_ids, inputs_embeds)
+        if shape is not None and isinstance(logits_to_keep, int) and logits_to_keep == 0:
+            _targets(labels, kwargs, shape, int(kwargs.get("ignore_index", -100)))
+
+    model_kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+    )
+    if moe:
+        output_router_logits = output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        model_kwargs["output_router_logits"] = output_router_logits
+    elif output_router_logits is not None:
+        kwargs["output_router_logits"] = output_router_logits  # passed on, as stock's **kwargs does
+    outputs = self.model(**model_kwargs, **kwargs)
+
+    hidden = _slice_to_keep(outputs.last_hidden_state, logits_to_keep)
+    loss = logits = None
+    if labels is None:
+        logits = _stock_logits(self, hidden, traits)
+    else:
+        reason = _fallback_reason(self)
+        if reason is None:
+            loss = _fused_loss(self, hidden, labels, kwargs, traits)
+            want = return_logits if return_logits is not None else not self.training
+            if want:
+                logits = _stock_logits(self, hidden, traits)
+        else:
+            warnings.warn(f"truefuse: {type(self).__name__}: {reason}; computing the stock logits and loss instead", stacklevel=3)
+            logits = _stock_logits(self, hidden, traits)
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+
+    if not moe:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    aux_loss = None
+    if output_router_logits:
+        aux_loss = _load_balancing_loss_func(type(self))(
+            outputs.router_logits,
+            self.num_experts,
+            self.num_experts_per_tok,
+            attention_mask,
+        )
+        if labels is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    return MoeCausalLMOutputWithPast(
+        loss=loss,
+        aux_loss=aux_loss,
+        logits=logits,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        router_logits=outputs.router_logits,
+    )
+
+
+@_return_tuple
+def causal_lm_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    logits_to_keep=0,
+    **kwargs,
+):
+    """The stock ``*ForCausalLM.forward`` with the loss through ``truefuse.linear_cross_entropy``.
+
+    With ``labels`` the (tokens, vocab) logits are not materialized; ``logits`` is None unless
+    ``return_logits=True``, or ``return_logits`` is not given and the model is not training. Loss
+    keywords as ``ForCausalLMLoss``: ``num_items_in_batch``, ``shift_labels``, ``ignore_index``.
+    Everything else (base model keywords, ``return_dict``, ``output_router_logits`` of MoE
+    models) as stock."""
+    output_router_logits = kwargs.pop("output_router_logits", None)
+    return _forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        past_key_values,
+        inputs_embeds,
+        labels,
+        use_cache,
+        output_router_logits,
+        logits_to_keep,
+        kwargs,
+    )
+
+
+@_return_tuple
+def moe_causal_lm_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    output_router_logits=None,
+    logits_to_keep=0,
+    **kwargs,
+):
+    """:func:`causal_lm_forward` with the MoE classes' positional signature (``output_router_logits``
+    before ``logits_to_keep``); the router auxiliary loss is added as stock adds it."""
+    return _forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        past_key_values,
+        inputs_embeds,
+        labels,
+        use_cache,
+        output_router_logits,
+        logits_to_keep,
+        kwargs,
+    )
+
+
+for _f in (causal_lm_forward, moe_causal_lm_forward):
+    _f._truefuse_loss = True
+
+
+# ----------------------------------------------------------------------------------------------
+# patching
+
+
+def _is_ours(f) -> bool:
+    """``f`` is one of this module's forwards: the function, a bound method, or a partial of it."""
+    f = getattr(f, "__func__", None) or getattr(f, "func", None) or f
+    return getattr(f, "_truefuse_loss", False)
+
+
+def patch_loss(model_or_class) -> bool:
+    """Make ``forward`` compute the loss through ``truefuse.linear_cross_entropy``.
+
+    A class: its ``forward`` is replaced (every instance, existing or new). An instance: its own
+    ``forward`` is set, ``functools.partial(causal_lm_forward, model)``: a bound method that
+    pickles (``torch.save`` of the model; a ``types.MethodType`` would not: pickle looks it up by
+    its function's name on the unpickled model) and that ``copy.deepcopy`` binds to the copy;
+    ``inspect.signature`` gives the stock parameters without ``self``. ``nn.DataParallel``
+    replicas (a shallow copy of ``__dict__``) would call the original's: patch the class for that.
+    Idempotent: returns True when it patched, False when already patched. The replaced forward is
+    recorded for :func:`unpatch_loss`. Raises ``TypeError`` with :func:`supports_loss`'s reason
+    for an unsupported model."""
+    reason = supports_loss(model_or_class)
+    if reason is not None:
+        raise TypeError(reason)
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    fn = moe_causal_lm_forward if _traits(cls).get("moe") else causal_lm_forward
+    if isinstance(model_or_class, type):
+        if _is_ours(cls.__dict__.get("forward")):
+            return False
+        type.__setattr__(cls, _STOCK, cls.__dict__.get("forward"))
+        type.__setattr__(cls, "forward", fn)
+        return True
+    d = model_or_class.__dict__
+    if _is_ours(d.get("forward")):
+        return False
+    d[_STOCK] = d.get("forward")
+    d["forward"] = functools.partial(fn, model_or_class)
+    return True
+
+
+def unpatch_loss(model_or_class) -> bool:
+    """Restore what :func:`patch_loss` replaced on this instance or class (the instance's own
+    ``forward``, or none so the class's runs again). Returns False when it was not patched there."""
+    if isinstance(model_or_class, type):
+        cls = model_or_class
+        if not _is_ours(cls.__dict__.get("forward")):
+            return False
+        stock = cls.__dict__.get(_STOCK)
+        if stock is None:
+            type.__delattr__(cls, "forward")
+        else:
+            type.__setattr__(cls, "forward", stock)
+        if _STOCK in cls.__dict__:
+            type.__delattr__(cls, _STOCK)
+        return True
+    d = model_or_class.__dict__
+    if not _is_ours(d.get("forward")):
+        return False
+    stock = d.pop(_STOCK, None)
+    if stock is None:
+        del d["forward"]
+    else:
+        d["forward"] = stock
+    return True

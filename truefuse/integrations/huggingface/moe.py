@@ -1,0 +1,302 @@
+"""Mixture-of-experts: stock transformers experts modules on truefuse's grouped GEMMs.
+
+Supported: the experts modules of transformers 5 that keep every expert's weights in two 3-D
+parameters (:data:`EXPERT_CLASSES`: ``Qwen3MoeExperts``, ``MixtralExperts``)::
+
+    gate_up_proj (E, 2F, H)   rows [gate (F); up (F)] of each expert, y = x @ W.T
+    down_proj    (E, H, F)
+
+That is exactly the packed layout of ``truefuse.GroupedMLP(single_grouped_weight=True)``:
+``fc1_weight`` (E, fc1_out, hidden) with halves [gate, up] (``act(first half) * second half``) and
+``fc2_weight`` (E, hidden, ffn). So the HF parameters themselves are handed to
+``GroupedMLPFunction``: no copy, no view, no transpose, and their gradients land in their own
+``.grad`` as autograd gives it (docs/design.md §2's plain configuration).
+
+:func:`patch_experts` swaps one module's class for a subclass (``Truefuse<Stock>``, registered in
+this module so that a patched model still pickles) whose ``forward(hidden_states, top_k_index,
+top_k_weights)`` runs:
+
+1. the (token, slot) pairs sorted by expert (stable sort of ``top_k_index``), per-expert counts
+   (``m_splits``) taken to the host (one sync, see :func:`_experts_forward`);
+2. ``GroupedMLPFunction``: grouped GEMM with ``gate_up_proj``, the gated activation, grouped GEMM
+   with ``down_proj``, one GEMM per expert (``fused_grouped_gemm=False``, the default) or cuBLAS
+   ``grouped_mm`` (``fused_grouped_gemm=True``);
+3. each row times its routing weight, back in (token, slot) order, and the sum over the ``top_k``
+   slots with stock's rounding (below).
+
+Rounding, against the stock module in the same dtype:
+
+* The GEMMs: one rounding each, as ``F.linear`` (the per-expert GEMM is the call ``truefuse.gemm``
+  makes; in fp32 the results can differ from stock's ``F.linear`` / ``grouped_mm`` in the last
+  bits, since the backends differ).
+* The activation: truefuse's gated activation computes ``act(gate) * up`` in fp32 and rounds once;
+  stock rounds ``act(gate)`` to the input dtype and then the product (two roundings in bf16/fp16;
+  identical in fp32 up to the last bit). Not followed: it is GroupedMLP's kernel (docs/design.md).
+* The routing weights: followed exactly. ``y * top_k_weights`` in torch's promoted dtype (Qwen3-MoE
+  casts its weights to the hidden dtype; Mixtral keeps them fp32, so in a bf16 model the product is
+  fp32), then as the stock implementation the model was configured with
+  (``config._experts_implementation``):
+
+  - ``eager`` (or no config; the class's own loop): each product rounded to the hidden dtype and
+    added in the hidden dtype, one expert after the other in increasing expert index
+    (``index_add_`` per expert) — reproduced by adding the slots in expert order;
+  - ``grouped_mm`` / ``batched_mm`` (transformers 5's default on PyTorch with ``grouped_mm``) and any
+    other registered implementation: the slots summed in the product's dtype
+    (``.sum(dim=1)``, fp32 accumulation) and rounded once to the hidden dtype.
+
+  With ``top_k == 2`` and routing weights in the hidden dtype (Qwen3-MoE) both rules give the
+  same bits (one rounding of a two-term sum); Mixtral's fp32 weights in a bf16 model do not.
+
+* Expert-parallel sentinels (an index equal to ``num_experts``, which stock skips) are dropped: they
+  get no GEMM row and contribute exactly 0.
+* ``torch.autocast``: as the configured stock forward. ``eager`` (``F.linear``) and ``batched_mm``
+  (``bmm``) are autocast ops: the input and both weights are cast to the autocast dtype
+  (differentiable ``.to``, so the weight gradients are the autocast-dtype GEMM's result brought back
+  to the parameters' dtype, as torch's autocast gives them). ``grouped_mm`` is not: stock runs it
+  in the weights' dtype, and so does this. Either way the grouped function itself runs with
+  autocast off (call the backward outside the autocast region, as torch recommends).
+
+Refused (``patch_experts`` returns a falsy :class:`ExpertsPatch` whose ``reason`` says why, also
+given by :func:`unsupported_reason` without patching; the module is left stock): an unknown class,
+an activation truefuse has no gated kernel for (``act_fn`` must be SiLU → ``swiglu``, erf GELU →
+``geglu``, ReLU → ``reglu``; e.g. ``gelu_pytorch_tanh`` is refused), a layout the decorator
+``@use_experts_implementation`` marks differently from the one above (``has_bias``,
+``is_transposed``, ``is_concatenated=False``, ``has_gate=False``, ``has_post_expert_norm``, a
+class-specific ``_apply_gate``), or parameters of unexpected shape.
+
+transformers versions: written against 5.23. The decorator's flags and
+``config._experts_implementation`` are read with ``getattr`` and the stock default, so a version that sets
+fewer of them (the GPU machine has 5.17; not inspected here) is taken as the layout above with the
+eager rounding rule, which is what the class's own forward computes; activation classes absent from
+``transformers.activations`` are skipped the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from truefuse.autograd._autocast import autocast_dtype, cast
+from truefuse.autograd._wgrad import WgradState
+from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
+
+#: The transformers experts classes :func:`patch_experts` takes (matched by class name, the module's
+#: own class or a stock base of it).
+EXPERT_CLASSES: tuple[str, ...] = ("Qwen3MoeExperts", "MixtralExperts")
+
+#: ``@use_experts_implementation`` layout flags and the value the layout above needs (the stock
+#: default, also assumed when the attribute is absent).
+_LAYOUT_FLAGS: dict[str, bool] = {
+    "has_gate": True,
+    "has_bias": False,
+    "is_transposed": False,
+    "is_concatenated": True,
+    "has_post_expert_norm": False,
+}
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+@dataclass(frozen=True)
+class ExpertsPatch:
+    """What :func:`patch_experts` did; truthy iff the module now runs truefuse.
+
+    Attributes:
+        patched: the module's forward is truefuse's (also true for an already patched module).
+        reason: why not, when not patched ("" otherwise).
+        activation: truefuse's gated activation used (``swiglu``, ``geglu``, ``reglu``) when patched.
+    """
+
+    patched: bool
+    reason: str = ""
+    activation: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.patched
+
+
+def _stock_class(module: torch.nn.Module) -> type | None:
+    """The stock experts class of ``module`` (its own class or the stock base of a truefuse one)."""
+    cls = getattr(type(module), "_truefuse_stock", type(module))
+    return cls if cls.__name__ in EXPERT_CLASSES else None
+
+
+def _gated_activation_of(act_fn) -> str | None:
+    """truefuse's gated activation for the stock ``act_fn`` module (exact type match), or None."""
+    names = {torch.nn.SiLU: "swiglu", torch.nn.ReLU: "reglu"}
+    try:
+        from transformers import activations as hf_act
+    except ImportError:  # pragma: no cover - only reachable without transformers
+        hf_act = None
+    for attr, name in (("SiLUActivation", "swiglu"), ("GELUActivation", "geglu")):
+        cls = getattr(hf_act, attr, None)  # absent in some transformers versions
+        if cls is not None:
+            names[cls] = name
+    # GELUActivation is erf GELU either way (C or Python); its approximate variants are other classes
+    return names.get(type(act_fn))
+
+
+def _default_apply_gate():
+    try:
+        from transformers.integrations import moe as hf_moe
+    except ImportError:  # transformers without the experts interface: no _apply_gate either
+        return None
+    return getattr(hf_moe, "_default_apply_gate", None)
+
+
+def unsupported_reason(module: torch.nn.Module) -> str:
+    """Why :func:`patch_experts` would leave ``module`` stock; ``""`` (falsy) when it can take it."""
+    return _check(module)[1]
+
+
+def _check(module: torch.nn.Module) -> tuple[str | None, str]:
+    """``(activation, "")`` when :func:`patch_experts` can take ``module``, else ``(None, reason)``."""
+    stock = _stock_class(module)
+    if stock is None:
+        return None, f"{type(module).__name__} is not one of the supported experts classes {EXPERT_CLASSES}"
+    for flag, needed in _LAYOUT_FLAGS.items():
+        value = getattr(module, flag, needed)
+        if bool(value) != needed:
+            return None, f"{flag}={value} (truefuse's grouped MLP needs {flag}={needed})"
+    gate = vars(stock).get("_apply_gate")
+    if gate is not None and gate is not _default_apply_gate():
+        return None, "a class-specific _apply_gate (only act(gate) * up is supported)"
+    hidden_act = getattr(getattr(module, "config", None), "hidden_act", "?")
+    act = _gated_activation_of(getattr(module, "act_fn", None))
+    if act is None:
+        return None, (
+            f"activation {type(getattr(module, 'act_fn', None)).__name__} (hidden_act={hidden_act!r}) has no truefuse "
+            "gated kernel (silu/swish -> swiglu, gelu -> geglu, relu -> reglu)"
+        )
+    w1, w2 = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(w1, torch.nn.Parameter) or not isinstance(w2, torch.nn.Parameter):
+        return None, "gate_up_proj / down_proj are not parameters"
+    E = getattr(module, "num_experts", None)
+    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != E or w2.shape[0] != E:
+        return None, f"gate_up_proj {tuple(w1.shape)} / down_proj {tuple(w2.shape)} are not (E={E}, ., .) 3-D"
+    F2, H = w1.shape[1:]
+    if F2 % 2 or tuple(w2.shape[1:]) != (H, F2 // 2):
+        return None, f"gate_up_proj {tuple(w1.shape)} and down_proj {tuple(w2.shape)} are not (E, 2F, H) and (E, H, F)"
+    if not w1.is_floating_point() or w1.dtype != w2.dtype:
+        return None, f"gate_up_proj ({w1.dtype}) and down_proj ({w2.dtype}) must share one floating dtype"
+    return act, ""
+
+
+def _experts_implementation(module: torch.nn.Module) -> str | None:
+    """The stock experts implementation the model is configured with (None: no config, or a
+    transformers without the switch: the class's own loop runs)."""
+    return getattr(getattr(module, "config", None), "_experts_implementation", None)
+
+
+def _eager_rule(module: torch.nn.Module) -> bool:
+    """Whether the stock forward the model would run is the class's own per-expert loop."""
+    return _experts_implementation(module) in (None, "eager")
+
+
+def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Stock's ``forward`` on truefuse's grouped MLP.
+
+    Args:
+        hidden_states: (T, H) tokens (any leading shape is flattened).
+        top_k_index: (T, K) integer expert of each slot (``num_experts``: an expert-parallel
+            sentinel, skipped).
+        top_k_weights: (T, K) float routing weight of each slot.
+
+    Returns:
+        (T, H) in ``hidden_states``' dtype: ``Σ_k top_k_weights[t, k] · expert_{index[t, k]}(x_t)``.
+    """
+    shape = hidden_states.shape
+    x_all = hidden_states.reshape(-1, shape[-1])
+    T, K, E = x_all.shape[0], top_k_index.shape[-1], self.num_experts
+    ids = top_k_index.reshape(-1)
+    # (token, slot) pairs in expert order; stable, so within an expert by token, then slot
+    order = torch.sort(ids, stable=True).indices
+    # Per-expert counts without a sync (scatter_add, not bincount, which syncs for its length);
+    # sentinels (>= E) counted in the last bin and dropped.
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, ids.clamp(max=E), torch.ones_like(ids))
+    # The one host sync of this forward: m_splits to the host (E ints). On a GPU it waits for every
+    # kernel queued before it (the router's) and stalls the CPU's launch-ahead: ~10-50 us per MoE
+    # layer plus the lost overlap, and no CUDA graph capture. Stock eager syncs too (nonzero and its
+    # per-expert loop). Device-side splits would remove it (a later issue).
+    splits = counts[:E].tolist()
+    n = sum(splits)
+    rows = order[:n] if n < order.numel() else order
+
+    eager = _eager_rule(self)
+    # torch.autocast as the configured stock forward: F.linear (eager) and bmm (batched_mm) are cast
+    # to the autocast dtype; grouped_mm is not an autocast op (stock casts the input to the weights')
+    autocast_on = autocast_dtype(x_all.device) is not None
+    dt = autocast_dtype(x_all.device) if _experts_implementation(self) != "grouped_mm" else None
+    w1, w2 = cast(self.gate_up_proj, dt), cast(self.down_proj, dt)
+    x = x_all[rows // K]
+    x = cast(x, dt) if dt is not None else x.to(w1.dtype)  # stock's grouped_mm casts to the weights' dtype
+    fused = getattr(self, "_truefuse_fused_grouped_gemm", False)
+    spec1 = GroupSpec(tuple(splits), True, False, ("gate_up_proj",), fused)
+    spec2 = GroupSpec(tuple(splits), True, False, ("down_proj",), fused)
+    with torch.autocast(x.device.type, enabled=False) if autocast_on else contextlib.nullcontext():
+        y = GroupedMLPFunction.apply(x, spec1, spec2, self._truefuse_activation, self._truefuse_wgrad, w1, w2)  # (n, H)
+
+    out_dtype = hidden_states.dtype
+    prod = y * top_k_weights.reshape(-1)[rows].unsqueeze(-1)  # torch's promotion, as stock
+    if eager:
+        prod = prod.to(out_dtype)
+    slots = prod.new_zeros(T * K, shape[-1]).index_copy(0, rows, prod).view(T, K, shape[-1])
+    if eager:
+        # stock: index_add_ one expert after the other into zeros, rounding every add to out_dtype
+        if K > 2:  # two terms: one rounding of their sum in any order
+            by_expert = torch.sort(top_k_index.reshape(T, K), dim=-1, stable=True).indices
+            slots = slots.gather(1, by_expert.unsqueeze(-1).expand_as(slots))
+        out = slots[:, 0]
+        for k in range(1, K):
+            out = out + slots[:, k]
+    else:
+        out = slots.sum(dim=1).to(out_dtype)
+    return out.reshape(shape)
+
+
+def _truefuse_class(stock: type) -> type:
+    if stock not in _SUBCLASSES:
+        name = f"Truefuse{stock.__name__}"
+        sub = type(name, (stock,), {"forward": _experts_forward, "_truefuse_stock": stock, "_truefuse_kind": "experts"})
+        sub.__module__ = __name__
+        setattr(sys.modules[__name__], name, sub)
+        _SUBCLASSES[stock] = sub
+    return _SUBCLASSES[stock]
+
+
+def patch_experts(module: torch.nn.Module, *, fused_grouped_gemm: bool = False) -> ExpertsPatch:
+    """Run one stock experts module (:data:`EXPERT_CLASSES`) on truefuse's grouped MLP, in place.
+
+    The module keeps its parameters (the same tensors), names, shapes and state_dict keys; its class
+    becomes ``Truefuse<Stock>``, a subclass (``isinstance`` against the stock class holds;
+    ``truefuse.integrations.huggingface.modules.unpatch`` gives the stock class back).
+
+    Args:
+        module: a ``Qwen3MoeExperts`` / ``MixtralExperts`` instance.
+        fused_grouped_gemm: let the packed GEMMs use cuBLAS ``grouped_mm`` (GroupedMLP's option; off:
+            one GEMM per expert).
+
+    Returns:
+        :class:`ExpertsPatch`, truthy iff patched (an already patched module: truthy, unchanged
+        except ``fused_grouped_gemm``); when falsy its ``reason`` says why and the module is untouched.
+    """
+    act, reason = _check(module)
+    if act is None:
+        return ExpertsPatch(False, reason)
+    stock = _stock_class(module)
+    module._truefuse_activation = act
+    module._truefuse_fused_grouped_gemm = bool(fused_grouped_gemm)
+    if getattr(module, "_truefuse_wgrad", None) is None:
+        module._truefuse_wgrad = WgradState(owner=stock.__name__)
+    module.__class__ = _truefuse_class(stock)
+    return ExpertsPatch(True, "", act)
+
+
+def find_experts(model: torch.nn.Module):
+    """``(name, module)`` of every submodule of ``model`` whose (stock) class is in :data:`EXPERT_CLASSES`."""
+    for name, m in model.named_modules():
+        if _stock_class(m) is not None:
+            yield name, m
