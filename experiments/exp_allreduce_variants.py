@@ -10,28 +10,28 @@ import torch
 import torch.distributed as dist
 
 from truefuse.bench.bench_allreduce_add_rmsnorm import _graph_us
+from truefuse.config import tuning  # the launcher reads its thresholds at each call
 from truefuse.distributed import Workspace, allreduce_add_rmsnorm
 from truefuse.distributed.launch import run_local
-from truefuse.ops import allreduce as allreduce_ops  # the launcher reads its thresholds at each call
 
 ROWS = (1, 4, 16, 64, 256, 1024, 4096)
-VARIANTS = {  # name: (two_stage, push max bytes, LL max bytes, programs per SM)
+VARIANTS = {  # name: (two_stage, push max bytes, LL max bytes, programs per SM); 1 byte: never (knobs are positive)
     "ll": (False, 1 << 62, 1 << 62, 2),
-    "1s-push": (False, 1 << 62, 0, 2),
-    "1s-pull": (False, 0, 0, 2),
-    "1s-pull/1": (False, 0, 0, 1),
-    "2s-push": (True, 1 << 62, 0, 2),
-    "2s-push/1": (True, 1 << 62, 0, 1),
-    "2s-pull": (True, 0, 0, 2),
-    "2s-pull/1": (True, 0, 0, 1),
+    "1s-push": (False, 1 << 62, 1, 2),
+    "1s-pull": (False, 1, 1, 2),
+    "1s-pull/1": (False, 1, 1, 1),
+    "2s-push": (True, 1 << 62, 1, 2),
+    "2s-push/1": (True, 1 << 62, 1, 1),
+    "2s-pull": (True, 1, 1, 2),
+    "2s-pull/1": (True, 1, 1, 1),
 }
 
 
 def _worker(rank, world_size):
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    allreduce_ops.LL_MAX_BYTES = 256 * 4096 * 2  # LL slots sized for up to 256 rows
-    ws = Workspace(max_bytes=max(ROWS) * 4096 * 2, validate=False)
+    with tuning(ll_max_bytes=256 * 4096 * 2):  # LL slots sized for up to 256 rows
+        ws = Workspace(max_bytes=max(ROWS) * 4096 * 2, validate=False)
     out = []
     for m in ROWS:
         g = torch.Generator(device=dev).manual_seed(rank)
@@ -43,10 +43,10 @@ def _worker(rank, world_size):
             if (name.startswith("ll") and m > 64) or (name.endswith("/1") and m < 256) or (name.startswith("2s") and m < 16):
                 continue
             ws.two_stage_bytes = 0 if two else 1 << 62
-            allreduce_ops.PUSH_MAX_BYTES, allreduce_ops.LL_MAX_BYTES, allreduce_ops.PROGRAMS_PER_SM = push, ll, per_sm
-            got = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws)
-            same = all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
-            us = _graph_us(lambda x=x, res=res, w=w: allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws))
+            with tuning(push_max_bytes=push, ll_max_bytes=ll, programs_per_sm=per_sm):
+                got = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws)
+                same = all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+                us = _graph_us(lambda x=x, res=res, w=w: allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws))
             out.append((m, name, us, same))
         dist.barrier()
     ws.close()

@@ -3,7 +3,7 @@ the three GEMMs, truefuse.linear_cross_entropy (default) and torch.compile of th
 interleaved rounds (median ms), for checking one change without the whole sweep.
 
 ``CHUNKS="4096 8192"`` adds truefuse at those chunk sizes. When V is not a multiple of 64 it adds
-the unpadded logits rows and unsplit GEMMs (``linear_cross_entropy_gemms.ALIGN = 1``) and the three GEMMs on padded rows."""
+the unpadded logits rows and unsplit GEMMs (``truefuse.config.tuning(align=1)``) and the three GEMMs on padded rows."""
 
 import os
 import statistics
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import triton
 
 import truefuse
+from truefuse.config import tuning
 
 N, V, H = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 128256, 4096)
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -42,14 +43,12 @@ def _unchecked(*args):
         lce.check_targets = saved
 
 
-def _unpadded(*args):
-    import truefuse.autograd.linear_cross_entropy_gemms as lce_gemms
+def _unpadded(run):
+    def unpadded():
+        with tuning(align=1):  # around the backward too: it reads the knob again when it recomputes chunks
+            run()
 
-    saved, lce_gemms.ALIGN = lce_gemms.ALIGN, 1
-    try:
-        return truefuse.linear_cross_entropy(*args)
-    finally:
-        lce_gemms.ALIGN = saved
+    return unpadded
 
 
 providers = {
@@ -65,7 +64,7 @@ if V % 64:
     dp = torch.randn(N, Vp, device="cuda", dtype=torch.bfloat16)[:, :V]
     lp = torch.empty(N, Vp, device="cuda", dtype=torch.bfloat16)[:, :V]
     providers["gemms_padded"] = lambda: (torch.mm(x.detach(), W.detach().t(), out=lp), dp @ W.detach(), dp.t() @ x.detach())
-    providers["truefuse_unpadded"] = step(lambda: _unpadded(x, W, t))
+    providers["truefuse_unpadded"] = _unpadded(step(lambda: truefuse.linear_cross_entropy(x, W, t)))
 times = {k: [] for k in providers}
 for r in range(3):
     for k in providers if r % 2 == 0 else reversed(providers):

@@ -6,6 +6,7 @@ import torch
 from conftest import requires_cuda
 
 import truefuse
+from truefuse.config import get_tuning, tuning
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.linear_cross_entropy import linear_cross_entropy_ref
 from truefuse.verify.cases_linear_cross_entropy import check_lce, make_inputs
@@ -140,9 +141,7 @@ def test_padded_rows_and_split_vocabulary_agree_with_one_gemm(device, monkeypatc
     kw = {"chunk_size": 16} if "chunks" in mode else {}
     fused = mode == "main_grad_chunks"
     out = {}
-    monkeypatch.setattr(gemms_mod, "MIN_MACS", 0)  # small sizes are neither padded nor split by default
     for align in (1, 64):
-        monkeypatch.setattr(gemms_mod, "ALIGN", align)
         splits.clear()
         m = truefuse.LinearCrossEntropyLoss(
             z_loss=1e-3, delay_wgrad_compute=mode == "delayed", fuse_wgrad_accumulation=fused, **kw
@@ -150,9 +149,11 @@ def test_padded_rows_and_split_vocabulary_agree_with_one_gemm(device, monkeypatc
         xl, Wl, bl = x.clone().requires_grad_(), W.clone().requires_grad_(), b.clone().requires_grad_()
         if fused:
             Wl.main_grad = torch.ones(W.shape, device=device)
-        loss = m(xl, Wl, t, bl)
-        (loss * 3.0).backward()
-        m.backward_dw()
+        # min_macs=1: small sizes are neither padded nor split by default
+        with tuning(min_macs=1, align=align):
+            loss = m(xl, Wl, t, bl)
+            (loss * 3.0).backward()
+            m.backward_dw()
         assert splits and all(s == (None if align == 1 else 192) for s in splits), splits
         out[align] = (loss, xl.grad, Wl.main_grad if fused else Wl.grad, bl.grad)
     for name, a, b_ in zip(("loss", "d_input", "d_weight", "d_bias"), out[1], out[64], strict=True):
@@ -162,7 +163,7 @@ def test_padded_rows_and_split_vocabulary_agree_with_one_gemm(device, monkeypatc
 
 @requires_cuda
 def test_odd_vocabulary_at_scale_is_bounded(monkeypatch):
-    """GPT-2's V = 50257 at a size where the GEMMs are split (``MIN_MACS``): per-token losses under
+    """GPT-2's V = 50257 at a size where the GEMMs are split (the ``min_macs`` tuning knob): per-token losses under
     a random upstream gradient and every gradient within the bounded contract, bf16 on the GPU."""
     import truefuse.autograd.linear_cross_entropy as lce_mod
 
@@ -222,18 +223,18 @@ def test_weight_grad_accumulated_in_the_weight_dtype(device):
 
 
 def test_default_chunk_takes_all_tokens_only_within_the_chunked_memory():
-    """One chunk when every token's logits fit in what chunking would hold anyway (CHUNK_BYTES, or
-    the fp32 weight-gradient accumulator's V·H·4 bytes when that is wanted); else the largest
-    power of two that fits there."""
-    from truefuse.autograd.linear_cross_entropy import CHUNK_BYTES, _default_chunk
+    """One chunk when every token's logits fit in what chunking would hold anyway (the chunk_bytes
+    tuning knob, or the fp32 weight-gradient accumulator's V·H·4 bytes when that is wanted); else
+    the largest power of two that fits there."""
+    from truefuse.autograd.linear_cross_entropy import _default_chunk
 
-    assert CHUNK_BYTES == 512 << 20
+    assert get_tuning().chunk_bytes == 512 << 20
     assert _default_chunk(8192, 128256, 4096, 2, True) == 8192  # 2.10 GB of logits == the fp32 accumulator
     assert _default_chunk(8193, 128256, 4096, 2, True) == 8192  # chunks of the accumulator's size
     assert _default_chunk(16384, 128256, 4096, 2, True) == 8192
     assert _default_chunk(8192, 128256, 4096, 2, False) == 2048  # no accumulator to trade for
     assert _default_chunk(4096, 256000, 2304, 2, True) == 4096
-    assert _default_chunk(100, 1000, 64, 4, False) == 100  # small: inside CHUNK_BYTES
+    assert _default_chunk(100, 1000, 64, 4, False) == 100  # small: inside chunk_bytes
     assert _default_chunk(0, 1000, 64, 4, True) == 1
 
 

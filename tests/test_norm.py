@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import truefuse
-from truefuse.ops.norm import MAX_KERNEL_N, rms_norm_ref, rms_norm_torch, use_kernel
+from truefuse.config import get_tuning
+from truefuse.ops.norm import rms_norm_ref, rms_norm_torch, use_kernel
 from truefuse.testing import assert_bitwise, assert_bounded
 from truefuse.verify.registry import all_cases
 
@@ -63,7 +64,7 @@ def test_edge_shapes(device):
         assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
     x = torch.randn(4, 64, device=device)
     assert_bounded(truefuse.rms_norm(x, None), rms_norm_ref(x.cpu().double(), None), rms_norm_torch(x, None), "no weight")
-    wide = torch.randn(2, MAX_KERNEL_N + 1, device=device)
+    wide = torch.randn(2, get_tuning().max_kernel_n + 1, device=device)
     assert not use_kernel(wide)
     assert_bitwise(truefuse.rms_norm(wide, None), rms_norm_ref(wide, None), "wider than the kernel: the reference")
 

@@ -1,14 +1,19 @@
-"""The one reader of environment variables, and the frozen tuning knobs that come from them.
+"""The one reader of environment variables (:class:`Config`), and the frozen tuning knobs
+(:class:`Tuning`, overridden for a scope with :func:`tuning`).
 
-Everything else in truefuse asks :func:`get_config` instead of reading ``os.environ`` itself, so
-that a run's behaviour can be explained from one object (``python -m truefuse info`` prints it).
+Everything else in truefuse asks :func:`get_config` instead of reading ``os.environ`` itself, and
+:func:`get_tuning` instead of keeping its own module constant, so that a run's behaviour can be
+explained from two objects (``python -m truefuse info`` prints both).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 #: The GEMM backends ``TRUEFUSE_GEMM_BACKENDS`` may name, in default preference order. Each is one
 #: file of ``truefuse/ops/gemm_backends/``, whose registry checks at import that it lists exactly
@@ -87,3 +92,153 @@ def get_config() -> Config:
             nothing is cached then, so every later call raises the same error.
     """
     return Config.from_env()
+
+
+def _knob(default, doc: str):
+    """A :class:`Tuning` field: its default and the one line that says what it bounds and where it
+    was measured (``python -m truefuse info`` prints it; :func:`knob_docs`)."""
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The tuning knobs: thresholds and sizes the ops pick their paths by (measurements in
+    docs/benchmarks.md). Frozen: change them for a scope with :func:`tuning`, read the current ones
+    with :func:`get_tuning`. Every reader reads its knob when it runs (a CUDA graph keeps what was
+    read at capture); a ``truefuse.distributed.Workspace`` sizes its symmetric memory from
+    ``ll_max_bytes`` and ``maxp`` and takes its default ``two_stage_bytes`` when it is made.
+    Every value is a positive int (``two_stage_bytes``: world size → bytes, both positive)."""
+
+    chunk_bytes: int = _knob(
+        512 << 20,
+        "linear_cross_entropy's logits budget per chunk when chunk_size is None (input-dtype bytes); "
+        "H200, 8192 x 128256 x 4096: chunks of 512/1024/2048/4096 tokens took 58.6/50.2/47.3/45.4 ms, "
+        "the last with 1 GiB more peak; 512 MiB picks 2048 (with an fp32 weight-gradient accumulator "
+        "its V*H*4 bytes when more; docs/benchmarks.md, linear cross-entropy)",
+    )
+    align: int = _knob(
+        64,
+        "linear_cross_entropy's split GEMMs: the vocabulary of the aligned part and the logits rows' "
+        "padding are multiples of it (cuBLAS on the H200 runs V % 8 != 0 5-6x slower: 31.0 against "
+        "4.85 ms at 8192 x 50257 x 4096; experiments/exp_odd_vocab_gemms.py, docs/benchmarks.md)",
+    )
+    min_macs: int = _knob(
+        1 << 32,
+        "tokens x V x H of a linear_cross_entropy chunk below which nothing is padded or split "
+        "(2^32: ~12 us of GEMM on the H200 at cuBLAS speed, ~60 us unaligned; docs/benchmarks.md)",
+    )
+    two_stage_bytes: tuple[tuple[int, int], ...] = _knob(
+        ((2, 1 << 30), (4, 1 << 20), (8, 512 << 10)),
+        "allreduce: message bytes from which a Workspace of that world size takes the 2-stage kernel "
+        "(its default two_stage_bytes); measured on 2 and 4 H200 (2: the 1-stage kernel wins at every "
+        "size, 4: 1 MiB), 8 is a guess, not measured (docs/benchmarks.md, allreduce)",
+    )
+    two_stage_bytes_other: int = _knob(
+        512 << 10,
+        "allreduce: the 2-stage threshold of a world size two_stage_bytes does not list (a guess, like 8)",
+    )
+    push_max_bytes: int = _knob(
+        256 << 10,
+        "allreduce: messages up to this size push rows into the readers' buffers, larger ones are "
+        "pulled (4 H200, 1-stage at 64 rows x 4096 bf16: pull 16.1 us, push 17.5; docs/benchmarks.md)",
+    )
+    ll_max_bytes: int = _knob(
+        128 << 10,
+        "allreduce: messages up to this size take the LL kernel (data and flag in each 8-byte word, no "
+        "barrier; the words double the bytes, so it loses beyond: 4 H200, 16 rows 9.5 us against 11.2, "
+        "64 rows 20.3 against 16.1; docs/benchmarks.md); a Workspace sizes its LL slots from it when made",
+    )
+    programs_per_sm: int = _knob(
+        2,
+        "allreduce: most programs per SM (1 where a program needs 16 warps); two keep more rows in "
+        "flight, and registers are capped at 128 a thread to make two resident (65536 / (128 x 256))",
+    )
+    maxp: int = _knob(
+        512,
+        "allreduce: most programs per launch; a Workspace's signal pad holds 2 regions of maxp x "
+        "world_size flags, sized when it is made (a call with a larger maxp than its workspace's raises)",
+    )
+    max_kernel_n: int = _knob(
+        16384,
+        "largest hidden size the norm kernels take (a row lives in registers; wider rows use the "
+        "reference) and the largest allreduce / allreduce_add_rmsnorm accepts",
+    )
+
+    def two_stage_threshold(self, world_size: int) -> int:
+        """The 2-stage threshold (bytes) of a group of ``world_size`` ranks."""
+        return dict(self.two_stage_bytes).get(world_size, self.two_stage_bytes_other)
+
+
+def knob_docs() -> dict[str, str]:
+    """Each :class:`Tuning` knob's one-line description, by name, in field order."""
+    return {f.name: f.metadata["doc"] for f in dataclasses.fields(Tuning)}
+
+
+_tuning = Tuning()  # the current knobs; replaced (never mutated) by tuning()
+
+
+def get_tuning() -> Tuning:
+    """The tuning knobs in effect now: the defaults, or the innermost :func:`tuning` override."""
+    return _tuning
+
+
+def _positive_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _checked(name: str, value: object, current: Tuning) -> object:
+    """``value`` as knob ``name`` holds it, or ValueError naming the knob and the value."""
+    if name == "two_stage_bytes":
+        pairs = value.items() if isinstance(value, Mapping) else value
+        try:
+            pairs = [tuple(p) for p in pairs]
+        except TypeError:
+            pairs = None
+        if pairs is None or not all(len(p) == 2 and _positive_int(p[0]) and _positive_int(p[1]) for p in pairs):
+            raise ValueError(
+                f"tuning knob two_stage_bytes={value!r}: give a mapping of world size to bytes, "
+                "both positive ints, e.g. {4: 1 << 20}"
+            )
+        merged = dict(current.two_stage_bytes) | dict(pairs)
+        return tuple(sorted(merged.items()))
+    if not _positive_int(value):
+        raise ValueError(f"tuning knob {name}={value!r}: it must be a positive int")
+    return value
+
+
+def tuning(**overrides) -> contextlib.AbstractContextManager[Tuning]:
+    """Override tuning knobs for a ``with`` block; the previous knobs come back on exit, also on an
+    exception. Yields the :class:`Tuning` in effect inside.
+
+    ``with truefuse.config.tuning(chunk_bytes=64 << 20): ...`` — every knob not named keeps its
+    current value (blocks nest). ``two_stage_bytes`` takes a mapping of world size to bytes,
+    merged into the current table.
+
+    Names and values are checked when ``tuning(...)`` is called, before anything changes: an
+    unknown name raises ValueError naming it and the known knobs; a value that is not a positive
+    int (bools are not) raises ValueError naming the knob.
+
+    Not thread-safe beyond a plain module global, as :func:`get_config`'s cache is no more: the
+    override is process-wide (seen by every thread, including autograd's backward threads, not
+    per thread or per task), and overlapping blocks in several threads restore each other's values
+    in exit order. Use it from one thread, around the calls it should affect.
+    """
+    known = tuple(f.name for f in dataclasses.fields(Tuning))
+    unknown = [n for n in overrides if n not in known]
+    if unknown:
+        what = "knob" if len(unknown) == 1 else "knobs"
+        raise ValueError(f"unknown tuning {what} {', '.join(map(repr, unknown))}; known knobs: {', '.join(known)}")
+    for name, value in overrides.items():  # every value checked here, before the block starts
+        _checked(name, value, _tuning)
+    return _override(overrides)
+
+
+@contextlib.contextmanager
+def _override(overrides: dict[str, object]) -> Iterator[Tuning]:
+    global _tuning
+    previous = _tuning
+    _tuning = dataclasses.replace(previous, **{n: _checked(n, v, previous) for n, v in overrides.items()})
+    try:
+        yield _tuning
+    finally:
+        _tuning = previous

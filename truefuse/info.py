@@ -1,10 +1,13 @@
-"""``truefuse info``: versions, devices, the GEMM capability tables and the plans of the main cases."""
+"""``truefuse info``: versions, devices, the configuration and tuning knobs, the GEMM capability
+tables and the plans of the main cases."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from truefuse.config import get_config
+from truefuse.config import Tuning, get_config, get_tuning, knob_docs
 from truefuse.ops.gemm import gemm_plan_for
 from truefuse.ops.gemm_backends import backend_names
 from truefuse.ops.gemm_plan import FEATURES, backend_available, capability_table
@@ -58,8 +61,39 @@ def main_cases(device: str) -> dict[str, object]:
     return plans
 
 
+def _size(n: int) -> str | None:
+    """``n`` bytes as a whole number of GiB / MiB / KiB, or None."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return None
+
+
+def _human(name: str, value: object) -> str:
+    """A knob's value as printed: byte sizes also in KiB / MiB / GiB, other powers of two as 2^k;
+    ``two_stage_bytes`` as ``world size: size`` pairs."""
+    if isinstance(value, tuple):
+        return ", ".join(f"{w}: {_size(b) or b}" for w, b in value)
+    if "_bytes" in name and _size(value):
+        return f"{value} ({_size(value)})"
+    if value > 1024 and value & (value - 1) == 0:
+        return f"{value} (2^{value.bit_length() - 1})"
+    return str(value)
+
+
+def tuning_rows() -> list[tuple[str, str, str, str]]:
+    """``(knob, current value, default or "" when the same, what it bounds)`` for every tuning
+    knob (a value differs from its default inside a ``truefuse.config.tuning`` block)."""
+    now, default, docs = get_tuning(), Tuning(), knob_docs()
+    rows = []
+    for f in dataclasses.fields(Tuning):
+        value, base = getattr(now, f.name), getattr(default, f.name)
+        rows.append((f.name, _human(f.name, value), "" if value == base else _human(f.name, base), docs[f.name]))
+    return rows
+
+
 def print_info() -> None:
-    """Print versions, devices, the configuration, the capability tables and the main plans.
+    """Print versions, devices, the configuration, the tuning knobs, the capability tables and the main plans.
 
     Raises:
         ValueError: (``truefuse.config.ConfigError``) before printing anything, when the environment
@@ -77,6 +111,14 @@ def print_info() -> None:
         console.print(f"{k}: {v}")
     console.print("devices: " + "; ".join(_devices()))
     console.print(f"config: {cfg}")
+    t = Table(title="tuning knobs (truefuse.config.Tuning; override for a scope with truefuse.config.tuning)")
+    t.add_column("knob", no_wrap=True)
+    t.add_column("value", max_width=24)
+    t.add_column("default (if overridden)", max_width=24)
+    t.add_column("bounds")
+    for row in tuning_rows():
+        t.add_row(*(escape(c) for c in row))
+    console.print(t)
     device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for backend in backend_names():
         for dev in device_types:

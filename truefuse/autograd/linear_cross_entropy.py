@@ -29,6 +29,7 @@ from truefuse.autograd.linear_cross_entropy_gemms import (
     vocab_split,
     weight_grad_gemm,
 )
+from truefuse.config import get_tuning
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.linear_cross_entropy import (
@@ -44,13 +45,6 @@ from truefuse.ops.linear_cross_entropy import (
     valid_count,
 )
 from truefuse.ops.scale import scale_
-
-#: Logits budget of one chunk (bytes in the input dtype) when ``chunk_size`` is None. Measured on
-#: the H200 (docs/benchmarks.md): at 8192 x 128256 x 4096 chunks of 512 / 1024 / 2048 / 4096 tokens
-#: took 58.6 / 50.2 / 47.3 / 45.4 ms, the last with 1 GiB more peak memory; 512 MiB picks 2048 there.
-#: When the weight gradient is wanted in fp32, a chunk's logits may take as much as its V·H·4-byte
-#: fp32 accumulator instead, when that is more (see ``_default_chunk``).
-CHUNK_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -338,7 +332,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 def _default_chunk(N: int, V: int, H: int, itemsize: int, fp32_accumulator: bool) -> int:
     """Tokens per chunk when ``chunk_size`` is None.
 
-    The logits' budget is ``CHUNK_BYTES``, or with an fp32 weight-gradient accumulator its V·H·4
+    The logits' budget is the ``chunk_bytes`` tuning knob (``truefuse.config.Tuning``, 512 MiB: on
+    the H200 at 8192 x 128256 x 4096 it picks 2048-token chunks, 47.3 ms against 45.4 for 4096 with
+    1 GiB more peak; docs/benchmarks.md), or with an fp32 weight-gradient accumulator its V·H·4
     bytes when that is more: memory chunking holds anyway. All N when every token's logits fit (the
     three GEMMs of the plain path and one loss pass, nothing re-read per chunk), else the largest
     power of two of tokens that fits (at least 1). Each chunk re-reads and re-writes the fp32
@@ -346,7 +342,8 @@ def _default_chunk(N: int, V: int, H: int, itemsize: int, fp32_accumulator: bool
     cost less time: at 16384 x 128256 x 4096 (H200, bf16) chunks of 2048 / 4096 / 8192 took
     1.120 / 1.059 / 1.054x the three GEMMs, torch.compile of the plain path 1.065x (8192 is chosen
     there, the accumulator's budget; docs/benchmarks.md)."""
-    budget = max(CHUNK_BYTES, V * H * 4) if fp32_accumulator else CHUNK_BYTES
+    chunk_bytes = get_tuning().chunk_bytes
+    budget = max(chunk_bytes, V * H * 4) if fp32_accumulator else chunk_bytes
     if N * V * itemsize <= budget:
         return max(1, N)
     fit = max(1, budget // (itemsize * max(V, 1)))
@@ -383,7 +380,7 @@ def linear_cross_entropy(
         label_smoothing, z_loss, softcap: as in :func:`truefuse.ops.linear_cross_entropy.linear_cross_entropy_ref`.
         return_z_loss, return_token_accuracy: also return those (not differentiable).
         chunk_size: tokens per chunk. Default: all tokens in one chunk when their logits take no
-            more memory than chunking would (``CHUNK_BYTES``, 512 MiB, or the fp32 weight-gradient
+            more memory than chunking would (the ``chunk_bytes`` tuning knob, 512 MiB, or the fp32 weight-gradient
             accumulator's V·H·4 bytes when that is needed: 8192 tokens at V = 128256, H = 4096 in
             bf16), else the largest power of two of tokens whose logits fit in that budget.
         fp32_weight_grad: accumulate the weight gradient across chunks in fp32 and round once

@@ -4,8 +4,8 @@ cuBLAS (H200, bf16) runs a GEMM whose vocabulary dimension V is not a multiple o
 times slower: at 8192 x 50257 x 4096 (GPT-2's vocabulary) the logits, d_input and d_weight GEMMs
 took 31.0 / 23.9 / 22.7 ms against 4.85 / 4.74 / 4.84 ms with that dimension padded
 (``experiments/exp_odd_vocab_gemms.py``). Padding the weight costs a copy of it; splitting does not.
-With ``split`` = V rounded down to ``ALIGN`` the first ``split`` classes run in aligned GEMMs and
-the rest (fewer than ``ALIGN``) in a small one:
+With ``split`` = V rounded down to ``align`` (a tuning knob, ``truefuse.config.Tuning``: 64) the
+first ``split`` classes run in aligned GEMMs and the rest (fewer than ``align``) in a small one:
 
 * logits: two column ranges of the output (disjoint: every logit is the same dot product),
   without the bias: into an output with padded rows cuBLAS's aligned kernels add a bias (as
@@ -15,8 +15,9 @@ the rest (fewer than ``ALIGN``) in a small one:
 * d_input contracts over V: the two parts are summed in fp32 and rounded once, as one GEMM's
   fp32 accumulator is (an fp32 (tokens, H) temporary).
 
-``split`` (:func:`vocab_split`) is None when V is a multiple of ``ALIGN`` (or smaller than it), or
-when the chunk's logits GEMM is below ``MIN_MACS`` multiply-adds: one GEMM each, into contiguous
+``split`` (:func:`vocab_split`) is None when V is a multiple of ``align`` (or smaller than it), or
+when the chunk's logits GEMM is below ``min_macs`` multiply-adds (the tuning knob: 2^32, ~12 us of
+GEMM on the H200 at cuBLAS speed, ~60 us unaligned): one GEMM each, into contiguous
 logits. There the
 slow kernel costs microseconds, and the GEMMs stay the plain path's, bit for bit (a split GEMM,
 or one into padded rows, is another cuBLAS kernel: its fp32 sums run in another order).
@@ -26,33 +27,31 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.config import get_tuning
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.gemm import gemm
 
-#: The logits buffer's rows are padded to, and the aligned GEMMs' vocabulary is, a multiple of this.
-ALIGN = 64
-#: Tokens x V x H of a chunk below which nothing is padded or split (2^32: ~12 us of GEMM on the
-#: H200 at cuBLAS speed, ~60 us unaligned).
-MIN_MACS = 1 << 32
-
 
 def vocab_split(x: torch.Tensor, V: int) -> int | None:
     """Where the GEMMs of chunks like ``x`` (rows, H) split the vocabulary: V rounded down to
-    ``ALIGN`` when V is not a multiple of it (and exceeds it), the Triton loss kernel runs and
-    the GEMM reaches ``MIN_MACS``; else None, one GEMM each into contiguous logits."""
+    the ``align`` tuning knob when V is not a multiple of it (and exceeds it), the Triton loss
+    kernel runs and the GEMM reaches ``min_macs`` multiply-adds; else None, one GEMM each into
+    contiguous logits."""
     rows, H = x.shape
-    if not triton_runs(x) or V % ALIGN == 0 or V < ALIGN or rows * V * H < MIN_MACS:
+    t = get_tuning()
+    if not triton_runs(x) or V % t.align == 0 or V < t.align or rows * V * H < t.min_macs:
         return None
-    return V // ALIGN * ALIGN
+    return V // t.align * t.align
 
 
 def logits_buffer(rows: int, V: int, like: torch.Tensor) -> torch.Tensor:
-    """The logits of a split chunk: a (rows, V rounded up to ``ALIGN``) buffer, written as
+    """The logits of a split chunk: a (rows, V rounded up to ``align``) buffer, written as
     ``buf[:, :V]``. With rows of V elements an odd V leaves every row but the first off 16-byte
     alignment: the loss kernel's loads and stores cannot be vectors (nor cuBLAS's tiles TMA
     loads). The padding columns are never read."""
-    return torch.empty(rows, -(-V // ALIGN) * ALIGN, dtype=like.dtype, device=like.device)
+    align = get_tuning().align
+    return torch.empty(rows, -(-V // align) * align, dtype=like.dtype, device=like.device)
 
 
 def logits_gemm(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None, split: int | None):

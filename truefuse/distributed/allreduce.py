@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 
 from truefuse.autograd.norm import rms_norm
+from truefuse.config import get_tuning
 from truefuse.distributed.workspace import Workspace
 from truefuse.ops.allreduce import allreduce_add_rmsnorm_fwd
 from truefuse.ops.norm import norm_bwd_op, norm_fwd_op, use_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what truefuse.rms_norm takes
-MAX_HIDDEN = 16384
 
 
 def _group(group):
@@ -33,8 +33,9 @@ def _local_problem(x, residual, weight, workspace, eps=None) -> str | None:
         return f"x must be a torch.Tensor, got {type(x).__name__}"
     if x.dtype not in _DTYPES:
         return f"x has dtype {x.dtype}; allreduce takes bfloat16, float16 or float32"
-    if x.dim() < 1 or x.shape[-1] > MAX_HIDDEN:
-        return f"x has shape {tuple(x.shape)}: it needs a last (hidden) dimension of at most {MAX_HIDDEN}"
+    max_n = get_tuning().max_kernel_n  # the norm kernels' limit (a row lives in registers)
+    if x.dim() < 1 or x.shape[-1] > max_n:
+        return f"x has shape {tuple(x.shape)}: it needs a last (hidden) dimension of at most {max_n}"
     if not x.is_contiguous():
         return "x is not contiguous"
     if residual is not None:

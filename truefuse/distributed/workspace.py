@@ -11,6 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from truefuse.config import get_tuning
 from truefuse.ops import allreduce as allreduce_ops
 from truefuse.ops._triton import sm_count
 
@@ -19,9 +20,10 @@ def layout(world_size: int, max_bytes: int) -> tuple[int, int, int]:
     """``(half_bytes, ll_offset, ll_slot_bytes)`` of a symmetric buffer for messages of up to
     ``max_bytes``: each half holds world_size + 1 regions of ``max_bytes`` (rounded up to 64), then
     world_size LL slots (their words carry 4 data bytes in 8: twice the message, plus a word's
-    padding per row), sized for ``ops.allreduce.LL_MAX_BYTES`` as it is when the buffer is made."""
+    padding per row), sized for the ``ll_max_bytes`` tuning knob (``truefuse.config.Tuning``) as it
+    is when the buffer is made."""
     max_bytes = -(-max_bytes // 64) * 64
-    ll_slot_bytes = 2 * min(max_bytes, allreduce_ops.LL_MAX_BYTES) + (64 << 10)
+    ll_slot_bytes = 2 * min(max_bytes, get_tuning().ll_max_bytes) + (64 << 10)
     ll_offset = (world_size + 1) * max_bytes
     return ll_offset + world_size * ll_slot_bytes, ll_offset, ll_slot_bytes
 
@@ -51,7 +53,10 @@ class SymmetricState:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.world_size = dist.get_world_size(group)
         self.half_bytes, self.ll_offset, self.ll_slot_bytes = layout(self.world_size, max_bytes)
-        need = 2 * allreduce_ops.MAXP * self.world_size * 4
+        # the kernel's barrier flags: 2 regions of maxp x world_size int32s; a launch may use fewer
+        # programs (a smaller knob later), never more (the launcher checks)
+        self.maxp = get_tuning().maxp
+        need = 2 * self.maxp * self.world_size * 4
         if symm_mem.get_signal_pad_size() < need:
             symm_mem.set_signal_pad_size(need)
         self.buffer = symm_mem.empty(2 * self.half_bytes, dtype=torch.uint8, device=device)
@@ -80,7 +85,8 @@ class Workspace:
             max_bytes of symmetric memory (``torch.distributed._symmetric_memory``) once, for the
             Triton kernels (alternate calls use alternate halves).
         two_stage_bytes: messages of at least this many bytes take the 2-stage kernel (default by
-            world size, :data:`truefuse.ops.allreduce.TWO_STAGE_BYTES`).
+            world size: the ``two_stage_bytes`` tuning knob, ``truefuse.config.Tuning``, when the
+            workspace is made).
         validate: every call first agrees on the inputs across ranks (one small host all-gather),
             so bad input is a clear error on every rank instead of a hang. Skipped while a CUDA
             graph is being captured (the shapes were checked in the warm-up call); set False to

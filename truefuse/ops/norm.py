@@ -13,11 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from truefuse.config import get_tuning
 from truefuse.ops._triton import sm_count, triton_runs
 from truefuse.ops.gemm_exec import wide_dtype
-
-#: Largest hidden size the kernels take (a row lives in registers); wider rows use the reference.
-MAX_KERNEL_N = 16384
 
 
 def _affine(y: torch.Tensor, weight, bias, zero_centered_gamma: bool) -> torch.Tensor:
@@ -103,8 +101,9 @@ def layer_norm_torch(x, weight=None, bias=None, eps=1e-5, *, zero_centered_gamma
 
 def use_kernel(x: torch.Tensor) -> bool:
     """Whether the Triton kernels take ``x`` (else the reference runs): CUDA, or the CPU interpreter
-    in fp32 only (its bf16 casts truncate, docs/design.md §8); a hidden size of at most MAX_KERNEL_N."""
-    return 0 < x.shape[-1] <= MAX_KERNEL_N and triton_runs(x)
+    in fp32 only (its bf16 casts truncate, docs/design.md §8); a hidden size of at most the
+    ``max_kernel_n`` tuning knob (``truefuse.config.Tuning``, 16384: a row lives in registers)."""
+    return 0 < x.shape[-1] <= get_tuning().max_kernel_n and triton_runs(x)
 
 
 def block_and_warps(n: int) -> tuple[int, int]:
@@ -117,9 +116,7 @@ def block_and_warps(n: int) -> tuple[int, int]:
     return block, max(1, min(16, block // 512))
 
 
-def norm_fwd(
-    x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: bool, rstd=None, round_normed=False, out_dtype=None
-):
+def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: bool, rstd=None, round_normed=False, out_dtype=None):
     """Launch the forward kernel on a contiguous (M, N) ``x``.
 
     ``rstd`` (M,) fp32, given: the kernel takes it instead of its own statistics (RMSNorm only);
