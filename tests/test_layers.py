@@ -21,6 +21,7 @@ LAYERS = {
     # the command line and its tools sit on top of everything
     "verify": 7,
     "bench": 7,
+    "demo": 7,
     "info": 7,
     "__main__": 7,
     "__init__": 7,

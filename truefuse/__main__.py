@@ -1,4 +1,4 @@
-"""Command line: ``python -m truefuse {verify,info,bench}``."""
+"""Command line: ``python -m truefuse {verify,info,bench,demo}``."""
 
 from __future__ import annotations
 
@@ -81,6 +81,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args.name, args.providers, args.out, args.quick, args.world_size)
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from truefuse.demo.cli import main as run_demo_cli
+
+    return run_demo_cli(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m truefuse", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -115,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quick", action="store_true", help="small shapes (a smoke run, not a measurement)")
     b.add_argument("--world-size", type=int, default=0, help="GPUs for a distributed benchmark (allreduce_add_rmsnorm)")
     b.set_defaults(fn=_cmd_bench)
+
+    d = sub.add_parser("demo", help="train a small Llama on the stdlib's sources, stock vs truefuse: loss, time, memory")
+    from truefuse.demo.cli import add_arguments
+
+    add_arguments(d)
+    d.set_defaults(fn=_cmd_demo)
 
     args = parser.parse_args(argv)
     return args.fn(args)

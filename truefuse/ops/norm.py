@@ -223,17 +223,16 @@ def norm_bwd_op(
     dx, dw, db = norm_bwd(
         dy.contiguous(), x, weight, bias, None if rms else mean, rstd, rms=rms, zero_centered_gamma=zero_centered_gamma
     )
-    empty = x.new_empty(0)
-    return dx, (empty if dw is None else dw), (empty if db is None else db)
+    # a fresh empty tensor for each missing output: a custom op's outputs may not alias each other
+    return dx, (x.new_empty(0) if dw is None else dw), (x.new_empty(0) if db is None else db)
 
 
 @norm_bwd_op.register_fake
 def _(dy, x, weight, bias, mean, rstd, rms, zero_centered_gamma):
-    empty = x.new_empty(0)
     return (
         torch.empty_like(x),
-        empty if weight is None else torch.empty_like(weight),
-        empty if bias is None else torch.empty_like(bias),
+        x.new_empty(0) if weight is None else torch.empty_like(weight),
+        x.new_empty(0) if bias is None else torch.empty_like(bias),
     )
 
 

@@ -1,0 +1,429 @@
+"""The demo's training loop: one LlamaForCausalLM, the same initial weights and batches for every run.
+
+``run_demo(cfg, peers)`` trains "stock" (the model as transformers builds it) and then one run per
+peer, each peer a function that patches the freshly built model in place (``apply_truefuse``,
+Liger's instance patch, or a test's stand-in) and may return a report. Every run starts from a copy
+of the one initial ``state_dict``, sees the same batches in the same order under the same seed, and
+uses AdamW with the same warm-up + cosine learning-rate schedule; the loss is the model's own
+``forward(labels=input_ids)``. On the CPU the runs take turns step by step (``schedule``), so that
+other processes' load on a shared machine hits every run alike; on CUDA they run one after the other,
+so that each run's peak memory is its own. transformers is imported here, never at ``import truefuse``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+#: name -> (param dtype, autocast dtype or None)
+DTYPES = {
+    "fp32": (torch.float32, None),
+    "bf16": (torch.bfloat16, None),  # pure bf16: bf16 weights, grads and AdamW states
+    "amp-bf16": (torch.float32, torch.bfloat16),  # fp32 weights, bf16 autocast in forward
+}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything that fixes a demo run (presets in :data:`PRESETS`)."""
+
+    size: str = "cpu"
+    device: str = "cpu"
+    dtype: str = "fp32"
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 704
+    vocab: int = 8192  # the model's vocab_size; the tokenizer is trained to at most this many tokens
+    seq: int = 256
+    batch: int = 16
+    steps: int = 40
+    lr: float = 3e-3
+    warmup_frac: float = 0.1  # linear warm-up over this fraction of the steps, then cosine to min_lr_frac
+    min_lr_frac: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+    corpus_bytes: int = 1 << 20
+    timing_warmup: int = 3  # first steps left out of the mean step time (allocator, autotuning)
+    tol: float = 1e-3  # a run "matches" stock when max |loss - stock loss| along the curve <= tol
+    # "interleaved": step i of every run, then step i+1 (a load spike on a shared CPU hits every run
+    # alike); "sequential": one run after the other (each run's CUDA peak memory is its own);
+    # "auto": interleaved on the CPU, sequential on CUDA
+    schedule: str = "auto"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq
+
+
+PRESETS: dict[str, DemoConfig] = {
+    # ~6M parameters, 4096 tokens a step: about 1 s a step on 2 idle CPU cores, ~1.5-2 min for both runs
+    "cpu": DemoConfig(),
+    # a ~1.3B-parameter Llama: 8192 tokens a step, Llama-3's vocabulary size
+    "gpu": DemoConfig(
+        size="gpu",
+        device="cuda",
+        dtype="bf16",
+        hidden=2048,
+        layers=16,
+        heads=16,
+        kv_heads=8,
+        intermediate=5632,
+        vocab=128256,
+        seq=2048,
+        batch=4,
+        steps=50,
+        lr=3e-4,
+        corpus_bytes=8 << 20,
+        tol=5e-2,
+    ),
+}
+
+SCHEDULES = ("auto", "interleaved", "sequential")
+
+#: default tolerance per dtype when the dtype is changed from the preset's
+_TOL = {"fp32": 1e-3, "bf16": 5e-2, "amp-bf16": 5e-2}
+
+
+def make_config(size: str, **overrides) -> DemoConfig:
+    """A preset with ``overrides`` (``None`` values ignored). A new ``hidden`` keeps the preset's head
+    size and MLP ratio unless ``heads``/``kv_heads``/``intermediate`` are given; a new ``dtype`` brings
+    its default ``tol`` unless ``tol`` is given."""
+    if size not in PRESETS:
+        raise ValueError(f"unknown size {size!r}; known: {', '.join(PRESETS)}")
+    base = PRESETS[size]
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = set(given) - set(asdict(base))
+    if unknown:
+        raise ValueError(f"unknown demo settings: {', '.join(sorted(unknown))}")
+    if "dtype" in given and given["dtype"] not in DTYPES:
+        raise ValueError(f"unknown dtype {given['dtype']!r}; known: {', '.join(DTYPES)}")
+    if "hidden" in given:
+        hidden = given["hidden"]
+        head_dim = base.hidden // base.heads
+        heads = given.setdefault("heads", max(1, hidden // head_dim))
+        if "kv_heads" not in given:
+            kv = max(1, heads * base.kv_heads // base.heads)
+            while heads % kv:
+                kv -= 1
+            given["kv_heads"] = kv
+        given.setdefault("intermediate", max(8, round(hidden * base.intermediate / base.hidden / 8) * 8))
+    if given.get("schedule", "auto") not in SCHEDULES:
+        raise ValueError(f"unknown schedule {given['schedule']!r}; known: {', '.join(SCHEDULES)}")
+    if given.get("schedule", base.schedule) == "auto":
+        given["schedule"] = _auto_schedule(given.get("device", base.device))
+    if "dtype" in given and "tol" not in given:
+        given["tol"] = _TOL[given["dtype"]]
+    cfg = replace(base, **given)
+    for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "steps", "corpus_bytes"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.hidden % cfg.heads or cfg.heads % cfg.kv_heads:
+        raise ValueError(
+            f"hidden {cfg.hidden}, heads {cfg.heads}, kv_heads {cfg.kv_heads}: need hidden % heads == heads % kv_heads == 0"
+        )
+    return cfg
+
+
+def _auto_schedule(device: str) -> str:
+    return "sequential" if torch.device(device).type == "cuda" else "interleaved"
+
+
+def lr_factor(cfg: DemoConfig, step: int) -> float:
+    """The schedule's multiplier of ``cfg.lr`` at ``step``: linear warm-up, then cosine to ``min_lr_frac``."""
+    warm = max(1, round(cfg.warmup_frac * cfg.steps))
+    if step < warm:
+        return (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+@dataclass
+class RunResult:
+    name: str
+    losses: list[float]
+    step_s: list[float]
+    mem_bytes: list[int] | None  # CUDA: peak allocated during each step; None on the CPU
+    patch_report: str | None
+    n_params: int
+    setup_s: float  # build the model, load the initial state, patch, make the optimizer
+
+
+@dataclass
+class DemoResult:
+    config: DemoConfig
+    data: dict
+    environment: dict
+    model_config: dict
+    runs: list[RunResult] = field(default_factory=list)
+
+
+Patch = Callable[[torch.nn.Module], object]
+
+
+def llama_config(cfg: DemoConfig, tokenizer_vocab: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=max(cfg.vocab, tokenizer_vocab),  # rows past the tokenizer's size stay, unused
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.seq,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _build(model_config, device: torch.device, dtype: torch.dtype):
+    from transformers import LlamaForCausalLM
+
+    with torch.device(device), _default_dtype(dtype):
+        return LlamaForCausalLM(model_config)
+
+
+def initial_state(cfg: DemoConfig, model_config) -> dict[str, torch.Tensor]:
+    """The one initial state every run loads: built on the CPU under ``cfg.seed`` (the same weights on
+    every machine), in the runs' parameter dtype, kept on the CPU."""
+    torch.manual_seed(cfg.seed)
+    model = _build(model_config, torch.device("cpu"), torch.float32)
+    model.to(DTYPES[cfg.dtype][0])
+    state = copy.deepcopy(model.state_dict())
+    del model
+    return state
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Trainer:
+    """One run: build the model, load ``state``, apply ``patch``, then :meth:`step` through the batches.
+
+    The runs' steps can be interleaved (step i of every run, then step i+1): each run keeps its own
+    RNG state, so interleaving changes nothing but which run a load spike on a shared CPU hits.
+    """
+
+    def __init__(self, name: str, cfg: DemoConfig, model_config, state: dict[str, torch.Tensor], patch: Patch | None = None):
+        self.name, self.cfg = name, cfg
+        self.device = device = torch.device(cfg.device)
+        param_dtype, autocast_dtype = DTYPES[cfg.dtype]
+        self.cuda = device.type == "cuda"
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+        self.t_start = time.perf_counter()
+        model = _build(model_config, device, param_dtype)
+        model.load_state_dict(state)
+        report = patch(model) if patch is not None else None
+        model.train()
+        # the optimizer is built after the patch: a patch may replace modules and their parameters
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(cfg, s))
+        self.autocast_dtype = autocast_dtype
+        self.model = model
+        torch.manual_seed(cfg.seed)
+        self.rng = _rng_state(device)
+        self.result = RunResult(
+            name=name,
+            losses=[],
+            step_s=[],
+            mem_bytes=[] if self.cuda else None,
+            patch_report=None if report is None else str(report),
+            n_params=sum(p.numel() for p in self.params),
+            setup_s=time.perf_counter() - self.t_start,
+        )
+
+    def step(self, ids: torch.Tensor) -> float:
+        """One optimizer step on ``ids`` (labels = ids: the model shifts them); returns the loss."""
+        device, cfg = self.device, self.cfg
+        _set_rng_state(device, self.rng)
+        ids = ids.to(device)
+        _sync(device)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        autocast = (
+            torch.autocast(device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            loss = self.model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        if cfg.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.clip)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        value = loss.item()
+        _sync(device)
+        self.result.step_s.append(time.perf_counter() - t0)
+        self.result.losses.append(value)
+        if self.cuda:
+            self.result.mem_bytes.append(torch.cuda.max_memory_allocated(device))
+        self.rng = _rng_state(device)
+        return value
+
+    def close(self) -> RunResult:
+        """Free the model and optimizer; the run's record."""
+        del self.model, self.opt, self.sched, self.params
+        gc.collect()
+        return self.result
+
+
+def _rng_state(device: torch.device):
+    return (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(device: torch.device, state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def train_run(
+    name: str,
+    cfg: DemoConfig,
+    model_config,
+    state: dict[str, torch.Tensor],
+    batches: torch.Tensor,
+    patch: Patch | None = None,
+    on_step: Callable[[str, int, float], None] | None = None,
+) -> RunResult:
+    """One run on its own: build, patch, train ``len(batches)`` steps, free."""
+    trainer = Trainer(name, cfg, model_config, state, patch)
+    for i in range(batches.shape[0]):
+        loss = trainer.step(batches[i])
+        if on_step is not None:
+            on_step(name, i, loss)
+    return trainer.close()
+
+
+def environment(device: torch.device) -> dict:
+    import platform
+
+    import tokenizers
+    import transformers
+
+    import truefuse
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "truefuse": truefuse.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+    }
+    return env
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, quiet: bool = False):
+    """A rich progress bar on stderr (nothing when ``quiet`` or stderr is not a terminal); yields the
+    ``on_step`` callback for :func:`train_run`."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    disable = quiet or not console.is_terminal
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=disable,
+    ) as progress:
+        task = progress.add_task("demo", total=total)
+
+        def on_step(name: str, step: int, loss: float) -> None:
+            progress.update(task, advance=1, description=f"{name}: step {step + 1}, loss {loss:.4f}")
+
+        yield on_step
+
+
+def run_demo(
+    cfg: DemoConfig,
+    peers: dict[str, Patch],
+    cache_dir: str | None = None,
+    quiet: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> DemoResult:
+    """Train "stock", then each of ``peers`` (name -> patch of the model), from one initial state on
+    the same batches. ``log`` gets one-line notes (data, patch reports) as they happen.
+
+    A peer whose patch changes process-wide state (Liger's RoPE replaces a transformers module
+    function) needs ``schedule="sequential"`` and the last place, or it would leak into the runs before it.
+    """
+    from truefuse.demo.data import describe, load_corpus, make_batches, tokenize_corpus
+
+    if "stock" in peers:
+        raise ValueError('"stock" is the unpatched reference run; give the peers other names')
+    log = log or (lambda _msg: None)
+    if cfg.schedule == "auto":
+        cfg = replace(cfg, schedule=_auto_schedule(cfg.device))
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda asked for, but torch sees no CUDA device")
+    corpus = load_corpus(cfg.corpus_bytes)
+    data = tokenize_corpus(corpus, cfg.vocab, cache_dir)
+    batches = make_batches(data.tokens, cfg.steps, cfg.batch, cfg.seq, cfg.seed)
+    facts = describe(corpus, data)
+    facts["epochs"] = round(cfg.steps * cfg.tokens_per_step / max(1, data.tokens.numel() // cfg.seq * cfg.seq), 3)
+    log(
+        f"data: {facts['files']} stdlib files ({facts['bytes']:,} bytes, {facts['first_file']} .. {facts['last_file']}), "
+        f"{facts['tokens']:,} tokens, BPE vocab {data.vocab_size} ({'cached' if data.cached else 'trained'} in {data.cache_dir})"
+    )
+    model_config = llama_config(cfg, data.vocab_size)
+    state = initial_state(cfg, model_config)
+    result = DemoResult(cfg, facts, environment(device), model_config.to_dict())
+    runs = {"stock": None, **peers}
+    with progress_bar(cfg.steps * len(runs), quiet) as on_step:
+        if cfg.schedule == "interleaved":
+            trainers = [Trainer(name, cfg, model_config, state, patch) for name, patch in runs.items()]
+            _log_reports(trainers, log)
+            for i in range(cfg.steps):
+                for t in trainers:
+                    on_step(t.name, i, t.step(batches[i]))
+            result.runs.extend(t.close() for t in trainers)
+        else:
+            for name, patch in runs.items():
+                trainer = Trainer(name, cfg, model_config, state, patch)
+                _log_reports([trainer], log)
+                for i in range(cfg.steps):
+                    on_step(name, i, trainer.step(batches[i]))
+                result.runs.append(trainer.close())
+    return result
+
+
+def _log_reports(trainers: list[Trainer], log: Callable[[str], None]) -> None:
+    for t in trainers:
+        if t.result.patch_report is not None:
+            log(f"{t.name}: {t.result.patch_report}")
