@@ -1,0 +1,106 @@
+"""Where a training step's GPU time goes: stock transformers vs ``apply_truefuse`` vs Liger-Kernel,
+on the demo's GPU model (Llama 16 x 2048, vocabulary 128256, 4 x 2048 tokens, bf16, AdamW).
+
+Each run: 4 warm-up steps, then 3 profiled steps (torch.profiler, CUDA kernels only); kernel time is
+summed by category from the kernel's name. Prints one table, ms per step per category and run.
+
+Run: ``PYTHONPATH=. python experiments/exp_hf_profile.py`` on one GPU (liger_kernel importable for
+its column).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+CATEGORIES = [  # first match wins
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("lm head + loss", r"cross_entropy|lce|_chunk|log_softmax|nll_loss|softmax"),
+    ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|cublas|matmul|splitk|\bmm\b"),
+    ("norm", r"norm|rms"),
+    ("rope", r"rope|rotary"),
+    ("activation", r"silu|swiglu|gated|gelu|act"),
+    ("optimizer", r"adam|foreach|multi_tensor"),
+    ("copy / cast", r"copy|cast|convert|to_copy|cat"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce"),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, pat in CATEGORIES:
+        if re.search(pat, low):
+            return cat
+    return "other"
+
+
+def build(patch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if patch:
+        patch(model)
+    return model
+
+
+def profile_run(patch, steps: int = 3, warmup: int = 4):
+    model = build(patch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 128256, (4, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per = collections.Counter()
+    top = collections.Counter()
+    for e in prof.key_averages():
+        t = e.device_time_total / 1e3 / steps  # ms per step
+        if t <= 0:
+            continue
+        per[category(e.key)] += t
+        top[e.key[:70]] += t
+    del model, opt
+    torch.cuda.empty_cache()
+    return per, top
+
+
+def main() -> None:
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    runs = {"stock": None, "truefuse": apply_truefuse}
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        runs["liger"] = lambda m: apply_liger_kernel_to_llama(model=m)
+    except ImportError:
+        pass
+    results = {name: profile_run(p) for name, p in runs.items()}
+    cats = [c for c, _ in CATEGORIES] + ["other"]
+    print(f"{'ms / step':<16}" + "".join(f"{n:>12}" for n in results))
+    for c in cats:
+        print(f"{c:<16}" + "".join(f"{results[n][0][c]:>12.2f}" for n in results))
+    print(f"{'total':<16}" + "".join(f"{sum(results[n][0].values()):>12.2f}" for n in results))
+    for n, (_, top) in results.items():
+        print(f"\n{n}: top kernels (ms / step)")
+        for k, t in top.most_common(12):
+            print(f"  {t:8.2f}  {k}")
+
+
+if __name__ == "__main__":
+    main()
