@@ -7,6 +7,8 @@ Public API (see README.md and docs/design.md):
 * :func:`rms_norm`, :func:`layer_norm`, :func:`gated_activation` and :class:`RMSNorm`: fused
   norms and gated activations (references in ``truefuse.ops``).
 * :func:`linear_cross_entropy` / :func:`linear_cross_entropy_ref`: the LM head's loss in chunks.
+* :func:`rms_norm_hf`, :func:`apply_rotary_pos_emb`: transformers' RMSNorm and rotary embedding,
+  bit for bit, fused (``truefuse.integrations.huggingface`` patches models with them).
 * :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP`, :class:`GroupedLinear`,
   :class:`GroupedMLP`: modules with fp32 ``main_grad``
   accumulation and delayed weight gradients under one weight-gradient contract (docs/design.md §2).
@@ -14,7 +16,8 @@ Public API (see README.md and docs/design.md):
 
 from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
-from truefuse.autograd.norm import layer_norm, rms_norm
+from truefuse.autograd.norm import layer_norm, rms_norm, rms_norm_hf
+from truefuse.autograd.rope import apply_rotary_pos_emb
 from truefuse.nn.grouped import GroupedLinear, GroupedMLP
 from truefuse.nn.layernorm_linear import LayerNormLinear
 from truefuse.nn.layernorm_mlp import LayerNormMLP
@@ -31,6 +34,8 @@ from truefuse.ops.norm import layer_norm_ref, rms_norm_ref
 __version__ = "0.2.0"
 
 __all__ = [
+    "apply_rotary_pos_emb",
+    "rms_norm_hf",
     "Capability",
     "GemmOutput",
     "GemmPlan",

@@ -41,6 +41,7 @@ def test_report_counts_every_module(model_type):
         left = sum(n for (t, _), n in report.left.items() if t == arch.mlp)
         assert report.count(arch.mlp) + left == n_mlp
         assert left == 0
+    assert report.count(arch.attention) == _count(model, arch.attention) == 2
     assert report.loss
     assert str(report).startswith(f"truefuse patch of a {model_type} model")
 
@@ -48,19 +49,24 @@ def test_report_counts_every_module(model_type):
 @pytest.mark.parametrize("model_type", ALL)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_norms_give_stock_bits(model_type, dtype, device):
-    """With only the norms patched the whole model's logits are the stock model's, bit for bit
-    (CUDA: the kernel in every dtype; CPU: the kernel under the interpreter in fp32, the reference
-    path in bf16 / fp16), and so are the hidden states after every layer."""
+    """With the norms and the rotary embedding patched the whole model's logits are the stock
+    model's, bit for bit (CUDA: the kernels in every dtype; CPU: the kernels under the interpreter
+    in fp32, the reference paths in bf16 / fp16), and so are the hidden states after every layer
+    and every parameter's gradient."""
     stock = tiny_model(model_type, dtype).to(device)
     patched = copy.deepcopy(stock)
     report = apply_truefuse(patched, mlp=False, experts=False, linear_cross_entropy=False)
     assert report.count(ARCHITECTURES[model_type].norm) > 0
     ids = _ids().to(device)
-    with torch.no_grad():
-        a, b = stock(ids, output_hidden_states=True), patched(ids, output_hidden_states=True)
+    a, b = stock(ids, output_hidden_states=True), patched(ids, output_hidden_states=True)
     assert torch.equal(a.logits, b.logits), (a.logits - b.logits).abs().max()
     for ha, hb in zip(a.hidden_states, b.hidden_states, strict=True):
         assert torch.equal(ha, hb)
+    dy = torch.randn(a.logits.shape, generator=torch.Generator().manual_seed(9)).to(a.logits)
+    a.logits.backward(dy), b.logits.backward(dy)
+    if device.type == "cuda":  # bitwise gradients need every kernel on both sides: CUDA
+        for (n, p), q in zip(stock.named_parameters(), patched.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad) or "norm" in n, n  # the norms' backward is bounded
 
 
 @pytest.mark.parametrize("model_type", ALL)
@@ -126,13 +132,13 @@ def test_patched_model_pickles_and_keeps_state_dict():
 def test_class_level_patch(monkeypatch):
     import transformers.models.llama.modeling_llama as ml
 
-    for name in ("LlamaRMSNorm", "LlamaMLP"):
+    for name in ("LlamaRMSNorm", "LlamaMLP", "LlamaAttention"):
         monkeypatch.setattr(ml, name, getattr(ml, name))  # restored after the test
     monkeypatch.setattr(ml.LlamaForCausalLM, "forward", ml.LlamaForCausalLM.forward)
     apply_truefuse_to_llama()
     model = tiny_model("llama")
     kinds = {type(m).__name__ for m in model.modules()}
-    assert {"TruefuseLlamaRMSNorm", "TruefuseLlamaMLP"} <= kinds
+    assert {"TruefuseLlamaRMSNorm", "TruefuseLlamaMLP", "TruefuseLlamaAttention"} <= kinds
     assert "LlamaRMSNorm" not in kinds
     stock = tiny_model("llama")  # the same seed: the same weights
     unpatch_truefuse(stock)

@@ -21,6 +21,7 @@ class Architecture:
         norm: the RMSNorm class; ``norm_style``: its stock rounding (``ops.norm.HF_NORM_STYLES``).
         mlp: the dense gated MLP class (``gate_proj``/``up_proj``/``down_proj``/``act_fn``), or None.
         experts: the mixture-of-experts experts class (3-D expert weights), or None.
+        attention: the attention class, whose forward calls the module's ``apply_rotary_pos_emb``.
     """
 
     module: str
@@ -29,6 +30,7 @@ class Architecture:
     norm_style: str
     mlp: str | None
     experts: str | None = None
+    attention: str | None = None
 
     def cls(self, name: str) -> type:
         """The stock class ``name`` (also after ``apply_truefuse_to`` put a subclass in its place)."""
@@ -44,6 +46,7 @@ def _arch(key: str, prefix: str, style: str = "llama", *, mlp: bool = True, expe
         norm_style=style,
         mlp=f"{prefix}MLP" if mlp else None,
         experts=f"{prefix}Experts" if experts else None,
+        attention=f"{prefix}Attention",
     )
 
 
@@ -54,7 +57,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": _arch("qwen3", "Qwen3"),
     "gemma2": _arch("gemma2", "Gemma2", "gemma"),
     "gemma3_text": Architecture(
-        "transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM", "Gemma3RMSNorm", "gemma", "Gemma3MLP"
+        "transformers.models.gemma3.modeling_gemma3",
+        "Gemma3ForCausalLM",
+        "Gemma3RMSNorm",
+        "gemma",
+        "Gemma3MLP",
+        attention="Gemma3Attention",
     ),
     "qwen3_moe": _arch("qwen3_moe", "Qwen3Moe", experts=True),
     "mixtral": _arch("mixtral", "Mixtral", mlp=False, experts=True),

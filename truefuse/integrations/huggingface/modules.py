@@ -14,6 +14,7 @@ import torch
 
 from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.norm import rms_norm_hf
+from truefuse.autograd.rope import apply_rotary_pos_emb
 
 #: ``config.hidden_act`` -> truefuse's gated activation of an MLP ``act(gate) * up``.
 GATED_FOR_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "relu": "reglu"}
@@ -89,3 +90,24 @@ def mlp_class(stock: type) -> type:
     and the product are one kernel that saves gate and up only (stock also keeps act(gate)) and
     rounds once (stock: twice)."""
     return _subclass(stock, "mlp_gated", _gated_mlp_forward)
+
+
+def _attention_forward(self, *args, **kwargs):
+    # The stock forward calls its module's ``apply_rotary_pos_emb`` by name: that name points to
+    # truefuse's (the same bits, one kernel each way) while this module's forward runs, so stock
+    # models in the same process keep theirs. Not thread-safe across threads running one
+    # architecture's attention at once with and without truefuse.
+    stock = self._truefuse_stock
+    mod = sys.modules[stock.__module__]
+    saved = mod.apply_rotary_pos_emb
+    mod.apply_rotary_pos_emb = apply_rotary_pos_emb
+    try:
+        return stock.forward(self, *args, **kwargs)
+    finally:
+        mod.apply_rotary_pos_emb = saved
+
+
+def attention_class(stock: type) -> type:
+    """The truefuse subclass of a stock attention class: its rotary embedding runs
+    ``truefuse.apply_rotary_pos_emb`` (attention itself stays the model's ``attn_implementation``)."""
+    return _subclass(stock, "attention_rope", _attention_forward)

@@ -27,6 +27,7 @@ def apply_truefuse(
     rms_norm: bool = True,
     mlp: bool = True,
     experts: bool = True,
+    rope: bool = True,
     linear_cross_entropy: bool = True,
 ) -> PatchReport:
     """Patch an instantiated transformers model in place.
@@ -37,6 +38,8 @@ def apply_truefuse(
         rms_norm: every RMSNorm runs ``truefuse.rms_norm_hf`` (the stock forward's bits, a fused backward).
         mlp: every dense gated MLP runs its activation and product as one truefuse kernel.
         experts: every mixture-of-experts experts module runs truefuse's grouped GEMMs.
+        rope: every attention module's rotary embedding runs ``truefuse.apply_rotary_pos_emb``
+            (the stock bits, one kernel each way instead of six ops on strided tensors).
         linear_cross_entropy: with ``labels`` the forward computes ``truefuse.linear_cross_entropy``
             on the last hidden states (the logits are never built); HF's label shift,
             ``ignore_index=-100`` and ``num_items_in_batch`` as HF's loss.
@@ -51,6 +54,7 @@ def apply_truefuse(
     report = PatchReport(_model_type(model))
     norm_cls, mlp_cls = arch.cls(arch.norm), arch.cls(arch.mlp) if arch.mlp else None
     experts_cls = arch.cls(arch.experts) if arch.experts else None
+    attn_cls = arch.cls(arch.attention) if arch.attention else None
     plan: list[tuple[torch.nn.Module, type]] = []
     expert_mods: list[torch.nn.Module] = []
     for m in model.modules():
@@ -70,6 +74,12 @@ def apply_truefuse(
             else:
                 plan.append((m, modules.mlp_class(stock)))
                 report.replaced[(stock.__name__, f"truefuse.gated_activation ({gated}, one rounding)")] += 1
+        elif attn_cls is not None and isinstance(m, attn_cls):
+            if rope:
+                plan.append((m, modules.attention_class(stock)))
+                report.replaced[(stock.__name__, "truefuse.apply_rotary_pos_emb (rope: stock bits)")] += 1
+            else:
+                report.left[(stock.__name__, "rope=False")] += 1
         elif experts_cls is not None and isinstance(m, experts_cls):
             if experts:
                 expert_mods.append(m)
@@ -128,7 +138,9 @@ def unpatch_truefuse(model: torch.nn.Module) -> None:
     loss.unpatch_loss(model)
 
 
-def apply_truefuse_to(model_type: str, *, rms_norm: bool = True, mlp: bool = True, linear_cross_entropy: bool = True) -> None:
+def apply_truefuse_to(
+    model_type: str, *, rms_norm: bool = True, mlp: bool = True, rope: bool = True, linear_cross_entropy: bool = True
+) -> None:
     """Patch the architecture's classes before models are built (``from_pretrained``): the
     modeling module's norm and MLP classes become truefuse's subclasses and the causal LM's
     forward computes truefuse's loss. Affects models built afterwards in this process. Experts
@@ -143,6 +155,8 @@ def apply_truefuse_to(model_type: str, *, rms_norm: bool = True, mlp: bool = Tru
         setattr(mod, arch.norm, modules.norm_class(arch.cls(arch.norm), arch.norm_style))
     if mlp and arch.mlp:
         setattr(mod, arch.mlp, modules.mlp_class(arch.cls(arch.mlp)))
+    if rope and arch.attention:
+        setattr(mod, arch.attention, modules.attention_class(arch.cls(arch.attention)))
     if linear_cross_entropy:
         loss.patch_loss(arch.cls(arch.causal_lm))
 

@@ -1,0 +1,58 @@
+"""``truefuse.apply_rotary_pos_emb``: transformers' rotary embedding, bit for bit, in one kernel.
+
+The stock function runs six elementwise ops per tensor (two products, a negation, a concatenation,
+a sum), most on the strided (transposed) query and key, forward and backward again; here one kernel
+each way, with the same roundings (``kernels/rope.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.ops.rope import rope_fwd_op, rope_ref, use_kernel
+
+
+def _check(name: str, x, cos) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a (batch, heads, seq, head_dim) tensor, got {got}")
+    if x.shape[-1] % 2:
+        raise ValueError(f"{name}'s head_dim must be even (rotate_half), got {x.shape[-1]}")
+    want = (x.shape[0], x.shape[2], x.shape[3])
+    if cos.dim() != 3 or (cos.shape[1], cos.shape[2]) != want[1:] or cos.shape[0] not in (1, want[0]):
+        raise ValueError(f"cos and sin must be (batch or 1, seq, head_dim) = {want}, got {tuple(cos.shape)} for {name}")
+
+
+def _one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if not use_kernel(x, cos) or x.stride(-1) != 1:
+        return rope_ref(x, cos, sin)
+    if cos.shape[0] != x.shape[0]:
+        cos, sin = cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1)
+    if cos.stride(-1) != 1 or cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return rope_fwd_op(x, cos, sin)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
+    """transformers' ``apply_rotary_pos_emb``: ``(q * cos + rotate_half(q) * sin, the same for k)``.
+
+    Args:
+        q: (B, Hq, T, D), k: (B, Hk, T, D) in any strides with a contiguous last dimension (the
+            attention's transposed projections); fp16 / bf16 / fp32.
+        cos, sin: (B or 1, T, D), broadcast over the heads (``unsqueeze_dim=1``, the only layout
+            taken; another falls back to the stock expression).
+
+    Returns:
+        The rotated q and k, bitwise the stock function's in the forward and the backward; dtype
+        torch's promotion of q's and cos's (as stock).
+    """
+    if unsqueeze_dim != 1:
+        c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * c + torch.cat((-q[..., q.shape[-1] // 2 :], q[..., : q.shape[-1] // 2]), -1) * s, (
+            k * c + torch.cat((-k[..., k.shape[-1] // 2 :], k[..., : k.shape[-1] // 2]), -1) * s
+        )
+    _check("q", q, cos)
+    _check("k", k, cos)
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin has shape {tuple(sin.shape)}, cos {tuple(cos.shape)}: they must match")
+    return _one(q, cos, sin), _one(k, cos, sin)
