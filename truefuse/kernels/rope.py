@@ -2,7 +2,7 @@
 
 For a head row ``x = [x1, x2]`` (halves of the head dimension D) and the row's ``cos = [c1, c2]``,
 ``sin = [s1, s2]``, the forward (``BACKWARD=False``) is the stock ``x * cos + rotate_half(x) * sin``
-with the stock roundings: each product rounded to x's dtype, then the sum rounded:
+with the stock roundings: each product rounded, then the sum rounded:
 
     o1 = round(round(x1 * c1) - round(x2 * s1))      o2 = round(round(x2 * c2) + round(x1 * s2))
 
@@ -13,8 +13,9 @@ those ops, with the same roundings:
 
 so both are bit for bit the stock module's. Every rounding is to the output's dtype: in the forward
 torch's promotion of x's and cos's dtypes (a bf16 query with fp32 cos under autocast gives fp32),
-in the backward x's input's dtype (autograd casts each path's gradient to it before summing them). Products use ``mul.rn`` on a GPU so that no product is
-contracted into a fused multiply-add with the sum (an fp32 x would round once instead of twice).
+in the backward x's input's dtype (autograd casts each path's gradient to it before summing
+them). Products use ``mul.rn`` on a GPU so that no product is contracted into a fused multiply-add
+with the sum (an fp32 x would round once instead of twice).
 One program takes one (batch, position) row: every head of it, with cos/sin loaded once.
 """
 
