@@ -25,14 +25,7 @@ from truefuse.integrations.huggingface import apply_truefuse
 
 
 def _norm_once(model):
-    from truefuse import rms_norm
-
-    report = apply_truefuse(model)
-    for m in model.modules():
-        if type(m).__name__.startswith("Truefuse") and hasattr(m, "variance_epsilon"):
-            eps = m.variance_epsilon
-            m.forward = lambda x, w=m.weight, eps=eps: rms_norm(x, w, eps)
-    return str(report) + "\n  (norms then switched to truefuse.rms_norm: one rounding, truefuse's reduction order)"
+    return str(apply_truefuse(model, stock_norm_bits=False))
 
 
 def main() -> None:

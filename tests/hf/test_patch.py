@@ -141,3 +141,22 @@ def test_class_level_patch(monkeypatch):
     unpatch_truefuse(stock)
     with torch.no_grad():
         assert torch.allclose(model(_ids()).logits, stock(_ids()).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_fast_norms_option(model_type):
+    """``stock_norm_bits=False``: the norms run ``truefuse.rms_norm`` (one rounding, its own
+    reduction order): close to stock, reported as such, and swapped back on a second call."""
+    stock = tiny_model(model_type)
+    patched = copy.deepcopy(stock)
+    report = apply_truefuse(patched, stock_norm_bits=False, mlp=False, rope=False, linear_cross_entropy=False)
+    norm = ARCHITECTURES[model_type].norm
+    assert any("one rounding" in how for (t, how) in report.replaced if t == norm)
+    kinds = {type(m).__name__ for m in patched.modules()}
+    assert f"Truefuse{norm}Fast" in kinds and f"Truefuse{norm}" not in kinds
+    with torch.no_grad():
+        a, b = stock(_ids()).logits, patched(_ids()).logits
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    apply_truefuse(patched, mlp=False, rope=False, linear_cross_entropy=False)
+    with torch.no_grad():
+        assert torch.equal(stock(_ids()).logits, patched(_ids()).logits)

@@ -13,7 +13,7 @@ import sys
 import torch
 
 from truefuse.autograd.gated_activation import gated_activation
-from truefuse.autograd.norm import rms_norm_hf
+from truefuse.autograd.norm import rms_norm, rms_norm_hf
 from truefuse.autograd.rope import apply_rotary_pos_emb
 
 #: ``config.hidden_act`` -> truefuse's gated activation of an MLP ``act(gate) * up``.
@@ -22,12 +22,12 @@ GATED_FOR_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "relu": "
 _SUBCLASSES: dict[tuple[type, str], type] = {}
 
 
-def _subclass(stock: type, kind: str, forward) -> type:
+def _subclass(stock: type, kind: str, forward, suffix: str = "") -> type:
     """The truefuse subclass of ``stock`` (one per stock class and kind), registered in this module
     under a stable name so that a patched model still pickles."""
     key = (stock, kind)
     if key not in _SUBCLASSES:
-        name = f"Truefuse{stock.__name__}"
+        name = f"Truefuse{stock.__name__}{suffix}"
         sub = type(name, (stock,), {"forward": forward, "_truefuse_stock": stock, "_truefuse_kind": kind})
         sub.__module__ = __name__
         setattr(sys.modules[__name__], name, sub)
@@ -54,12 +54,34 @@ def _gemma_norm_forward(self, x):
     return rms_norm_hf(x, self.weight, self.eps, style="gemma")
 
 
-_NORM_FORWARDS = {"llama": _llama_norm_forward, "gemma": _gemma_norm_forward}
+def _llama_norm_fast_forward(self, hidden_states):
+    w = self.weight
+    if w.dtype != hidden_states.dtype:  # stock's output dtype is the promotion: keep its path
+        return rms_norm_hf(hidden_states, w, self.variance_epsilon, style="llama")
+    return rms_norm(hidden_states, w, self.variance_epsilon)
 
 
-def norm_class(stock: type, style: str) -> type:
-    """The truefuse subclass of a stock RMSNorm class of ``style`` (``llama`` / ``gemma``)."""
-    return _subclass(stock, f"rms_norm_{style}", _NORM_FORWARDS[style])
+def _gemma_norm_fast_forward(self, x):
+    return rms_norm(x, self.weight, self.eps, zero_centered_gamma=True)
+
+
+_NORM_FORWARDS = {
+    ("llama", True): _llama_norm_forward,
+    ("gemma", True): _gemma_norm_forward,
+    ("llama", False): _llama_norm_fast_forward,
+    ("gemma", False): _gemma_norm_fast_forward,
+}
+
+
+def norm_class(stock: type, style: str, stock_bits: bool = True) -> type:
+    """The truefuse subclass of a stock RMSNorm class of ``style`` (``llama`` / ``gemma``).
+
+    ``stock_bits``: ``truefuse.rms_norm_hf`` (the stock forward's bits; its statistics are torch's
+    own ops). False: ``truefuse.rms_norm``, one kernel with its own reduction order and one rounding
+    (more accurate, not stock's bits; measured ~3 ms less per step on the demo's 1.3B model,
+    docs/benchmarks.md)."""
+    kind = f"rms_norm_{style}" + ("" if stock_bits else "_fast")
+    return _subclass(stock, kind, _NORM_FORWARDS[(style, stock_bits)], "" if stock_bits else "Fast")
 
 
 def gated_for(act_fn) -> str | None:
