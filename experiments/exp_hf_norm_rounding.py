@@ -44,7 +44,7 @@ def main() -> None:
     stock = result.runs[0].losses
     print("max |loss - stock| per step block of 10:")
     for run in result.runs[1:]:
-        d = [abs(a - b) for a, b in zip(run.losses, stock)]
+        d = [abs(a - b) for a, b in zip(run.losses, stock, strict=True)]
         print(f"  {run.name:<20}", " ".join(f"{max(d[i : i + 10]):.4f}" for i in range(0, len(d), 10)))
 
 
