@@ -437,9 +437,9 @@ def linear_cross_entropy(
     x = input.reshape(-1, input.shape[-1])
     cw = None if weight is None else weight.detach().to(wide_dtype(input))
     wgrad = torch.is_grad_enabled() and linear_weight.requires_grad
-    if wgrad_state is None:
-        wgrad_state = WgradState(fuse_wgrad_accumulation=bool(fuse_wgrad_accumulation))
-    elif fuse_wgrad_accumulation and not wgrad_state.fuse_wgrad_accumulation:
+    if wgrad_state is None and fuse_wgrad_accumulation:
+        wgrad_state = WgradState(fuse_wgrad_accumulation=True)
+    elif fuse_wgrad_accumulation and not wgrad_state.fuse_wgrad_accumulation:  # None: plain (no state to trace)
         raise ValueError("fuse_wgrad_accumulation=True contradicts wgrad_state (pass one or the other)")
     cfg = _Cfg(
         V,

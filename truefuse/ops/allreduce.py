@@ -43,41 +43,84 @@ def allreduce_add_rmsnorm_fwd(state, x, residual, weight, eps: float, two_stage_
         ValueError: the ``maxp`` tuning knob exceeds the programs the workspace's signal pad was
             sized for (``state.maxp``, the knob when the workspace was made).
     """
-    from truefuse.kernels.allreduce import _allreduce_add_rmsnorm_kernel
-
     knobs = get_tuning()
     if knobs.maxp > state.maxp:
         raise ValueError(
             f"tuning knob maxp={knobs.maxp} exceeds the {state.maxp} programs this workspace's signal pad "
             "holds flags for: make the Workspace inside the same truefuse.config.tuning(maxp=...) block"
         )
+    normed, out, rstd = allreduce_add_rmsnorm_op(
+        x, residual, weight, state.buffer_ptrs, state.signal_ptrs, state.epoch, state.done, state.half_bytes,
+        state.ll_offset, state.ll_slot_bytes, state.maxp, state.rank, state.world_size, state.poll_width, state.sms,
+        float(eps), int(two_stage_bytes), bool(want_rstd and weight is not None),
+    )  # fmt: skip
+    # an op returns no None: its empty placeholders stand for "not computed"
+    return (normed if weight is not None else None), out, (rstd if want_rstd and weight is not None else None)
+
+
+# The launch as a custom op (docs/design.md §6.7). It advances the device counters ``epoch`` and
+# ``done`` (declared mutated); the symmetric buffers and signal pads it writes through
+# ``buffer_ptrs``/``signal_ptrs`` are scratch no traced code reads.
+@torch.library.custom_op("truefuse::allreduce_add_rmsnorm", mutates_args=("epoch", "done"))
+def allreduce_add_rmsnorm_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    buffer_ptrs: torch.Tensor,
+    signal_ptrs: torch.Tensor,
+    epoch: torch.Tensor,
+    done: torch.Tensor,
+    half_bytes: int,
+    ll_offset: int,
+    ll_slot_bytes: int,
+    maxp: int,
+    rank: int,
+    world_size: int,
+    poll_width: int,
+    sms: int,
+    eps: float,
+    two_stage_bytes: int,
+    want_rstd: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(normed or empty, out, rstd or empty)`` of the fused kernel on a contiguous (M, N) ``x``."""
+    from truefuse.kernels.allreduce import _allreduce_add_rmsnorm_kernel
+
+    knobs = get_tuning()
     M, N = x.shape
     out = torch.empty_like(x)
-    normed = torch.empty_like(x) if weight is not None else None
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device) if want_rstd and weight is not None else None
+    normed = torch.empty_like(x) if weight is not None else x.new_empty(0)
+    rstd = torch.empty(M if want_rstd else 0, dtype=torch.float32, device=x.device)
     if M == 0:
         return normed, out, rstd
-    W = state.world_size
+    W = world_size
     nbytes = x.numel() * x.element_size()
     two_stage = nbytes >= two_stage_bytes
     share = -(-M // W)
     rows = share if two_stage else M
     per_word = 4 // x.element_size()
-    ll = not two_stage and nbytes <= knobs.ll_max_bytes and M * -(-N // per_word) * 8 <= state.ll_slot_bytes
+    ll = not two_stage and nbytes <= knobs.ll_max_bytes and M * -(-N // per_word) * 8 <= ll_slot_bytes
     block, warps = block_and_warps(N)  # the norm launcher's choice: the bits of truefuse.rms_norm
     # every program must be resident at once (the barriers wait on peers' programs): with more than
     # one per SM registers are capped below
     per_sm = max(1, min(knobs.programs_per_sm, 16 // warps))
-    programs = max(1, min(knobs.maxp, state.sms * per_sm, rows))
+    programs = max(1, min(knobs.maxp, sms * per_sm, rows))
     # registers are capped only when programs must share SMs: uncapped, the LL kernel keeps its rows
     # in registers (capped at 128 it spilled ~500 bytes a thread to local memory)
-    cap = 128 if programs > state.sms else None
+    cap = 128 if programs > sms else None
     _allreduce_add_rmsnorm_kernel[(programs,)](
         x, residual if residual is not None else x, weight if weight is not None else x, out,
-        normed if normed is not None else out, state.buffer_ptrs, state.signal_ptrs, state.epoch, state.done,
-        state.half_bytes // x.element_size(), state.half_bytes // 8, state.ll_offset // 8, M, N, share, float(eps),
-        state.rank, W=W, WP=state.poll_width, MAXP=state.maxp, HAS_RES=residual is not None, HAS_NORM=weight is not None,
+        normed if weight is not None else out, buffer_ptrs, signal_ptrs, epoch, done,
+        half_bytes // x.element_size(), half_bytes // 8, ll_offset // 8, M, N, share, float(eps),
+        rank, W=W, WP=poll_width, MAXP=maxp, HAS_RES=residual is not None, HAS_NORM=weight is not None,
         TWO_STAGE=two_stage, PUSH=nbytes <= knobs.push_max_bytes, LL=ll, BLOCK_N=block,
-        INTERPRETED=get_config().triton_interpret, rstd_ptr=rstd, num_warps=warps, maxnreg=cap,
+        INTERPRETED=get_config().triton_interpret, rstd_ptr=rstd if want_rstd else None, num_warps=warps, maxnreg=cap,
     )  # fmt: skip
     return normed, out, rstd
+
+
+@allreduce_add_rmsnorm_op.register_fake
+def _(x, residual, weight, buffer_ptrs, signal_ptrs, epoch, done, half_bytes, ll_offset, ll_slot_bytes, maxp, rank,
+      world_size, poll_width, sms, eps, two_stage_bytes, want_rstd):  # fmt: skip
+    M = x.shape[0]
+    normed = torch.empty_like(x) if weight is not None else x.new_empty(0)
+    return normed, torch.empty_like(x), x.new_empty((M if want_rstd else 0,), dtype=torch.float32)

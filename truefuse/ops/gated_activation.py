@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.ops._custom_op import register_backward
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.activation import activation_ref
@@ -154,15 +155,7 @@ def _gated_backward(ctx, dy):
     return gated_bwd_op(dy, x, ctx.name), None
 
 
-gated_fwd_op.register_autograd(_gated_backward, setup_context=_gated_setup)
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError("truefuse gated activations do not support double backward")
-
-
-# registered so that tracing a backward graph (torch.compile, AOT) accepts the op; never run
-gated_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+register_backward(gated_fwd_op, _gated_backward, _gated_setup, bwd_ops=(gated_bwd_op,), what="gated activations")
 
 
 # Two-tensor form (a separate gate and up, as a Hugging Face MLP's two projections give them: no
@@ -204,5 +197,4 @@ def _gated2_backward(ctx, dy):
     return dg, du, None
 
 
-gated2_fwd_op.register_autograd(_gated2_backward, setup_context=_gated2_setup)
-gated2_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+register_backward(gated2_fwd_op, _gated2_backward, _gated2_setup, bwd_ops=(gated2_bwd_op,), what="gated activations")

@@ -141,8 +141,10 @@ def _validate(
     pre_activation=None,
     m_splits=None,
     per_group=False,
+    want_request=True,
 ):
-    """Check every argument; return (request, out shape, out dtype, splits, rows_mode)."""
+    """Check every argument; return (request, out shape, out dtype, splits, rows_mode). Without
+    ``want_request`` the request is None (it reads addresses: the op builds it on real tensors)."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -196,9 +198,7 @@ def _validate(
             # cuBLAS's fast kernels then add the bias as beta*C after rounding the product (1.41x
             # the error of the contiguous bias epilogue, bf16 on the H200): not this call's contract
             raise ValueError("bias with an out of padded rows: the bias would be added after rounding; pass a contiguous out")
-        for name, t in (("a", a), ("b", b), ("bias", bias), ("pre_activation", pre_activation)):
-            if t is not None and t.numel() and out.numel() and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
-                raise ValueError(f"out shares memory with {name}; gemm cannot write its result over an input")
+        _check_out_not_aliased(out, a=a, b=b, bias=bias, pre_activation=pre_activation)
     odt = out.dtype if out is not None else (out_dtype or a.dtype)
     if accumulate and out is None:
         raise ValueError("accumulate=True adds into an existing output: pass out=")
@@ -221,7 +221,15 @@ def _validate(
             "grad_bias/grad_activation belong to a weight-gradient GEMM (a = grad_output.t()); "
             "a grouped one is split along the contraction (b 2-D), not by rows of a (b 3-D)"
         )
-    request = GemmRequest(
+    request = None
+    if want_request:
+        request = _request(a, b, odt, accumulate, bias, activation, grad_activation, grad_bias, grouped, per_group)
+    return request, out_shape, odt, splits, rows_mode
+
+
+def _request(a, b, odt, accumulate, bias, activation, grad_activation, grad_bias, grouped, per_group) -> GemmRequest:
+    """What the planner is asked (reads the operands' addresses: run on real tensors, not traced)."""
+    return GemmRequest(
         device=a.device.type,
         in_dtype=a.dtype,
         out_dtype=odt,
@@ -234,7 +242,14 @@ def _validate(
         aligned=(not grouped) or _aligned16(a, b),
         per_group=grouped and bool(per_group),
     )
-    return request, out_shape, odt, splits, rows_mode
+
+
+def _check_out_not_aliased(out: torch.Tensor, **inputs) -> None:
+    if torch.compiler.is_compiling():  # storages have no addresses while tracing: checked in the op
+        return
+    for name, t in inputs.items():
+        if t is not None and t.numel() and out.numel() and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+            raise ValueError(f"out shares memory with {name}; gemm cannot write its result over an input")
 
 
 def gemm(
@@ -316,22 +331,106 @@ def _gemm(
     grad_bias=False, grad_activation=None, pre_activation=None, m_splits=None, per_group=False,
 ):  # fmt: skip
     """:func:`gemm`'s body, with the request's ``per_group`` flag (see :func:`grouped_gemm`)."""
-    request, out_shape, odt, splits, rows_mode = _validate(
+    _, out_shape, odt, splits, rows_mode = _validate(
         a, b, out=out, out_dtype=out_dtype, accumulate=accumulate, bias=bias, activation=activation,
         return_pre_activation=return_pre_activation, grad_bias=grad_bias, grad_activation=grad_activation,
-        pre_activation=pre_activation, m_splits=m_splits, per_group=per_group,
+        pre_activation=pre_activation, m_splits=m_splits, per_group=per_group, want_request=False,
     )  # fmt: skip
-    chosen = plan(request)
-    if out is None and "grouped" not in chosen.fused:  # a fused grouped call allocates its own
-        out = torch.empty(out_shape, dtype=odt, device=a.device)
     pre_out = torch.empty(out_shape, dtype=odt, device=a.device) if return_pre_activation else None
     gb_shape = (len(splits), a.shape[0]) if (splits is not None and not rows_mode) else (a.shape[0],)
     gb_out = torch.empty(gb_shape, dtype=a.dtype, device=a.device) if grad_bias else None
-    args = GemmArgs(a, b, out, odt, bool(accumulate), bias, activation, pre_out, grad_activation, pre_activation, gb_out)
-    out = run(chosen, args, splits, rows_mode)
+    if out is None:
+        out = gemm_op(a, b, odt, bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits, bool(per_group))
+    else:
+        gemm_out_op(
+            a, b, out, bool(accumulate), bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits,
+            bool(per_group),
+        )  # fmt: skip
     if return_pre_activation or grad_bias:
         return GemmOutput(out, pre_out, gb_out)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The planned product as torch.library custom ops (docs/design.md §6.7): the plan is made and run
+# inside the op, on real tensors (the request reads the operands' alignment), so a traced graph
+# holds one opaque call per GEMM. ``gemm_op`` allocates its output (a fused grouped call returns
+# its own); ``gemm_out_op`` writes or accumulates into a given one. Both write the optional
+# pre-activation and bias-gradient outputs. Not differentiable: the autograd Functions call them
+# on tensors that need no gradient.
+
+
+def _execute(a, b, out, odt, accumulate, bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits, per_group):
+    grouped = splits is not None
+    if out is not None:
+        _check_out_not_aliased(out, a=a, b=b, bias=bias, pre_activation=pre_activation)
+    request = _request(a, b, odt, accumulate, bias, activation, grad_activation, gb_out is not None, grouped, per_group)
+    chosen = plan(request)
+    rows_mode = b.dim() == 3
+    if out is None and "grouped" not in chosen.fused:  # a fused grouped call allocates its own
+        out = torch.empty(_out_shape(a, b, splits), dtype=odt, device=a.device)
+    args = GemmArgs(a, b, out, odt, bool(accumulate), bias, activation, pre_out, grad_activation, pre_activation, gb_out)
+    return run(chosen, args, splits, rows_mode)
+
+
+def _out_shape(a, b, splits) -> tuple[int, ...]:
+    if splits is not None and b.dim() == 2:
+        return (len(splits), a.shape[0], b.shape[-1])
+    return (a.shape[0], b.shape[-1])
+
+
+@torch.library.custom_op("truefuse::gemm", mutates_args=("pre_out", "grad_bias_out"))
+def gemm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    pre_out: torch.Tensor | None,
+    grad_activation: str | None,
+    pre_activation: torch.Tensor | None,
+    grad_bias_out: torch.Tensor | None,
+    splits: list[int] | None,
+    per_group: bool,
+) -> torch.Tensor:
+    """The validated ``gemm`` without ``out=``: planned and run here; returns the new output."""
+    res = _execute(
+        a, b, None, out_dtype, False, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits,
+        per_group,
+    )  # fmt: skip
+    return res
+
+
+@gemm_op.register_fake
+def _(a, b, out_dtype, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits, per_group):
+    return a.new_empty(_out_shape(a, b, splits), dtype=out_dtype)
+
+
+@torch.library.custom_op("truefuse::gemm_out", mutates_args=("out", "pre_out", "grad_bias_out"))
+def gemm_out_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    pre_out: torch.Tensor | None,
+    grad_activation: str | None,
+    pre_activation: torch.Tensor | None,
+    grad_bias_out: torch.Tensor | None,
+    splits: list[int] | None,
+    per_group: bool,
+) -> None:
+    """The validated ``gemm`` with ``out=``: planned and run here, written (or added) into ``out``."""
+    _execute(
+        a, b, out, out.dtype, accumulate, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out,
+        splits, per_group,
+    )  # fmt: skip
+
+
+@gemm_out_op.register_fake
+def _(a, b, out, accumulate, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits, per_group):
+    return None
 
 
 def gemm_plan_for(a: torch.Tensor, b: torch.Tensor, **kwargs) -> GemmPlan:

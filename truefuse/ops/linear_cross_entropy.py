@@ -107,6 +107,11 @@ def check_targets(target: torch.Tensor, V: int, ignore_index: int, valid: torch.
     if valid is None:  # ``target != ignore_index``, when the caller has it already
         valid = target != ignore_index
     bad = valid & (target.clamp(0, V - 1) != target)  # three kernels: each launch counts here
+    if torch.compiler.is_compiling():
+        # a traced graph cannot wait on the host: the check stays on the device (an async error
+        # with no value named; on the CPU it still raises before the function returns)
+        torch._assert_async(~bad.any(), f"target outside [0, {V}) and not ignore_index={ignore_index}")
+        return lambda: None
     if not target.is_cuda:
         any_bad = bool(bad.any())
         ready = None
@@ -307,11 +312,41 @@ def chunk_kernel(
 
     Returns the d_logits (the ``logits`` tensor) when ``want_grad``, else None.
     """
+    if logits.shape[0] == 0:
+        return None
+    lce_chunk_op(
+        logits, t, cw, ce, zl, ok, s_ce, s_z, bias, V, ignore_index, float(w_sum), float(label_smoothing), float(z_loss),
+        None if softcap is None else float(softcap), want_grad,
+    )  # fmt: skip
+    return logits if want_grad else None
+
+
+@torch.library.custom_op("truefuse::lce_chunk", mutates_args=("logits", "ce", "zl", "ok"))
+def lce_chunk_op(
+    logits: torch.Tensor,
+    t: torch.Tensor,
+    cw: torch.Tensor | None,
+    ce: torch.Tensor,
+    zl: torch.Tensor,
+    ok: torch.Tensor,
+    s_ce: torch.Tensor,
+    s_z: torch.Tensor,
+    bias: torch.Tensor | None,
+    V: int,
+    ignore_index: int,
+    w_sum: float,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    want_grad: bool,
+) -> None:
+    """The kernel launch of :func:`chunk_kernel` as a custom op (docs/design.md §6.7): writes
+    ``ce``, ``zl``, ``ok`` and, when ``want_grad``, the d_logits over ``logits``."""
     from truefuse.kernels.cross_entropy import _lce_chunk_kernel
 
     C = logits.shape[0]
     if C == 0:
-        return None
+        return
     _lce_chunk_kernel[(C,)](
         logits, logits.stride(0), bias if bias is not None else logits, t, cw if cw is not None else ce, ce, zl, ok,
         s_ce.contiguous(), s_z.contiguous(), V, ignore_index, w_sum, label_smoothing, z_loss,
@@ -319,4 +354,8 @@ def chunk_kernel(
         SMOOTH=label_smoothing > 0, SOFTCAP=softcap is not None, WANT_GRAD=want_grad, PER_TOKEN=s_ce.dim() == 1,
         BLOCK_V=2048 if logits.is_cuda else 64, num_warps=8,  # 8 logits a thread: fastest at every V (H200)
     )  # fmt: skip
-    return logits if want_grad else None
+
+
+@lce_chunk_op.register_fake
+def _(logits, t, cw, ce, zl, ok, s_ce, s_z, bias, V, ignore_index, w_sum, label_smoothing, z_loss, softcap, want_grad):
+    return None

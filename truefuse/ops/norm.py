@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from truefuse.config import get_tuning
+from truefuse.ops._custom_op import register_backward
 from truefuse.ops._triton import sm_count, triton_runs
 from truefuse.ops.gemm_exec import wide_dtype
 
@@ -250,15 +251,7 @@ def _norm_backward(ctx, dy, _dmean, _drstd):
     return dx, (None if weight is None else dw), (None if bias is None else db), None, None, None
 
 
-norm_fwd_op.register_autograd(_norm_backward, setup_context=_norm_setup)
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError("truefuse norms do not support double backward (create_graph=True through the backward)")
-
-
-# registered so that tracing a backward graph (torch.compile, AOT) accepts the op; never run
-norm_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+register_backward(norm_fwd_op, _norm_backward, _norm_setup, bwd_ops=(norm_bwd_op,), what="norms")
 
 
 # The stock-rounding RMSNorm (``rms_norm_hf``): the statistics come in (torch's, for their bits),
@@ -296,4 +289,4 @@ def _hf_backward(ctx, dy):
     return dx, dw, None, None
 
 
-rms_norm_hf_fwd_op.register_autograd(_hf_backward, setup_context=_hf_setup)
+register_backward(rms_norm_hf_fwd_op, _hf_backward, _hf_setup)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.config import get_config
+from truefuse.ops._custom_op import register_backward
 from truefuse.ops._triton import triton_runs
 
 
@@ -88,9 +89,4 @@ def _backward(ctx, dy):
     return rope_bwd_op(dy, cos, sin, ctx.x_dtype), None, None
 
 
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError("truefuse rope does not support double backward")
-
-
-rope_fwd_op.register_autograd(_backward, setup_context=_setup)
-rope_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+register_backward(rope_fwd_op, _backward, _setup, bwd_ops=(rope_bwd_op,), what="rope ops")

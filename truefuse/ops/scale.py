@@ -19,11 +19,21 @@ def scale_(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     On CUDA (and for fp32 under the CPU interpreter) a Triton kernel reads the factor on the device
     and touches nothing when it is exactly 1 (``kernels/scale.py``); the result is bitwise
     ``tensor.mul_(factor)``. Elsewhere, or for another factor dtype, it is ``tensor.mul_(factor)``.
+    The launch is the custom op ``truefuse::scale_`` (mutates ``tensor``; docs/design.md §6.7).
     """
+    scale_op(tensor, factor)
+    return tensor
+
+
+@torch.library.custom_op("truefuse::scale_", mutates_args=("tensor",))
+def scale_op(tensor: torch.Tensor, factor: torch.Tensor) -> None:
+    """:func:`scale_` as an op: ``tensor *= factor`` in place, returning nothing (an op's output
+    may not alias its input)."""
     if tensor.numel() == 0:
-        return tensor
+        return
     if not (triton_runs(tensor) and tensor.is_contiguous() and factor.dtype == torch.float32 and factor.numel() == 1):
-        return tensor.mul_(factor)
+        tensor.mul_(factor)
+        return
     from truefuse.kernels.scale import _scale_inplace_kernel
 
     block = 4096 if tensor.is_cuda else 64
@@ -31,4 +41,8 @@ def scale_(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     grid = (max(1, min(programs, -(-tensor.numel() // block))),)
     warps = 8 if tensor.is_cuda else 1
     _scale_inplace_kernel[grid](tensor, tensor.numel(), factor.to(tensor.device), BLOCK=block, num_warps=warps)
-    return tensor
+
+
+@scale_op.register_fake
+def _(tensor, factor):
+    return None
