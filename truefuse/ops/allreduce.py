@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.config import get_config, get_tuning
+from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops.norm import block_and_warps
 
 
@@ -49,7 +50,8 @@ def allreduce_add_rmsnorm_fwd(state, x, residual, weight, eps: float, two_stage_
             f"tuning knob maxp={knobs.maxp} exceeds the {state.maxp} programs this workspace's signal pad "
             "holds flags for: make the Workspace inside the same truefuse.config.tuning(maxp=...) block"
         )
-    normed, out, rstd = allreduce_add_rmsnorm_op(
+    normed, out, rstd = launch(
+        allreduce_add_rmsnorm_op,
         x, residual, weight, state.buffer_ptrs, state.signal_ptrs, state.epoch, state.done, state.half_bytes,
         state.ll_offset, state.ll_slot_bytes, state.maxp, state.rank, state.world_size, state.poll_width, state.sms,
         float(eps), int(two_stage_bytes), bool(want_rstd and weight is not None),
@@ -61,7 +63,7 @@ def allreduce_add_rmsnorm_fwd(state, x, residual, weight, eps: float, two_stage_
 # The launch as a custom op (docs/design.md §6.7). It advances the device counters ``epoch`` and
 # ``done`` (declared mutated); the symmetric buffers and signal pads it writes through
 # ``buffer_ptrs``/``signal_ptrs`` are scratch no traced code reads.
-@torch.library.custom_op("truefuse::allreduce_add_rmsnorm", mutates_args=("epoch", "done"))
+@custom_op("truefuse::allreduce_add_rmsnorm", mutates_args=("epoch", "done"))
 def allreduce_add_rmsnorm_op(
     x: torch.Tensor,
     residual: torch.Tensor | None,

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops.activation import activation_grad_ref, activation_ref, check_activation
 from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.gemm_exec import GemmArgs, run
@@ -340,9 +341,12 @@ def _gemm(
     gb_shape = (len(splits), a.shape[0]) if (splits is not None and not rows_mode) else (a.shape[0],)
     gb_out = torch.empty(gb_shape, dtype=a.dtype, device=a.device) if grad_bias else None
     if out is None:
-        out = gemm_op(a, b, odt, bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits, bool(per_group))
+        out = launch(
+            gemm_op, a, b, odt, bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits, bool(per_group)
+        )
     else:
-        gemm_out_op(
+        launch(
+            gemm_out_op,
             a, b, out, bool(accumulate), bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits,
             bool(per_group),
         )  # fmt: skip
@@ -379,7 +383,7 @@ def _out_shape(a, b, splits) -> tuple[int, ...]:
     return (a.shape[0], b.shape[-1])
 
 
-@torch.library.custom_op("truefuse::gemm", mutates_args=("pre_out", "grad_bias_out"))
+@custom_op("truefuse::gemm", mutates_args=("pre_out", "grad_bias_out"))
 def gemm_op(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -406,7 +410,7 @@ def _(a, b, out_dtype, bias, activation, pre_out, grad_activation, pre_activatio
     return a.new_empty(_out_shape(a, b, splits), dtype=out_dtype)
 
 
-@torch.library.custom_op("truefuse::gemm_out", mutates_args=("out", "pre_out", "grad_bias_out"))
+@custom_op("truefuse::gemm_out", mutates_args=("out", "pre_out", "grad_bias_out"))
 def gemm_out_op(
     a: torch.Tensor,
     b: torch.Tensor,

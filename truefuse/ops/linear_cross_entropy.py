@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops._dtypes import wide_dtype
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -314,14 +315,15 @@ def chunk_kernel(
     """
     if logits.shape[0] == 0:
         return None
-    lce_chunk_op(
+    launch(
+        lce_chunk_op,
         logits, t, cw, ce, zl, ok, s_ce, s_z, bias, V, ignore_index, float(w_sum), float(label_smoothing), float(z_loss),
         None if softcap is None else float(softcap), want_grad,
     )  # fmt: skip
     return logits if want_grad else None
 
 
-@torch.library.custom_op("truefuse::lce_chunk", mutates_args=("logits", "ce", "zl", "ok"))
+@custom_op("truefuse::lce_chunk", mutates_args=("logits", "ce", "zl", "ok"))
 def lce_chunk_op(
     logits: torch.Tensor,
     t: torch.Tensor,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops._triton import sm_count, triton_runs
 
 
@@ -21,11 +22,11 @@ def scale_(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     ``tensor.mul_(factor)``. Elsewhere, or for another factor dtype, it is ``tensor.mul_(factor)``.
     The launch is the custom op ``truefuse::scale_`` (mutates ``tensor``; docs/design.md §6.7).
     """
-    scale_op(tensor, factor)
+    launch(scale_op, tensor, factor)
     return tensor
 
 
-@torch.library.custom_op("truefuse::scale_", mutates_args=("tensor",))
+@custom_op("truefuse::scale_", mutates_args=("tensor",))
 def scale_op(tensor: torch.Tensor, factor: torch.Tensor) -> None:
     """:func:`scale_` as an op: ``tensor *= factor`` in place, returning nothing (an op's output
     may not alias its input)."""
