@@ -31,13 +31,32 @@ def failing_case():
         raise RuntimeError("boom")
 
     yield
-    registry._CASES[:] = [c for c in registry._CASES if c.op != "selftest"]
+    registry.unregister("selftest")
 
 
 def test_verify_fails_on_a_failing_case(failing_case, capsys):
     assert main(["verify", "--device", "cpu", "--op", "selftest", "--quiet"]) == 1
     out = capsys.readouterr().out
     assert "always_fails" in out and "RuntimeError: boom" in out and "0 passed, 2 failed" in out
+
+
+def test_every_cases_module_is_registered():
+    """Each ``truefuse/verify/cases_<op>.py`` is in ``CASE_MODULES`` (a module left out would never
+    run under ``verify``), and each listed module exists (docs/adding_an_op.md)."""
+    from pathlib import Path
+
+    files = {f"truefuse.verify.{p.stem}" for p in Path(registry.__file__).parent.glob("cases_*.py")}
+    assert files == set(registry.CASE_MODULES)
+
+
+def test_every_bench_module_is_registered():
+    """Each ``truefuse/bench/bench_<name>.py`` is a benchmark ``python -m truefuse bench`` knows."""
+    from pathlib import Path
+
+    from truefuse import bench
+
+    files = {f"truefuse.bench.{p.stem}" for p in Path(bench.__file__).parent.glob("bench_*.py")}
+    assert files == set(bench.BENCHES.values()) | set(bench.DISTRIBUTED_BENCHES.values())
 
 
 def test_verify_unknown_op(capsys):
@@ -92,7 +111,7 @@ def wide_cases():
         raise RuntimeError(_BOOM.removeprefix("RuntimeError: "))
 
     yield {f"{_LONG}_passes": "PASS", f"{_LONG}_fails": "FAIL", f"{_LONG}_raises": "FAIL"}
-    registry._CASES[:] = [c for c in registry._CASES if c.op != "selftest_wide"]
+    registry.unregister("selftest_wide")
 
 
 def _assert_every_row_shows_its_result(out: str, expected: dict[str, str]) -> None:
@@ -180,7 +199,7 @@ def two_ops():
     for op in ("selftest_a", "selftest_b"):
         registry.register(op, "passes", "bounded")(lambda device: {"": BoundedReport(0.0, 0.0, 1.0, 0.0, 0.0, True)})
     yield
-    registry._CASES[:] = [c for c in registry._CASES if c.op not in ("selftest_a", "selftest_b")]
+    registry.unregister("selftest_a", "selftest_b")
 
 
 @pytest.mark.parametrize("ops", [["--op", "selftest_a", "selftest_b"], ["--op", "selftest_a", "--op", "selftest_b"]])

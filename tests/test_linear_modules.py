@@ -9,7 +9,14 @@ import torch
 import truefuse
 from truefuse.ops.linear import MLP_ACTIVATIONS, NORMALIZATIONS
 from truefuse.testing import assert_bitwise
-from truefuse.verify.cases_linear import MODULES, _delayed_vs_immediate, _fwd_bwd, _main_grad, attach_main_grads, run_module
+from truefuse.verify.cases_linear import (
+    MODULES,
+    attach_main_grads,
+    delayed_vs_immediate_case,
+    fwd_bwd_case,
+    main_grad_case,
+    run_module,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]  # fp32 runs the Triton kernels under the CPU interpreter
 
@@ -17,7 +24,7 @@ DTYPES = [torch.float32, torch.bfloat16]  # fp32 runs the Triton kernels under t
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(MODULES))
 def test_bounded_against_reference(name, dtype, device):
-    for case in (_fwd_bwd(name, dtype), _main_grad(name, dtype)):
+    for case in (fwd_bwd_case(name, dtype), main_grad_case(name, dtype)):
         for k, rep in case(device).items():
             assert rep.passed, f"{name} {k}: {rep}"
 
@@ -80,7 +87,7 @@ def test_delayed_equals_immediate_bitwise(variant, dtype, device):
 def test_registered_bitwise_cases_pass(device):
     for name in MODULES:
         for fused in (True, False):
-            for k, rep in _delayed_vs_immediate(name, torch.bfloat16, fused)(device).items():
+            for k, rep in delayed_vs_immediate_case(name, torch.bfloat16, fused)(device).items():
                 assert rep.passed, f"{name} {k}"
 
 

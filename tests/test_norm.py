@@ -1,4 +1,4 @@
-"""rms_norm / layer_norm / gated_activation and truefuse.RMSNorm: bounded contract, batch
+"""rms_norm / layer_norm and truefuse.RMSNorm: bounded contract, batch
 invariance, the rounding rule, edge shapes and errors. On the CPU the fp32 cases run the Triton
 kernels under the interpreter; the others run the reference."""
 
@@ -12,7 +12,7 @@ from truefuse.testing import assert_bitwise, assert_bounded
 from truefuse.verify.registry import all_cases
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "gated_activation"])
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 def test_registered_cases(op, device):
     cases = all_cases([op], device.type)
     assert len(cases) >= 6
@@ -89,10 +89,6 @@ def test_errors(device):
         truefuse.rms_norm(x, None, -1.0)
     with pytest.raises(ValueError, match="zero_centered_gamma=True needs a weight"):
         truefuse.rms_norm(x, None, zero_centered_gamma=True)
-    with pytest.raises(ValueError, match="last dimension must be even"):
-        truefuse.gated_activation(torch.randn(4, 7, device=device), "swiglu")
-    with pytest.raises(ValueError, match="gated activation 'swish'"):
-        truefuse.gated_activation(torch.randn(4, 8, device=device), "swish")
 
 
 def test_rmsnorm_module_is_torch_rmsnorm(device):
@@ -118,24 +114,3 @@ def test_rmsnorm_module_is_torch_rmsnorm(device):
         zc(x)
     with pytest.raises(ValueError, match="zero_centered_gamma=True needs elementwise_affine"):
         truefuse.RMSNorm(8, elementwise_affine=False, zero_centered_gamma=True)
-
-
-@pytest.mark.parametrize("name", ["swiglu", "geglu", "geglu_tanh", "reglu"])
-def test_gated_activation_two_tensors_same_bits(name, device):
-    """``gated_activation(gate, name, up)`` is the kernel of the (M, 2F) form on two tensors: the
-    same bits forward and backward, without the concatenation (non-contiguous rows included)."""
-    from truefuse import gated_activation
-
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 7, 2 * 48, generator=g).to(device, dtype)
-    gate, up = x[..., :48].clone(), x[..., 48:]  # up: a strided view
-    gate.requires_grad_(), up.requires_grad_()
-    xx = x.clone().requires_grad_()
-    y1, y2 = gated_activation(gate, name, up), gated_activation(xx, name)
-    assert torch.equal(y1, y2)
-    dy = torch.randn(y1.shape, generator=g).to(device, dtype)
-    y1.backward(dy), y2.backward(dy)
-    assert torch.equal(torch.cat([gate.grad, up.grad], -1), xx.grad)
-    with pytest.raises(ValueError, match="up must be a tensor of gate's shape"):
-        gated_activation(gate, name, up[..., :5])

@@ -32,12 +32,11 @@ from truefuse.ops.linear import MLP_ACTIVATIONS, NORMALIZATIONS
 from truefuse.ops.linear_cross_entropy import linear_cross_entropy_plain
 from truefuse.ops.norm import layer_norm_torch, rms_norm_torch
 from truefuse.ops.scale import scale_, scale_ref
-from truefuse.testing import bitwise_report, bounded_report
+from truefuse.testing import bitwise_report, bounded_report, fwd_bwd_reports
 from truefuse.verify.cases_gemm import check_gemm
 from truefuse.verify.cases_grouped import grouped_vs_linear
 from truefuse.verify.cases_linear import WithSplits, attach_main_grads, run_module
 from truefuse.verify.cases_linear_cross_entropy import check_lce
-from truefuse.verify.cases_norm import check_fn
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 #: fp32 runs the Triton kernels (CPU interpreter); bf16 takes truefuse's PyTorch paths on the CPU.
@@ -360,7 +359,7 @@ def test_norm_forward_backward(c):
         inputs["bias"] = _randn(g, H, dtype=F32 if c["weight"] == "fp32" else dt)
     has_w, has_b = "weight" in inputs, "bias" in inputs
 
-    def with_params(fn):  # check_fn passes the float inputs positionally: name weight / bias
+    def with_params(fn):  # fwd_bwd_reports passes the float inputs positionally: name weight / bias
         def call(x, *params, **kw):
             p = dict(zip([n for n, h in (("weight", has_w), ("bias", has_b)) if h], params, strict=True))
             return fn(x, **p, **kw)
@@ -372,7 +371,7 @@ def test_norm_forward_backward(c):
         fns = (truefuse.rms_norm, truefuse.rms_norm_ref, rms_norm_torch)
     else:
         fns = (truefuse.layer_norm, truefuse.layer_norm_ref, layer_norm_torch)
-    reports = check_fn(*(with_params(f) for f in fns), inputs, seed=c["seed"] % 1000, **kw)
+    reports = fwd_bwd_reports(*(with_params(f) for f in fns), inputs, seed=c["seed"] % 1000, **kw)
     assert set(reports) == {"out", "dx"} | {f"d{k}" for k in inputs if k != "x"}, f"missing gradients: {sorted(reports)}"
     _assert_passed(reports, f"{'rms' if c['rms'] else 'layer'}_norm {c}")
 
@@ -409,7 +408,9 @@ def gated_cases(draw):
 def test_gated_activation(c):
     g = torch.Generator().manual_seed(c["seed"])
     x = _randn(g, *c["lead"], 2 * c["F"], dtype=c["dtype"], scale=c["scale"])
-    reports = check_fn(truefuse.gated_activation, truefuse.gated_activation_ref, gated_activation_torch, {"x": x}, name=c["name"])
+    reports = fwd_bwd_reports(
+        truefuse.gated_activation, truefuse.gated_activation_ref, gated_activation_torch, {"x": x}, name=c["name"]
+    )
     assert set(reports) == {"out", "dx"}
     _assert_passed(reports, f"gated_activation {c}")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from truefuse.testing import assert_bitwise, assert_bounded
-from truefuse.verify.cases_linear import MODULES, _to64, attach_main_grads, build, inputs_for, run_module
+from truefuse.verify.cases_linear import MODULES, attach_main_grads, build, inputs_for, run_module, to_float64
 
 DTYPE = torch.bfloat16
 
@@ -60,7 +60,7 @@ def test_contract_table(name, config, device):
     x, dy = inputs_for(m, DTYPE, device)
     got = run_module(m, x, dy)
     want = run_module(plain, x, dy)
-    ref = run_module(_to64(m), x.cpu().double(), dy.cpu().double(), ref=True)
+    ref = run_module(to_float64(m), x.cpu().double(), dy.cpu().double(), ref=True)
     returns = _returns(fused, delayed, attr)
 
     for k in ("out", "dx", *(f"d{n}" for n in others)):  # everything but GEMM weights: always as plain
@@ -117,7 +117,7 @@ def test_overwrite_main_grad(name, device):
         run_module(m, x, dy)
         m.backward_dw()
         want = run_module(build(name, DTYPE, device), x, dy)
-        ref = run_module(_to64(m), x.cpu().double(), dy.cpu().double(), ref=True)
+        ref = run_module(to_float64(m), x.cpu().double(), dy.cpu().double(), ref=True)
         for n, p in m.gemm_weights():
             assert_bounded(p.main_grad, ref[f"d{n}"], want[f"d{n}"].float(), f"{n}.main_grad")
 
@@ -136,7 +136,7 @@ def test_four_micro_batches_into_main_grad(name, device):
         run_module(m, x, dy)
         plain.zero_grad(set_to_none=True)
         want = run_module(plain, x, dy)
-        ref = run_module(_to64(m), x.cpu().double(), dy.cpu().double(), ref=True)
+        ref = run_module(to_float64(m), x.cpu().double(), dy.cpu().double(), ref=True)
         for n in start:
             total64[n] += ref[f"d{n}"]
             base[n] += want[f"d{n}"].float()

@@ -141,6 +141,27 @@ def bounded_report(
     return BoundedReport(err, base, r, max_diff, frac, passed)
 
 
+def fwd_bwd_reports(fn, ref, base, inputs: dict[str, torch.Tensor], seed: int = 0, **kw) -> dict[str, BoundedReport]:
+    """Bounded reports for ``fn`` forward and backward: ``out`` and ``d<name>`` for each float input.
+
+    ``fn``, ``ref`` and ``base`` are called as ``f(*inputs.values(), **kw)`` and backpropagate one
+    random upstream gradient (seeded by ``seed + 1``). ``fn`` and ``base`` (the same-dtype baseline)
+    run on ``inputs`` as given; ``ref`` runs on float64 CPU copies and is the reference.
+    """
+
+    def run(f, tensors):
+        leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
+        y = f(*leaves.values(), **kw)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1)).to(y)
+        y.backward(dy)
+        return {"out": y.detach(), **{f"d{k}": v.grad for k, v in leaves.items() if v.grad is not None}}
+
+    got = run(fn, inputs)
+    baseline = run(base, inputs)
+    ref64 = run(ref, {k: v.detach().cpu().double() for k, v in inputs.items()})
+    return {k: bounded_report(got[k], ref64[k], baseline[k]) for k in got}
+
+
 def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "tensor") -> None:
     """Assert bitwise equality with a message that carries the report."""
     rep = bitwise_report(actual, expected)

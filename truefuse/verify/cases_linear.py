@@ -7,7 +7,9 @@
 * ``main_grad``: fused fp32 accumulation into a random ``main_grad``, bounded against float64 with
   "bf16 weight gradient, then an fp32 add" as the baseline.
 
-The helpers here (:data:`MODULES`, :func:`build`, :func:`run_module`) are shared with the tests.
+The helpers here (:data:`MODULES`, :func:`build`, :func:`inputs_for`, :func:`run_module`,
+:func:`to_float64`, :func:`attach_main_grads`) and the case builders (:func:`fwd_bwd_case`,
+:func:`delayed_vs_immediate_case`, :func:`main_grad_case`) are shared with the tests.
 """
 
 from __future__ import annotations
@@ -127,17 +129,20 @@ def run_module(m: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, *, ref: bo
     return res
 
 
-def _to64(m: torch.nn.Module) -> torch.nn.Module:
+def to_float64(m: torch.nn.Module) -> torch.nn.Module:
+    """A float64 CPU copy of ``m`` (the reference's module); ``m`` is left as it is."""
     return copy.deepcopy(m).to(device="cpu", dtype=torch.float64)
 
 
-def _fwd_bwd(name, dtype):
+def fwd_bwd_case(name, dtype):
+    """The ``fwd_bwd`` case of module ``name`` in ``dtype``: a function of the device."""
+
     def case(device):
         m = build(name, dtype, device)
         x, dy = inputs_for(m, dtype, device)
         got = run_module(m, x, dy)
         base = run_module(build(name, dtype, device), x, dy, ref=True)
-        ref = run_module(_to64(m), x.cpu().double(), dy.cpu().double(), ref=True)
+        ref = run_module(to_float64(m), x.cpu().double(), dy.cpu().double(), ref=True)
         return {k: bounded_report(got[k], ref[k], base[k]) for k in got}
 
     return case
@@ -155,7 +160,9 @@ def attach_main_grads(m: torch.nn.Module, seed: int = 3, attr: bool = False) -> 
     return start
 
 
-def _delayed_vs_immediate(name, dtype, fused: bool):
+def delayed_vs_immediate_case(name, dtype, fused: bool):
+    """The ``delayed_vs_immediate_{main_grad if fused else grad}`` case: a function of the device."""
+
     def case(device):
         results = []
         for delay in (False, True):
@@ -177,14 +184,16 @@ def _delayed_vs_immediate(name, dtype, fused: bool):
     return case
 
 
-def _main_grad(name, dtype):
+def main_grad_case(name, dtype):
+    """The ``main_grad`` case of module ``name`` in ``dtype``: a function of the device."""
+
     def case(device):
         m = build(name, dtype, device, fuse_wgrad_accumulation=True)
         start = attach_main_grads(m)
         x, dy = inputs_for(m, dtype, device)
         run_module(m, x, dy)
         plain = run_module(build(name, dtype, device), x, dy)  # weight gradients in the param dtype
-        ref = run_module(_to64(m), x.cpu().double(), dy.cpu().double(), ref=True)
+        ref = run_module(to_float64(m), x.cpu().double(), dy.cpu().double(), ref=True)
         return {
             f"{n}.main_grad": bounded_report(
                 p.main_grad, start[n].cpu().double() + ref[f"d{n}"], start[n] + plain[f"d{n}"].float()
@@ -200,7 +209,7 @@ for _mod in MODULES:
     _op, _, _variant = _mod.partition("/")  # the op is the module; the variant names the case
     _pre = f"{_variant}_" if _variant else ""
     for _dn, _dt in _DTYPES.items():
-        register(_op, f"{_pre}fwd_bwd_{_dn}", "bounded")(_fwd_bwd(_mod, _dt))
-        register(_op, f"{_pre}delayed_vs_immediate_main_grad_{_dn}", "bitwise")(_delayed_vs_immediate(_mod, _dt, True))
-        register(_op, f"{_pre}delayed_vs_immediate_grad_{_dn}", "bitwise")(_delayed_vs_immediate(_mod, _dt, False))
-        register(_op, f"{_pre}main_grad_{_dn}", "bounded")(_main_grad(_mod, _dt))
+        register(_op, f"{_pre}fwd_bwd_{_dn}", "bounded")(fwd_bwd_case(_mod, _dt))
+        register(_op, f"{_pre}delayed_vs_immediate_main_grad_{_dn}", "bitwise")(delayed_vs_immediate_case(_mod, _dt, True))
+        register(_op, f"{_pre}delayed_vs_immediate_grad_{_dn}", "bitwise")(delayed_vs_immediate_case(_mod, _dt, False))
+        register(_op, f"{_pre}main_grad_{_dn}", "bounded")(main_grad_case(_mod, _dt))

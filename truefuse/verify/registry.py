@@ -22,6 +22,7 @@ CaseFn = Callable[[torch.device], dict[str, Report]]
 CASE_MODULES: tuple[str, ...] = (
     "truefuse.verify.cases_gemm",
     "truefuse.verify.cases_norm",
+    "truefuse.verify.cases_gated_activation",
     "truefuse.verify.cases_linear",
     "truefuse.verify.cases_grouped",
     "truefuse.verify.cases_linear_cross_entropy",
@@ -64,6 +65,11 @@ def register(op: str, name: str, contract: str, devices: tuple[str, ...] = ("cpu
         return fn
 
     return deco
+
+
+def unregister(*ops: str) -> None:
+    """Remove every registered case of ``ops`` (tests register throwaway ops and drop them after)."""
+    _CASES[:] = [c for c in _CASES if c.op not in ops]
 
 
 def all_cases(ops: list[str] | None = None, device: str | None = None) -> list[Case]:
