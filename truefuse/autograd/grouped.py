@@ -17,6 +17,7 @@ import torch
 
 from truefuse.autograd._autocast import autocast_disabled, cast, wgrad_dtype
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
+from truefuse.ops._custom_op import launch
 from truefuse.ops.activation import activation_ref
 from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_fwd_op, use_kernel
@@ -166,14 +167,14 @@ class GroupedLinearFunction(torch.autograd.Function):
 
 def _act_fwd(h: torch.Tensor, name: str) -> torch.Tensor:
     if use_kernel(h):
-        return gated_fwd_op(h, name)
+        return launch(gated_fwd_op, h, name)
     return gated_activation_ref(h, name) if name in GATED_ACTIVATIONS else activation_ref(h, name)
 
 
 def _act_bwd(da: torch.Tensor, h: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh, a): the activation's input gradient and its output recomputed, in one pass."""
     if use_kernel(h):
-        return gated_bwd_recompute_op(da, h, name)
+        return launch(gated_bwd_recompute_op, da, h, name)
     with torch.enable_grad():
         hh = h.detach().requires_grad_()
         a = _act_fwd(hh, name)

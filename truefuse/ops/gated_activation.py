@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops._custom_op import register_backward
+from truefuse.ops._custom_op import custom_op, register_backward
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.activation import activation_ref
@@ -122,7 +122,7 @@ def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool =
 # torch.library custom ops (docs/design.md §6.7), with fake implementations and the backward on the op.
 
 
-@torch.library.custom_op("truefuse::gated_activation_fwd", mutates_args=())
+@custom_op("truefuse::gated_activation_fwd", mutates_args=())
 def gated_fwd_op(x: torch.Tensor, name: str) -> torch.Tensor:
     """:func:`gated_fwd` as an op: contiguous (M, 2F) or (M, F) -> (M, F)."""
     return gated_fwd(x, name)

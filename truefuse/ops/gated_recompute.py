@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops._custom_op import no_double_backward
+from truefuse.ops._custom_op import custom_op, no_double_backward
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_bwd
 
 
-@torch.library.custom_op("truefuse::gated_activation_bwd_recompute", mutates_args=())
+@custom_op("truefuse::gated_activation_bwd_recompute", mutates_args=())
 def gated_bwd_recompute_op(dy: torch.Tensor, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, act(x))`` for contiguous (M, 2F) or (M, F) ``x`` and (M, F) ``dy``."""
     return gated_bwd(dy.contiguous(), x, name, recompute=True)
