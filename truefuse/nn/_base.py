@@ -70,6 +70,31 @@ class DelayedWgrad(torch.nn.Module):
     def max_pending_wgrad(self, value: int | None) -> None:
         self._wgrad.max_pending = check_max_pending(value)
 
+    def _wgrad_params(self) -> list[torch.Tensor]:
+        """The weights whose gradient completion :meth:`register_wgrad_hook` reports."""
+        raise NotImplementedError
+
+    def register_wgrad_hook(self, fn: Callable[[torch.nn.Parameter], None]) -> RemovableHandle:
+        """Call ``fn(param)`` once per GEMM weight when its gradient is complete.
+
+        Complete means: in ``param.grad`` (plain, from the parameter's post-accumulate-grad hook),
+        in ``param.main_grad`` (fused, right after the GEMM), or at the end of :meth:`backward_dw`
+        (delayed). Returns a handle whose ``remove()`` unregisters ``fn``.
+        """
+        if not callable(fn):
+            raise TypeError(f"register_wgrad_hook takes a callable, got {type(fn).__name__}")
+        for p in self._wgrad_params():
+            self._watch_wgrad(p)
+        handle = RemovableHandle(self._wgrad.hooks)
+        self._wgrad.hooks[handle.id] = fn
+        return handle
+
+    def _watch_wgrad(self, p: torch.Tensor) -> None:
+        """Attach the plain configuration's post-accumulate-grad hook to ``p`` (once per weight)."""
+        watched = self.__dict__.setdefault("_acc_handles", {})
+        if id(p) not in watched:
+            watched[id(p)] = p.register_post_accumulate_grad_hook(lambda p, s=self._wgrad: on_accumulated(s, p))
+
 
 class WgradModule(DelayedWgrad):
     """Mixin for modules whose GEMM weights follow docs/design.md §2 (see ``truefuse/autograd/_wgrad.py``).
@@ -89,11 +114,13 @@ class WgradModule(DelayedWgrad):
             max_pending=check_max_pending(max_pending_wgrad),
             owner=type(self).__name__,
         )
-        self._acc_handles: list[RemovableHandle] = []
 
     def gemm_weights(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) of every weight whose gradient is a GEMM (the ones §2 governs)."""
         raise NotImplementedError
+
+    def _wgrad_params(self) -> list[torch.Tensor]:
+        return [p for _, p in self.gemm_weights()]
 
     @property
     def fuse_wgrad_accumulation(self) -> bool:
@@ -110,23 +137,6 @@ class WgradModule(DelayedWgrad):
     @delay_wgrad_compute.setter
     def delay_wgrad_compute(self, value: bool) -> None:
         self._wgrad.delay_wgrad_compute = bool(value)
-
-    def register_wgrad_hook(self, fn: Callable[[torch.nn.Parameter], None]) -> RemovableHandle:
-        """Call ``fn(param)`` once per GEMM weight when its gradient is complete.
-
-        Complete means: in ``param.grad`` (plain, from the parameter's post-accumulate-grad hook),
-        in ``param.main_grad`` (fused, right after the GEMM), or at the end of :meth:`backward_dw`
-        (delayed). Returns a handle whose ``remove()`` unregisters ``fn``.
-        """
-        if not callable(fn):
-            raise TypeError(f"register_wgrad_hook takes a callable, got {type(fn).__name__}")
-        if not self._acc_handles:
-            state = self._wgrad
-            for _, p in self.gemm_weights():
-                self._acc_handles.append(p.register_post_accumulate_grad_hook(lambda p, s=state: on_accumulated(s, p)))
-        handle = RemovableHandle(self._wgrad.hooks)
-        self._wgrad.hooks[handle.id] = fn
-        return handle
 
     def _check_input(self, x: torch.Tensor, features: int, weight: torch.Tensor) -> None:
         """Clear errors before anything runs: x's type, last dimension and dtype (x and the weight in

@@ -15,12 +15,14 @@ class LinearCrossEntropyLoss(DelayedWgrad):
     Args:
         weight: (V,) per-class weights or None (a buffer, like ``torch.nn.CrossEntropyLoss``'s).
         reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss,
-        return_token_accuracy, chunk_size, fuse_wgrad_accumulation: as
+        return_token_accuracy, chunk_size, fp32_weight_grad, fuse_wgrad_accumulation: as
         :func:`truefuse.linear_cross_entropy` (the last sends the weight gradient to
         ``linear_weight.main_grad`` per docs/design.md §2).
         delay_wgrad_compute: the weight gradient waits for :meth:`backward_dw` (docs/design.md §2): then
             added to ``linear_weight.grad``, or to its ``main_grad`` when fused.
             :attr:`pending_wgrad` counts the backward passes waiting.
+            :meth:`register_wgrad_hook` reports each ``linear_weight`` passed to ``forward`` when
+            its gradient is complete, as the modules do for their own weights.
         max_pending_wgrad: warn once when more than this many backward passes wait for
             :meth:`backward_dw` (default 16; None: never). Also a settable attribute.
 
@@ -40,6 +42,7 @@ class LinearCrossEntropyLoss(DelayedWgrad):
         return_z_loss: bool = False,
         return_token_accuracy: bool = False,
         chunk_size: int | None = None,
+        fp32_weight_grad: bool = True,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         max_pending_wgrad: int | None = DEFAULT_MAX_PENDING_WGRAD,
@@ -48,6 +51,7 @@ class LinearCrossEntropyLoss(DelayedWgrad):
         self.register_buffer("weight", weight)
         self.reduction, self.ignore_index, self.label_smoothing = reduction, ignore_index, label_smoothing
         self.z_loss, self.softcap, self.chunk_size = z_loss, softcap, chunk_size
+        self.fp32_weight_grad = bool(fp32_weight_grad)
         self.return_z_loss, self.return_token_accuracy = return_z_loss, return_token_accuracy
         self._wgrad = WgradState(
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
@@ -56,12 +60,17 @@ class LinearCrossEntropyLoss(DelayedWgrad):
             owner=type(self).__name__,
         )
 
+    def _wgrad_params(self) -> list[torch.Tensor]:
+        return []  # the weights come with each forward, which watches them (_watch_wgrad)
+
     def forward(self, input, linear_weight, target, linear_bias=None):
+        if self._wgrad.hooks and isinstance(linear_weight, torch.Tensor) and linear_weight.requires_grad:
+            self._watch_wgrad(linear_weight)
         return linear_cross_entropy(
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight, reduction=self.reduction,
             ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
             return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, chunk_size=self.chunk_size,
-            wgrad_state=self._wgrad,
+            fp32_weight_grad=self.fp32_weight_grad, wgrad_state=self._wgrad,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
