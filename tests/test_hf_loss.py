@@ -510,3 +510,24 @@ def test_fallback_to_stock_loss_function():
     assert any("loss_function was replaced" in str(x.message) for x in w)
     ref = stock(input_ids=ids).logits.float().square().mean()
     assert _rel(out.loss, ref) <= 1e-6 and out.logits is not None
+
+
+def test_forward_keeps_no_targets_alive(monkeypatch):
+    """The shifted targets die with the step: the early range check once cached its answer per
+    tensor (``functools.cache``), keeping every step's targets alive for the life of the process."""
+    import gc
+    import weakref
+
+    _, patched = _models("llama")
+    ids, _, labels = _batch()
+    refs = []
+    real = hf_loss._early_range_check
+
+    def spy(t):
+        refs.append(weakref.ref(t))
+        return real(t)
+
+    monkeypatch.setattr(hf_loss, "_early_range_check", spy)
+    patched(input_ids=ids, labels=labels).loss.backward()
+    gc.collect()
+    assert refs and all(r() is None for r in refs)

@@ -32,6 +32,7 @@ Importable without transformers: it is imported lazily, when a forward runs.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import warnings
 
@@ -181,7 +182,6 @@ def _first_bad(t: torch.Tensor, V: int, ignore_index: int) -> int | None:
     return int(t[bad][0]) if bool(bad.any()) else None
 
 
-@functools.cache
 def _early_range_check(t: torch.Tensor) -> bool:
     """Check the targets' range here, before the loss runs, where that costs no host sync (off
     CUDA). On CUDA the loss's own check (queued before its first GEMM, waited for after every chunk
@@ -218,17 +218,10 @@ def _targets(labels, kwargs, tokens_shape, ignore_index: int):
             )
         t = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     else:
-        if src.numel() != _numel(tokens_shape):
+        if src.numel() != math.prod(tokens_shape):
             raise ValueError(f"shift_labels has shape {tuple(src.shape)}: one per token expected, tokens are {tokens_shape}")
         t = src.reshape(tokens_shape)
     return name, t
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _tokens_shape(input_ids, inputs_embeds):
@@ -276,7 +269,7 @@ def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict) -> tor
         # stock's mean over no counted token is 0 / 0 = NaN (its gradients zeros); the op's is 0:
         # give stock's answer, on the device (no host sync)
         loss = torch.where((t != ignore_index).any(), loss, torch.full_like(loss, float("nan")))
-    if num_items is not None:
+    else:
         if torch.is_tensor(num_items):
             num_items = num_items.to(loss.device)
         loss = loss / num_items
