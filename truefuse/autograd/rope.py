@@ -47,10 +47,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
         torch's promotion of q's and cos's (as stock).
     """
     if unsqueeze_dim != 1:
-        c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-        return q * c + torch.cat((-q[..., q.shape[-1] // 2 :], q[..., : q.shape[-1] // 2]), -1) * s, (
-            k * c + torch.cat((-k[..., k.shape[-1] // 2 :], k[..., : k.shape[-1] // 2]), -1) * s
-        )
+        return rope_ref(q, cos, sin, unsqueeze_dim), rope_ref(k, cos, sin, unsqueeze_dim)
     _check("q", q, cos)
     _check("k", k, cos)
     if sin.shape != cos.shape:

@@ -199,7 +199,6 @@ def _validate(
             # cuBLAS's fast kernels then add the bias as beta*C after rounding the product (1.41x
             # the error of the contiguous bias epilogue, bf16 on the H200): not this call's contract
             raise ValueError("bias with an out of padded rows: the bias would be added after rounding; pass a contiguous out")
-        _check_out_not_aliased(out, a=a, b=b, bias=bias, pre_activation=pre_activation)
     odt = out.dtype if out is not None else (out_dtype or a.dtype)
     if accumulate and out is None:
         raise ValueError("accumulate=True adds into an existing output: pass out=")
@@ -246,8 +245,7 @@ def _request(a, b, odt, accumulate, bias, activation, grad_activation, grad_bias
 
 
 def _check_out_not_aliased(out: torch.Tensor, **inputs) -> None:
-    if torch.compiler.is_compiling():  # storages have no addresses while tracing: checked in the op
-        return
+    """Checked inside the op (eager or compiled), where storages have addresses."""
     for name, t in inputs.items():
         if t is not None and t.numel() and out.numel() and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
             raise ValueError(f"out shares memory with {name}; gemm cannot write its result over an input")
@@ -398,11 +396,10 @@ def gemm_op(
     per_group: bool,
 ) -> torch.Tensor:
     """The validated ``gemm`` without ``out=``: planned and run here; returns the new output."""
-    res = _execute(
+    return _execute(
         a, b, None, out_dtype, False, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits,
         per_group,
     )  # fmt: skip
-    return res
 
 
 @gemm_op.register_fake

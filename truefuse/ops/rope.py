@@ -19,13 +19,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` (transformers' expression).
 
     Args:
-        x: (B, H, T, D), any strides. cos, sin: (B, T, D), broadcast over the heads.
+        x: (B, H, T, D), any strides. cos, sin: (B, T, D), broadcast over the heads
+            (``unsqueeze_dim``: where the heads' dimension goes into cos and sin, as transformers').
     """
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return (x * c) + (_rotate_half(x) * s)
 
 

@@ -22,7 +22,7 @@ GATED_FOR_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "relu": "
 _SUBCLASSES: dict[tuple[type, str], type] = {}
 
 
-def _subclass(stock: type, kind: str, forward, suffix: str = "") -> type:
+def truefuse_subclass(stock: type, kind: str, forward, suffix: str = "") -> type:
     """The truefuse subclass of ``stock`` (one per stock class and kind), registered in this module
     under a stable name so that a patched model still pickles."""
     key = (stock, kind)
@@ -81,7 +81,7 @@ def norm_class(stock: type, style: str, stock_bits: bool = True) -> type:
     (more accurate, not stock's bits; measured ~3 ms less per step on the demo's 1.3B model,
     docs/benchmarks.md)."""
     kind = f"rms_norm_{style}" + ("" if stock_bits else "_fast")
-    return _subclass(stock, kind, _NORM_FORWARDS[(style, stock_bits)], "" if stock_bits else "Fast")
+    return truefuse_subclass(stock, kind, _NORM_FORWARDS[(style, stock_bits)], "" if stock_bits else "Fast")
 
 
 def gated_for(act_fn) -> str | None:
@@ -111,7 +111,7 @@ def mlp_class(stock: type) -> type:
     """The truefuse subclass of a stock gated MLP (``down(act(gate(x)) * up(x))``): the activation
     and the product are one kernel that saves gate and up only (stock also keeps act(gate)) and
     rounds once (stock: twice)."""
-    return _subclass(stock, "mlp_gated", _gated_mlp_forward)
+    return truefuse_subclass(stock, "mlp_gated", _gated_mlp_forward)
 
 
 def _attention_forward(self, *args, **kwargs):
@@ -132,4 +132,4 @@ def _attention_forward(self, *args, **kwargs):
 def attention_class(stock: type) -> type:
     """The truefuse subclass of a stock attention class: its rotary embedding runs
     ``truefuse.apply_rotary_pos_emb`` (attention itself stays the model's ``attn_implementation``)."""
-    return _subclass(stock, "attention_rope", _attention_forward)
+    return truefuse_subclass(stock, "attention_rope", _attention_forward)

@@ -58,8 +58,8 @@ Rounding, against the stock module in the same dtype:
 
 Refused (``patch_experts`` returns a falsy :class:`ExpertsPatch` whose ``reason`` says why, also
 given by :func:`unsupported_reason` without patching; the module is left stock): an unknown class,
-an activation truefuse has no gated kernel for (``act_fn`` must be SiLU → ``swiglu``, erf GELU →
-``geglu``, ReLU → ``reglu``; e.g. ``gelu_pytorch_tanh`` is refused), a layout the decorator
+an activation truefuse has no gated kernel for (``modules.gated_for``: SiLU → ``swiglu``, erf GELU
+→ ``geglu``, tanh GELU → ``geglu_tanh``, ReLU → ``reglu``; e.g. ``gelu_new`` is refused), a layout the decorator
 ``@use_experts_implementation`` marks differently from the one above (``has_bias``,
 ``is_transposed``, ``is_concatenated=False``, ``has_gate=False``, ``has_post_expert_norm``, a
 class-specific ``_apply_gate``), or parameters of unexpected shape.
@@ -74,7 +74,6 @@ eager rounding rule, which is what the class's own forward computes; activation 
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +81,7 @@ import torch
 from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
+from truefuse.integrations.huggingface.modules import gated_for, truefuse_subclass
 
 #: The transformers experts classes :func:`patch_experts` takes (matched by class name, the module's
 #: own class or a stock base of it).
@@ -97,8 +97,6 @@ _LAYOUT_FLAGS: dict[str, bool] = {
     "has_post_expert_norm": False,
 }
 
-_SUBCLASSES: dict[type, type] = {}
-
 
 @dataclass(frozen=True)
 class ExpertsPatch:
@@ -107,7 +105,7 @@ class ExpertsPatch:
     Attributes:
         patched: the module's forward is truefuse's (also true for an already patched module).
         reason: why not, when not patched ("" otherwise).
-        activation: truefuse's gated activation used (``swiglu``, ``geglu``, ``reglu``) when patched.
+        activation: truefuse's gated activation used (``swiglu``, ``geglu``, ``geglu_tanh``, ``reglu``) when patched.
     """
 
     patched: bool
@@ -122,21 +120,6 @@ def _stock_class(module: torch.nn.Module) -> type | None:
     """The stock experts class of ``module`` (its own class or the stock base of a truefuse one)."""
     cls = getattr(type(module), "_truefuse_stock", type(module))
     return cls if cls.__name__ in EXPERT_CLASSES else None
-
-
-def _gated_activation_of(act_fn) -> str | None:
-    """truefuse's gated activation for the stock ``act_fn`` module (exact type match), or None."""
-    names = {torch.nn.SiLU: "swiglu", torch.nn.ReLU: "reglu"}
-    try:
-        from transformers import activations as hf_act
-    except ImportError:  # pragma: no cover - only reachable without transformers
-        hf_act = None
-    for attr, name in (("SiLUActivation", "swiglu"), ("GELUActivation", "geglu")):
-        cls = getattr(hf_act, attr, None)  # absent in some transformers versions
-        if cls is not None:
-            names[cls] = name
-    # GELUActivation is erf GELU either way (C or Python); its approximate variants are other classes
-    return names.get(type(act_fn))
 
 
 def _default_apply_gate():
@@ -165,11 +148,11 @@ def _check(module: torch.nn.Module) -> tuple[str | None, str]:
     if gate is not None and gate is not _default_apply_gate():
         return None, "a class-specific _apply_gate (only act(gate) * up is supported)"
     hidden_act = getattr(getattr(module, "config", None), "hidden_act", "?")
-    act = _gated_activation_of(getattr(module, "act_fn", None))
+    act = gated_for(getattr(module, "act_fn", None))
     if act is None:
         return None, (
             f"activation {type(getattr(module, 'act_fn', None)).__name__} (hidden_act={hidden_act!r}) has no truefuse "
-            "gated kernel (silu/swish -> swiglu, gelu -> geglu, relu -> reglu)"
+            "gated kernel (silu/swish -> swiglu, gelu -> geglu, gelu_pytorch_tanh -> geglu_tanh, relu -> reglu)"
         )
     w1, w2 = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not isinstance(w1, torch.nn.Parameter) or not isinstance(w2, torch.nn.Parameter):
@@ -228,15 +211,15 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     eager = _eager_rule(self)
     # torch.autocast as the configured stock forward: F.linear (eager) and bmm (batched_mm) are cast
     # to the autocast dtype; grouped_mm is not an autocast op (stock casts the input to the weights')
-    autocast_on = autocast_dtype(x_all.device) is not None
-    dt = autocast_dtype(x_all.device) if _experts_implementation(self) != "grouped_mm" else None
+    autocast = autocast_dtype(x_all.device)
+    dt = autocast if _experts_implementation(self) != "grouped_mm" else None
     w1, w2 = cast(self.gate_up_proj, dt), cast(self.down_proj, dt)
     x = x_all[rows // K]
     x = cast(x, dt) if dt is not None else x.to(w1.dtype)  # stock's grouped_mm casts to the weights' dtype
     fused = getattr(self, "_truefuse_fused_grouped_gemm", False)
     spec1 = GroupSpec(tuple(splits), True, False, ("gate_up_proj",), fused)
     spec2 = GroupSpec(tuple(splits), True, False, ("down_proj",), fused)
-    with torch.autocast(x.device.type, enabled=False) if autocast_on else contextlib.nullcontext():
+    with torch.autocast(x.device.type, enabled=False) if autocast is not None else contextlib.nullcontext():
         y = GroupedMLPFunction.apply(x, spec1, spec2, self._truefuse_activation, self._truefuse_wgrad, w1, w2)  # (n, H)
 
     out_dtype = hidden_states.dtype
@@ -255,16 +238,6 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     else:
         out = slots.sum(dim=1).to(out_dtype)
     return out.reshape(shape)
-
-
-def _truefuse_class(stock: type) -> type:
-    if stock not in _SUBCLASSES:
-        name = f"Truefuse{stock.__name__}"
-        sub = type(name, (stock,), {"forward": _experts_forward, "_truefuse_stock": stock, "_truefuse_kind": "experts"})
-        sub.__module__ = __name__
-        setattr(sys.modules[__name__], name, sub)
-        _SUBCLASSES[stock] = sub
-    return _SUBCLASSES[stock]
 
 
 def patch_experts(module: torch.nn.Module, *, fused_grouped_gemm: bool = False) -> ExpertsPatch:
@@ -291,7 +264,7 @@ def patch_experts(module: torch.nn.Module, *, fused_grouped_gemm: bool = False) 
     module._truefuse_fused_grouped_gemm = bool(fused_grouped_gemm)
     if getattr(module, "_truefuse_wgrad", None) is None:
         module._truefuse_wgrad = WgradState(owner=stock.__name__)
-    module.__class__ = _truefuse_class(stock)
+    module.__class__ = truefuse_subclass(stock, "experts", _experts_forward)
     return ExpertsPatch(True, "", act)
 
 

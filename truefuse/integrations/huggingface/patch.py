@@ -54,8 +54,9 @@ def apply_truefuse(
     Raises:
         ValueError for an unknown architecture, before anything is patched.
     """
-    arch = architecture_of(_model_type(model))
-    report = PatchReport(_model_type(model))
+    model_type = _model_type(model)
+    arch = architecture_of(model_type)
+    report = PatchReport(model_type)
     norm_cls, mlp_cls = arch.cls(arch.norm), arch.cls(arch.mlp) if arch.mlp else None
     experts_cls = arch.cls(arch.experts) if arch.experts else None
     attn_cls = arch.cls(arch.attention) if arch.attention else None
