@@ -14,7 +14,7 @@ import torch
 import truefuse
 from truefuse.ops.gated_activation import gated2_bwd_op, gated2_fwd_op, gated_bwd_op, gated_fwd_op, use_kernel
 from truefuse.ops.gemm import gemm_op, gemm_out_op
-from truefuse.ops.linear_cross_entropy import lce_chunk_op
+from truefuse.ops.linear_cross_entropy_chunk import lce_chunk_op
 from truefuse.ops.norm import hf_rstd, norm_bwd_op, norm_fwd_op, rms_norm_hf_fwd_op
 from truefuse.ops.rope import rope_bwd_op, rope_fwd_op
 from truefuse.ops.scale import scale_op

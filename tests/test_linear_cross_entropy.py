@@ -126,18 +126,18 @@ def test_errors(device):
 @pytest.mark.parametrize("mode", ["one_chunk", "delayed", "chunks", "main_grad_chunks"])
 def test_padded_rows_and_split_vocabulary_agree_with_one_gemm(device, monkeypatch, mode):
     """V = 203: the logits rows are padded to 256 (16-byte aligned for the kernel) and each GEMM is
-    split at 192 classes (``linear_cross_entropy_gemms``). Loss and every gradient agree with the
+    split at 192 classes (``chunked_head_gemms``). Loss and every gradient agree with the
     unpadded, unsplit run: through one chunk, the one-chunk d_logits kept for a delayed weight
     gradient (sliced back to V columns), several chunks with the fp32 accumulator, and main_grad."""
-    import truefuse.autograd.linear_cross_entropy as lce_mod
-    import truefuse.autograd.linear_cross_entropy_gemms as gemms_mod
+    import truefuse.ops.chunked_head as head_mod
+    import truefuse.ops.chunked_head_gemms as gemms_mod
 
     x, W, t, b = make_inputs(torch.float32, device, bias=True)
     if not triton_runs(x):
         pytest.skip("the logits are padded for the Triton kernel only")
     splits = []
     real = gemms_mod.vocab_split
-    monkeypatch.setattr(lce_mod, "vocab_split", lambda *a: splits.append(real(*a)) or splits[-1])
+    monkeypatch.setattr(head_mod, "vocab_split", lambda *a: splits.append(real(*a)) or splits[-1])
     kw = {"chunk_size": 16} if "chunks" in mode else {}
     fused = mode == "main_grad_chunks"
     out = {}
@@ -165,13 +165,13 @@ def test_padded_rows_and_split_vocabulary_agree_with_one_gemm(device, monkeypatc
 def test_odd_vocabulary_at_scale_is_bounded(monkeypatch):
     """GPT-2's V = 50257 at a size where the GEMMs are split (the ``min_macs`` tuning knob): per-token losses under
     a random upstream gradient and every gradient within the bounded contract, bf16 on the GPU."""
-    import truefuse.autograd.linear_cross_entropy as lce_mod
+    import truefuse.ops.chunked_head as head_mod
 
     dev = torch.device("cuda")
     x, W, t, b = make_inputs(torch.bfloat16, dev, N=1024, H=128, V=50257, bias=True)
     splits = []
-    real = lce_mod.vocab_split
-    monkeypatch.setattr(lce_mod, "vocab_split", lambda *a: splits.append(real(*a)) or splits[-1])
+    real = head_mod.vocab_split
+    monkeypatch.setattr(head_mod, "vocab_split", lambda *a: splits.append(real(*a)) or splits[-1])
     up = torch.randn(t.shape, generator=torch.Generator().manual_seed(4))
     _assert(check_lce(x, W, t, b, reduction="none", upstream=up, z_loss=1e-3))
     assert splits and all(s == 50240 for s in splits), splits
@@ -226,7 +226,7 @@ def test_default_chunk_takes_all_tokens_only_within_the_chunked_memory():
     """One chunk when every token's logits fit in what chunking would hold anyway (the chunk_bytes
     tuning knob, or the fp32 weight-gradient accumulator's V·H·4 bytes when that is wanted); else
     the largest power of two that fits there."""
-    from truefuse.autograd.linear_cross_entropy import _default_chunk
+    from truefuse.ops.chunked_head import default_chunk as _default_chunk
 
     assert get_tuning().chunk_bytes == 512 << 20
     assert _default_chunk(8192, 128256, 4096, 2, True) == 8192  # 2.10 GB of logits == the fp32 accumulator
@@ -332,7 +332,8 @@ def test_chunk_kernel_ties_and_infinities(device):
     """The loss kernel's per-lane online softmax against ``chunk_math`` on rows built to break it:
     the maximum tied across lanes and blocks (the first one wins, as torch.argmax), -inf logits
     (first in a lane, and a whole row), +inf, every logit equal, and V not a multiple of the block."""
-    from truefuse.autograd.linear_cross_entropy import _Cfg, _kernel_chunk, _torch_chunk
+    from truefuse.ops.linear_cross_entropy import LinearCrossEntropyOptions
+    from truefuse.ops.linear_cross_entropy_chunk import CrossEntropyChunks
 
     if not triton_runs(torch.empty(0, device=device)):
         pytest.skip("the Triton kernel runs on CUDA, or on the CPU under TRITON_INTERPRET=1")
@@ -347,13 +348,14 @@ def test_chunk_kernel_ties_and_infinities(device):
     t = z.argmax(-1)
     assert t[:2].tolist() == [7, 69] and t[3] == 0 and t[5] == 200
     t[4] = 4  # a miss
-    cfg = _Cfg(V=V, reduction="sum", ignore_index=-100, label_smoothing=0.0, z_loss=1e-3, softcap=None, chunk=8)
+    opts = LinearCrossEntropyOptions(reduction="sum", z_loss=1e-3)
     one = torch.ones((), device=device)
     got, ref = [], []
-    for fn, out in ((_kernel_chunk, got), (_torch_chunk, ref)):
-        ce, zl, ok = torch.empty(6, device=device), torch.empty(6, device=device), torch.empty(6, dtype=torch.bool, device=device)
-        d = fn(cfg, z.clone(), t, None, ce, zl, ok, one, one, float(V), True)
-        out.extend([ce, zl, ok, d])
+    for kernel, out in ((True, got), (False, ref)):
+        loss = CrossEntropyChunks(opts, V, t, None, one, one, like=z)
+        loss.kernel = kernel  # the Triton kernel, then the same math in PyTorch (chunk_math)
+        d = loss.chunk(slice(0, 6), z.clone(), None, True)
+        out.extend([loss.ce, loss.zl, loss.correct, d])
     assert got[2].tolist() == ref[2].tolist() == [True, True, True, True, False, True]
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)

@@ -220,7 +220,8 @@ def _nonfinite_rows(V, block, seed=0):
 
 
 def _chunk_vs_reference(dtype, device, V, block, softcap, smoothing, class_weight, path):
-    from truefuse.autograd.linear_cross_entropy import _Cfg, _kernel_chunk, _torch_chunk
+    from truefuse.ops.linear_cross_entropy import LinearCrossEntropyOptions
+    from truefuse.ops.linear_cross_entropy_chunk import CrossEntropyChunks
 
     z64, t = _nonfinite_rows(V, block)
     z, t = z64.to(device, dtype), t.to(device)
@@ -234,12 +235,10 @@ def _chunk_vs_reference(dtype, device, V, block, softcap, smoothing, class_weigh
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     up = up.to(device, wide)
     kw = {"label_smoothing": smoothing, "z_loss": 1e-3, "softcap": softcap}
-    cfg = _Cfg(V=V, reduction="none", ignore_index=-100, chunk=C, **kw)
-    w_sum = float(cw.sum()) if cw is not None else float(V)
-    ce, zl = torch.empty(C, dtype=wide, device=device), torch.empty(C, dtype=wide, device=device)
-    ok = torch.empty(C, dtype=torch.bool, device=device)
-    chunk = {"kernel": _kernel_chunk, "torch": _torch_chunk}[path]
-    d = chunk(cfg, z.clone(), t, cw, ce, zl, ok, up, up, w_sum, True)
+    loss = CrossEntropyChunks(LinearCrossEntropyOptions(reduction="none", **kw), V, t, cw, up, up, like=z)
+    loss.kernel = path == "kernel"  # the Triton kernel, or the same math in PyTorch (chunk_math)
+    d = loss.chunk(slice(0, C), z.clone(), None, True)
+    ce, zl, ok = loss.ce, loss.zl, loss.correct
 
     zr = z.to(wide).requires_grad_()
     out = _from_logits(

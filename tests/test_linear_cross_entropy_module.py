@@ -23,13 +23,13 @@ def test_fp32_weight_grad_reaches_the_module(fp32_weight_grad, monkeypatch):
     import truefuse.nn.linear_cross_entropy as mod
 
     seen = {}
-    real = mod.linear_cross_entropy
+    real = mod.linear_cross_entropy_with
 
-    def spy(*a, **k):
-        seen.update(k)
-        return real(*a, **k)
+    def spy(opts, *a, **k):
+        seen["fp32_weight_grad"] = opts.fp32_weight_grad
+        return real(opts, *a, **k)
 
-    monkeypatch.setattr(mod, "linear_cross_entropy", spy)
+    monkeypatch.setattr(mod, "linear_cross_entropy_with", spy)
     x, W, t = _inputs()
     loss = LinearCrossEntropyLoss(chunk_size=8, fp32_weight_grad=fp32_weight_grad)(x, W, t)
     assert seen["fp32_weight_grad"] is fp32_weight_grad

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import truefuse
-from truefuse.autograd.linear_cross_entropy_gemms import vocab_split
 from truefuse.config import Tuning, get_tuning, knob_docs, tuning
+from truefuse.ops.chunked_head_gemms import vocab_split
 from truefuse.ops.norm import use_kernel
 from truefuse.verify.cases_linear_cross_entropy import make_inputs
 
@@ -22,10 +22,10 @@ KNOBS = (
 def _chunks(monkeypatch, N, V, H, **kw) -> list[int]:
     """Rows of each chunk the public ``truefuse.linear_cross_entropy`` runs (default chunk_size) on
     an fp32 (N, H) input and a (V, H) weight: the forward's per-chunk ``vocab_split`` calls, spied."""
-    import truefuse.autograd.linear_cross_entropy as lce_mod
+    import truefuse.ops.chunked_head as head_mod
 
     rows = []
-    monkeypatch.setattr(lce_mod, "vocab_split", lambda xc, v: rows.append(xc.shape[0]) or vocab_split(xc, v))
+    monkeypatch.setattr(head_mod, "vocab_split", lambda xc, v: rows.append(xc.shape[0]) or vocab_split(xc, v))
     x, W, t, _ = make_inputs(torch.float32, torch.device("cpu"), N=N, H=H, V=V, ignore="none")
     with torch.no_grad():  # no weight gradient: the budget is chunk_bytes alone
         truefuse.linear_cross_entropy(x, W, t, **kw)

@@ -7,6 +7,8 @@ Public API (see README.md and docs/design.md):
 * :func:`rms_norm`, :func:`layer_norm`, :func:`gated_activation` and :class:`RMSNorm`: fused
   norms and gated activations (references in ``truefuse.ops``).
 * :func:`linear_cross_entropy` / :func:`linear_cross_entropy_ref`: the LM head's loss in chunks.
+* :func:`linear_log_probs` / :func:`linear_log_probs_ref`: per-token log-probabilities and entropy
+  from the LM head (what RL trainers compute), on the same chunked head.
 * :func:`rms_norm_hf`, :func:`apply_rotary_pos_emb`: transformers' RMSNorm and rotary embedding,
   bit for bit, fused (``truefuse.integrations.huggingface`` patches models with them).
 * :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP`, :class:`GroupedLinear`,
@@ -16,6 +18,7 @@ Public API (see README.md and docs/design.md):
 
 from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
+from truefuse.autograd.linear_log_probs import linear_log_probs
 from truefuse.autograd.norm import layer_norm, rms_norm, rms_norm_hf
 from truefuse.autograd.rope import apply_rotary_pos_emb
 from truefuse.nn.grouped import GroupedLinear, GroupedMLP
@@ -29,6 +32,7 @@ from truefuse.ops.gemm import GemmOutput, gemm, gemm_plan_for, gemm_ref
 from truefuse.ops.gemm_plan import Capability, GemmPlan, override_capabilities
 from truefuse.ops.linear import layernorm_linear_ref, layernorm_mlp_ref, linear_ref
 from truefuse.ops.linear_cross_entropy import LinearCrossEntropyOutput, linear_cross_entropy_ref
+from truefuse.ops.linear_log_probs import LinearLogProbsOutput, linear_log_probs_ref
 from truefuse.ops.norm import layer_norm_ref, rms_norm_ref
 
 __version__ = "0.2.0"
@@ -44,6 +48,7 @@ __all__ = [
     "LayerNormLinear",
     "LinearCrossEntropyLoss",
     "LinearCrossEntropyOutput",
+    "LinearLogProbsOutput",
     "LayerNormMLP",
     "Linear",
     "RMSNorm",
@@ -59,6 +64,8 @@ __all__ = [
     "layernorm_mlp_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
+    "linear_log_probs",
+    "linear_log_probs_ref",
     "linear_ref",
     "override_capabilities",
     "rms_norm",

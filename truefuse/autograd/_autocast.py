@@ -38,6 +38,8 @@ import functools
 
 import torch
 
+from truefuse.ops._dtypes import wgrad_dtype  # noqa: F401  (the autograd Functions import it from here)
+
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype torch's autocast runs ``F.linear`` in on ``device`` now; None when autocast is off
@@ -72,14 +74,6 @@ def as_cast(t, dtype: torch.dtype | None):
     if not isinstance(t, torch.Tensor) or cast_dtype(t, dtype) == t.dtype:
         return t
     return torch.empty((), dtype=dtype, device=t.device).expand(t.shape)
-
-
-def wgrad_dtype(in_dtype: torch.dtype, param_dtype: torch.dtype) -> torch.dtype:
-    """What a weight-gradient GEMM over ``in_dtype`` operands writes for a ``param_dtype`` weight:
-    the parameter's dtype where a GEMM can write it (``in_dtype`` or fp32, accumulated in fp32 and
-    rounded once), else fp32, rounded to the parameter's dtype afterwards (fp16 operands of a bf16
-    weight under fp16 autocast, and the reverse)."""
-    return param_dtype if param_dtype in (in_dtype, torch.float32) else torch.float32
 
 
 def _disabled(device_type: str | None):

@@ -136,6 +136,24 @@ def _cached_zeros(param: torch.Tensor) -> torch.Tensor:
     return z
 
 
+def main_grad_target(param: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
+    """Fused and not delayed, for a backward whose weight-gradient GEMMs share a pass with other
+    work (the chunked head's: d_input rides with them): where they write and whether they add
+    (``overwrite_main_grad`` false). Call :func:`main_grad_written` after them."""
+    check_main_grad(param, name)
+    return param.main_grad, not getattr(param, "overwrite_main_grad", False)
+
+
+def main_grad_written(param: torch.Tensor, state: WgradState) -> torch.Tensor | None:
+    """After the GEMMs into :func:`main_grad_target`: the hooks fire, and what autograd gets (as
+    :func:`deliver_weight_grad`'s fused row of the table)."""
+    _fire(state, param)
+    if hasattr(param, "grad_added_to_main_grad"):
+        param.grad_added_to_main_grad = True
+        return _cached_zeros(param)
+    return None
+
+
 def _to_main_grad(param: torch.Tensor, compute: WgradCompute) -> None:
     compute(param.main_grad, not getattr(param, "overwrite_main_grad", False))
 
@@ -179,11 +197,7 @@ def deliver_weight_grad(param: torch.Tensor, name: str, compute: WgradCompute, s
         return _cached_zeros(param) if (fused and has_attr) else None
     if fused:
         _to_main_grad(param, compute)
-        _fire(state, param)
-        if has_attr:
-            param.grad_added_to_main_grad = True
-            return _cached_zeros(param)
-        return None
+        return main_grad_written(param, state)
     return compute(None, False)
 
 

@@ -18,7 +18,7 @@ from truefuse.kernels.activation import act_derivative
 
 
 @triton.jit
-def _gemm_fwd_kernel(
+def _gemm_kernel(
     a_ptr,
     b_ptr,
     c_ptr,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from truefuse.autograd._wgrad import DEFAULT_MAX_PENDING_WGRAD, WgradState, check_max_pending
-from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
+from truefuse.autograd.linear_cross_entropy import linear_cross_entropy_with
 from truefuse.nn._base import DelayedWgrad
+from truefuse.ops.linear_cross_entropy import LinearCrossEntropyOptions
 
 
 class LinearCrossEntropyLoss(DelayedWgrad):
@@ -25,6 +28,10 @@ class LinearCrossEntropyLoss(DelayedWgrad):
             its gradient is complete, as the modules do for their own weights.
         max_pending_wgrad: warn once when more than this many backward passes wait for
             :meth:`backward_dw` (default 16; None: never). Also a settable attribute.
+
+    The options live in :attr:`options` (a frozen ``LinearCrossEntropyOptions``, checked when the
+    module is built); each is also an attribute (``loss.reduction = "sum"`` replaces and re-checks
+    :attr:`options`).
 
     Autocast: as :func:`truefuse.linear_cross_entropy`: GEMMs in the autocast dtype, the loss in
     fp32, as ``F.cross_entropy(F.linear(...).float(), target)`` under ``torch.autocast``.
@@ -49,10 +56,10 @@ class LinearCrossEntropyLoss(DelayedWgrad):
     ) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
-        self.reduction, self.ignore_index, self.label_smoothing = reduction, ignore_index, label_smoothing
-        self.z_loss, self.softcap, self.chunk_size = z_loss, softcap, chunk_size
-        self.fp32_weight_grad = bool(fp32_weight_grad)
-        self.return_z_loss, self.return_token_accuracy = return_z_loss, return_token_accuracy
+        self.options = LinearCrossEntropyOptions(
+            reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy, chunk_size,
+            fp32_weight_grad,
+        )  # fmt: skip
         self._wgrad = WgradState(
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             delay_wgrad_compute=delay_wgrad_compute,
@@ -66,15 +73,28 @@ class LinearCrossEntropyLoss(DelayedWgrad):
     def forward(self, input, linear_weight, target, linear_bias=None):
         if self._wgrad.hooks and isinstance(linear_weight, torch.Tensor) and linear_weight.requires_grad:
             self._watch_wgrad(linear_weight)
-        return linear_cross_entropy(
-            input, linear_weight, target, linear_bias=linear_bias, weight=self.weight, reduction=self.reduction,
-            ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
-            return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, chunk_size=self.chunk_size,
-            fp32_weight_grad=self.fp32_weight_grad, wgrad_state=self._wgrad,
+        return linear_cross_entropy_with(
+            self.options, input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
+            wgrad_state=self._wgrad,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
+        o = self.options
         return (
-            f"reduction={self.reduction}, ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
-            f"z_loss={self.z_loss}, softcap={self.softcap}"
+            f"reduction={o.reduction}, ignore_index={o.ignore_index}, label_smoothing={o.label_smoothing}, "
+            f"z_loss={o.z_loss}, softcap={o.softcap}"
         )
+
+
+def _option(name: str) -> property:
+    def get(self):
+        return getattr(self.options, name)
+
+    def set_(self, value):
+        self.options = dataclasses.replace(self.options, **{name: value})
+
+    return property(get, set_, doc=f"``options.{name}``; setting it replaces and re-checks :attr:`options`.")
+
+
+for _field in dataclasses.fields(LinearCrossEntropyOptions):
+    setattr(LinearCrossEntropyLoss, _field.name, _option(_field.name))

@@ -16,19 +16,19 @@ and d_logits are NaN; an ignored token's d_logits are 0 − exp(log_softmax)·0 
 ``torch.logsumexp`` (the z-loss) gives ±inf for a ±inf max; ``torch.argmax`` (the accuracy) takes
 the first NaN, else the first maximum.
 
-``chunk_math`` is the same math for one chunk of tokens given its logits, with the gradient of the
-logits in closed form; the chunked op (``truefuse/autograd/linear_cross_entropy.py``) runs it.
+:class:`LinearCrossEntropyOptions` holds the options once (checked when built); the per-chunk math
+over the chunked LM head is ``ops/linear_cross_entropy_chunk.py``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops._dtypes import wide_dtype
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -49,10 +49,59 @@ class LinearCrossEntropyOutput(NamedTuple):
     token_accuracy: torch.Tensor | None
 
 
-def check_args(
-    input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, chunk_size
-):
-    """Clear errors naming the argument, before anything runs (targets are checked separately)."""
+@dataclass(frozen=True)
+class LinearCrossEntropyOptions:
+    """The loss's options, held once and checked when built (``ValueError`` naming the option).
+
+    Attributes:
+        reduction: ``mean`` | ``sum`` | ``none``.
+        ignore_index: targets equal to it do not count.
+        label_smoothing: in [0, 1]. z_loss: ≥ 0, finite. softcap: > 0, finite, or None.
+        return_z_loss, return_token_accuracy: also return those (not differentiable).
+        chunk_size: tokens per chunk (a positive int), or None for ``chunked_head.default_chunk``.
+        fp32_weight_grad: accumulate the weight gradient across chunks in fp32 (round once).
+    """
+
+    reduction: str = "mean"
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float | None = None
+    return_z_loss: bool = False
+    return_token_accuracy: bool = False
+    chunk_size: int | None = None
+    fp32_weight_grad: bool = True
+
+    def __post_init__(self):
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        # written so that NaN fails each test (every comparison with NaN is false), and inf is named
+        if not 0.0 <= float(self.label_smoothing) <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        if not 0.0 <= float(self.z_loss) < math.inf:
+            raise ValueError(f"z_loss must be non-negative and finite, got {self.z_loss}")
+        if self.softcap is not None and not 0.0 < float(self.softcap) < math.inf:
+            raise ValueError(f"softcap must be positive and finite, or None, got {self.softcap}")
+        chunk = self.chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk_size must be a positive int or None, got {chunk!r}")
+        # the kernels take Python scalars: one conversion here, not one per use
+        for name, kind in (("ignore_index", int), ("label_smoothing", float), ("z_loss", float)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        for name in ("return_z_loss", "return_token_accuracy", "fp32_weight_grad"):
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        if self.softcap is not None:
+            object.__setattr__(self, "softcap", float(self.softcap))
+
+    @property
+    def extras(self) -> bool:
+        """Whether the result is a :class:`LinearCrossEntropyOutput` rather than the loss alone."""
+        return self.return_z_loss or self.return_token_accuracy
+
+
+def check_args(input, linear_weight, target, linear_bias, weight):
+    """Clear errors naming the argument, before anything runs (the options are checked by
+    :class:`LinearCrossEntropyOptions`; targets against V by :func:`check_targets`)."""
     for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -83,17 +132,6 @@ def check_args(
     for name, t in (("linear_weight", linear_weight), ("target", target), ("linear_bias", linear_bias), ("weight", weight)):
         if t is not None and t.device != input.device:
             raise ValueError(f"{name} is on {t.device} but input is on {input.device}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    # written so that NaN fails each test (every comparison with NaN is false), and inf is named
-    if not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not 0.0 <= float(z_loss) < math.inf:
-        raise ValueError(f"z_loss must be non-negative and finite, got {z_loss}")
-    if softcap is not None and not 0.0 < float(softcap) < math.inf:
-        raise ValueError(f"softcap must be positive and finite, or None, got {softcap}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
 
 def check_targets(target: torch.Tensor, V: int, ignore_index: int, valid: torch.Tensor | None = None):
@@ -247,117 +285,3 @@ def linear_cross_entropy_plain(input, linear_weight, target, *, linear_bias=None
             **kw,
         },
     )
-
-
-def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s_ce, s_z, want_grad: bool):
-    """Per-token terms and, when ``want_grad``, the logits' gradient, for one chunk.
-
-    Args:
-        z: (C, V) fp32 logits after the softcap (``softcap``: its cap, or None).
-        t, valid: (C,) targets and their non-ignored mask.
-        cw: (V,) fp32 class weights or None; ``W_sum`` their sum (V without weights; read only
-            with label smoothing).
-        s_ce, s_z: scales of the cross-entropy and z-loss gradients (scalars or (C,) per token).
-
-    Returns ``(ce, zl, correct, d_logits or None)``: the gradient is with respect to the logits
-    before the softcap, scaled; on ignored rows the terms are 0 and the gradient is 0 (NaN where
-    torch's is: a row whose log_softmax is NaN). Non-finite logits: as the module docstring says.
-    """
-    lse = torch.logsumexp(z, dim=-1)  # the z-loss's: ±inf with a ±inf max, NaN with a NaN
-    # F.cross_entropy's log_softmax is NaN on a row whose max is ±inf (z − max = inf − inf): the
-    # cross-entropy and its gradient use lse where finite, NaN elsewhere
-    lse_ce = torch.where(lse.isfinite(), lse, torch.nan)
-    t_safe = torch.where(valid, t, 0)
-    z_t = z.gather(1, t_safe[:, None]).squeeze(1)
-    w_t = cw[t_safe] if cw is not None else torch.ones_like(lse)
-    eps = float(label_smoothing)
-    ce = w_t * (lse_ce - z_t)
-    if eps > 0:
-        wz = z @ cw if cw is not None else z.sum(-1)
-        ce = (1 - eps) * ce + eps / V * (W_sum * lse_ce - wz)
-    # selected, not multiplied by 0: an ignored row's inf / NaN logits must not reach the loss
-    ce = torch.where(valid, ce, 0.0)
-    zl = torch.where(valid, z_loss * lse.square(), 0.0)
-    correct = (z.argmax(-1) == t) & valid
-    if not want_grad:
-        return ce, zl, correct, None
-    p = torch.exp(z - lse_ce[:, None])
-    g = p * ((1 - eps) * w_t)[:, None]
-    g.scatter_add_(1, t_safe[:, None], -((1 - eps) * w_t)[:, None])
-    if eps > 0:
-        g += eps / V * (p * W_sum - (cw[None, :] if cw is not None else 1.0))
-    # s_ce, s_z: 0-dim (a reduction's scale) or (C,) (per-token upstream). An ignored row's are 0,
-    # whatever the upstream (inf or NaN included): its d_logits are 0·p, as torch's log_softmax
-    # backward gives (0 − exp(out)·0): 0, or NaN on a row whose log_softmax is NaN
-    g *= torch.where(valid, s_ce, 0.0)[:, None]
-    if z_loss:
-        g += (2 * z_loss * lse_ce * torch.where(valid, s_z, 0.0))[:, None] * p
-    if softcap is not None:
-        g *= 1 - (z / softcap).square()
-    return ce, zl, correct, g
-
-
-def chunk_kernel(
-    logits, t, cw, ce, zl, ok, s_ce, s_z, *, V, ignore_index, w_sum, label_smoothing, z_loss, softcap, want_grad, bias=None
-):
-    """:func:`chunk_math` for one chunk in one Triton kernel (``kernels/cross_entropy.py``), on CUDA
-    or for fp32 under the CPU interpreter.
-
-    Args:
-        logits: (C, ≥ V) logits in the input dtype, rows of ``logits.stride(0)`` elements (padded
-            rows allowed); d_logits are written over their first V columns when ``want_grad``.
-        t: (C,) int64 targets. cw: (V,) fp32 class weights or None. ce, zl, ok: (C,) outputs
-            (per-token cross-entropy and z-loss in fp32, argmax == target).
-        s_ce, s_z: 0-dim or (C,) fp32 scales of the gradient, read on the device (no host sync).
-        bias: (V,) added to the logits in fp32 by the kernel, or None (the GEMM added it).
-
-    Returns the d_logits (the ``logits`` tensor) when ``want_grad``, else None.
-    """
-    if logits.shape[0] == 0:
-        return None
-    launch(
-        lce_chunk_op,
-        logits, t, cw, ce, zl, ok, s_ce, s_z, bias, V, ignore_index, float(w_sum), float(label_smoothing), float(z_loss),
-        None if softcap is None else float(softcap), want_grad,
-    )  # fmt: skip
-    return logits if want_grad else None
-
-
-@custom_op("truefuse::lce_chunk", mutates_args=("logits", "ce", "zl", "ok"))
-def lce_chunk_op(
-    logits: torch.Tensor,
-    t: torch.Tensor,
-    cw: torch.Tensor | None,
-    ce: torch.Tensor,
-    zl: torch.Tensor,
-    ok: torch.Tensor,
-    s_ce: torch.Tensor,
-    s_z: torch.Tensor,
-    bias: torch.Tensor | None,
-    V: int,
-    ignore_index: int,
-    w_sum: float,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float | None,
-    want_grad: bool,
-) -> None:
-    """The kernel launch of :func:`chunk_kernel` as a custom op (docs/design.md §6.7): writes
-    ``ce``, ``zl``, ``ok`` and, when ``want_grad``, the d_logits over ``logits``."""
-    from truefuse.kernels.cross_entropy import _lce_chunk_kernel
-
-    C = logits.shape[0]
-    if C == 0:
-        return
-    _lce_chunk_kernel[(C,)](
-        logits, logits.stride(0), bias if bias is not None else logits, t, cw if cw is not None else ce, ce, zl, ok,
-        s_ce.contiguous(), s_z.contiguous(), V, ignore_index, w_sum, label_smoothing, z_loss,
-        softcap or 1.0, HAS_BIAS=bias is not None, HAS_CW=cw is not None,
-        SMOOTH=label_smoothing > 0, SOFTCAP=softcap is not None, WANT_GRAD=want_grad, PER_TOKEN=s_ce.dim() == 1,
-        BLOCK_V=2048 if logits.is_cuda else 64, num_warps=8,  # 8 logits a thread: fastest at every V (H200)
-    )  # fmt: skip
-
-
-@lce_chunk_op.register_fake
-def _(logits, t, cw, ce, zl, ok, s_ce, s_z, bias, V, ignore_index, w_sum, label_smoothing, z_loss, softcap, want_grad):
-    return None

@@ -50,14 +50,14 @@ def _kernel(dtype: torch.dtype):
     if dtype not in _TUNED:
         import triton
 
-        from truefuse.kernels.gemm import _gemm_fwd_kernel
+        from truefuse.kernels.gemm import _gemm_kernel
 
         _TUNED[dtype] = triton.autotune(
             configs=_configs(dtype),
             key=["M", "N", "K", "ACCUMULATE", "GRAD_ACT", "GRAD_BIAS"],
             # tuning runs the kernel several times: an accumulated output must be restored
             restore_value=["c_ptr"],
-        )(_gemm_fwd_kernel)
+        )(_gemm_kernel)
     return _TUNED[dtype]
 
 

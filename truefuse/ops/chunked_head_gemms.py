@@ -1,4 +1,4 @@
-"""The linear cross-entropy's three GEMMs, with the vocabulary split where cuBLAS needs it.
+"""The chunked LM head's three GEMMs (logits, d_input, d_weight), with the vocabulary split where cuBLAS needs it.
 
 cuBLAS (H200, bf16) runs a GEMM whose vocabulary dimension V is not a multiple of 8 five to six
 times slower: at 8192 x 50257 x 4096 (GPT-2's vocabulary) the logits, d_input and d_weight GEMMs
@@ -10,7 +10,7 @@ first ``split`` classes run in aligned GEMMs and the rest (fewer than ``align``)
 * logits: two column ranges of the output (disjoint: every logit is the same dot product),
   without the bias: into an output with padded rows cuBLAS's aligned kernels add a bias (as
   beta·C) after rounding the product, 1.41x the logits' error of ``F.linear``'s bias epilogue at
-  1024 x 50257 x 128 (``experiments/exp_lce_split_accuracy.py``), so the loss kernel adds it in fp32;
+  1024 x 50257 x 128 (``experiments/exp_lce_split_accuracy.py``), so the loss adds it in fp32;
 * d_weight: two row ranges of the output (disjoint likewise);
 * d_input contracts over V: the two parts are summed in fp32 and rounded once, as one GEMM's
   fp32 accumulator is (an fp32 (tokens, H) temporary).
@@ -57,7 +57,7 @@ def logits_buffer(rows: int, V: int, like: torch.Tensor) -> torch.Tensor:
 def logits_gemm(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None, split: int | None):
     """The logits ``x @ Wᵀ (+ b)`` (tokens, V): one GEMM with the bias into a new tensor when
     ``split`` is None; else the two column ranges into ``out`` (``buf[:, :V]`` of a
-    :func:`logits_buffer`), without a bias (the loss kernel adds it). Returns the logits."""
+    :func:`logits_buffer`), without a bias (the loss adds it in fp32). Returns the logits."""
     if split is None:
         return gemm(x, W.t(), bias=b)
     if b is not None:

@@ -1,0 +1,57 @@
+"""What the chunked LM head's autograd Functions share (``linear_cross_entropy``,
+``linear_log_probs``): the gradients in the parameters' dtypes, and the backward that runs the
+chunks again under docs/design.md §2 (plain, delayed, or fused into ``main_grad``)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from truefuse.autograd._wgrad import WgradState, deliver_weight_grad, main_grad_target, main_grad_written
+from truefuse.ops.chunked_head import HeadGrads
+
+#: ``run(want, **head_chunks_keywords) -> HeadGrads``: one pass of a loss over the head's chunks,
+#: everything but what to compute and where d_weight goes bound (its ``w_dtype`` included).
+HeadRun = Callable[..., HeadGrads]
+
+
+def in_dtypes(grads: HeadGrads, w_dtype: torch.dtype, b_dtype: torch.dtype | None) -> HeadGrads:
+    """dW and db in the parameters' dtypes (each rounded once from its accumulator)."""
+    dx, dW, db, d = grads
+    return HeadGrads(dx, None if dW is None else dW.to(w_dtype), None if db is None else db.to(b_dtype), d)
+
+
+def _weight_pass(run: HeadRun, w_dtype: torch.dtype, out: torch.Tensor | None, accumulate: bool):
+    """The delayed weight gradient: the chunks again, the weight's GEMMs only (with ``run`` and
+    ``w_dtype`` bound, a ``WgradCompute``)."""
+    dW = run((False, True, False), main_grad=out, accumulate=accumulate).dW
+    return None if dW is None else dW.to(w_dtype)
+
+
+def recompute_backward(
+    run: HeadRun,
+    needs: tuple[bool, bool, bool],
+    wstate: WgradState | None,
+    Wp: torch.Tensor,
+    b_dtype: torch.dtype | None,
+    name: str = "linear_weight",
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(d_input, what autograd gets for the weight, d_bias) from the chunks run again, the upstream
+    gradient already bound into ``run``'s scales.
+
+    ``needs``: which of (input, weight, bias) want a gradient. ``Wp``: the weight parameter (for
+    §2; under autocast the GEMMs take its cast copy). Plain: one pass. Delayed: d_input and d_bias
+    now, the weight's pass in ``backward_dw()``. Fused: one pass whose d_weight GEMMs add into
+    ``main_grad``, d_input and d_bias riding along."""
+    gx, gw, gb = needs
+    if not gw or wstate is None or wstate.plain:
+        dx, dW, db, _ = in_dtypes(run(needs), Wp.dtype, b_dtype)
+        return dx, dW, db
+    if wstate.delay_wgrad_compute:
+        dx, _, db, _ = in_dtypes(run((gx, False, gb)), Wp.dtype, b_dtype)
+        return dx, deliver_weight_grad(Wp, name, functools.partial(_weight_pass, run, Wp.dtype), wstate), db
+    main_grad, accumulate = main_grad_target(Wp, name)
+    dx, _, db, _ = in_dtypes(run(needs, main_grad=main_grad, accumulate=accumulate), Wp.dtype, b_dtype)
+    return dx, main_grad_written(Wp, wstate), db

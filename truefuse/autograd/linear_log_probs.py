@@ -1,0 +1,121 @@
+"""``truefuse.linear_log_probs``: per-token log-probabilities of the targets and entropies from the
+LM head, without materializing the (tokens, V) logits: the autograd Function and the functional
+API. The work runs on the chunked LM head (``ops/chunked_head.py``) with ``LogProbChunks`` as its
+per-chunk math (``ops/linear_log_probs.py``). The forward computes the two outputs only; the
+backward, whose upstream gradients are per token, runs the chunks again (one more logits GEMM, as
+``linear_cross_entropy`` with ``reduction="none"``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dtype, cast
+from truefuse.autograd._chunked_head import recompute_backward
+from truefuse.autograd._wgrad import WgradState, check_main_grad
+from truefuse.ops._dtypes import wide_dtype
+from truefuse.ops.chunked_head import default_chunk, head_chunks
+from truefuse.ops.linear_cross_entropy import check_args, check_targets
+from truefuse.ops.linear_log_probs import LinearLogProbsOptions, LinearLogProbsOutput, LogProbChunks
+
+
+class LinearLogProbsFunction(torch.autograd.Function):
+    """Inputs: x (N, H), W (V, H), bias (V,) or None, target (N,) int64, the options, the chunk
+    size, the weight's docs/design.md §2 state (None: plain), and the autocast dtype (None outside
+    autocast; as ``LinearCrossEntropyFunction``). Outputs: (N,) log-probs and (N,) entropies, wide.
+
+    Backward runs the chunks again with both upstream gradients (a copy of them when the weight
+    gradient is delayed, which reads them in ``backward_dw()``), per docs/design.md §2 for the
+    weight (``_chunked_head.recompute_backward``). Backward may run several times (``retain_graph``)."""
+
+    @staticmethod
+    @autocast_disabled
+    def forward(ctx, x, W, b, t, opts: LinearLogProbsOptions, chunk: int, wstate: WgradState | None, dtype):
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
+        if wstate is not None and wstate.fuse_wgrad_accumulation and needs[1]:
+            check_main_grad(W, "linear_weight")  # a clear error now, not in the backward
+        Wp, ctx.b_dtype = W, None if b is None else b.dtype
+        W, b = cast(W, dtype), cast(b, dtype)
+        check = check_targets(t, W.shape[0], opts.ignore_index)
+        loss = LogProbChunks(opts, W.shape[0], t, None, None, like=x, check=check)
+        head_chunks(loss, x, W, b, chunk=chunk, want=(False, False, False))
+        ctx.opts, ctx.chunk, ctx.needs, ctx.wstate = opts, chunk, needs, wstate
+        if any(needs):
+            ctx.save_for_backward(x, W, b, t, Wp)
+        return loss.log_probs, loss.entropy
+
+    @staticmethod
+    @autocast_disabled
+    def backward(ctx, g_lp, g_ent):
+        x, W, b, t, Wp = ctx.saved_tensors
+        wide = wide_dtype(x)
+        # delayed: copies (N values each), since backward_dw() reads them after this backward
+        # returned, when the caller may have written its upstream tensors
+        delayed = ctx.wstate is not None and ctx.wstate.delay_wgrad_compute and ctx.needs[1]
+        a, c = g_lp.to(wide, copy=delayed), g_ent.to(wide, copy=delayed)
+
+        def run(want, **head):
+            loss = LogProbChunks(ctx.opts, W.shape[0], t, a, c, like=x)
+            return head_chunks(
+                loss, x, W, b, chunk=ctx.chunk, want=want, fp32_weight_grad=ctx.opts.fp32_weight_grad,
+                w_dtype=Wp.dtype, **head,
+            )  # fmt: skip
+
+        dx, dW, db = recompute_backward(run, ctx.needs, ctx.wstate, Wp, ctx.b_dtype)
+        return dx, dW, db, None, None, None, None, None
+
+
+def linear_log_probs(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    fp32_weight_grad: bool = True,
+    fuse_wgrad_accumulation: bool = False,
+    wgrad_state: WgradState | None = None,
+) -> LinearLogProbsOutput:
+    """Log-probability of each target and entropy of each token's distribution under
+    ``softmax(softcap(input @ linear_weightᵀ + linear_bias) / temperature)``, in chunks of tokens.
+
+    Args:
+        input: (..., H) hidden states, fp16 / bf16 / fp32 / fp64.
+        linear_weight: (V, H), the input's dtype. linear_bias: (V,) or None.
+        target: (...) int64/int32 token ids; ``ignore_index`` marks tokens whose outputs are 0.
+        temperature: > 0, the sampling temperature the logits are divided by (after the softcap).
+        softcap: Gemma-style ``softcap * tanh(logits / softcap)``, or None.
+        chunk_size: tokens per chunk (default: ``linear_cross_entropy``'s rule).
+        fp32_weight_grad, fuse_wgrad_accumulation, wgrad_state: as :func:`truefuse.linear_cross_entropy`
+            (the weight gradient under docs/design.md §2).
+
+    Returns:
+        :class:`LinearLogProbsOutput` ``(log_probs, entropy)``, each shaped like ``target``, fp32
+        (fp64 on fp64 inputs), both differentiable in ``input``, ``linear_weight`` and
+        ``linear_bias`` (any per-token upstream gradients; the backward runs the chunks again).
+        Semantics and non-finite values: ``truefuse.ops.linear_log_probs.linear_log_probs_ref``.
+
+    Autocast: as ``F.linear`` under ``torch.autocast``: the GEMMs in its dtype, the rest in fp32.
+
+    Raises:
+        TypeError / ValueError naming the argument; ``ValueError`` for a target outside [0, V)
+        other than ``ignore_index``.
+    """
+    opts = LinearLogProbsOptions(temperature, softcap, ignore_index, chunk_size, fp32_weight_grad)
+    dtype = autocast_dtype(input.device) if isinstance(input, torch.Tensor) else None
+    input = cast(input, dtype)
+    check_args(input, as_cast(linear_weight, dtype), target, as_cast(linear_bias, dtype), None)
+    V = linear_weight.shape[0]
+    t = target.reshape(-1).to(torch.int64)
+    x = input.reshape(-1, input.shape[-1])
+    if wgrad_state is None and fuse_wgrad_accumulation:
+        wgrad_state = WgradState(fuse_wgrad_accumulation=True)
+    elif fuse_wgrad_accumulation and not wgrad_state.fuse_wgrad_accumulation:
+        raise ValueError("fuse_wgrad_accumulation=True contradicts wgrad_state (pass one or the other)")
+    wgrad = torch.is_grad_enabled() and linear_weight.requires_grad
+    chunk = opts.chunk_size or default_chunk(x.shape[0], V, x.shape[1], x.element_size(), wgrad and opts.fp32_weight_grad)
+    lp, ent = LinearLogProbsFunction.apply(x, linear_weight, linear_bias, t, opts, chunk, wgrad_state, dtype)
+    return LinearLogProbsOutput(lp.view(target.shape), ent.view(target.shape))
