@@ -66,3 +66,30 @@ def test_register_wgrad_hook_reports_the_weight(config):
     assert len(calls) == 1
     with pytest.raises(TypeError, match="callable"):
         loss_fn.register_wgrad_hook(3)
+
+
+def test_main_grad_chunks_stay_within_chunk_bytes(monkeypatch):
+    """Into main_grad there is no fp32 accumulator to match: the default chunks stay within the
+    chunk_bytes budget, where a returned weight gradient takes chunks up to the accumulator's
+    V·H·4 bytes (64 KiB here against a 16 KiB budget). Both give the plain gradient, bounded."""
+    import truefuse.ops.chunked_head as head_mod
+    from truefuse.config import tuning
+    from truefuse.ops.chunked_head_gemms import vocab_split
+
+    rows = []
+    monkeypatch.setattr(head_mod, "vocab_split", lambda xc, v: rows.append(xc.shape[0]) or vocab_split(xc, v))
+    g = torch.Generator().manual_seed(0)
+    x, W = torch.randn(64, 64, generator=g), torch.randn(256, 64, generator=g) * 0.1
+    t = torch.randint(0, 256, (64,), generator=g)
+    grads = {}
+    with tuning(chunk_bytes=16 << 10):
+        for fused in (False, True):
+            rows.clear()
+            Wl = W.clone().requires_grad_()
+            if fused:
+                Wl.main_grad = torch.zeros(W.shape)
+            linear_cross_entropy(x, Wl, t, fuse_wgrad_accumulation=fused).backward()
+            grads[fused] = (list(rows), Wl.main_grad if fused else Wl.grad)
+    assert grads[False][0] == [64]  # one chunk: the accumulator's budget
+    assert grads[True][0] == [16] * 8  # forward, then the backward's recompute: 16 KiB each
+    torch.testing.assert_close(grads[True][1], grads[False][1], rtol=1e-5, atol=1e-6)

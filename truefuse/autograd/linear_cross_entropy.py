@@ -188,8 +188,9 @@ def linear_cross_entropy(
         return_z_loss, return_token_accuracy: also return those (not differentiable).
         chunk_size: tokens per chunk. Default: all tokens in one chunk when their logits take no
             more memory than chunking would (the ``chunk_bytes`` tuning knob, 512 MiB, or the fp32 weight-gradient
-            accumulator's V·H·4 bytes when that is needed: 8192 tokens at V = 128256, H = 4096 in
-            bf16), else the largest power of two of tokens whose logits fit in that budget.
+            accumulator's V·H·4 bytes when there is one, i.e. the weight gradient is returned: 8192
+            tokens at V = 128256, H = 4096 in bf16), else the largest power of two of tokens whose
+            logits fit in that budget. Into ``main_grad`` there is no accumulator: 512 MiB.
         fp32_weight_grad: accumulate the weight gradient across chunks in fp32 and round once
             (default: as accurate as the plain path; V·H·4 bytes of memory), or in the weight's
             dtype (no extra memory, one rounding per chunk; measured in docs/benchmarks.md). A
@@ -197,9 +198,12 @@ def linear_cross_entropy(
         fuse_wgrad_accumulation: the weight gradient goes to ``linear_weight.main_grad`` (fp32,
             Megatron's convention) inside the GEMMs, per docs/design.md §2 (what autograd gets: None, or
             a cached zero tensor when the weight has ``grad_added_to_main_grad``; with
-            ``overwrite_main_grad`` it is written, not added). With one chunk (the default rule
-            above) the forward keeps its d_logits for the backward's GEMM; with several chunks
-            (or ``none``) the backward recomputes them (one more logits GEMM).
+            ``overwrite_main_grad`` it is written, not added). No V×H buffer of the loss's own:
+            the peak above the returned gradients is one chunk's logits (0.53 GB at 8192 x 128256
+            x 4096, bf16). With one chunk the forward keeps its d_logits for the backward's GEMM;
+            with several (the default rule above beyond 512 MiB of logits) or with ``none`` the
+            backward recomputes them (one more logits GEMM; a larger ``chunk_size`` trades that
+            memory back for the time).
         wgrad_state: the weight's docs/design.md §2 state (``LinearCrossEntropyLoss`` passes its own: it
             holds ``delay_wgrad_compute`` and the queue ``backward_dw()`` runs); default: a fresh
             one from ``fuse_wgrad_accumulation``.
@@ -268,9 +272,13 @@ def linear_cross_entropy_with(
         wgrad_state = WgradState(fuse_wgrad_accumulation=True)
     elif fuse_wgrad_accumulation and not wgrad_state.fuse_wgrad_accumulation:  # None: plain (no state to trace)
         raise ValueError("fuse_wgrad_accumulation=True contradicts wgrad_state (pass one or the other)")
-    # the same budget with main_grad fusion: one chunk keeps its d_logits instead of recomputing
-    # the chunks in the backward (one more logits GEMM)
-    chunk = opts.chunk_size or default_chunk(x.shape[0], V, x.shape[1], x.element_size(), wgrad and opts.fp32_weight_grad)
+    # an fp32 weight-gradient accumulator (V·H·4 bytes) exists unless d_weight goes to main_grad:
+    # chunks up to its size cost no more memory (default_chunk). Into main_grad the chunks stay
+    # within chunk_bytes (0.53 GB at 8192 x 128256 x 4096, not 2.1), and the backward recomputes
+    # their logits (one more GEMM; docs/benchmarks.md)
+    fused = wgrad_state is not None and wgrad_state.fuse_wgrad_accumulation
+    accumulator = wgrad and opts.fp32_weight_grad and not fused
+    chunk = opts.chunk_size or default_chunk(x.shape[0], V, x.shape[1], x.element_size(), accumulator)
     loss, z_part, acc = LinearCrossEntropyFunction.apply(x, linear_weight, linear_bias, t, cw, opts, chunk, wgrad_state, dtype)
     if opts.reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape)

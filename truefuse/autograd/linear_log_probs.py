@@ -116,6 +116,12 @@ def linear_log_probs(
     elif fuse_wgrad_accumulation and not wgrad_state.fuse_wgrad_accumulation:
         raise ValueError("fuse_wgrad_accumulation=True contradicts wgrad_state (pass one or the other)")
     wgrad = torch.is_grad_enabled() and linear_weight.requires_grad
-    chunk = opts.chunk_size or default_chunk(x.shape[0], V, x.shape[1], x.element_size(), wgrad and opts.fp32_weight_grad)
+    # an fp32 weight-gradient accumulator (V·H·4 bytes) exists unless d_weight goes to main_grad:
+    # chunks up to its size cost no more memory (default_chunk). Into main_grad the chunks stay
+    # within chunk_bytes (0.53 GB at 8192 x 128256 x 4096, not 2.1), and the backward recomputes
+    # their logits (one more GEMM; docs/benchmarks.md)
+    fused = wgrad_state is not None and wgrad_state.fuse_wgrad_accumulation
+    accumulator = wgrad and opts.fp32_weight_grad and not fused
+    chunk = opts.chunk_size or default_chunk(x.shape[0], V, x.shape[1], x.element_size(), accumulator)
     lp, ent = LinearLogProbsFunction.apply(x, linear_weight, linear_bias, t, opts, chunk, wgrad_state, dtype)
     return LinearLogProbsOutput(lp.view(target.shape), ent.view(target.shape))

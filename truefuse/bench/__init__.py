@@ -14,6 +14,7 @@ BENCHES = {
     "rms_norm": "truefuse.bench.bench_rms_norm",
     "grouped": "truefuse.bench.bench_grouped",
     "linear_cross_entropy": "truefuse.bench.bench_linear_cross_entropy",
+    "linear_log_probs": "truefuse.bench.bench_linear_log_probs",
 }
 
 

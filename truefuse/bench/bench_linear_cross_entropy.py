@@ -7,6 +7,9 @@ splits them, torch.compile pads them). Providers, side by side in one run (ratio
 
 * ``truefuse`` (default chunk) and ``truefuse_c{N}`` (chunk of N tokens): the chunk sweep;
   ``truefuse_bf16acc_c{N}``: the weight gradient accumulated in bf16 (``fp32_weight_grad=False``);
+  ``truefuse_main_grad``: the weight gradient added into an fp32 ``main_grad``
+  (``fuse_wgrad_accumulation``, default chunk; ``main_grad`` is an input, so not in the peak, and
+  no weight gradient is returned), ``truefuse_main_grad_c8192`` with one 8192-token chunk;
 * ``plain``: ``F.linear`` in bf16, ``F.cross_entropy`` on the fp32 logits (what users write), and
   ``compile_plain``: ``torch.compile`` of it (compiled per shape, static shapes);
 * ``compile_ref``: ``torch.compile`` of ``linear_cross_entropy_ref`` (fp32 ``F.linear``);
@@ -36,9 +39,11 @@ def _inputs(p, device):
     return x, W, t
 
 
-def _step(loss_fn):
+def _step(loss_fn, main_grad=False):
     def make(p, device):
         x, W, t = _inputs(p, device)
+        if main_grad:
+            W.main_grad = torch.zeros(W.shape, dtype=torch.float32, device=device)
 
         def fn():
             x.grad = W.grad = None
@@ -121,6 +126,12 @@ def sweep(quick: bool) -> Sweep:
     # weight gradient accumulated in bf16: no fp32 accumulator
     providers["truefuse_bf16acc_c4096"] = _step(
         lambda x, W, t: linear_cross_entropy(x, W, t, chunk_size=4096, fp32_weight_grad=False)
+    )
+    providers["truefuse_main_grad"] = _step(
+        lambda x, W, t: linear_cross_entropy(x, W, t, fuse_wgrad_accumulation=True), main_grad=True
+    )
+    providers["truefuse_main_grad_c8192"] = _step(
+        lambda x, W, t: linear_cross_entropy(x, W, t, chunk_size=8192, fuse_wgrad_accumulation=True), main_grad=True
     )
     return Sweep(
         name="linear_cross_entropy",
