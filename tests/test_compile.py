@@ -297,11 +297,27 @@ def test_compile_linear_cross_entropy(chunk_size, device):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="m_splits as a tensor: its sizes are read on the host (m_splits.tolist()), a data-dependent "
-    "sync no graph can hold; pass a list of ints to compile",
+    reason="m_splits as a tensor with per-group weights (or backend='per_group'/'cublas_grouped'): its "
+    "sizes are read on the host (m_splits.tolist()), a data-dependent sync no graph can hold; pass a list "
+    "of ints to compile, or use packed weights on the 'triton' backend (the test below)",
 )
 def test_compile_grouped_tensor_splits(device):
     _dev(device)
     make, call = _MODULES["GroupedLinear"]
     splits = torch.tensor([2, 4], device=device)
     _module_case(make, lambda m, x: m(x, splits), device=device)
+
+
+@pytest.mark.parametrize("name", ["GroupedLinear", "GroupedMLP"])
+@pytest.mark.parametrize("mode", ["plain", "fused"])
+def test_compile_grouped_tensor_splits_triton(name, mode, device):
+    """Packed weights on the batch-invariant grouped GEMM take a device tensor of sizes: no host
+    read, so the whole forward and backward trace as one graph each."""
+    _dev(device)
+    splits = torch.tensor([2, 0, 4], device=device)
+    kw = {"fuse_wgrad_accumulation": True} if mode == "fused" else {}
+    cls = truefuse.GroupedLinear if name == "GroupedLinear" else truefuse.GroupedMLP
+    _module_case(
+        lambda: cls(3, 16, 12, bias=True, single_grouped_weight=True, backend="triton", **kw),
+        lambda m, x: m(x, splits), fused=mode == "fused", device=device,
+    )  # fmt: skip

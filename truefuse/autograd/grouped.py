@@ -7,6 +7,13 @@ input gradient, contraction mode weight gradient into a (G, N, K) output); per-g
 exactly the calls ``LinearFunction`` makes for one group, so a per-group GroupedLinear equals one
 ``truefuse.Linear`` per group bit for bit. Every weight gradient goes through docs/design.md §2
 (``_wgrad.deliver_weight_grad``), packed or per group.
+
+Packed weights run on one of three backends (``GroupSpec.backend``, docs/design.md §1 "Grouped GEMM"):
+``triton`` (the batch-invariant grouped GEMM of ``ops/grouped_gemm.py``: the groups travel as device
+offsets, so nothing reads the sizes on the host, forward or backward), ``per_group`` (one
+``truefuse.gemm`` per group: bits equal to one Linear per group) and ``cublas_grouped`` (cuBLAS
+``grouped_mm`` where the planner offers it). The offsets tensor is passed to ``apply`` after the
+parameters (optional: made from ``splits`` when missing).
 """
 
 from __future__ import annotations
@@ -24,6 +31,11 @@ from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_re
 from truefuse.ops.gated_recompute import gated_bwd_recompute_op
 from truefuse.ops.gemm import gemm as _gemm
 from truefuse.ops.gemm import grouped_gemm
+from truefuse.ops.grouped_gemm import grouped_bias_grad, grouped_mm_rows, grouped_mm_wgrad, split_offsets
+
+#: The packed weights' backends: the batch-invariant Triton grouped GEMM, one GEMM per group (bits of
+#: one Linear per group), cuBLAS grouped_mm.
+GROUPED_BACKENDS = ("triton", "per_group", "cublas_grouped")
 
 
 @dataclass(frozen=True)
@@ -31,7 +43,7 @@ class GroupSpec:
     """What a grouped layer's autograd Function needs besides tensors.
 
     Attributes:
-        splits: rows per group.
+        splits: rows per group (None when they live only in a device tensor: ``triton`` backend).
         packed: one (G, N, K) weight instead of G weights.
         has_bias: biases follow the weights in the parameter list.
         names: weight names for error messages (one, or one per group).
@@ -41,19 +53,52 @@ class GroupSpec:
             the contract says GroupedLinear is.
         dtype: the autocast dtype the weights and biases are cast to for the GEMMs (None outside
             autocast; ``_autocast``); their gradients come back in the parameters' dtypes.
+        backend: one of :data:`GROUPED_BACKENDS` for packed weights; None: ``cublas_grouped`` if
+            ``fused_grouped_gemm`` else ``per_group`` (what callers that predate it asked for).
+            Per-group weights always run the per-group loop.
     """
 
-    splits: tuple[int, ...]
+    splits: tuple[int, ...] | None
     packed: bool
     has_bias: bool
     names: tuple[str, ...]
     fused_grouped_gemm: bool = False
     dtype: torch.dtype | None = None
+    backend: str | None = None
+
+    def __post_init__(self):
+        if self.backend is not None and self.backend not in GROUPED_BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not one of {GROUPED_BACKENDS}")
+        if self.mode == "triton" and not self.packed:
+            raise ValueError("backend='triton' needs packed weights (single_grouped_weight=True)")
+        if self.splits is None and self.mode != "triton":
+            raise ValueError(f"splits=None (sizes only on the device) needs backend='triton', not {self.mode!r}")
+
+    @property
+    def mode(self) -> str:
+        """The backend that runs: :attr:`backend`, or the one ``fused_grouped_gemm`` names."""
+        if not self.packed:
+            return "per_group"
+        if self.backend is not None:
+            return self.backend
+        return "cublas_grouped" if self.fused_grouped_gemm else "per_group"
+
+    @property
+    def triton(self) -> bool:
+        return self.mode == "triton"
 
     def gemm(self, a, b, **kwargs):
         """The packed weights' grouped ``truefuse.gemm``, asking for one GEMM per group (each exactly
         Linear's GEMM) unless ``fused_grouped_gemm``."""
-        return grouped_gemm(a, b, per_group=not self.fused_grouped_gemm, **kwargs)
+        return grouped_gemm(a, b, per_group=self.mode != "cublas_grouped", **kwargs)
+
+    def offsets_for(self, offsets, like: torch.Tensor):
+        """The device offsets the ``triton`` backend needs (given, or made from :attr:`splits`)."""
+        if not self.triton:
+            return None
+        if offsets is not None:
+            return offsets
+        return split_offsets(list(self.splits), len(self.splits), like.shape[0], like.device)
 
     def n_params(self) -> int:
         per = 1 if self.packed else len(self.splits)
@@ -75,8 +120,10 @@ class GroupSpec:
             start += m
 
 
-def grouped_forward(spec: GroupSpec, x, weights, biases) -> torch.Tensor:
+def grouped_forward(spec: GroupSpec, x, weights, biases, offsets=None) -> torch.Tensor:
     """``y[rows of g] = x[rows of g] @ W_gᵀ + b_g``."""
+    if spec.triton:
+        return grouped_mm_rows(x, weights[0], offsets, transpose_w=True, bias=None if biases is None else biases[0])
     if spec.packed:
         return spec.gemm(x, weights[0].transpose(1, 2), bias=None if biases is None else biases[0], m_splits=list(spec.splits))
     y = torch.empty((x.shape[0], weights[0].shape[0]), dtype=x.dtype, device=x.device)
@@ -85,8 +132,10 @@ def grouped_forward(spec: GroupSpec, x, weights, biases) -> torch.Tensor:
     return y
 
 
-def grouped_dgrad(spec: GroupSpec, dy, weights) -> torch.Tensor:
+def grouped_dgrad(spec: GroupSpec, dy, weights, offsets=None) -> torch.Tensor:
     """``dx[rows of g] = dy[rows of g] @ W_g``."""
+    if spec.triton:
+        return grouped_mm_rows(dy, weights[0], offsets, transpose_w=False)
     if spec.packed:
         return spec.gemm(dy, weights[0], m_splits=list(spec.splits))
     dx = torch.empty((dy.shape[0], weights[0].shape[1]), dtype=dy.dtype, device=dy.device)
@@ -95,17 +144,28 @@ def grouped_dgrad(spec: GroupSpec, dy, weights) -> torch.Tensor:
     return dx
 
 
-def grouped_bgrad(spec: GroupSpec, dy, biases) -> list[torch.Tensor]:
-    """Per group ``Σ_rows dy`` in fp32 rounded once (docs/design.md §3's split formula, as LinearFunction)."""
+def grouped_bgrad(spec: GroupSpec, dy, biases, offsets=None) -> list[torch.Tensor]:
+    """Per group ``Σ_rows dy`` in fp32 rounded once (docs/design.md §3's split formula, as LinearFunction;
+    ``triton``: a fixed-order device segment sum, no host sizes)."""
+    if spec.triton:
+        return [grouped_bias_grad(dy, offsets, biases[0].dtype)]
     sums = [split_bias_grad(dy[sl], biases[0].dtype) for sl in spec.slices()]
     return [torch.stack(sums)] if spec.packed else sums
 
 
-def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState) -> list[torch.Tensor | None]:
+def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState, offsets=None) -> list[torch.Tensor | None]:
     """Hand each weight's gradient ``dy_gᵀ @ x_g`` to docs/design.md §2; returns what autograd gets."""
     # a new gradient is in the parameter's dtype: under autocast an fp32 weight gets the fp32 GEMM
     # result of the cast operands, rounded once (_autocast.wgrad_dtype)
     odt, pdt = wgrad_dtype(x.dtype, weights[0].dtype), weights[0].dtype
+    if spec.triton:
+
+        def compute_t(out, accumulate):
+            if out is None:
+                return grouped_mm_wgrad(dy, x, offsets, out_dtype=odt).to(pdt)
+            return grouped_mm_wgrad(dy, x, offsets, out=out, accumulate=accumulate)
+
+        return [deliver_weight_grad(weights[0], spec.names[0], compute_t, state)]
     if spec.packed:
         splits = list(spec.splits)
 
@@ -128,41 +188,56 @@ def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState) -> list[to
     return grads
 
 
-def _param_grads(spec, ctx_needs, offset, dy, x, weights, biases, state):
+def _param_grads(spec, ctx_needs, offset, dy, x, weights, biases, state, offsets=None):
     needs_w = any(ctx_needs[offset : offset + len(weights)])
-    wg = grouped_wgrad(spec, dy, x, weights, state) if needs_w else [None] * len(weights)
+    wg = grouped_wgrad(spec, dy, x, weights, state, offsets) if needs_w else [None] * len(weights)
     bg = []
     if biases is not None:
         needs_b = any(ctx_needs[offset + len(weights) : offset + 2 * len(weights)])
-        bg = grouped_bgrad(spec, dy, biases) if needs_b else [None] * len(biases)
+        bg = grouped_bgrad(spec, dy, biases, offsets) if needs_b else [None] * len(biases)
     return [*wg, *bg]
 
 
-class GroupedLinearFunction(torch.autograd.Function):
-    """``apply(x, spec, state, *weights, *biases)``: x (M, K) ordered by group -> (M, N).
+def _split_offsets_arg(spec: GroupSpec, args, like: torch.Tensor, n: int):
+    """(params, offsets, how many tensors follow the parameters): the optional offsets tensor after
+    the parameters, or the one the ``triton`` backend makes from ``spec.splits``."""
+    params, rest = args[:n], args[n:]
+    if len(rest) > 1:
+        raise TypeError(f"expected {n} parameters and an optional offsets tensor, got {len(args)} tensors")
+    return params, spec.offsets_for(rest[0] if rest else None, like), len(rest)
 
-    Under autocast (``spec.dtype``) x arrives cast; the GEMMs take the parameters cast likewise,
-    and the backward hands the parameters themselves to docs/design.md §2."""
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """``apply(x, spec, state, *weights, *biases[, offsets])``: x (M, K) ordered by group -> (M, N).
+
+    ``offsets`` (int64 (G + 1,) device offsets of the groups, ``ops.grouped_gemm.split_offsets``)
+    is read by the ``triton`` backend only. Under autocast (``spec.dtype``) x arrives cast; the GEMMs
+    take the parameters cast likewise, and the backward hands the parameters themselves to
+    docs/design.md §2."""
 
     @staticmethod
     @autocast_disabled
-    def forward(ctx, x, spec: GroupSpec, state: WgradState, *params):
+    def forward(ctx, x, spec: GroupSpec, state: WgradState, *args):
+        params, offsets, ctx.n_extra = _split_offsets_arg(spec, args, x, spec.n_params())
         cw, cb = spec.unpack(spec.cast(params))
         # the parameters (for §2 and their dtypes) and the cast weights (for the input gradient):
         # the same tensors twice outside autocast
         ctx.save_for_backward(x, *params, *cw)
-        ctx.spec, ctx.state = spec, state
-        return grouped_forward(spec, x, cw, cb)
+        # the groups' offsets (G + 1 int64, an input, never modified) ride on ctx: the saved
+        # activations stay x alone
+        ctx.spec, ctx.state, ctx.offsets = spec, state, offsets
+        return grouped_forward(spec, x, cw, cb, offsets)
 
     @staticmethod
     @autocast_disabled
     def backward(ctx, dy):
         x, *saved = ctx.saved_tensors
-        spec = ctx.spec
+        spec, offsets = ctx.spec, ctx.offsets
         params, cw = saved[: spec.n_params()], saved[spec.n_params() :]
         weights, biases = spec.unpack(params)
-        dx = grouped_dgrad(spec, dy, cw) if ctx.needs_input_grad[0] else None
-        return dx, None, None, *_param_grads(spec, ctx.needs_input_grad, 3, dy, x, weights, biases, ctx.state)
+        dx = grouped_dgrad(spec, dy, cw, offsets) if ctx.needs_input_grad[0] else None
+        grads = _param_grads(spec, ctx.needs_input_grad, 3, dy, x, weights, biases, ctx.state, offsets)
+        return dx, None, None, *grads, *([None] * ctx.n_extra)
 
 
 def _act_fwd(h: torch.Tensor, name: str) -> torch.Tensor:
@@ -183,7 +258,9 @@ def _act_bwd(da: torch.Tensor, h: torch.Tensor, name: str) -> tuple[torch.Tensor
 
 
 class GroupedMLPFunction(torch.autograd.Function):
-    """``apply(x, fc1_spec, fc2_spec, activation, state, *fc1_params, *fc2_params)``.
+    """``apply(x, fc1_spec, fc2_spec, activation, state, *fc1_params, *fc2_params[, offsets])``.
+
+    ``offsets`` as in :class:`GroupedLinearFunction` (both layers share the groups).
 
     Forward: grouped fc1, activation, grouped fc2. Saved for backward: x and fc1's output only;
     the activation's output (fc2's weight-gradient operand) is recomputed by the same Triton pass
@@ -192,15 +269,19 @@ class GroupedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
-    def forward(ctx, x, spec1: GroupSpec, spec2: GroupSpec, activation: str, state: WgradState, *params):
+    def forward(ctx, x, spec1: GroupSpec, spec2: GroupSpec, activation: str, state: WgradState, *args):
         n1 = spec1.n_params()
+        params, offsets, ctx.n_extra = _split_offsets_arg(spec1, args, x, n1 + spec2.n_params())
+        if offsets is None:
+            offsets = spec2.offsets_for(None, x)
         w1, b1 = spec1.unpack(spec1.cast(params[:n1]))  # cast under autocast (x arrives cast)
         w2, b2 = spec2.unpack(spec2.cast(params[n1:]))
-        h = grouped_forward(spec1, x, w1, b1)
-        y = grouped_forward(spec2, _act_fwd(h, activation), w2, b2)
+        h = grouped_forward(spec1, x, w1, b1, offsets)
+        y = grouped_forward(spec2, _act_fwd(h, activation), w2, b2, offsets)
         # the parameters (for §2) and the cast weights (for the input gradients): the same tensors
         # twice outside autocast
         ctx.save_for_backward(x, h, *params, *w1, *w2)
+        ctx.offsets = offsets  # as in GroupedLinearFunction: kept, not counted as a saved activation
         ctx.spec1, ctx.spec2, ctx.activation, ctx.state = spec1, spec2, activation, state
         return y
 
@@ -208,17 +289,17 @@ class GroupedMLPFunction(torch.autograd.Function):
     @autocast_disabled
     def backward(ctx, dy):
         x, h, *saved = ctx.saved_tensors
-        spec1, spec2 = ctx.spec1, ctx.spec2
+        spec1, spec2, offsets = ctx.spec1, ctx.spec2, ctx.offsets
         n1, n = spec1.n_params(), spec1.n_params() + spec2.n_params()
         params = saved[:n]
         w1, b1 = spec1.unpack(params[:n1])
         w2, b2 = spec2.unpack(params[n1:])
         cw1, cw2 = saved[n : n + len(w1)], saved[n + len(w1) :]
-        da = grouped_dgrad(spec2, dy, cw2)
+        da = grouped_dgrad(spec2, dy, cw2, offsets)
         dh, a = _act_bwd(da, h, ctx.activation)
         del da
         needs = ctx.needs_input_grad
-        g2 = _param_grads(spec2, needs, 5 + n1, dy, a, w2, b2, ctx.state)
-        dx = grouped_dgrad(spec1, dh, cw1) if needs[0] else None
-        g1 = _param_grads(spec1, needs, 5, dh, x, w1, b1, ctx.state)
-        return dx, None, None, None, None, *g1, *g2
+        g2 = _param_grads(spec2, needs, 5 + n1, dy, a, w2, b2, ctx.state, offsets)
+        dx = grouped_dgrad(spec1, dh, cw1, offsets) if needs[0] else None
+        g1 = _param_grads(spec1, needs, 5, dh, x, w1, b1, ctx.state, offsets)
+        return dx, None, None, None, None, *g1, *g2, *([None] * ctx.n_extra)

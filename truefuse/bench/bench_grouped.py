@@ -2,15 +2,20 @@
 backward, bf16.
 
 Points: 8 experts × 2048 tokens, hidden 4096, ffn 14336 (the issue's "≤ 1.10× its grouped GEMMs"
-goal), and 64 experts × 256 tokens at a fine-grained-expert size, hidden 2048, ffn 1408 (the "≥ 2×
-a loop of per-expert torch.nn.Linear" goal). Providers, side by side in one run:
+goal), 64 experts × 256 tokens at a fine-grained-expert size, hidden 2048, ffn 1408 (the "≥ 2×
+a loop of per-expert torch.nn.Linear" goal), and 128 experts × 128 tokens, hidden 2048, ffn 768.
+Providers, side by side in one run:
 
 * ``floor``: the six grouped GEMMs alone through ``truefuse.gemm``'s default plan (fc1 and fc2
   forward, input gradients, weight gradients in bf16; cuBLAS ``grouped_mm`` where aligned).
-* ``truefuse``: ``GroupedMLP`` (plain configuration: bf16 weight gradients), default: one GEMM per
-  expert inside each ``truefuse.gemm`` call (bitwise equal to per-expert Linear layers).
-* ``truefuse_fused_grouped``: the same with ``fused_grouped_gemm=True`` (cuBLAS grouped_mm).
-* ``truefuse_main_grad``: ``GroupedMLP`` with fused fp32 ``main_grad`` accumulation.
+* ``truefuse``: ``GroupedMLP`` (plain configuration: bf16 weight gradients), default backend:
+  ``triton``, the batch-invariant grouped GEMM (docs/design.md §1 "Grouped GEMM").
+* ``truefuse_device_splits``: the same with ``m_splits`` a CUDA tensor (no host read).
+* ``truefuse_per_group``: ``backend="per_group"``, one GEMM per expert inside each ``truefuse.gemm``
+  call (bitwise equal to per-expert Linear layers).
+* ``truefuse_fused_grouped``: ``backend="cublas_grouped"`` (cuBLAS grouped_mm).
+* ``truefuse_main_grad``, ``truefuse_per_group_main_grad``: fused fp32 ``main_grad`` accumulation,
+  default and per-group backends.
 * ``torch_loop``: per expert ``torch.nn.Linear`` fc1, ``F.silu(gate) * up``, ``torch.nn.Linear`` fc2.
 """
 
@@ -52,18 +57,18 @@ def _floor(p, device):
     return fn
 
 
-def _truefuse(fused: bool, fused_grouped_gemm: bool = False):
+def _truefuse(fused: bool, backend: str | None = None, device_splits: bool = False):
     def make(p, device):
         m = GroupedMLP(
             p["E"], p["H"], p["F"], device=device, dtype=_BF, single_grouped_weight=True, fuse_wgrad_accumulation=fused,
-            fused_grouped_gemm=fused_grouped_gemm,
+            backend=backend,
         )  # fmt: skip
         if fused:
             for _, q in m.gemm_weights():
                 q.main_grad = torch.zeros(q.shape, device=device)
         x = _rand(p["E"] * p["tokens"], p["H"], device=device, seed=0).requires_grad_()
         dy = _rand(p["E"] * p["tokens"], p["H"], device=device, seed=5)
-        s = _splits(p)
+        s = torch.tensor(_splits(p), device=device) if device_splits else _splits(p)
 
         def fn():
             x.grad = None
@@ -104,6 +109,7 @@ def sweep(quick: bool) -> Sweep:
         points = [
             {"case": "8x2048 h4096 f14336", "E": 8, "tokens": 2048, "H": 4096, "F": 14336},
             {"case": "64x256 h2048 f1408", "E": 64, "tokens": 256, "H": 2048, "F": 1408},
+            {"case": "128x128 h2048 f768", "E": 128, "tokens": 128, "H": 2048, "F": 768},
         ]
     return Sweep(
         name="grouped_mlp",
@@ -111,8 +117,11 @@ def sweep(quick: bool) -> Sweep:
         providers={
             "floor": _floor,
             "truefuse": _truefuse(False),
-            "truefuse_fused_grouped": _truefuse(False, fused_grouped_gemm=True),
+            "truefuse_device_splits": _truefuse(False, device_splits=True),
+            "truefuse_per_group": _truefuse(False, "per_group"),
+            "truefuse_fused_grouped": _truefuse(False, "cublas_grouped"),
             "truefuse_main_grad": _truefuse(True),
+            "truefuse_per_group_main_grad": _truefuse(True, "per_group"),
             "torch_loop": _torch_loop,
         },
         reference="floor",

@@ -7,11 +7,12 @@ import torch
 
 from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._wgrad import DEFAULT_MAX_PENDING_WGRAD
-from truefuse.autograd.grouped import GroupedLinearFunction, GroupedMLPFunction, GroupSpec
+from truefuse.autograd.grouped import GROUPED_BACKENDS, GroupedLinearFunction, GroupedMLPFunction, GroupSpec
 from truefuse.nn._base import WgradModule, init_linear_
 from truefuse.ops.activation import activation_ref
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_torch
 from truefuse.ops.gemm import check_splits
+from truefuse.ops.grouped_gemm import check_split_tensor, grouped_gemm_available, split_offsets
 from truefuse.ops.linear import MLP_ACTIVATIONS
 
 
@@ -41,8 +42,10 @@ class _GroupedWeights:
     def params(self, module) -> list[torch.nn.Parameter]:
         return [getattr(module, n) for n in (*self.weight_names(), *self.bias_names())]
 
-    def spec(self, splits, fused_grouped_gemm: bool, dtype: torch.dtype | None) -> GroupSpec:
-        return GroupSpec(tuple(splits), self.packed, self.bias, tuple(self.weight_names()), fused_grouped_gemm, dtype)
+    def spec(self, splits, backend: str, dtype: torch.dtype | None) -> GroupSpec:
+        splits = None if splits is None else tuple(splits)
+        fused = backend == "cublas_grouped"
+        return GroupSpec(splits, self.packed, self.bias, tuple(self.weight_names()), fused, dtype, backend)
 
     def group(self, module, g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) of group ``g`` (views into the packed parameters)."""
@@ -66,27 +69,97 @@ def _splits(m_splits, groups: int, x: torch.Tensor) -> list[int]:
     return check_splits(m_splits, groups, x.shape[0], "the number of rows of x")
 
 
-def _check_grouped(module: WgradModule, x: torch.Tensor, features: int, groups: int, m_splits):
-    """The grouped forward's input checks; returns ``m_splits`` as a list, the autocast dtype
-    (None outside autocast) and ``x`` cast to it (differentiably, as ``F.linear``'s input)."""
+def _check_backend(backend, fused_grouped_gemm: bool, packed: bool) -> str | None:
+    """The ``backend=`` argument checked against ``fused_grouped_gemm`` (its older spelling)."""
+    if backend is not None and backend not in GROUPED_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; choose one of {GROUPED_BACKENDS} (or None: the default)")
+    if fused_grouped_gemm:
+        if backend not in (None, "cublas_grouped"):
+            raise ValueError(f"fused_grouped_gemm=True means backend='cublas_grouped'; it conflicts with backend={backend!r}")
+        backend = "cublas_grouped"
+    if backend == "triton" and not packed:
+        raise ValueError("backend='triton' needs packed weights: pass single_grouped_weight=True")
+    return backend
+
+
+class _GroupedBackend:
+    """``backend`` and its alias ``fused_grouped_gemm`` on the grouped modules."""
+
+    backend: str | None
+
+    @property
+    def fused_grouped_gemm(self) -> bool:
+        """``backend == 'cublas_grouped'`` (the option's older spelling; settable)."""
+        return self.backend == "cublas_grouped"
+
+    @fused_grouped_gemm.setter
+    def fused_grouped_gemm(self, value: bool) -> None:
+        if value:
+            self.backend = "cublas_grouped"
+        elif self.backend == "cublas_grouped":
+            self.backend = None
+
+    def _resolve_backend(self, device: torch.device, dtype: torch.dtype, packed: bool) -> str:
+        """The backend this forward runs: the one asked for, else ``triton`` where it runs by default
+        (packed weights on CUDA, fp16/bf16/fp32), else ``per_group``."""
+        if self.backend == "triton":
+            if not grouped_gemm_available(device, dtype):
+                raise ValueError(
+                    f"backend='triton' runs on CUDA (fp16/bf16/fp32) or, under TRITON_INTERPRET=1, on the CPU for "
+                    f"float32; got {dtype} on {device}. Pass backend='per_group' there"
+                )
+            return "triton"
+        if self.backend is not None:
+            return self.backend
+        if packed and device.type == "cuda" and grouped_gemm_available(device, dtype):
+            return "triton"
+        return "per_group"
+
+
+def _check_grouped(module, x: torch.Tensor, features: int, groups: int, m_splits, packed: bool):
+    """The grouped forward's input checks; returns (backend, ``m_splits`` as a list or None when
+    they stay on the device, the device offsets or None, the autocast dtype (None outside autocast),
+    ``x`` cast to it (differentiably, as ``F.linear``'s input)).
+
+    The ``triton`` backend takes a device tensor of sizes as it is (no host sync: its sum is asserted
+    on the device, ``ops.grouped_gemm.split_offsets``); the others read the sizes on the host."""
     module._check_input(x, features, module.gemm_weights()[0][1])
     if x.dim() != 2:
         raise ValueError(f"input must be 2-D (tokens, {features}) with rows ordered by group, got shape {tuple(x.shape)}")
     dtype = autocast_dtype(x.device)
-    return _splits(m_splits, groups, x), dtype, cast(x, dtype)
+    backend = module._resolve_backend(x.device, dtype or x.dtype, packed)
+    if backend == "triton":
+        if isinstance(m_splits, torch.Tensor):
+            check_split_tensor(m_splits, groups)
+            splits = None
+        else:
+            splits = _splits(m_splits, groups, x)
+        offsets = split_offsets(m_splits if splits is None else splits, groups, x.shape[0], x.device)
+        return backend, splits, offsets, dtype, cast(x, dtype)
+    return backend, _splits(m_splits, groups, x), None, dtype, cast(x, dtype)
 
 
-class GroupedLinear(WgradModule):
+class GroupedLinear(_GroupedBackend, WgradModule):
     """``num_gemms`` linear layers over the rows of ``x`` split by ``m_splits``.
 
     Args:
         num_gemms, in_features, out_features, bias, device, dtype: the groups and each one's shape.
         single_grouped_weight: one parameter ``weight`` (G, out, in) (and ``bias`` (G, out)) instead
             of ``weight0`` ... ``weight{G-1}`` (out, in) and ``bias0`` ... (out,).
-        fused_grouped_gemm: with packed weights, let ``truefuse.gemm`` use one fused grouped GEMM
-            (cuBLAS ``grouped_mm``: bf16, 16-byte aligned) instead of one GEMM per group. Faster
-            for many small groups, but not bitwise equal to one ``Linear`` per group (measured on
-            the H200), so off by default.
+        backend: how packed weights run (docs/design.md §1, "Grouped GEMM"); per-group weights
+            always run one GEMM per group (``per_group``).
+
+            * ``"triton"``: truefuse's batch-invariant grouped GEMM, one persistent launch per GEMM:
+              each group's output and gradients are bitwise independent of the other groups' sizes,
+              their order and the batch, and bounded against one ``F.linear`` per group.
+              ``m_splits`` may be a CUDA tensor: no host sync in forward or backward (CUDA graphs).
+              CUDA fp16/bf16/fp32; on the CPU only under ``TRITON_INTERPRET=1`` for fp32.
+            * ``"per_group"``: one ``truefuse.gemm`` per group: bits equal to one
+              ``truefuse.Linear`` per group (a tensor ``m_splits`` is read on the host).
+            * ``"cublas_grouped"``: cuBLAS ``grouped_mm`` where it runs (bf16, 16-byte aligned), else
+              per group; neither of the two promises above.
+            * None (default): ``"triton"`` for packed weights on CUDA, ``"per_group"`` otherwise.
+        fused_grouped_gemm: the older spelling of ``backend="cublas_grouped"`` (kept; settable).
         fuse_wgrad_accumulation, delay_wgrad_compute: docs/design.md §2, for the weights (packed or per
             group); biases are always returned to autograd normally.
         max_pending_wgrad: warn once when more than this many backward passes wait for
@@ -94,7 +167,8 @@ class GroupedLinear(WgradModule):
 
     ``forward(x, m_splits)``: x (M, in_features), rows ordered by group; ``m_splits`` a list of
     integral scalars (Python or NumPy ints), a 1-D NumPy integer array or a 1-D integer tensor (one
-    host sync on a GPU) of ``num_gemms`` sizes summing to M, zeros allowed; floats are refused.
+    host sync on a GPU unless the backend is ``triton``, which checks its sum on the device) of
+    ``num_gemms`` sizes summing to M, zeros allowed; floats are refused.
     Returns (M, out_features).
 
     Autocast: each group as ``torch.nn.Linear`` under ``torch.autocast``: operands cast to the
@@ -111,13 +185,14 @@ class GroupedLinear(WgradModule):
         dtype=None,
         *,
         single_grouped_weight: bool = False,
+        backend: str | None = None,
         fused_grouped_gemm: bool = False,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         max_pending_wgrad: int | None = DEFAULT_MAX_PENDING_WGRAD,
     ) -> None:
         super().__init__()
-        self.fused_grouped_gemm = bool(fused_grouped_gemm)
+        self.backend = _check_backend(backend, bool(fused_grouped_gemm), single_grouped_weight)
         if num_gemms < 1:
             raise ValueError(f"num_gemms must be at least 1, got {num_gemms}")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
@@ -134,9 +209,10 @@ class GroupedLinear(WgradModule):
         return [(n, getattr(self, n)) for n in self._w.weight_names()]
 
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
-        splits, dtype, x = _check_grouped(self, x, self.in_features, self.num_gemms, m_splits)
-        spec = self._w.spec(splits, self.fused_grouped_gemm, dtype)
-        return GroupedLinearFunction.apply(x, spec, self._wgrad, *self._w.params(self))
+        backend, splits, offsets, dtype, x = _check_grouped(self, x, self.in_features, self.num_gemms, m_splits, self._w.packed)
+        spec = self._w.spec(splits, backend, dtype)
+        extra = () if offsets is None else (offsets,)
+        return GroupedLinearFunction.apply(x, spec, self._wgrad, *self._w.params(self), *extra)
 
     def forward_ref(self, x: torch.Tensor, m_splits) -> torch.Tensor:
         """A loop of ``F.linear`` per group (the reference)."""
@@ -150,11 +226,11 @@ class GroupedLinear(WgradModule):
     def extra_repr(self) -> str:
         return (
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self._w.bias}, single_grouped_weight={self.single_grouped_weight}"
+            f"bias={self._w.bias}, single_grouped_weight={self.single_grouped_weight}, backend={self.backend}"
         )
 
 
-class GroupedMLP(WgradModule):
+class GroupedMLP(_GroupedBackend, WgradModule):
     """Experts' MLPs: grouped fc1, activation, grouped fc2, over rows ordered by expert.
 
     Args:
@@ -165,7 +241,9 @@ class GroupedMLP(WgradModule):
             output is kept for the backward.
         single_grouped_weight: ``fc1_weight`` (E, fc1_out, hidden) and ``fc2_weight`` (E, hidden,
             ffn) instead of ``fc1_weight0`` ... and ``fc2_weight0`` ...
-        fused_grouped_gemm: as in :class:`GroupedLinear` (packed weights only; off by default).
+        backend: as in :class:`GroupedLinear` (default ``"triton"`` for packed weights on CUDA; the
+            activation between fc1 and fc2 is elementwise, so the invariance carries through).
+        fused_grouped_gemm: as in :class:`GroupedLinear` (``backend="cublas_grouped"``).
         fuse_wgrad_accumulation, delay_wgrad_compute: docs/design.md §2 for every expert weight.
         max_pending_wgrad: as in :class:`GroupedLinear`.
 
@@ -186,13 +264,14 @@ class GroupedMLP(WgradModule):
         *,
         activation: str = "swiglu",
         single_grouped_weight: bool = False,
+        backend: str | None = None,
         fused_grouped_gemm: bool = False,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         max_pending_wgrad: int | None = DEFAULT_MAX_PENDING_WGRAD,
     ) -> None:
         super().__init__()
-        self.fused_grouped_gemm = bool(fused_grouped_gemm)
+        self.backend = _check_backend(backend, bool(fused_grouped_gemm), single_grouped_weight)
         if num_experts < 1:
             raise ValueError(f"num_experts must be at least 1, got {num_experts}")
         if activation not in MLP_ACTIVATIONS:
@@ -214,11 +293,14 @@ class GroupedMLP(WgradModule):
         return [(n, getattr(self, n)) for n in (*self._fc1.weight_names(), *self._fc2.weight_names())]
 
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
-        splits, dtype, x = _check_grouped(self, x, self.hidden_size, self.num_experts, m_splits)
+        backend, splits, offsets, dtype, x = _check_grouped(
+            self, x, self.hidden_size, self.num_experts, m_splits, self._fc1.packed
+        )
+        extra = () if offsets is None else (offsets,)
         return GroupedMLPFunction.apply(
-            x, self._fc1.spec(splits, self.fused_grouped_gemm, dtype), self._fc2.spec(splits, self.fused_grouped_gemm, dtype),
+            x, self._fc1.spec(splits, backend, dtype), self._fc2.spec(splits, backend, dtype),
             self.activation, self._wgrad,
-            *self._fc1.params(self), *self._fc2.params(self),
+            *self._fc1.params(self), *self._fc2.params(self), *extra,
         )  # fmt: skip
 
     def forward_ref(self, x: torch.Tensor, m_splits) -> torch.Tensor:
@@ -236,5 +318,5 @@ class GroupedMLP(WgradModule):
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
-            f"activation={self.activation}, single_grouped_weight={self.single_grouped_weight}"
+            f"activation={self.activation}, single_grouped_weight={self.single_grouped_weight}, backend={self.backend}"
         )

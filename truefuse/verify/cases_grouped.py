@@ -1,5 +1,5 @@
-"""Contract case: ``GroupedLinear`` equals one ``truefuse.Linear`` per group bit for bit on the same
-backend (docs/design.md §1): forward, input gradient, weight and bias gradients, per-group and packed
+"""Contract case: ``GroupedLinear(backend="per_group")`` equals one ``truefuse.Linear`` per group bit
+for bit on the same backend (docs/design.md §1): forward, input gradient, weight and bias gradients, per-group and packed
 weights, with an empty group and a group of one row. (Bounded and §2 cases of the grouped modules
 are in ``cases_linear`` with the other modules.)"""
 
@@ -18,7 +18,9 @@ def grouped_vs_linear(dtype, device, *, packed: bool, splits: list[int], fused: 
     K, N = 64, 48
     torch.manual_seed(seed)
     kw = {"fuse_wgrad_accumulation": fused}
-    gl = GroupedLinear(len(splits), K, N, bias=bias, device=device, dtype=dtype, single_grouped_weight=packed, **kw)
+    gl = GroupedLinear(
+        len(splits), K, N, bias=bias, device=device, dtype=dtype, single_grouped_weight=packed, backend="per_group", **kw
+    )
     lins = [Linear(K, N, bias=bias, device=device, dtype=dtype, **kw) for _ in splits]
     with torch.no_grad():
         for g, lin in enumerate(lins):

@@ -25,6 +25,7 @@ CASE_MODULES: tuple[str, ...] = (
     "truefuse.verify.cases_gated_activation",
     "truefuse.verify.cases_linear",
     "truefuse.verify.cases_grouped",
+    "truefuse.verify.cases_grouped_gemm",
     "truefuse.verify.cases_linear_cross_entropy",
     "truefuse.verify.cases_linear_log_probs",
     "truefuse.verify.cases_scale",

@@ -1,0 +1,227 @@
+"""Batch-invariant persistent grouped GEMMs over rows ordered by group (mixture of experts).
+
+The groups are given on the device by ``offsets`` (int64, G + 1 entries, the cumulative sum of the
+group sizes): the host knows only the total number of rows, so the sizes may live in a CUDA tensor
+with no host sync (and the launch may be captured in a CUDA graph).
+
+* ``_grouped_gemm_rows_kernel`` ("rows" mode, forward and input gradient):
+  ``C[rows of g] = A[rows of g] @ B_g (+ bias_g)``, ``B`` (G, K, N) with any strides (a packed
+  weight (G, N, K) transposed for the forward, itself for the input gradient). The work items
+  (group, m-tile, n-tile) are enumerated on the device: every program walks the groups in order,
+  reads their offsets, and takes every ``num_programs``-th tile.
+* ``_grouped_gemm_wgrad_kernel`` ("contraction" mode, weight gradient):
+  ``C_g = DYᵀ[:, rows of g] @ X[rows of g]`` (G, N, K), fp32 accumulation over the group's rows in
+  BLOCK_M steps from its first row, masked at its end; written in the output's dtype, or added
+  (``ACCUMULATE``, beta=1) into it (an fp32 ``main_grad``). An empty group writes zeros (leaves the
+  output untouched when accumulating).
+* ``_grouped_gemm_bgrad_kernel``: the bias gradient ``Σ_{rows of g} DY`` per group, fp32, in BLOCK_M
+  steps from the group's first row (a fixed-order segment sum, no atomics).
+
+Batch invariance (docs/design.md §1, "Grouped GEMM"): the tile shapes are one constexpr
+configuration per dtype and problem kind chosen by the launcher (never from the token count or the
+group sizes), a tile's reduction runs over K (or over the group's rows) in a fixed order starting at
+the group's first row, and masked rows load zeros: so each output element depends only on its own
+group's rows, never on which program computes it, on the other groups' sizes, their order or the
+batch. No split-K, no atomics. Offsets are clamped to ``[0, M]`` so that sizes which do not sum to
+M (a device tensor cannot be checked without a sync) never read or write out of bounds.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _group_rows(off_ptr, g, M):
+    """(start, end) of group ``g``'s rows, int64, clamped to [0, M] and end >= start."""
+    start = tl.load(off_ptr + g).to(tl.int64)
+    end = tl.load(off_ptr + g + 1).to(tl.int64)
+    start = tl.minimum(tl.maximum(start, 0), M)
+    end = tl.minimum(tl.maximum(end, start), M)
+    return start, end
+
+
+@triton.jit
+def _grouped_gemm_rows_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    off_ptr,
+    G,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bg,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    stride_biasg,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    nprog = tl.num_programs(0).to(tl.int64)
+    num_n = tl.cdiv(N, BLOCK_N).to(tl.int64)
+    rm_tile = tl.arange(0, BLOCK_M).to(tl.int64)
+    rn_tile = tl.arange(0, BLOCK_N).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
+    tile = pid  # the next global tile index this program takes
+    first = pid * 0  # global index of the current group's first tile
+    for g_ in range(0, G):
+        g = pid * 0 + g_  # int64 (the interpreter's loop variable is a Python int)
+        start, end = _group_rows(off_ptr, g, M)
+        tiles = tl.cdiv(end - start, BLOCK_M) * num_n
+        num_m = tl.cdiv(end - start, BLOCK_M)
+        while tile < first + tiles:
+            # the group's tiles in GROUP_M-row bands (consecutive programs share B columns in L2);
+            # the order only says which program computes a tile, never how
+            local = tile - first
+            band = local // (GROUP_M * num_n)
+            first_m = band * GROUP_M
+            size_m = tl.minimum(num_m - first_m, GROUP_M)
+            pm = first_m + (local % (GROUP_M * num_n)) % size_m
+            pn = (local % (GROUP_M * num_n)) // size_m
+            rm = start + pm * BLOCK_M + rm_tile
+            rn = pn * BLOCK_N + rn_tile
+            mask_m = rm < end
+            mask_n = rn < N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            b_base = b_ptr + g * stride_bg
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                mask_k = kk < K
+                a = tl.load(
+                    a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                    mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0,
+                )
+                b = tl.load(
+                    b_base + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                    mask=mask_k[:, None] & mask_n[None, :],
+                    other=0.0,
+                )
+                if IEEE:
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + g * stride_biasg + rn, mask=mask_n, other=0.0)
+                acc += bias.to(tl.float32)[None, :]
+            c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+            tile += nprog
+        first += tiles
+
+
+@triton.jit
+def _grouped_gemm_wgrad_kernel(
+    dy_ptr,
+    x_ptr,
+    c_ptr,
+    off_ptr,
+    G,
+    M,
+    N,
+    K,
+    stride_dym,
+    stride_dyn,
+    stride_xm,
+    stride_xk,
+    stride_cg,
+    stride_cn,
+    stride_ck,
+    ACCUMULATE: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    nprog = tl.num_programs(0).to(tl.int64)
+    num_n = tl.cdiv(N, BLOCK_N).to(tl.int64)
+    num_k = tl.cdiv(K, BLOCK_K).to(tl.int64)
+    per_group = num_n * num_k
+    total = G * per_group
+    rm_tile = tl.arange(0, BLOCK_M).to(tl.int64)
+    rn_tile = tl.arange(0, BLOCK_N).to(tl.int64)
+    rk_tile = tl.arange(0, BLOCK_K).to(tl.int64)
+    tile = pid
+    while tile < total:
+        g = tile // per_group
+        local = tile % per_group
+        pn = local // num_k
+        pk = local % num_k
+        start, end = _group_rows(off_ptr, g, M)
+        rn = pn * BLOCK_N + rn_tile
+        rk = pk * BLOCK_K + rk_tile
+        mask_n = rn < N
+        mask_k = rk < K
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        m0 = start
+        while m0 < end:  # the group's rows in fixed BLOCK_M steps from its first row
+            rm = m0 + rm_tile
+            mask_m = rm < end
+            a = tl.load(
+                dy_ptr + rn[:, None] * stride_dyn + rm[None, :] * stride_dym,
+                mask=mask_n[:, None] & mask_m[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            m0 += BLOCK_M
+        c_ptrs = c_ptr + g * stride_cg + rn[:, None] * stride_cn + rk[None, :] * stride_ck
+        if ACCUMULATE:
+            # an empty group leaves main_grad untouched (not even -0.0 + 0.0)
+            mask_k = rk < tl.where(end > start, K, 0)
+        c_mask = mask_n[:, None] & mask_k[None, :]
+        if ACCUMULATE:
+            acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        tile += nprog
+
+
+@triton.jit
+def _grouped_gemm_bgrad_kernel(
+    dy_ptr,
+    out_ptr,
+    off_ptr,
+    M,
+    N,
+    stride_dym,
+    stride_dyn,
+    stride_og,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64)
+    pn = tl.program_id(1).to(tl.int64)
+    start, end = _group_rows(off_ptr, g, M)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_n = rn < N
+    rm_tile = tl.arange(0, BLOCK_M).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    m0 = start
+    while m0 < end:
+        rm = m0 + rm_tile
+        t = tl.load(
+            dy_ptr + rm[:, None] * stride_dym + rn[None, :] * stride_dyn,
+            mask=(rm < end)[:, None] & mask_n[None, :],
+            other=0.0,
+        )
+        acc += t.to(tl.float32)
+        m0 += BLOCK_M
+    tl.store(out_ptr + g * stride_og + rn, tl.sum(acc, axis=0), mask=mask_n)
