@@ -42,23 +42,31 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _verify_distributed(world_size: int, device: str, ops: list[str] | None = None) -> int:
-    """The bitwise table of the allreduce + RMSNorm contract on a local process group."""
+    """The bitwise table of the allreduce + RMSNorm contract and the tensor-parallel layers' table
+    (``verify/distributed_tp.py``) on one local process group."""
     from truefuse.distributed.launch import run_local
-    from truefuse.verify.distributed_table import OPS, format_table, table
+    from truefuse.verify.distributed_table import OPS, format_table
+    from truefuse.verify.distributed_tp import OPS as TP_OPS
+    from truefuse.verify.distributed_tp import format_tp_table, tables
 
-    # every row of the table checks all of OPS: an --op among them runs the whole table
-    unknown = [o for o in ops or () if o not in OPS]
+    # every row of the allreduce table checks all of OPS: an --op among them runs that whole table
+    unknown = [o for o in ops or () if o not in OPS + TP_OPS]
     if unknown:
         print(
-            f"verify: --op {unknown[0]!r} is not in the distributed table that --world-size runs; its ops: {', '.join(OPS)}",
+            f"verify: --op {unknown[0]!r} is not in the distributed tables that --world-size runs; their ops: "
+            f"{', '.join(OPS + TP_OPS)}",
             file=sys.stderr,
         )
         return 2
     if device == "cuda" and torch.cuda.device_count() < world_size:
         print(f"verify: --world-size {world_size} needs {world_size} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
-    per_rank = run_local(world_size, table, device, backend="nccl" if device == "cuda" else "gloo")
-    print(format_table(per_rank[0], world_size))
+    per_rank = run_local(world_size, tables, device, ops or None, backend="nccl" if device == "cuda" else "gloo")
+    allreduce_rows = [r for r in per_rank[0] if "op" not in r]  # the layers' rows carry "op"
+    if allreduce_rows:
+        print(format_table(allreduce_rows, world_size))
+    if len(allreduce_rows) < len(per_rank[0]):
+        print(format_tp_table([r for r in per_rank[0] if "op" in r], world_size))
     failed = sum(not r["passed"] for rows in per_rank for r in rows)
     print(f"{sum(len(r) for r in per_rank) - failed} passed, {failed} failed (all ranks)")
     return 0 if failed == 0 else 1
@@ -106,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         type=_positive_int,
         default=None,
         metavar="N",
-        help="run the allreduce + RMSNorm table on N >= 1 local processes (gloo on cpu, nccl on cuda) "
-        "instead of the plain verify",
+        help="run the allreduce + RMSNorm table and the tensor-parallel layers' table on N >= 1 local processes "
+        "(gloo on cpu, nccl on cuda) instead of the plain verify",
     )
     v.set_defaults(fn=_cmd_verify)
 

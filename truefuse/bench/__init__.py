@@ -19,7 +19,10 @@ BENCHES = {
 
 
 #: distributed benchmarks: name -> module defining ``run(world_size, out_dir, quick) -> int``
-DISTRIBUTED_BENCHES = {"allreduce_add_rmsnorm": "truefuse.bench.bench_allreduce_add_rmsnorm"}
+DISTRIBUTED_BENCHES = {
+    "allreduce_add_rmsnorm": "truefuse.bench.bench_allreduce_add_rmsnorm",
+    "tp": "truefuse.bench.bench_tp",
+}
 
 
 def run_bench(name: str, providers: list[str] | None, out_dir: str, quick: bool, world_size: int = 0) -> int:
