@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: the test suite on the GPU, verify on cuda, the benchmarks, and on a
-# machine of several GPUs the allreduce table and latency (WORLDS="2 4" by default; "" skips).
+# machine of several GPUs the allreduce and parallel layers' tables, the allreduce's latency and
+# the parallel MLP's time (WORLDS="2 4" by default; "" skips).
 # Runs with the machine's own python3 (torch + triton preinstalled, no network): truefuse from
 # this checkout through PYTHONPATH. Logs and results go under $OUT; a short table is printed last.
 set -uo pipefail
@@ -16,7 +17,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-BENCHES="${BENCHES-gemm linear rms_norm grouped linear_cross_entropy}"  # BENCHES="" runs none
+BENCHES="${BENCHES-gemm linear rms_norm grouped linear_cross_entropy linear_log_probs}"  # BENCHES="" runs none
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
@@ -41,6 +42,8 @@ for w in $WORLDS; do
   tail -n 1 "$OUT/verify_w$w.log"
   $PY -m truefuse bench allreduce_add_rmsnorm --world-size "$w" --out "$OUT" > "$OUT/bench_allreduce_w$w.log" 2>&1
   grep -v -i warn "$OUT/bench_allreduce_w$w.log" | tail -n 29
+  $PY -m truefuse bench tp --world-size "$w" --out "$OUT" > "$OUT/bench_tp_w$w.log" 2>&1
+  grep -v -i warn "$OUT/bench_tp_w$w.log" | tail -n 12
 done
 
 echo "== verify (failures) =="; grep -E "FAIL" "$OUT/verify.log" | head -20; tail -n 1 "$OUT/verify.log"
