@@ -200,3 +200,36 @@ def test_log_prob_chunks_kernel_matches_torch_math(device):
         out.append((loss.log_probs, loss.entropy, d))
     for got, want in zip(*out, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", ["plain", "delayed_fused"])
+def test_one_chunk_keeps_its_logits(config, monkeypatch, device):
+    """With one chunk the backward reuses the forward's logits (no second logits GEMM), delayed and
+    fused included; a second backward (retain_graph) recomputes them and gives the same bits."""
+    import truefuse.ops.chunked_head as head_mod
+
+    calls = []
+    real = head_mod.logits_gemm
+    monkeypatch.setattr(head_mod, "logits_gemm", lambda *a: calls.append(1) or real(*a))
+    x, W, t, b = make_inputs(torch.float32, device, N=12, bias=True)
+    xl, Wl, bl = x.clone().requires_grad_(), W.clone().requires_grad_(), b.clone().requires_grad_()
+    state = None
+    if config == "delayed_fused":
+        state = truefuse.autograd.linear_log_probs.WgradState(fuse_wgrad_accumulation=True, delay_wgrad_compute=True)
+    grads = []
+    Wl.main_grad = torch.zeros(W.shape, device=device)
+    out = truefuse.linear_log_probs(xl, Wl, t, linear_bias=bl, wgrad_state=state)
+    assert len(calls) == 1
+    loss = (out.log_probs * torch.linspace(-1, 1, 12, device=device) + 0.3 * out.entropy).sum()
+    # a recompute under delay runs the chunks twice: d_input now, the weight's pass in backward_dw()
+    for n_gemms in (1, 2) if state is None else (1, 3):
+        Wl.main_grad = torch.zeros(W.shape, device=device)  # a fresh one: the first is compared
+        loss.backward(retain_graph=True)
+        if state is not None:
+            with torch.no_grad():  # as backward_dw() runs it
+                truefuse.autograd._wgrad.run_pending(state)
+        assert len(calls) == n_gemms  # the kept logits first, then a recompute
+        grads.append((xl.grad, bl.grad, Wl.main_grad if state else Wl.grad))
+        xl.grad = bl.grad = Wl.grad = None
+    for a, b_ in zip(*grads, strict=True):
+        assert torch.equal(a, b_)

@@ -1,20 +1,24 @@
 """``truefuse.linear_log_probs``: per-token log-probabilities of the targets and entropies from the
 LM head, without materializing the (tokens, V) logits: the autograd Function and the functional
 API. The work runs on the chunked LM head (``ops/chunked_head.py``) with ``LogProbChunks`` as its
-per-chunk math (``ops/linear_log_probs.py``). The forward computes the two outputs only; the
-backward, whose upstream gradients are per token, runs the chunks again (one more logits GEMM, as
-``linear_cross_entropy`` with ``reduction="none"``).
+per-chunk math (``ops/linear_log_probs.py``). The forward computes the two outputs only: the
+backward's upstream gradients are per token and unknown until then. With one chunk the forward
+keeps its logits for the backward (the backward's own chunk would take the same memory, so the
+peak is unchanged): three GEMMs in all. With several, the backward runs the chunks again (one more
+logits GEMM, as ``linear_cross_entropy`` with ``reduction="none"``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dtype, cast
-from truefuse.autograd._chunked_head import recompute_backward
-from truefuse.autograd._wgrad import WgradState, check_main_grad
+from truefuse.autograd._chunked_head import in_dtypes, recompute_backward
+from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops.chunked_head import default_chunk, head_chunks
+from truefuse.ops.chunked_head import default_chunk, head_chunks, kept_weight_grad
 from truefuse.ops.linear_cross_entropy import check_args, check_targets
 from truefuse.ops.linear_log_probs import LinearLogProbsOptions, LinearLogProbsOutput, LogProbChunks
 
@@ -38,8 +42,11 @@ class LinearLogProbsFunction(torch.autograd.Function):
         W, b = cast(W, dtype), cast(b, dtype)
         check = check_targets(t, W.shape[0], opts.ignore_index)
         loss = LogProbChunks(opts, W.shape[0], t, None, None, like=x, check=check)
-        head_chunks(loss, x, W, b, chunk=chunk, want=(False, False, False))
+        keep = any(needs) and 0 < x.shape[0] <= chunk
+        kept = head_chunks(loss, x, W, b, chunk=chunk, want=(False, False, False), keep_logits=keep).d
         ctx.opts, ctx.chunk, ctx.needs, ctx.wstate = opts, chunk, needs, wstate
+        # a plain attribute, not a saved tensor: the first backward writes d_logits over it
+        ctx.kept = kept
         if any(needs):
             ctx.save_for_backward(x, W, b, t, Wp)
         return loss.log_probs, loss.entropy
@@ -49,6 +56,10 @@ class LinearLogProbsFunction(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         x, W, b, t, Wp = ctx.saved_tensors
         wide = wide_dtype(x)
+        logits, ctx.kept = ctx.kept, None  # the first backward's; a later one (retain_graph) recomputes
+        if logits is not None:
+            dx, dW, db = _backward_kept(ctx, logits, g_lp.to(wide), g_ent.to(wide))
+            return dx, dW, db, None, None, None, None, None
         # delayed: copies (N values each), since backward_dw() reads them after this backward
         # returned, when the caller may have written its upstream tensors
         delayed = ctx.wstate is not None and ctx.wstate.delay_wgrad_compute and ctx.needs[1]
@@ -63,6 +74,24 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
         dx, dW, db = recompute_backward(run, ctx.needs, ctx.wstate, Wp, ctx.b_dtype)
         return dx, dW, db, None, None, None, None, None
+
+
+def _backward_kept(ctx, logits, a, c):
+    """One chunk whose logits the forward kept: the loss's gradient over them, then the GEMMs (the
+    weight's under docs/design.md §2, from the kept d_logits when fused or delayed)."""
+    x, W, b, t, Wp = ctx.saved_tensors
+    gx, gw, gb = ctx.needs
+    deferred = gw and ctx.wstate is not None and not ctx.wstate.plain
+    loss = LogProbChunks(ctx.opts, W.shape[0], t, a, c, like=x)
+    grads = head_chunks(
+        loss, x, W, b, chunk=ctx.chunk, want=(gx, gw and not deferred, gb), fp32_weight_grad=ctx.opts.fp32_weight_grad,
+        w_dtype=Wp.dtype, logits=logits, keep_d=deferred,
+    )  # fmt: skip
+    dx, dW, db, d = in_dtypes(grads, Wp.dtype, ctx.b_dtype)
+    if deferred:
+        compute = functools.partial(kept_weight_grad, d, x, W.shape[0], Wp.dtype)
+        dW = deliver_weight_grad(Wp, "linear_weight", compute, ctx.wstate)
+    return dx, dW, db
 
 
 def linear_log_probs(

@@ -42,7 +42,7 @@ class HeadGrads(NamedTuple):
         dx: (N, H) in the input's dtype. dW: (V, H) in the weight's dtype, or in fp32 (the
             accumulator) for the caller to round once; None when it went to ``main_grad``.
         db: (V,) fp32 sum. d: the one chunk's d_logits when ``keep_d``, as the (N, ≥ V) buffer
-            they were written in.
+            they were written in; its logits when ``keep_logits``.
     """
 
     dx: torch.Tensor | None
@@ -64,6 +64,8 @@ def head_chunks(
     main_grad: torch.Tensor | None = None,
     accumulate: bool = False,
     keep_d: bool = False,
+    keep_logits: bool = False,
+    logits: torch.Tensor | None = None,
 ) -> HeadGrads:
     """Run ``loss`` over every chunk of ``chunk`` tokens of ``x`` (N, H) against ``W`` (V, H).
 
@@ -76,12 +78,19 @@ def head_chunks(
         main_grad: write (with ``accumulate``, add) d_weight into this fp32 tensor, chunk after
             chunk inside the GEMMs, instead of returning it.
         keep_d: return the d_logits of a single chunk (for a weight GEMM run later).
+        keep_logits: return the logits of a single chunk, no gradient asked (for a backward
+            whose upstream the forward does not know: it then skips the logits GEMM).
+        logits: that buffer, from an earlier pass over the same ``x`` and ``W``: used instead of
+            the logits GEMM (one chunk); the loss may write its d_logits over it.
     """
     N = x.shape[0]
     V = W.shape[0]
     wide = wide_dtype(x)
     gx, gw, gb = want
     any_grad = gx or gw or gb or keep_d
+    if (keep_logits and any_grad) or ((keep_logits or logits is not None) and N > chunk):
+        raise ValueError("head_chunks: keep_logits asks for no gradient, and it and logits= take one chunk")
+    given, kept = logits, None
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if gx else None  # contiguous: chunks' GEMMs write rows of it
     # d_weight accumulates across chunks inside the GEMM (beta=1): in fp32 (one rounding at the
     # end, as accurate as one GEMM over all tokens; V*H*4 bytes more) or in the weight's dtype
@@ -106,8 +115,13 @@ def head_chunks(
         # a split GEMM would get the bias from cuBLAS after the product's rounding (1.41x the
         # logits' error, measured): the loss adds it in fp32 instead
         loss_bias = b if split is not None else None
-        full = None if split is None else logits_buffer(xc.shape[0], V, xc)
-        logits = logits_gemm(xc, W, None if split is not None else b, None if full is None else full[:, :V], split)
+        if given is not None:  # the one chunk's logits, kept by an earlier pass (the same GEMM's bits)
+            full, logits = (given if given.shape[1] != V else None), given[:, :V]
+        else:
+            full = None if split is None else logits_buffer(xc.shape[0], V, xc)
+            logits = logits_gemm(xc, W, None if split is not None else b, None if full is None else full[:, :V], split)
+        if keep_logits:
+            kept = logits if full is None else full
         d = loss.chunk(rows, logits, loss_bias, any_grad)
         if d is None:
             continue
@@ -128,7 +142,7 @@ def head_chunks(
         elif not accumulate:  # written (overwrite_main_grad), not added to
             main_grad.zero_()
     # kept whole (padding included): contiguous, so a later scale_ is one in-place pass
-    return HeadGrads(dx, dW, db, (d if full is None else full) if keep_d else None)
+    return HeadGrads(dx, dW, db, kept if keep_logits else (d if full is None else full) if keep_d else None)
 
 
 def kept_weight_grad(
