@@ -32,6 +32,13 @@ from truefuse.ops.linear_cross_entropy import (
     valid_count,
 )
 from truefuse.ops.linear_cross_entropy_chunk import CrossEntropyChunks
+from truefuse.ops.linear_cross_entropy_slices import (
+    class_weight_sum,
+    default_slice_width,
+    finish_stats,
+    grad_pass,
+    stats_pass,
+)
 from truefuse.ops.scale import scale_
 
 
@@ -157,6 +164,72 @@ def _backward_recompute(ctx, g_loss):
     return recompute_backward(run, ctx.needs, ctx.wstate, Wp, ctx.b_dtype)
 
 
+class LinearCrossEntropyLeanFunction(torch.autograd.Function):
+    """``memory="lean"``: two passes over slices of the vocabulary (``ops/linear_cross_entropy_slices.py``),
+    exact gradients without the V×H fp32 accumulator. Inputs as :class:`LinearCrossEntropyFunction`,
+    with the slice width in place of the chunk size.
+
+    The forward is pass 1 (the statistics of every slice, merged: the loss, lse per token). Every
+    backward is pass 2, scaled by its ``grad_output`` (0-dim, or per token for ``none``): the
+    slices' logits again (the fourth GEMM), d_logits from the saved lse, d_weight's rows by one
+    GEMM per slice over all tokens, d_input accumulated in fp32 across slices and rounded once.
+    Nothing is computed in the forward for the backward, so a repeated backward (``retain_graph``)
+    runs the same pass again with its own scale. Fused ``main_grad``: the slices' weight GEMMs add
+    into its rows; delayed: the backward computes d_input and d_bias, ``backward_dw()`` runs the
+    slices again for the weight's GEMMs (the same d_logits, so the same bits as immediate)."""
+
+    @staticmethod
+    @autocast_disabled
+    def forward(ctx, x, W, b, t, cw, opts: LinearCrossEntropyOptions, width: int, wstate: WgradState | None, dtype):
+        wide = wide_dtype(x)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
+        deferred = wstate is not None and not wstate.plain and needs[1]
+        if deferred and wstate.fuse_wgrad_accumulation:
+            check_main_grad(W, "linear_weight")  # a clear error now, not in the backward
+        Wp, ctx.b_dtype = W, None if b is None else b.dtype
+        W, b = cast(W, dtype), cast(b, dtype)
+        V = W.shape[0]
+        valid = t != opts.ignore_index
+        n = valid_count(valid, wide)
+        if opts.reduction == "mean":
+            s_ce, s_z = mean_scales(n, None if cw is None else target_weights(t, cw, opts.ignore_index, wide)[1])
+        else:
+            s_ce = s_z = torch.ones((), dtype=wide, device=x.device)
+        w_sum = class_weight_sum(cw, V, opts)
+        checked = check_targets(t, V, opts.ignore_index, valid)  # waited for after pass 1 is queued
+        terms = finish_stats(stats_pass(opts, x, W, b, t, cw, width=width, check=checked), t, cw, opts, V, w_sum)
+        total, z_part = reduce_terms(terms.ce, terms.zl, opts.reduction, (s_ce, s_z))
+        acc = token_accuracy(terms.correct, n).to(wide)
+        ctx.opts, ctx.width, ctx.needs, ctx.wstate, ctx.deferred, ctx.w_sum = opts, width, needs, wstate, deferred, w_sum
+        if any(needs):
+            ctx.save_for_backward(x, W, b, t, cw, s_ce, s_z, terms.lse, Wp)
+        ctx.mark_non_differentiable(z_part, acc)
+        return total, z_part, acc
+
+    @staticmethod
+    @autocast_disabled
+    def backward(ctx, g_loss, g_z, g_acc):
+        x, W, b, t, cw, s_ce, s_z, lse, Wp = ctx.saved_tensors
+        if ctx.opts.reduction != "none":
+            g = g_loss.to(s_ce.dtype)
+            s_ce, s_z = s_ce * g, s_z * g
+        else:
+            # delayed: a copy (N values), since backward_dw() reads it after this backward returned
+            delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
+            s_ce = s_z = g_loss.reshape(-1).to(wide_dtype(x), copy=delayed)
+        opts, V, w_sum, width = ctx.opts, W.shape[0], ctx.w_sum, ctx.width
+
+        def run(want, main_grad=None, accumulate=False):
+            dx, dW, db = grad_pass(
+                opts, x, W, b, t, cw, lse, s_ce, s_z, V=V, w_sum=w_sum, width=width, want=want, w_dtype=Wp.dtype,
+                main_grad=main_grad, accumulate=accumulate,
+            )  # fmt: skip
+            return HeadGrads(None if dx is None else dx.to(x.dtype), dW, db, None)  # d_input rounded once
+
+        dx, dW, db = recompute_backward(run, ctx.needs, ctx.wstate, Wp, ctx.b_dtype)
+        return dx, dW, db, None, None, None, None, None, None
+
+
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -175,6 +248,8 @@ def linear_cross_entropy(
     fp32_weight_grad: bool = True,
     fuse_wgrad_accumulation: bool = False,
     wgrad_state: WgradState | None = None,
+    memory: str = "default",
+    vocab_slice: int | None = None,
 ):
     """Cross-entropy of ``input @ linear_weightᵀ + linear_bias`` against ``target``, in chunks of tokens.
 
@@ -204,6 +279,21 @@ def linear_cross_entropy(
             with several (the default rule above beyond 512 MiB of logits) or with ``none`` the
             backward recomputes them (one more logits GEMM; a larger ``chunk_size`` trades that
             memory back for the time).
+        memory: ``"default"`` (chunks of tokens, as above) or ``"lean"``: two passes over slices of
+            the vocabulary, all tokens at once, exact gradients without the V×H fp32 accumulator.
+            The forward computes the loss (pass 1: per slice its logits and per-token
+            statistics, merged in slice order); every backward recomputes the slices' logits
+            (one more GEMM than the default: 4 instead of 3), writes d_weight's rows by one GEMM
+            per slice over all tokens (fp32 inside, rounded once, or added into ``main_grad``)
+            and accumulates d_input in an fp32 (tokens, H) buffer rounded once. Peak above the
+            returned gradients: one slice's logits (256 MiB by default) plus that buffer (0.40 GB
+            at 8192 x 128256 x 4096 in bf16). Lean and default are each bounded against the
+            float64 reference, not bitwise equal to each other (the sums over V run in another
+            order). ``chunk_size`` and ``fp32_weight_grad`` do not
+            apply to it. docs/linear_cross_entropy.md, "Memory".
+        vocab_slice: classes per slice under ``lean`` (default: the largest multiple of 64 whose
+            logits over all tokens fit in 256 MiB; it depends on the number of tokens, so lean
+            is not batch invariant).
         wgrad_state: the weight's docs/design.md §2 state (``LinearCrossEntropyLoss`` passes its own: it
             holds ``delay_wgrad_compute`` and the queue ``backward_dw()`` runs); default: a fresh
             one from ``fuse_wgrad_accumulation``.
@@ -237,7 +327,7 @@ def linear_cross_entropy(
     """
     opts = LinearCrossEntropyOptions(
         reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy, chunk_size,
-        fp32_weight_grad,
+        fp32_weight_grad, memory, vocab_slice,
     )  # fmt: skip
     return linear_cross_entropy_with(
         opts, input, linear_weight, target, linear_bias=linear_bias, weight=weight,
@@ -276,10 +366,18 @@ def linear_cross_entropy_with(
     # chunks up to its size cost no more memory (default_chunk). Into main_grad the chunks stay
     # within chunk_bytes (0.53 GB at 8192 x 128256 x 4096, not 2.1), and the backward recomputes
     # their logits (one more GEMM; docs/benchmarks.md)
-    fused = wgrad_state is not None and wgrad_state.fuse_wgrad_accumulation
-    accumulator = wgrad and opts.fp32_weight_grad and not fused
-    chunk = opts.chunk_size or default_chunk(x.shape[0], V, x.shape[1], x.element_size(), accumulator)
-    loss, z_part, acc = LinearCrossEntropyFunction.apply(x, linear_weight, linear_bias, t, cw, opts, chunk, wgrad_state, dtype)
+    if opts.memory == "lean":
+        width = opts.vocab_slice or default_slice_width(x.shape[0], V, x.element_size())
+        loss, z_part, acc = LinearCrossEntropyLeanFunction.apply(
+            x, linear_weight, linear_bias, t, cw, opts, width, wgrad_state, dtype
+        )
+    else:
+        fused = wgrad_state is not None and wgrad_state.fuse_wgrad_accumulation
+        accumulator = wgrad and opts.fp32_weight_grad and not fused
+        chunk = opts.chunk_size or default_chunk(x.shape[0], V, x.shape[1], x.element_size(), accumulator)
+        loss, z_part, acc = LinearCrossEntropyFunction.apply(
+            x, linear_weight, linear_bias, t, cw, opts, chunk, wgrad_state, dtype
+        )
     if opts.reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape)
     if not opts.extras:

@@ -10,6 +10,9 @@ splits them, torch.compile pads them). Providers, side by side in one run (ratio
   ``truefuse_main_grad``: the weight gradient added into an fp32 ``main_grad``
   (``fuse_wgrad_accumulation``, default chunk; ``main_grad`` is an input, so not in the peak, and
   no weight gradient is returned), ``truefuse_main_grad_c8192`` with one 8192-token chunk;
+* ``truefuse_lean``: ``memory="lean"`` (two passes over vocabulary slices, no V x H fp32
+  accumulator, 4 GEMMs), and ``truefuse_lean_main_grad`` with the weight gradient into
+  ``main_grad``;
 * ``plain``: ``F.linear`` in bf16, ``F.cross_entropy`` on the fp32 logits (what users write), and
   ``compile_plain``: ``torch.compile`` of it (compiled per shape, static shapes);
 * ``compile_ref``: ``torch.compile`` of ``linear_cross_entropy_ref`` (fp32 ``F.linear``);
@@ -132,6 +135,10 @@ def sweep(quick: bool) -> Sweep:
     )
     providers["truefuse_main_grad_c8192"] = _step(
         lambda x, W, t: linear_cross_entropy(x, W, t, chunk_size=8192, fuse_wgrad_accumulation=True), main_grad=True
+    )
+    providers["truefuse_lean"] = _step(lambda x, W, t: linear_cross_entropy(x, W, t, memory="lean"))
+    providers["truefuse_lean_main_grad"] = _step(
+        lambda x, W, t: linear_cross_entropy(x, W, t, memory="lean", fuse_wgrad_accumulation=True), main_grad=True
     )
     return Sweep(
         name="linear_cross_entropy",

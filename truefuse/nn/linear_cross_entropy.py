@@ -18,7 +18,8 @@ class LinearCrossEntropyLoss(DelayedWgrad):
     Args:
         weight: (V,) per-class weights or None (a buffer, like ``torch.nn.CrossEntropyLoss``'s).
         reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss,
-        return_token_accuracy, chunk_size, fp32_weight_grad, fuse_wgrad_accumulation: as
+        return_token_accuracy, chunk_size, fp32_weight_grad, memory, vocab_slice,
+        fuse_wgrad_accumulation: as
         :func:`truefuse.linear_cross_entropy` (the last sends the weight gradient to
         ``linear_weight.main_grad`` per docs/design.md §2).
         delay_wgrad_compute: the weight gradient waits for :meth:`backward_dw` (docs/design.md §2): then
@@ -50,6 +51,8 @@ class LinearCrossEntropyLoss(DelayedWgrad):
         return_token_accuracy: bool = False,
         chunk_size: int | None = None,
         fp32_weight_grad: bool = True,
+        memory: str = "default",
+        vocab_slice: int | None = None,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         max_pending_wgrad: int | None = DEFAULT_MAX_PENDING_WGRAD,
@@ -58,7 +61,7 @@ class LinearCrossEntropyLoss(DelayedWgrad):
         self.register_buffer("weight", weight)
         self.options = LinearCrossEntropyOptions(
             reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy, chunk_size,
-            fp32_weight_grad,
+            fp32_weight_grad, memory, vocab_slice,
         )  # fmt: skip
         self._wgrad = WgradState(
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
@@ -82,7 +85,7 @@ class LinearCrossEntropyLoss(DelayedWgrad):
         o = self.options
         return (
             f"reduction={o.reduction}, ignore_index={o.ignore_index}, label_smoothing={o.label_smoothing}, "
-            f"z_loss={o.z_loss}, softcap={o.softcap}"
+            f"z_loss={o.z_loss}, softcap={o.softcap}" + (f", memory={o.memory}" if o.memory != "default" else "")
         )
 
 

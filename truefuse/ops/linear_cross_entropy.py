@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from truefuse.ops._dtypes import wide_dtype
 
 REDUCTIONS = ("mean", "sum", "none")
+MEMORY_MODES = ("default", "lean")
 
 
 class LinearCrossEntropyOutput(NamedTuple):
@@ -60,6 +61,12 @@ class LinearCrossEntropyOptions:
         return_z_loss, return_token_accuracy: also return those (not differentiable).
         chunk_size: tokens per chunk (a positive int), or None for ``chunked_head.default_chunk``.
         fp32_weight_grad: accumulate the weight gradient across chunks in fp32 (round once).
+        memory: ``default`` (token chunks, the fp32 V×H weight-gradient accumulator when
+            chunked) | ``lean`` (two passes over slices of the vocabulary, no V×H buffer, one
+            more logits GEMM; ``ops/linear_cross_entropy_slices.py``). Both bounded, not bitwise
+            equal to each other.
+        vocab_slice: classes per vocabulary slice under ``lean`` (a positive int), or None for
+            ``linear_cross_entropy_slices.default_slice_width``; ignored by ``default``.
     """
 
     reduction: str = "mean"
@@ -71,6 +78,8 @@ class LinearCrossEntropyOptions:
     return_token_accuracy: bool = False
     chunk_size: int | None = None
     fp32_weight_grad: bool = True
+    memory: str = "default"
+    vocab_slice: int | None = None
 
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
@@ -85,6 +94,11 @@ class LinearCrossEntropyOptions:
         chunk = self.chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk!r}")
+        if self.memory not in MEMORY_MODES:
+            raise ValueError(f"memory must be one of {MEMORY_MODES}, got {self.memory!r}")
+        vs = self.vocab_slice
+        if vs is not None and (isinstance(vs, bool) or not isinstance(vs, int) or vs < 1):
+            raise ValueError(f"vocab_slice must be a positive int or None, got {vs!r}")
         # the kernels take Python scalars: one conversion here, not one per use
         for name, kind in (("ignore_index", int), ("label_smoothing", float), ("z_loss", float)):
             object.__setattr__(self, name, kind(getattr(self, name)))
@@ -252,10 +266,13 @@ def linear_cross_entropy_ref(
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
     chunk_size: int | None = None,
+    memory: str = "default",
+    vocab_slice: int | None = None,
 ):
     """The unfused composition in plain PyTorch, fp32 math (fp64 on fp64 inputs): ``F.linear`` in
     that precision, then the cross-entropy; the semantics ``truefuse.linear_cross_entropy`` must
-    match. Materializes the (tokens, V) logits. ``chunk_size`` is accepted and ignored."""
+    match. Materializes the (tokens, V) logits. ``chunk_size``, ``memory`` and ``vocab_slice``
+    (how the fused op runs) are accepted and ignored."""
     wide = wide_dtype(input)
     x = input.reshape(-1, input.shape[-1]).to(wide)
     logits = F.linear(x, linear_weight.to(wide), None if linear_bias is None else linear_bias.to(wide))
@@ -268,7 +285,8 @@ def linear_cross_entropy_ref(
 def linear_cross_entropy_plain(input, linear_weight, target, *, linear_bias=None, **kw):
     """What a user writes without us: ``F.linear`` in the input's dtype, the cross-entropy in fp32
     (the bounded contract's same-dtype baseline). Same keywords as the reference."""
-    kw.pop("chunk_size", None)
+    for how in ("chunk_size", "memory", "vocab_slice"):  # how the fused op runs: nothing to do here
+        kw.pop(how, None)
     logits = F.linear(input.reshape(-1, input.shape[-1]), linear_weight, linear_bias).to(wide_dtype(input))
     return _from_logits(
         logits,

@@ -2,7 +2,8 @@
 weight and bias against the float64 reference (bounded), with the plain path (``F.linear`` in the
 input dtype, cross-entropy in fp32) as the same-dtype baseline; the weight gradient fused into an
 fp32 ``main_grad`` (bounded); and the delayed weight gradient against the immediate one (bitwise,
-docs/design.md §2), one chunk and several."""
+docs/design.md §2), one chunk and several. The same for ``memory="lean"`` under the op name
+``linear_cross_entropy_lean`` (``lean_*`` cases; the main_grad case over 4 micro-batches)."""
 
 from __future__ import annotations
 
@@ -30,18 +31,26 @@ def make_inputs(dtype, device, N=53, H=40, V=203, lead=(), ignore="some", bias=F
     return x, W, t, b
 
 
+#: keywords of the fused op alone (the reference and the plain path do not take them)
+FUSED_ONLY = ("memory", "vocab_slice", "fp32_weight_grad")
+
+
 def check_lce(x, W, t, b=None, *, grads=("input", "linear_weight", "linear_bias"), upstream=None, **kw):
     """Bounded reports for the loss and each asked-for gradient; ``upstream`` is the gradient of
-    the loss (default 1, or a random tensor for ``reduction="none"``)."""
+    the loss (default 1, or a random tensor for ``reduction="none"``). Keywords in
+    :data:`FUSED_ONLY` go to ``linear_cross_entropy`` only."""
+    fused_kw = {k: kw.pop(k) for k in FUSED_ONLY if k in kw}
 
-    def run(fn, xx, WW, bb):
+    def run(fn, xx, WW, bb, **extra):
         leaves = {"input": xx.detach().clone(), "linear_weight": WW.detach().clone()}
         if bb is not None:
             leaves["linear_bias"] = bb.detach().clone()
         for k, v in leaves.items():
             v.requires_grad_(k in grads)
         kw_dev = {k: v.to(xx.device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-        loss = fn(leaves["input"], leaves["linear_weight"], t.to(xx.device), linear_bias=leaves.get("linear_bias"), **kw_dev)
+        loss = fn(
+            leaves["input"], leaves["linear_weight"], t.to(xx.device), linear_bias=leaves.get("linear_bias"), **kw_dev, **extra
+        )
         up = torch.ones_like(loss) if upstream is None else upstream.to(loss.device, loss.dtype)
         wanted = [v for v in leaves.values() if v.requires_grad]
         gs = torch.autograd.grad(loss, wanted, up) if wanted else []
@@ -50,7 +59,7 @@ def check_lce(x, W, t, b=None, *, grads=("input", "linear_weight", "linear_bias"
             **{f"d{k}": g for (k, v), g in zip([(k, v) for k, v in leaves.items() if v.requires_grad], gs, strict=True)},
         }
 
-    got = run(linear_cross_entropy, x, W, b)
+    got = run(linear_cross_entropy, x, W, b, **fused_kw)
     base = run(linear_cross_entropy_plain, x, W, b)
     ref = run(linear_cross_entropy_ref, x.cpu().double(), W.cpu().double(), None if b is None else b.cpu().double())
     return {k: bounded_report(got[k], ref[k], base[k]) for k in got}
@@ -132,3 +141,90 @@ def _delayed_vs_immediate(dtype):
 for _dn, _dt in {"bf16": torch.bfloat16, "fp32": torch.float32}.items():
     register("linear_cross_entropy", f"fused_main_grad_{_dn}", "bounded")(_fused_main_grad(_dt))
     register("linear_cross_entropy", f"delayed_vs_immediate_{_dn}", "bitwise")(_delayed_vs_immediate(_dt))
+
+
+# memory="lean" (vocabulary slices; docs/linear_cross_entropy.md, "Memory"): its own op name, so
+# that ``verify --op linear_cross_entropy_lean`` selects them. 64-class slices: 4 of V = 203 (3
+# aligned, then the 11 remaining classes).
+_LEAN = {"memory": "lean", "vocab_slice": 64}
+_LEAN_N = 24  # tokens: the CPU interpreter runs one program per token and slice
+_LEAN_CASES = {
+    "lean_mean": {},
+    "lean_none": {"reduction": "none"},
+    "lean_everything": {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 3.0, "weight": "w", "bias": True},
+}
+
+
+def _lean_case(dtype, spec):
+    def case(device):
+        spec_ = dict(spec)
+        bias = spec_.pop("bias", False)
+        x, W, t, b = make_inputs(dtype, device, N=_LEAN_N, bias=bias)
+        if spec_.get("weight") == "w":
+            spec_["weight"] = torch.rand(W.shape[0], generator=torch.Generator().manual_seed(9)).to(device) + 0.5
+        up = None
+        if spec_.get("reduction") == "none":
+            up = torch.randn(t.shape, generator=torch.Generator().manual_seed(3))
+        return check_lce(x, W, t, b, upstream=up, **_LEAN, **spec_)
+
+    return case
+
+
+def _lean_main_grad(dtype, steps=4):
+    """main_grad (fp32, starting at 0) after ``steps`` micro-batches of lean, against the float64
+    sum of the reference's weight gradients; baseline: the plain path's gradient in the weight's
+    dtype, added in fp32."""
+
+    def case(device):
+        W = make_inputs(dtype, device, N=_LEAN_N)[1]
+        Wl = W.clone().requires_grad_()
+        Wl.main_grad = torch.zeros(W.shape, device=device)
+        base = torch.zeros(W.shape, device=device)
+        ref = torch.zeros(W.shape, dtype=torch.float64)
+        for step in range(steps):
+            x, _, t, _ = make_inputs(dtype, device, N=_LEAN_N, seed=10 + step)
+            linear_cross_entropy(x, Wl, t, fuse_wgrad_accumulation=True, **_LEAN).backward()
+            Wb = W.clone().requires_grad_()
+            linear_cross_entropy_plain(x, Wb, t).backward()
+            base += Wb.grad.float()
+            Wr = W.cpu().double().requires_grad_()
+            linear_cross_entropy_ref(x.cpu().double(), Wr, t.cpu()).backward()
+            ref += Wr.grad
+        return {f"main_grad_{steps}_steps": bounded_report(Wl.main_grad, ref, base)}
+
+    return case
+
+
+def _lean_delayed_vs_immediate(dtype):
+    """LinearCrossEntropyLoss(memory="lean", delay_wgrad_compute=True): backward_dw() recomputes
+    the slices and gives the immediate bits, into .grad and into main_grad, mean and none."""
+
+    def case(device):
+        x, W, t, _ = make_inputs(dtype, device, N=_LEAN_N)
+        up = torch.randn(t.shape, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+        reports = {}
+        for fused in (False, True):
+            for reduction in ("mean", "none"):
+                got = {}
+                for delay in (False, True):
+                    m = LinearCrossEntropyLoss(
+                        reduction=reduction, fuse_wgrad_accumulation=fused, delay_wgrad_compute=delay, **_LEAN
+                    )
+                    Wl = W.clone().requires_grad_()
+                    if fused:
+                        Wl.main_grad = torch.zeros(W.shape, device=device)
+                    loss = m(x, Wl, t)
+                    loss.backward(up if reduction == "none" else None)
+                    m.backward_dw()
+                    got[delay] = Wl.main_grad if fused else Wl.grad
+                reports[f"{'main_grad' if fused else 'grad'}_{reduction}"] = bitwise_report(got[True], got[False])
+        return reports
+
+    return case
+
+
+for _dn, _dt in {"bf16": torch.bfloat16, "fp32": torch.float32}.items():
+    for _name, _spec in _LEAN_CASES.items():
+        register("linear_cross_entropy_lean", f"{_name}_{_dn}", "bounded")(_lean_case(_dt, _spec))
+    register("linear_cross_entropy_lean", f"lean_main_grad_{_dn}", "bounded")(_lean_main_grad(_dt))
+    register("linear_cross_entropy_lean", f"lean_delayed_vs_immediate_{_dn}", "bitwise")(_lean_delayed_vs_immediate(_dt))

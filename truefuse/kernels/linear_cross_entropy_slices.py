@@ -1,0 +1,175 @@
+"""Triton kernels of ``linear_cross_entropy`` over slices of the vocabulary (``memory="lean"``,
+and one slice per rank in ``truefuse.distributed.linear_cross_entropy``): one program per token
+row of one slice's logits (tokens, Vs), columns [v0, v0 + Vs) of the vocabulary.
+
+``_lce_slice_stats_kernel`` (pass 1) streams the slice's row once with the whole-row kernel's
+``_stats_block`` (``kernels/linear_cross_entropy.py``: online max and sum of exponentials per lane,
+first maximum, Σ w_c·z_c) and writes the slice's statistics: its max ``m``, its sum of
+exponentials relative to ``m`` (NaN once a NaN was met), the index of its first maximum (of its
+first NaN when the sum is NaN: a second pass over that row only), Σ w_c·z_c, and the target's
+logit when the target falls in the slice. The host merges the slices' statistics in slice order
+(``ops/linear_cross_entropy_slices.py``), as the whole-row kernel reduces its lanes.
+
+``_lce_slice_grad_kernel`` (pass 2) reads the merged lse of each row and writes the slice's
+d_logits over its logits, the whole-row kernel's formula (the target may lie outside the slice):
+
+    g_j = s_ce·[(1-ε)·w_t·(p_j − δ_jt) + ε/V·(p_j·Σw − w_j)] + s_z·2·z_loss·lse·p_j
+
+times softcap's derivative, rounded once to the logits' dtype. The whole-row kernel's default path
+is untouched: these kernels import its jit helpers only.
+"""
+
+import triton
+import triton.language as tl
+
+from truefuse.kernels.linear_cross_entropy import _load_block, _logits_block, _softcap, _stats_block
+
+
+@triton.jit(do_not_specialize=["v0"])
+def _lce_slice_stats_kernel(
+    logits_ptr,
+    stride,
+    bias_ptr,  # the slice's bias (Vs,), read only with HAS_BIAS
+    cw_ptr,  # the slice's class weights (Vs,), read only with HAS_CW and SMOOTH
+    t_ptr,
+    m_ptr,
+    s_ptr,
+    arg_ptr,
+    wz_ptr,
+    zt_ptr,
+    Vs,
+    v0,
+    cap,
+    HAS_BIAS: tl.constexpr,
+    HAS_CW: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    cols0 = tl.arange(0, BLOCK_V)
+    n_full = Vs // BLOCK_V
+    tail = Vs % BLOCK_V != 0
+    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_V,), tl.float32)
+    arg = tl.zeros((BLOCK_V,), tl.int32)
+    wz = tl.zeros((BLOCK_V,), tl.float32)
+    for i in range(0, n_full):
+        m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, Vs, cap, m, s, arg, wz,
+                                     HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+    if tail:
+        m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, Vs, cap, m, s, arg, wz,
+                                     HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+    mx = tl.max(m, axis=0)
+    # as the whole-row kernel: a lane whose max stayed -inf keeps its sum (0, or NaN after a NaN)
+    scaled = tl.where(m == mx, s, tl.where(m == float("-inf"), s, s * tl.exp(m - mx)))
+    total = tl.sum(scaled, axis=0)
+    best_i = tl.min(tl.where(m == mx, arg, Vs), axis=0).to(tl.int64)
+    if total != total:
+        # a NaN logit in the slice: its first NaN (torch.argmax's answer when it is the row's first)
+        first = tl.zeros((BLOCK_V,), tl.int32) + Vs
+        for i in range(0, tl.cdiv(Vs, BLOCK_V)):
+            cols = i * BLOCK_V + cols0
+            mask = cols < Vs
+            z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, True)
+            first = tl.minimum(first, tl.where(mask & (z != z), cols, Vs))
+        best_i = tl.min(first, axis=0).to(tl.int64)
+    tl.store(m_ptr + row, mx)
+    tl.store(s_ptr + row, total)
+    tl.store(arg_ptr + row, best_i + v0)
+    if SMOOTH:
+        tl.store(wz_ptr + row, tl.sum(wz, axis=0))
+    # the target's logit, from the slice that holds it (the others leave it as it is)
+    t = tl.load(t_ptr + row)
+    here = (t >= v0) & (t < v0 + Vs)
+    t_loc = tl.where(here, t - v0, 0)
+    z_t = tl.load(base + t_loc).to(tl.float32)
+    if HAS_BIAS:
+        z_t += tl.load(bias_ptr + t_loc).to(tl.float32)
+    z_t = _softcap(z_t, cap, SOFTCAP)
+    tl.store(zt_ptr + row, z_t, mask=here)
+
+
+@triton.jit
+def _slice_grad_block(base, bias_ptr, cw_ptr, cols, Vs, t_loc, a, lse, s_ce, s_z, w_sum, eps_v, z_loss, cap,
+                      HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):  # fmt: skip
+    """The whole-row kernel's ``_grad_block`` on one block of a slice (``eps_v`` = ε / V of the
+    whole vocabulary; ``t_loc`` the target's column in the slice, outside it when it is not there)."""
+    mask = cols < Vs
+    z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
+    p = tl.exp(z - lse)
+    g = a * p - tl.where(cols == t_loc, a, 0.0)
+    if SMOOTH:
+        if HAS_CW:
+            w_c = _load_block(cw_ptr, cols, mask, MASKED).to(tl.float32)
+        else:
+            w_c = 1.0
+        g += eps_v * (p * w_sum - w_c) * s_ce
+    g += 2.0 * z_loss * lse * s_z * p
+    if SOFTCAP:
+        g = g * (1.0 - (z / cap) * (z / cap))
+    g = g.to(base.dtype.element_ty)
+    if MASKED:
+        tl.store(base + cols, g, mask=mask)
+    else:
+        tl.store(base + cols, g)
+
+
+@triton.jit(do_not_specialize=["ignore_index", "v0"])
+def _lce_slice_grad_kernel(
+    logits_ptr,
+    stride,
+    bias_ptr,  # the slice's bias (Vs,), read only with HAS_BIAS
+    cw_ptr,  # the whole vocabulary's class weights (V,), read only with HAS_CW
+    t_ptr,
+    lse_ptr,
+    s_ce_ptr,
+    s_z_ptr,
+    Vs,
+    v0,
+    V,
+    ignore_index,
+    w_sum,
+    smoothing,
+    z_loss,
+    cap,
+    HAS_BIAS: tl.constexpr,
+    HAS_CW: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    t = tl.load(t_ptr + row)
+    valid = t != ignore_index
+    ok = valid & (t >= 0) & (t < V)
+    t_safe = tl.where(ok, t, 0)
+    t_loc = tl.where(ok, t - v0, -1)  # outside [0, Vs) when the target is not in this slice
+    if HAS_CW:
+        w_t = tl.load(cw_ptr + t_safe)
+    else:
+        w_t = 1.0
+    lse = tl.load(lse_ptr + row)
+    lse_ce = tl.where(tl.abs(lse) < float("inf"), lse, float("nan"))
+    if PER_TOKEN:
+        s_ce = tl.load(s_ce_ptr + row)
+        s_z = tl.load(s_z_ptr + row)
+    else:
+        s_ce = tl.load(s_ce_ptr)
+        s_z = tl.load(s_z_ptr)
+    s_ce = tl.where(valid, s_ce, 0.0)
+    s_z = tl.where(valid, s_z, 0.0)
+    a = (1.0 - smoothing) * w_t * s_ce
+    eps_v = smoothing / V
+    cw_slice = cw_ptr + v0
+    cols0 = tl.arange(0, BLOCK_V)
+    n_full = Vs // BLOCK_V
+    for i in range(0, n_full):
+        _slice_grad_block(base, bias_ptr, cw_slice, i * BLOCK_V + cols0, Vs, t_loc, a, lse_ce, s_ce, s_z, w_sum, eps_v,
+                          z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+    if Vs % BLOCK_V != 0:
+        _slice_grad_block(base, bias_ptr, cw_slice, n_full * BLOCK_V + cols0, Vs, t_loc, a, lse_ce, s_ce, s_z, w_sum,
+                          eps_v, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
