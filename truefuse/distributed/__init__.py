@@ -11,10 +11,15 @@ Layers (``tensor_parallel.py``): ``ColumnParallelLinear``, ``RowParallelLinear``
 ``TensorParallelMLP`` in Megatron's layout, under the weight-gradient contract (docs/design.md §2),
 with the sharding helpers ``shard_rows`` / ``shard_columns`` and Megatron's region functions
 (``_regions.py``). No sequence parallelism.
+
+Loss: ``linear_cross_entropy`` (``linear_cross_entropy.py``), the vocab-parallel LM head and
+cross-entropy: each rank a contiguous vocabulary shard, one all-gather of per-token statistics
+merged in rank order (the same bits on every rank), d_input summed with ``allreduce``.
 """
 
 from truefuse.distributed._regions import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
 from truefuse.distributed.allreduce import allreduce, allreduce_add_rmsnorm, allreduce_add_rmsnorm_ref, allreduce_ref
+from truefuse.distributed.linear_cross_entropy import linear_cross_entropy
 from truefuse.distributed.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -37,6 +42,7 @@ __all__ = [
     "allreduce_ref",
     "copy_to_tp_region",
     "gather_from_tp_region",
+    "linear_cross_entropy",
     "reduce_from_tp_region",
     "scatter_to_tp_region",
     "shard_columns",

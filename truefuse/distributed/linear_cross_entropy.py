@@ -1,0 +1,259 @@
+"""Vocab-parallel linear cross-entropy: ``truefuse.distributed.linear_cross_entropy``.
+
+Each rank holds a contiguous slice of the vocabulary's rows of the LM head (Megatron's layout:
+rank r holds [vocab_start_r, vocab_start_r + V_r), the shards in rank order tiling [0, V)) and
+the same input and targets. It is ``memory="lean"``'s sliced machinery
+(``ops/linear_cross_entropy_slices.py``) with one slice per rank:
+
+* pass 1, local: the shard's per-token statistics (max, sum of exponentials, Σ w_c·z_c, first
+  argmax, the target's logit where the rank owns the target), over sub-slices of the shard;
+* ONE all-gather of the small (N, 6) statistics per call, merged in rank order on every rank
+  (``merge_stats``): identical bits everywhere; lse, the loss terms and the accuracy follow;
+* pass 2, local (in the backward): the shard's d_logits from the merged lse, d_weight's and
+  d_bias's shard rows, and this rank's fp32 partial sum of d_input, summed over the ranks with
+  truefuse's bitwise ``allreduce`` (rank-order fp32 sum, one rounding; fp64 summed in fp64).
+
+Every eager call first agrees on the arguments across ranks (one ``all_gather_object``): bad
+input on any rank, a target outside [0, V) included, is the same ``ValueError`` on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from truefuse.autograd._autocast import autocast_disabled
+from truefuse.autograd._chunked_head import recompute_backward
+from truefuse.autograd._wgrad import WgradState, check_main_grad
+from truefuse.distributed.allreduce import allreduce
+from truefuse.distributed.tensor_parallel import agree
+from truefuse.ops._dtypes import wide_dtype
+from truefuse.ops.chunked_head import HeadGrads
+from truefuse.ops.linear_cross_entropy import (
+    LinearCrossEntropyOptions,
+    LinearCrossEntropyOutput,
+    check_args,
+    mean_scales,
+    reduce_terms,
+    target_weights,
+    token_accuracy,
+    valid_count,
+)
+from truefuse.ops.linear_cross_entropy_slices import (
+    SliceStats,
+    class_weight_sum,
+    default_slice_width,
+    finish_stats,
+    grad_pass,
+    merge_stats,
+    stats_pass,
+)
+
+_OWNER = "distributed.linear_cross_entropy"
+
+
+def _gather_stats(st: SliceStats, group) -> SliceStats:
+    """Every rank's statistics, merged in rank order: one all-gather of an (N, 6) fp64 tensor
+    (m, s, wz, zt: fp32 or fp64 values, exact in fp64; arg and has_t: integers < 2⁵³)."""
+    wide = st.m.dtype
+    packed = torch.stack([st.m.double(), st.s.double(), st.arg.double(), st.wz.double(), st.zt.double(), st.has_t.double()], 1)
+    parts = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, packed.contiguous(), group=group)
+    stats = [
+        SliceStats(p[:, 0].to(wide), p[:, 1].to(wide), p[:, 2].long(), p[:, 3].to(wide), p[:, 4].to(wide), p[:, 5] != 0)
+        for p in parts
+    ]
+    return merge_stats(stats)
+
+
+def _sum_over_ranks(dx: torch.Tensor, group) -> torch.Tensor:
+    """The ranks' partial d_input (N, H), fp32 or fp64, summed in rank order (not rounded)."""
+    if dx.dtype == torch.float32 and dx.shape[0] > 0:
+        try:
+            return allreduce(dx, group=group)  # fp32 sum in rank order: bitwise the same on every rank
+        except ValueError:
+            pass  # wider than the allreduce takes (H > max_kernel_n): the same sum by hand below
+    parts = [torch.empty_like(dx) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, dx.contiguous(), group=group)
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc += p
+    return acc
+
+
+class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
+    """Inputs: x (N, H), this rank's W shard (V_r, H), its bias shard or None, targets (N,),
+    the whole vocabulary's class weights (V,) or None, the options, the slice width, the §2 state,
+    the group, vocab_start and V. Backward as ``LinearCrossEntropyLeanFunction``, with d_input's
+    partial sums reduced over the ranks."""
+
+    @staticmethod
+    @autocast_disabled
+    def forward(ctx, x, W, b, t, cw, opts: LinearCrossEntropyOptions, width, wstate, group, vocab_start: int, V: int):
+        wide = wide_dtype(x)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
+        deferred = wstate is not None and not wstate.plain and needs[1]
+        valid = t != opts.ignore_index
+        n = valid_count(valid, wide)
+        if opts.reduction == "mean":
+            s_ce, s_z = mean_scales(n, None if cw is None else target_weights(t, cw, opts.ignore_index, wide)[1])
+        else:
+            s_ce = s_z = torch.ones((), dtype=wide, device=x.device)
+        w_sum = class_weight_sum(cw, V, opts)
+        local = stats_pass(opts, x, W, b, t, cw, width=width, v_offset=vocab_start)
+        terms = finish_stats(_gather_stats(local, group), t, cw, opts, V, w_sum)
+        total, z_part = reduce_terms(terms.ce, terms.zl, opts.reduction, (s_ce, s_z))
+        acc = token_accuracy(terms.correct, n).to(wide)
+        ctx.opts, ctx.width, ctx.needs, ctx.wstate, ctx.deferred = opts, width, needs, wstate, deferred
+        ctx.w_sum, ctx.group, ctx.vocab_start, ctx.V, ctx.b_dtype = w_sum, group, vocab_start, V, None if b is None else b.dtype
+        if any(needs):
+            ctx.save_for_backward(x, W, b, t, cw, s_ce, s_z, terms.lse)
+        ctx.mark_non_differentiable(z_part, acc)
+        return total, z_part, acc
+
+    @staticmethod
+    @autocast_disabled
+    def backward(ctx, g_loss, g_z, g_acc):
+        x, W, b, t, cw, s_ce, s_z, lse = ctx.saved_tensors
+        if ctx.opts.reduction != "none":
+            g = g_loss.to(s_ce.dtype)
+            s_ce, s_z = s_ce * g, s_z * g
+        else:
+            delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
+            s_ce = s_z = g_loss.reshape(-1).to(wide_dtype(x), copy=delayed)
+        opts, group = ctx.opts, ctx.group
+        kw = {"V": ctx.V, "w_sum": ctx.w_sum, "width": ctx.width, "v_offset": ctx.vocab_start, "w_dtype": W.dtype}
+
+        def run(want, main_grad=None, accumulate=False):
+            dx, dW, db = grad_pass(
+                opts, x, W, b, t, cw, lse, s_ce, s_z, want=want, main_grad=main_grad, accumulate=accumulate, **kw
+            )
+            if dx is not None:  # every rank runs this pass (the ranks agreed on what needs a gradient)
+                dx = _sum_over_ranks(dx, group).to(x.dtype)  # one rounding after the rank-order sum
+            return HeadGrads(dx, dW, db, None)
+
+        dx, dW, db = recompute_backward(run, ctx.needs, ctx.wstate, W, ctx.b_dtype)
+        return dx, dW, db, None, None, None, None, None, None, None, None
+
+
+def _problem(x, W, t, b, cw, V_total) -> tuple[str, str] | None:
+    """This rank's bad input as (error class, message), or None."""
+    try:
+        check_args(x, W, t, b, None)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+    if cw is not None and (not isinstance(cw, torch.Tensor) or tuple(cw.shape) != (V_total,)):
+        got = tuple(cw.shape) if isinstance(cw, torch.Tensor) else type(cw).__name__
+        return "ValueError", f"weight must have shape ({V_total},) (one per class of the whole vocabulary), got {got}"
+    return None
+
+
+def _target_problem(t: torch.Tensor, V: int, ignore_index: int) -> tuple[str, str] | None:
+    bad = (t != ignore_index) & ((t < 0) | (t >= V))
+    if bool(bad.any()):
+        return "ValueError", f"target holds {t[bad][0].item()}, outside [0, {V}) and not ignore_index={ignore_index}"
+    return None
+
+
+def linear_cross_entropy(
+    input: torch.Tensor,
+    linear_weight_shard: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group=None,
+    vocab_start: int | None = None,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    vocab_slice: int | None = None,
+    fuse_wgrad_accumulation: bool = False,
+    wgrad_state: WgradState | None = None,
+):
+    """``truefuse.linear_cross_entropy`` with the LM head's vocabulary split over the ranks of ``group``.
+
+    Args:
+        input: (..., H) hidden states, the same on every rank (fp16 / bf16 / fp32 / fp64).
+        linear_weight_shard: (V_r, H), rows [vocab_start, vocab_start + V_r) of the LM head, the
+            input's dtype. The shards tile the vocabulary in rank order (Megatron's layout).
+        target: (...) global class indices in [0, V) or ``ignore_index``, the same on every rank.
+        group: the process group (None: the default group).
+        vocab_start: this rank's first class; default rank · V_r (equal shards, required then).
+        linear_bias: (V_r,) this rank's shard of the bias, or None.
+        weight: (V,) class weights of the whole vocabulary (the same on every rank), or None.
+        reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss,
+        return_token_accuracy: as :func:`truefuse.linear_cross_entropy`.
+        vocab_slice: classes per sub-slice of this rank's shard (default: the largest multiple of
+            64 whose logits over all tokens take at most 256 MiB).
+        fuse_wgrad_accumulation, wgrad_state: the shard's weight gradient under docs/design.md §2
+            (``main_grad`` is the shard's, (V_r, H) fp32).
+
+    Returns:
+        What :func:`truefuse.linear_cross_entropy` returns, with the same bits on every rank.
+        Differentiable in ``input`` (summed over the ranks: the same d_input everywhere), in the
+        weight shard and the bias shard (this rank's rows). Bounded against the single-process
+        loss on the gathered weight, not bitwise equal to it (the vocabulary is cut elsewhere).
+
+    Raises:
+        TypeError / ValueError naming the argument, on every rank when any rank's input is bad
+        (a target outside [0, V) included) or the ranks disagree; never a hang.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(f"{_OWNER} needs an initialised process group (torch.distributed.init_process_group)")
+    group = group if group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    opts = LinearCrossEntropyOptions(
+        reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy, None, True,
+        "lean", vocab_slice,
+    )  # fmt: skip
+    V_r = linear_weight_shard.shape[0] if isinstance(linear_weight_shard, torch.Tensor) else -1
+    shards: list = [None] * world
+    dist.all_gather_object(shards, (V_r, vocab_start), group=group)
+    sizes = [s for s, _ in shards]
+    V = sum(sizes)
+    expected = [sum(sizes[:r]) for r in range(world)]  # the shards tile [0, V) in rank order
+    problem = None
+    if vocab_start is None and len(set(sizes)) > 1:
+        problem = ("ValueError", f"vocab_start is None but the shards differ in size ({sizes}): give each rank's vocab_start")
+    elif vocab_start is not None and [s for _, s in shards] != expected:
+        given = [s for _, s in shards]
+        problem = ("ValueError", f"the shards must tile the vocabulary in rank order: vocab_start {given}, sizes {sizes}")
+    start = expected[rank]
+    problem = problem or _problem(input, linear_weight_shard, target, linear_bias, weight, V)
+    t = None
+    if problem is None:
+        t = target.reshape(-1).to(torch.int64)
+        problem = _target_problem(t, V, opts.ignore_index)
+    if wgrad_state is None and fuse_wgrad_accumulation:
+        wgrad_state = WgradState(fuse_wgrad_accumulation=True)
+    if problem is None and wgrad_state is not None and wgrad_state.fuse_wgrad_accumulation:
+        if torch.is_grad_enabled() and linear_weight_shard.requires_grad:
+            try:  # here, before any collective of the loss: a missing main_grad on one rank must not hang the others
+                check_main_grad(linear_weight_shard, "linear_weight_shard")
+            except (RuntimeError, TypeError, ValueError) as e:
+                problem = ("ValueError" if isinstance(e, ValueError) else type(e).__name__, str(e))
+    needs_x = isinstance(input, torch.Tensor) and torch.is_grad_enabled() and input.requires_grad
+    desc = (
+        ("input shape", tuple(input.shape) if isinstance(input, torch.Tensor) else None),
+        ("input dtype", str(getattr(input, "dtype", None))),
+        ("input requires grad", needs_x),
+        ("bias", linear_bias is not None),
+        ("options", opts),
+    )
+    agree(group, _OWNER, problem, desc, True)
+    x = input.reshape(-1, input.shape[-1])
+    cw = None if weight is None else weight.detach().to(wide_dtype(input))
+    width = opts.vocab_slice or default_slice_width(x.shape[0], V_r, x.element_size())
+    loss, z_part, acc = VocabParallelLinearCrossEntropyFunction.apply(
+        x, linear_weight_shard, linear_bias, t, cw, opts, width, wgrad_state, group, start, V
+    )
+    if opts.reduction == "none":
+        loss, z_part = loss.view(target.shape), z_part.view(target.shape)
+    if not opts.extras:
+        return loss
+    return LinearCrossEntropyOutput(loss, z_part if opts.return_z_loss else None, acc if opts.return_token_accuracy else None)
