@@ -15,6 +15,8 @@ import truefuse
 from truefuse.ops.gated_activation import gated2_bwd_op, gated2_fwd_op, gated_bwd_op, gated_fwd_op, use_kernel
 from truefuse.ops.gemm import gemm_op, gemm_out_op
 from truefuse.ops.linear_cross_entropy_chunk import lce_chunk_op
+from truefuse.ops.linear_cross_entropy_slices import lce_slice_grad_op, lce_slice_stats_op
+from truefuse.ops.linear_log_probs import log_probs_chunk_op
 from truefuse.ops.norm import hf_rstd, norm_bwd_op, norm_fwd_op, rms_norm_hf_fwd_op
 from truefuse.ops.rope import rope_bwd_op, rope_fwd_op
 from truefuse.ops.scale import scale_op
@@ -93,6 +95,33 @@ def test_opcheck_lce_chunk(want_grad, device):
     ok = torch.empty(C, dtype=torch.bool, device=device)
     s = torch.tensor(0.25, device=device)
     torch.library.opcheck(lce_chunk_op, (logits, t, None, ce, zl, ok, s, s, None, V, -100, float(V), 0.1, 1e-4, None, want_grad))
+
+
+@pytest.mark.parametrize("want_grad", [True, False])
+def test_opcheck_log_probs_chunk(want_grad, device):
+    _dev(device)
+    C, V = 5, 70
+    logits = torch.randn(C, V, device=device)
+    t = torch.tensor([0, 3, -100, 69, 5], device=device)
+    lp, ent = torch.empty(C, device=device), torch.empty(C, device=device)
+    a, c = torch.randn(C, device=device), torch.randn(C, device=device)
+    bias = torch.randn(V, device=device)
+    torch.library.opcheck(log_probs_chunk_op, (logits, t, lp, ent, a, c, bias, V, -100, 0.7, 5.0, want_grad))
+
+
+def test_opcheck_lce_slices(device):
+    """The lean loss's two slice kernels: a slice [64, 134) of a 200-class vocabulary."""
+    _dev(device)
+    N, v0, Vs, V = 5, 64, 70, 200
+    logits = torch.randn(N, Vs, device=device)
+    t = torch.tensor([0, 70, -100, 133, 199], device=device)
+    stats = [torch.empty(N, device=device) for _ in range(2)]
+    arg = torch.empty(N, dtype=torch.int64, device=device)
+    wz, zt = torch.zeros(N, device=device), torch.zeros(N, device=device)
+    cw = torch.rand(Vs, device=device) + 0.5
+    torch.library.opcheck(lce_slice_stats_op, (logits, None, cw, t, *stats, arg, wz, zt, v0, 4.0, True))
+    lse, s = torch.randn(N, device=device) + 5, torch.tensor(0.25, device=device)
+    torch.library.opcheck(lce_slice_grad_op, (logits, None, cw, t, lse, s, s, v0, V, -100, 250.0, 0.1, 1e-4, 4.0))
 
 
 def test_opcheck_gemm(device):
@@ -293,6 +322,22 @@ def test_compile_linear_cross_entropy(chunk_size, device):
     _compare(lambda x, W, t: truefuse.linear_cross_entropy(x, W, t, chunk_size=chunk_size, z_loss=1e-4), (x, W, t))
     loss = truefuse.LinearCrossEntropyLoss(label_smoothing=0.1, chunk_size=chunk_size)
     _compare(lambda x, W, t: loss(x, W, t), (x, W, t))
+
+
+def test_compile_linear_log_probs_and_lean_loss(device):
+    """The second loss on the chunked head, and the cross-entropy's lean (vocabulary-sliced) mode."""
+    _dev(device)
+    x = torch.randn(10, 16, device=device, requires_grad=True)
+    W = torch.randn(70, 16, device=device, requires_grad=True)
+    t = torch.randint(0, 70, (10,), device=device)
+    t[3] = -100
+
+    def log_probs(x, W, t):
+        out = truefuse.linear_log_probs(x, W, t, temperature=0.9, chunk_size=4)
+        return out.log_probs.sum() + 0.5 * out.entropy.sum()
+
+    _compare(log_probs, (x, W, t))
+    _compare(lambda x, W, t: truefuse.linear_cross_entropy(x, W, t, memory="lean", vocab_slice=64), (x, W, t))
 
 
 @pytest.mark.xfail(

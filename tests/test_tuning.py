@@ -14,7 +14,7 @@ from truefuse.ops.norm import use_kernel
 from truefuse.verify.cases_linear_cross_entropy import make_inputs
 
 KNOBS = (
-    "chunk_bytes", "align", "min_macs", "two_stage_bytes", "two_stage_bytes_other", "push_max_bytes",
+    "chunk_bytes", "slice_bytes", "align", "min_macs", "two_stage_bytes", "two_stage_bytes_other", "push_max_bytes",
     "ll_max_bytes", "programs_per_sm", "maxp", "max_kernel_n",
 )  # fmt: skip
 
@@ -86,7 +86,7 @@ def test_restored_after_an_exception():
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        ({"chunk_byte": 1}, r"unknown tuning knob 'chunk_byte'; known knobs: chunk_bytes, align, .*max_kernel_n"),
+        ({"chunk_byte": 1}, r"unknown tuning knob 'chunk_byte'; known knobs: chunk_bytes, slice_bytes, align, .*max_kernel_n"),
         ({"align": 8, "MAXP": 1, "x": 2}, r"unknown tuning knobs 'MAXP', 'x'"),
         ({"chunk_bytes": 0}, r"chunk_bytes=0: it must be a positive int"),
         ({"align": 8, "maxp": -1}, r"maxp=-1"),

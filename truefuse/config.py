@@ -116,6 +116,12 @@ class Tuning:
         "the last with 1 GiB more peak; 512 MiB picks 2048 (with an fp32 weight-gradient accumulator "
         "its V*H*4 bytes when more; docs/benchmarks.md, linear cross-entropy)",
     )
+    slice_bytes: int = _knob(
+        256 << 20,
+        "linear_cross_entropy(memory='lean')'s logits budget per vocabulary slice when vocab_slice is "
+        "None (input-dtype bytes, all tokens): 16384 classes of 8192 bf16 tokens, 8 slices of 128256; "
+        "with the fp32 (tokens, H) d_input buffer the lean peak stays under 0.6 GB at 8192 x 128256 x 4096",
+    )
     align: int = _knob(
         64,
         "linear_cross_entropy's split GEMMs: the vocabulary of the aligned part and the logits rows' "

@@ -28,7 +28,7 @@ Where the slice kernels run (``kernels/linear_cross_entropy_slices.py``: CUDA, f
 interpreter), they compute the statistics and d_logits; elsewhere (fp64, bf16 on the CPU) the
 same math in PyTorch (:func:`slice_stats_math`, :func:`slice_grad_math`).
 
-Memory above the returned gradients: one slice's logits (the ``LEAN_SLICE_BYTES`` budget, 256 MiB)
+Memory above the returned gradients: one slice's logits (the ``slice_bytes`` tuning knob, 256 MiB)
 plus the fp32 (tokens, H) d_input buffer plus O(tokens) statistics.
 """
 
@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 
+from truefuse.config import get_tuning
 from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops._dtypes import wgrad_dtype, wide_dtype
 from truefuse.ops._triton import triton_runs
@@ -46,16 +47,13 @@ from truefuse.ops.linear_cross_entropy import LinearCrossEntropyOptions
 
 #: Slices are multiples of this many classes (but for an odd vocabulary's last < ALIGN classes).
 ALIGN = 64
-#: The default slice's logits budget: the largest multiple of ALIGN classes whose logits over all
-#: tokens take at most this many bytes (at 8192 tokens in bf16: 16384 classes, 8 slices of 128256).
-LEAN_SLICE_BYTES = 256 << 20
-
-
-def default_slice_width(N: int, V: int, itemsize: int, budget: int = LEAN_SLICE_BYTES) -> int:
+def default_slice_width(N: int, V: int, itemsize: int, budget: int | None = None) -> int:
     """Classes per vocabulary slice when the caller gives none: the largest multiple of
-    :data:`ALIGN` whose (N, width) logits fit in ``budget`` bytes, at least ALIGN, at most V
+    :data:`ALIGN` whose (N, width) logits fit in ``budget`` bytes (default: the ``slice_bytes``
+    tuning knob, 256 MiB: 16384 classes of 8192 bf16 tokens), at least ALIGN, at most V
     rounded up to ALIGN. It depends on N: lean does not promise batch invariance (the slices'
     partial sums, and so the bits, depend on where the vocabulary is cut)."""
+    budget = get_tuning().slice_bytes if budget is None else budget
     fit = budget // (max(N, 1) * itemsize) // ALIGN * ALIGN
     return max(ALIGN, min(fit, -(-V // ALIGN) * ALIGN))
 
