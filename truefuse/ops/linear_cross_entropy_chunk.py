@@ -89,12 +89,18 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s
     lse = torch.logsumexp(z, dim=-1)  # the z-loss's: ±inf with a ±inf max, NaN with a NaN
     # F.cross_entropy's log_softmax is NaN on a row whose max is ±inf (z − max = inf − inf): the
     # cross-entropy and its gradient use lse where finite, NaN elsewhere
-    lse_ce = torch.where(lse.isfinite(), lse, torch.nan)
+    finite = lse.isfinite()
+    lse_ce = torch.where(finite, lse, torch.nan)
+    # relative to the max, as log_softmax: (max − z_t) + log S and p = e^((z − max) − log S);
+    # lse − z_t would cancel to ulp(lse) for a confident token
+    mx = torch.where(finite, z.amax(-1), 0.0)
+    y = z - mx[:, None]
+    log_s = torch.where(finite, torch.log(torch.exp(y).sum(-1)), torch.nan)
     t_safe = torch.where(valid, t, 0)
-    z_t = z.gather(1, t_safe[:, None]).squeeze(1)
+    y_t = y.gather(1, t_safe[:, None]).squeeze(1)
     w_t = cw[t_safe] if cw is not None else torch.ones_like(lse)
     eps = float(label_smoothing)
-    ce = w_t * (lse_ce - z_t)
+    ce = w_t * (log_s - y_t)
     if eps > 0:
         wz = z @ cw if cw is not None else z.sum(-1)
         ce = (1 - eps) * ce + eps / V * (W_sum * lse_ce - wz)
@@ -104,7 +110,7 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s
     correct = (z.argmax(-1) == t) & valid
     if not want_grad:
         return ce, zl, correct, None
-    p = torch.exp(z - lse_ce[:, None])
+    p = torch.exp(y - log_s[:, None])
     g = p * ((1 - eps) * w_t)[:, None]
     g.scatter_add_(1, t_safe[:, None], -((1 - eps) * w_t)[:, None])
     if eps > 0:

@@ -132,12 +132,14 @@ class Terms(NamedTuple):
 def finish_stats(st: SliceStats, t, cw, opts: LinearCrossEntropyOptions, V: int, w_sum: float) -> Terms:
     """lse and the per-token loss terms from the whole vocabulary's merged statistics, as the
     whole-row kernel computes them (``kernels/linear_cross_entropy.py``)."""
-    lse = st.m + torch.log(st.s)
+    log_s = torch.log(st.s)
+    lse = st.m + log_s
     # F.cross_entropy's log_softmax is NaN on a row whose max is ±inf or that holds a NaN
     lse_ce = torch.where(lse.isfinite(), lse, torch.nan)
     valid = t != opts.ignore_index
     w_t = cw[torch.where(valid & (t >= 0) & (t < V), t, 0)] if cw is not None else 1.0
-    ce = w_t * (lse_ce - st.zt)
+    # (max − z_t) + log S, as log_softmax: lse − z_t cancels to ulp(lse) for a confident token
+    ce = w_t * torch.where(lse.isfinite(), (st.m - st.zt) + log_s, torch.nan)
     eps = opts.label_smoothing
     if eps > 0:
         ce = (1.0 - eps) * ce + eps / V * (w_sum * lse_ce - st.wz)
