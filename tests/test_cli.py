@@ -10,7 +10,6 @@ from truefuse.__main__ import main
 from truefuse.testing import BoundedReport
 from truefuse.verify import registry
 
-
 #: ops whose test file runs every registered case itself (test_registered_cases): not run twice
 _OWN_TESTS = {
     "linear_cross_entropy", "linear_cross_entropy_lean", "linear_log_probs", "gated_activation", "grouped_gemm",

@@ -427,7 +427,8 @@ def test_gated_activation(c):
 #: a cancelling sum over V, amplifies: 1 token x H=1 x V=131, label_smoothing=0.1, z_loss=0.1,
 #: logits ~0.25: d_input 7.9e-5 vs the plain path's 1.6e-5; over 25 seeds its median ratio is
 #: 1.2-2.4, up to 47, and at par (1.0-1.2) at 16 tokens x H=16. p = exp(z - max) / sum halves it.)
-_LCE_LSE_CANCELLATION_BUG = True  # the loss is fixed; the target's d_logit still rounds near 1 (test_lce_fp32_confident_token_grads)
+# the loss is fixed; the target's d_logit still rounds near 1 (test_lce_fp32_confident_token_grads)
+_LCE_LSE_CANCELLATION_BUG = True
 _LCE_SOFTCAP_TANH_BUG = True
 
 

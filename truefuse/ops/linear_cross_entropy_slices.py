@@ -47,6 +47,8 @@ from truefuse.ops.linear_cross_entropy import LinearCrossEntropyOptions
 
 #: Slices are multiples of this many classes (but for an odd vocabulary's last < ALIGN classes).
 ALIGN = 64
+
+
 def default_slice_width(N: int, V: int, itemsize: int, budget: int | None = None) -> int:
     """Classes per vocabulary slice when the caller gives none: the largest multiple of
     :data:`ALIGN` whose (N, width) logits fit in ``budget`` bytes (default: the ``slice_bytes``
