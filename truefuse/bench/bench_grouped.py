@@ -8,6 +8,9 @@ Providers, side by side in one run:
 
 * ``floor``: the six grouped GEMMs alone through ``truefuse.gemm``'s default plan (fc1 and fc2
   forward, input gradients, weight gradients in bf16; cuBLAS ``grouped_mm`` where aligned).
+* ``floor_main_grad``: the same, the two weight gradients added into fp32 ``main_grad`` buffers
+  (``gemm(..., out=main_grad, accumulate=True)``): the floor of the ``*_main_grad`` rows, which read
+  and write 4-byte gradients where the plain floor writes 2-byte ones.
 * ``truefuse``: ``GroupedMLP`` (plain configuration: bf16 weight gradients), default backend:
   ``triton``, the batch-invariant grouped GEMM (docs/design.md §1 "Grouped GEMM").
 * ``truefuse_device_splits``: the same with ``m_splits`` a CUDA tensor (no host read).
@@ -39,7 +42,7 @@ def _splits(p):
     return [p["tokens"]] * p["E"]
 
 
-def _floor(p, device):
+def _floor(p, device, main_grad: bool = False):
     E, H, Fd, M = p["E"], p["H"], p["F"], p["E"] * p["tokens"]
     s = _splits(p)
     x, w1, w2 = (
@@ -48,13 +51,21 @@ def _floor(p, device):
         _rand(E, H, Fd, device=device, seed=2),
     )
     h, a, dy = _rand(M, 2 * Fd, device=device, seed=3), _rand(M, Fd, device=device, seed=4), _rand(M, H, device=device, seed=5)
+    mg1, mg2 = (torch.zeros(w.shape, device=device) for w in (w1, w2)) if main_grad else (None, None)
 
     def fn():
         gemm(x, w1.transpose(1, 2), m_splits=s), gemm(a, w2.transpose(1, 2), m_splits=s)  # forward
-        gemm(dy, w2, m_splits=s), gemm(dy.t(), a, m_splits=s)  # fc2 input and weight gradients
-        gemm(h, w1, m_splits=s), gemm(h.t(), x, m_splits=s)  # fc1 input and weight gradients
+        gemm(dy, w2, m_splits=s), gemm(h, w1, m_splits=s)  # input gradients
+        if main_grad:  # weight gradients added into fp32 main_grad (beta=1)
+            gemm(dy.t(), a, m_splits=s, out=mg2, accumulate=True), gemm(h.t(), x, m_splits=s, out=mg1, accumulate=True)
+        else:
+            gemm(dy.t(), a, m_splits=s), gemm(h.t(), x, m_splits=s)  # weight gradients
 
     return fn
+
+
+def _floor_main_grad(p, device):
+    return _floor(p, device, main_grad=True)
 
 
 def _truefuse(fused: bool, backend: str | None = None, device_splits: bool = False):
@@ -116,6 +127,7 @@ def sweep(quick: bool) -> Sweep:
         points=points,
         providers={
             "floor": _floor,
+            "floor_main_grad": _floor_main_grad,
             "truefuse": _truefuse(False),
             "truefuse_device_splits": _truefuse(False, device_splits=True),
             "truefuse_per_group": _truefuse(False, "per_group"),

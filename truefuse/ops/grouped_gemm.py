@@ -50,7 +50,11 @@ class TileConfig:
         block_n, block_k: the output tile's columns (``rows``: N tile and K step; ``wgrad``: the
             (N, K) tile of dW_g; ``bgrad``: N tile, block_k unused).
         num_warps, num_stages: Triton launch parameters (do not change the bits).
-        programs_per_sm: persistent programs per SM (grid = SMs × this, at most the tile count).
+        programs_per_sm: persistent programs per SM (grid = SMs × this, at most the tile count);
+            0: one program per tile (the grid is the tile bound).
+        tma: fp16/bf16 operands through TMA tensor descriptors (sm_90+; the Hopper kernels of
+            ``kernels/grouped_gemm.py``) where the weight's shape allows (16-byte rows), else the
+            pointer kernels. Chosen by the configuration and the weight shape, never by the batch.
     """
 
     block_m: int
@@ -59,12 +63,13 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 1
+    tma: bool = False
 
 
 _HALF = (torch.float16, torch.bfloat16)
 
-#: CUDA configurations, one per (kind, dtype). bf16/fp16 tiles for H100/H200: 128×128 output tiles,
-#: 64-deep K steps (rows) or 64-row reduction steps (wgrad); 3 stages of 32 KiB fit two programs per SM.
+#: CUDA configurations, one per (kind, dtype), the pointer kernels (GPUs without a tuned entry below):
+#: 128×128 output tiles, 64-deep K steps (rows) or 64-row reduction steps (wgrad).
 _CUDA_CONFIGS: dict[tuple[str, torch.dtype], TileConfig] = {
     **{("rows", dt): TileConfig(128, 128, 64, num_warps=8, num_stages=3, programs_per_sm=2) for dt in _HALF},
     **{("wgrad", dt): TileConfig(64, 128, 128, num_warps=8, num_stages=3, programs_per_sm=1) for dt in _HALF},
@@ -78,18 +83,36 @@ _CUDA_CONFIGS: dict[tuple[str, torch.dtype], TileConfig] = {
 # above, keyed by (kind, dtype, torch.cuda.get_device_capability()). It must stay ONE entry per key:
 # never chosen from M or the group sizes, or batch invariance is lost. Changing an entry changes the
 # bits (not the contract), so record it in docs/design.md's "Grouped GEMM" subsection.
-_TUNED_CONFIGS: dict[tuple[str, torch.dtype, tuple[int, int]], TileConfig] = {}
+_TUNED_CONFIGS: dict[tuple[str, torch.dtype, tuple[int, int]], TileConfig] = {
+    # Hopper (H100/H200), measured on an H200 (experiments/exp_grouped_gemm_tune.py, docs/design.md
+    # "Grouped GEMM"): the TMA kernels. Forward/dgrad: 128×256 tiles, 64-deep K steps, 4 stages.
+    **{("rows", dt, (9, 0)): TileConfig(128, 256, 64, num_warps=8, num_stages=4, programs_per_sm=1, tma=True) for dt in _HALF},
+    # wgrad: 128×128 dW tiles in 64-row steps, two programs per SM (123 registers: both resident);
+    # "wgrad_large" (a layer of >= _LARGE_WGRAD weights per group): 128×256 tiles, one program per SM.
+    **{("wgrad", dt, (9, 0)): TileConfig(64, 128, 128, num_warps=8, num_stages=3, programs_per_sm=2, tma=True) for dt in _HALF},
+    **{
+        ("wgrad_large", dt, (9, 0)): TileConfig(64, 128, 256, num_warps=8, num_stages=3, programs_per_sm=1, tma=True)
+        for dt in _HALF
+    },
+}
+
+#: Weights per group (N × K) from which a weight gradient takes the ``wgrad_large`` configuration
+#: where one exists: a property of the layer's shape, never of the batch (2^24: 4096 × 4096).
+_LARGE_WGRAD = 1 << 24
 
 #: Under the CPU interpreter (fp32 only): small tiles, chosen by the device, never by the sizes.
 _INTERPRETER_CONFIG = TileConfig(16, 16, 16, num_warps=1, num_stages=1)
 _INTERPRETER_PROGRAMS = 3
 
 
-def tile_config(kind: str, dtype: torch.dtype, device: torch.device) -> TileConfig:
-    """The configuration of problem ``kind`` (``rows``, ``wgrad``, ``bgrad``) for ``dtype`` on ``device``."""
+def tile_config(kind: str, dtype: torch.dtype, device: torch.device, weights_per_group: int = 0) -> TileConfig:
+    """The configuration of problem ``kind`` (``rows``, ``wgrad``, ``bgrad``) for ``dtype`` on ``device``;
+    ``wgrad`` also by the layer's weights per group (N × K, fixed per layer; never the batch)."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
     cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if kind == "wgrad" and weights_per_group >= _LARGE_WGRAD and ("wgrad_large", dtype, cap) in _TUNED_CONFIGS:
+        return _TUNED_CONFIGS[("wgrad_large", dtype, cap)]
     return _TUNED_CONFIGS.get((kind, dtype, cap)) or _CUDA_CONFIGS[(kind, dtype)]
 
 
@@ -101,6 +124,8 @@ def _capability(index: int) -> tuple[int, int]:
 def _programs(device: torch.device, cfg: TileConfig, tiles: int) -> int:
     if device.type != "cuda":
         n = _INTERPRETER_PROGRAMS
+    elif cfg.programs_per_sm == 0:
+        n = tiles
     else:
         n = sm_count(device.index if device.index is not None else torch.cuda.current_device()) * cfg.programs_per_sm
     return max(1, min(n, tiles))
@@ -346,6 +371,98 @@ def grouped_gemm_wgrad_ref(dy: torch.Tensor, x: torch.Tensor, m_splits) -> torch
 
 
 # ---------------------------------------------------------------------------------------------
+# Launches (one configuration in, no choice from the sizes)
+
+#: Groups whose offsets the Hopper rows kernel reads at once (one vector load per chunk, not one
+#: dependent load per group); only the walk over the tiles, never the bits.
+_GCHUNK = 64
+
+
+def _tma_rows_ok(t: torch.Tensor) -> bool:
+    """A (.., rows, cols) operand a TMA descriptor takes as is: last dim contiguous, 16-byte
+    aligned base and row strides."""
+    es = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in t.stride()[:-1])
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a contiguous (freshly allocated, so aligned) copy: same values, same bits."""
+    return t if _tma_rows_ok(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def _use_tma(cfg: TileConfig, dtype: torch.dtype, *inner: int) -> bool:
+    """The TMA kernels: asked for by ``cfg``, fp16/bf16, and every operand's row (the weight's two
+    inner dims) a multiple of 16 bytes: a property of the layer's shape, never of the batch."""
+    es = torch.empty((), dtype=dtype).element_size()
+    return cfg.tma and dtype in _HALF and all(d > 0 and (d * es) % 16 == 0 for d in inner)
+
+
+def _launch_rows(x, w, offsets, bias, transpose_w: bool, out, cfg: TileConfig) -> None:
+    from truefuse.kernels.grouped_gemm import _grouped_gemm_rows_kernel, _grouped_gemm_rows_tma_kernel
+
+    b = w.transpose(1, 2) if transpose_w else w  # (G, K, N) view
+    G, K, N = b.shape
+    M = x.shape[0]
+    num_n = -(-N // cfg.block_n)
+    bound = (-(-M // cfg.block_m) + G) * num_n  # Σ_g ceil(m_g / BLOCK_M) ≤ ceil(M / BLOCK_M) + G
+    grid = (_programs(x.device, cfg, bound),)
+    if _use_tma(cfg, x.dtype, w.shape[1], w.shape[2]):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x, w = _tma_ready(x), _tma_ready(w)
+        a_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
+        inner = [cfg.block_n, cfg.block_k] if transpose_w else [cfg.block_k, cfg.block_n]
+        b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, *inner])
+        _grouped_gemm_rows_tma_kernel[grid](
+            a_desc, b_desc, out, bias if bias is not None else out, offsets,
+            G, M, N, K, out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
+            HAS_BIAS=bias is not None, B_NK=bool(transpose_w),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, GCHUNK=_GCHUNK,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return
+    _grouped_gemm_rows_kernel[grid](
+        x, b, out, bias if bias is not None else out, offsets,
+        G, M, N, K,
+        x.stride(0), x.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _launch_wgrad(dy, x, offsets, out, accumulate: bool, cfg: TileConfig) -> None:
+    from truefuse.kernels.grouped_gemm import _grouped_gemm_wgrad_kernel, _grouped_gemm_wgrad_tma_kernel
+
+    G, N, K = out.shape
+    M = dy.shape[0]
+    tiles = G * -(-N // cfg.block_n) * -(-K // cfg.block_k)
+    grid = (_programs(dy.device, cfg, tiles),)
+    if _use_tma(cfg, dy.dtype, N, K):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        dy, x = _tma_ready(dy), _tma_ready(x)
+        dy_desc = TensorDescriptor(dy, [M, N], [dy.stride(0), 1], [cfg.block_m, cfg.block_n])
+        x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
+        _grouped_gemm_wgrad_tma_kernel[grid](
+            dy_desc, x_desc, out, offsets,
+            G, M, N, K, out.stride(0), out.stride(1), out.stride(2),
+            ACCUMULATE=bool(accumulate), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=cfg.block_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return
+    _grouped_gemm_wgrad_kernel[grid](
+        dy, x, out, offsets,
+        G, M, N, K,
+        dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        ACCUMULATE=bool(accumulate), IEEE=dy.dtype == torch.float32,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=cfg.block_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
 # Custom ops (docs/design.md §6.7): one opaque call per launch under torch.compile.
 
 
@@ -354,8 +471,6 @@ def grouped_gemm_rows_op(
     x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None, transpose_w: bool, out: torch.Tensor
 ) -> None:
     """:func:`grouped_mm_rows`, validated, writing ``out``."""
-    from truefuse.kernels.grouped_gemm import _grouped_gemm_rows_kernel
-
     _check_not_aliased(out, x, w, bias, offsets)
     b = w.transpose(1, 2) if transpose_w else w  # (G, K, N) view
     G, K, N = b.shape
@@ -369,18 +484,7 @@ def grouped_gemm_rows_op(
             sizes = offsets.diff().clamp_min(0)
             out.copy_(torch.repeat_interleave(bias, sizes, dim=0, output_size=M))
         return
-    cfg = tile_config("rows", x.dtype, x.device)
-    num_n = -(-N // cfg.block_n)
-    bound = (-(-M // cfg.block_m) + G) * num_n  # Σ_g ceil(m_g / BLOCK_M) ≤ ceil(M / BLOCK_M) + G
-    _grouped_gemm_rows_kernel[(_programs(x.device, cfg, bound),)](
-        x, b, out, bias if bias is not None else out, offsets,
-        G, M, N, K,
-        x.stride(0), x.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    _launch_rows(x, w, offsets, bias, transpose_w, out, tile_config("rows", x.dtype, x.device))
 
 
 @grouped_gemm_rows_op.register_fake
@@ -391,8 +495,6 @@ def _(x, w, offsets, bias, transpose_w, out):
 @custom_op("truefuse::grouped_gemm_wgrad", mutates_args=("out",))
 def grouped_gemm_wgrad_op(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
     """:func:`grouped_mm_wgrad`, validated, writing (or adding into) ``out``."""
-    from truefuse.kernels.grouped_gemm import _grouped_gemm_wgrad_kernel
-
     _check_not_aliased(out, dy, x, offsets)
     G, N, K = out.shape
     M = dy.shape[0]
@@ -402,16 +504,7 @@ def grouped_gemm_wgrad_op(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tens
         if not accumulate:
             out.zero_()
         return
-    cfg = tile_config("wgrad", dy.dtype, dy.device)
-    tiles = G * -(-N // cfg.block_n) * -(-K // cfg.block_k)
-    _grouped_gemm_wgrad_kernel[(_programs(dy.device, cfg, tiles),)](
-        dy, x, out, offsets,
-        G, M, N, K,
-        dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        ACCUMULATE=bool(accumulate), IEEE=dy.dtype == torch.float32,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=cfg.block_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    _launch_wgrad(dy, x, offsets, out, accumulate, tile_config("wgrad", dy.dtype, dy.device, N * K))
 
 
 @grouped_gemm_wgrad_op.register_fake
