@@ -9,7 +9,8 @@ symmetric-memory Triton kernel runs (``truefuse/kernels/allreduce.py``, launched
 
 Layers (``tensor_parallel.py``): ``ColumnParallelLinear``, ``RowParallelLinear`` and
 ``TensorParallelMLP`` in Megatron's layout, under the weight-gradient contract (docs/design.md §2),
-with the sharding helpers ``shard_rows`` / ``shard_columns`` and Megatron's region functions
+with the sharding helpers (``sharding.py``: ``shard_rows`` / ``shard_columns``), the cross-rank
+validation (``_agree.py``) and Megatron's region functions
 (``_regions.py``). No sequence parallelism.
 
 Loss: ``linear_cross_entropy`` (``linear_cross_entropy.py``), the vocab-parallel LM head and
@@ -20,15 +21,8 @@ merged in rank order (the same bits on every rank), d_input summed with ``allred
 from truefuse.distributed._regions import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
 from truefuse.distributed.allreduce import allreduce, allreduce_add_rmsnorm, allreduce_add_rmsnorm_ref, allreduce_ref
 from truefuse.distributed.linear_cross_entropy import linear_cross_entropy
-from truefuse.distributed.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TensorParallelMLP,
-    shard_columns,
-    shard_rows,
-    unshard_columns,
-    unshard_rows,
-)
+from truefuse.distributed.sharding import shard_columns, shard_rows, unshard_columns, unshard_rows
+from truefuse.distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
 from truefuse.distributed.workspace import Workspace
 
 __all__ = [

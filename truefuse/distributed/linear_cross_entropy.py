@@ -25,8 +25,8 @@ import torch.distributed as dist
 from truefuse.autograd._autocast import autocast_disabled
 from truefuse.autograd._chunked_head import recompute_backward
 from truefuse.autograd._wgrad import WgradState, check_main_grad
+from truefuse.distributed._agree import agree
 from truefuse.distributed.allreduce import allreduce
-from truefuse.distributed.tensor_parallel import agree
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.chunked_head import HeadGrads
 from truefuse.ops.linear_cross_entropy import (

@@ -36,6 +36,7 @@ from truefuse.autograd._wgrad import DEFAULT_MAX_PENDING_WGRAD, check_main_grad
 from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.linear import linear
 from truefuse.config import get_tuning
+from truefuse.distributed._agree import agree, problem_of, validating
 from truefuse.distributed._regions import (
     copy_to_tp_region,
     gather_from_tp_region,
@@ -44,6 +45,7 @@ from truefuse.distributed._regions import (
     torch_region,
 )
 from truefuse.distributed.allreduce import allreduce_add_rmsnorm
+from truefuse.distributed.sharding import shard_columns, shard_rows
 from truefuse.distributed.workspace import Workspace
 from truefuse.nn._base import WgradModule
 from truefuse.ops.activation import activation_ref
@@ -54,105 +56,6 @@ from truefuse.ops.norm import rms_norm_torch
 
 #: dtypes of the layers' parameters and activations: what ``allreduce`` sums.
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
-
-
-# --- sharding helpers -------------------------------------------------------------------------------
-
-
-def _check_split(t, size: int, rank: int, world_size: int, what: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-    if size % world_size:
-        raise ValueError(f"{what} has {size} there, not divisible by world_size={world_size}")
-
-
-def shard_rows(t: torch.Tensor, rank: int, world_size: int, *, gated: bool = False) -> torch.Tensor:
-    """Rank ``rank``'s block of ``t``'s first dimension (a column-parallel weight (N, K) or bias (N,)).
-
-    ``gated=True``: ``t`` is ``[gate; up]`` (2F, ...) and the block is ``[gate_r; up_r]``, each
-    F / world_size rows of the same features (the gated layout of :class:`TensorParallelMLP`).
-    Returns a contiguous copy.
-    """
-    if gated:
-        n = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None
-        if n is not None and isinstance(world_size, int) and world_size > 0 and n % (2 * world_size):
-            raise ValueError(
-                f"gated: t's first dimension is [gate; up], 2F = {n}, but F is not divisible by world_size={world_size}"
-            )
-        _check_split(t, n or 0, rank, world_size, "t's first dimension")
-        gate, up = t.chunk(2, 0)
-        return torch.cat([shard_rows(gate, rank, world_size), shard_rows(up, rank, world_size)], 0)
-    _check_split(t, t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else 1, rank, world_size, "t's first dimension")
-    n = t.shape[0] // world_size
-    return t[rank * n : (rank + 1) * n].contiguous()
-
-
-def shard_columns(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Rank ``rank``'s block of ``t``'s last dimension (a row-parallel weight (N, K) -> (N, K / world)),
-    a contiguous copy."""
-    _check_split(t, t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() else 1, rank, world_size, "t's last dimension")
-    n = t.shape[-1] // world_size
-    return t[..., rank * n : (rank + 1) * n].contiguous()
-
-
-def unshard_rows(shards: list[torch.Tensor], *, gated: bool = False) -> torch.Tensor:
-    """The inverse of :func:`shard_rows`: the full tensor from every rank's block, in rank order."""
-    if gated:
-        halves = [s.chunk(2, 0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
-    return torch.cat(list(shards), 0)
-
-
-def unshard_columns(shards: list[torch.Tensor]) -> torch.Tensor:
-    """The inverse of :func:`shard_columns`."""
-    return torch.cat(list(shards), -1)
-
-
-# --- validation agreed by every rank ----------------------------------------------------------------
-
-
-def _validating(x, workspace: Workspace | None) -> bool:
-    """Agree across ranks (one small all-gather) unless a CUDA graph is being captured or the
-    workspace says ``validate=False``: then each rank checks locally only (docs/design.md §4)."""
-    if isinstance(x, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    return workspace is None or workspace.validate
-
-
-def _problem(*checks) -> tuple[str, str] | None:
-    """(error class name, message) of the first check that raises, or None."""
-    for check in checks:
-        try:
-            check()
-        except (TypeError, ValueError, RuntimeError) as e:
-            return type(e).__name__ if type(e).__name__ in _ERRORS else "ValueError", str(e)
-    return None
-
-
-def agree(group, owner: str, problem: tuple[str, str] | None, desc: tuple, validate: bool) -> None:
-    """Raise the same error on every rank when any rank's input is bad or the ranks' ``desc`` (what
-    must match: shapes, dtypes, whether a gradient is wanted) differ; with ``validate=False`` only
-    this rank's ``problem`` is raised. The error's class is the lowest bad rank's."""
-    if not validate:
-        if problem is not None:
-            raise _ERRORS[problem[0]](f"{owner}: {problem[1]}")
-        return
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (problem, desc), group=group)
-    bad = [(r, p) for r, (p, _) in enumerate(everyone) if p is not None]
-    if bad:
-        listing = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in bad)
-        raise _ERRORS[bad[0][1][0]](f"{owner}: bad input on {listing}")
-    if len({d for _, d in everyone}) > 1:
-        first = dict(everyone[0][1])
-        diff = [k for k in first if any(dict(d).get(k) != first[k] for _, d in everyone)]
-        listing = "; ".join(f"rank {r}: " + ", ".join(f"{k}={dict(d).get(k)}" for k in diff) for r, (_, d) in enumerate(everyone))
-        raise ValueError(f"{owner}: ranks disagree on {', '.join(diff)} ({listing})")
 
 
 # --- shared pieces ------------------------------------------------------------------------------------
@@ -324,12 +227,12 @@ class ColumnParallelLinear(WgradModule):
         return [(self._weight_name, self.weight)]
 
     # the check, without collectives: (error class, message) or None
-    def _local_problem(self, x) -> tuple[str, str] | None:
+    def _localproblem_of(self, x) -> tuple[str, str] | None:
         def dtype_ok():
             if _compute_dtype(x, self.weight) not in _DTYPES:
                 raise TypeError(f"input runs in {_compute_dtype(x, self.weight)}; the allreduce takes bf16, fp16 or fp32")
 
-        return _problem(lambda: self._check_input(x, self.in_features, self.weight), dtype_ok)
+        return problem_of(lambda: self._check_input(x, self.in_features, self.weight), dtype_ok)
 
     def _desc(self, x) -> tuple:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
@@ -346,7 +249,7 @@ class ColumnParallelLinear(WgradModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in_features), the same on every rank -> (..., out_features / world), or
         (..., out_features) with ``gather_output``; in the parameters' dtype (autocast: its dtype)."""
-        agree(self.group, type(self).__name__, self._local_problem(x), self._desc(x), _validating(x, self.workspace))
+        agree(self.group, type(self).__name__, self._localproblem_of(x), self._desc(x), validating(x, self.workspace))
         return self._run(x)
 
     def forward_ref(self, x: torch.Tensor) -> torch.Tensor:
@@ -501,7 +404,7 @@ class RowParallelLinear(WgradModule):
                 f"{tuple(residual.shape)}, {residual.dtype}, {residual.device}"
             )
 
-    def _local_problem(self, x, residual) -> tuple[str, str] | None:
+    def _localproblem_of(self, x, residual) -> tuple[str, str] | None:
         def dtype_ok():
             if _compute_dtype(x, self.weight) not in _DTYPES:
                 raise TypeError(f"input runs in {_compute_dtype(x, self.weight)}; the allreduce takes bf16, fp16 or fp32")
@@ -513,7 +416,7 @@ class RowParallelLinear(WgradModule):
                     f"in_features / world = {self._features()}"
                 )
 
-        return _problem(
+        return problem_of(
             width_ok,
             lambda: self._check_input(x, self._features(), self.weight),
             dtype_ok,
@@ -543,8 +446,8 @@ class RowParallelLinear(WgradModule):
         """x (..., in_features / world) (or (..., in_features) when not ``input_is_parallel``) ->
         (..., out_features), the same bits on every rank; with ``fuse_residual_rmsnorm``,
         ``forward(x, residual)`` -> ``(normed, residual_out)``, both (..., out_features)."""
-        problem = self._local_problem(x, residual)
-        agree(self.group, type(self).__name__, problem, self._desc(x, residual), _validating(x, self.workspace))
+        problem = self._localproblem_of(x, residual)
+        agree(self.group, type(self).__name__, problem, self._desc(x, residual), validating(x, self.workspace))
         return self._run(x, residual)
 
     def forward_ref(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -697,9 +600,9 @@ class TensorParallelMLP(WgradModule):
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and fc2.weight.requires_grad:
                 check_main_grad(fc2.weight, "fc2.weight")
 
-        problem = self.fc1._local_problem(x) or _problem(residual_ok, fc2_main_grad_ok)
+        problem = self.fc1._localproblem_of(x) or problem_of(residual_ok, fc2_main_grad_ok)
         desc = (*self.fc1._desc(x), ("residual shape", tuple(residual.shape) if isinstance(residual, torch.Tensor) else None))
-        agree(self.group, type(self).__name__, problem, desc, _validating(x, self.workspace))
+        agree(self.group, type(self).__name__, problem, desc, validating(x, self.workspace))
         h = self.fc1._run(x, activation=None if self.gated else self.activation)
         return fc2._run(self._act(h), residual)
 

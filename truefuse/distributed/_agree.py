@@ -1,0 +1,51 @@
+"""Bad input as the same clear error on every rank, before any collective can hang
+(docs/design.md §4): each rank checks locally, then one small all-gather compares the verdicts and
+what must match across ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from truefuse.distributed.workspace import Workspace
+
+_ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
+
+
+def validating(x, workspace: Workspace | None) -> bool:
+    """Agree across ranks (one small all-gather) unless a CUDA graph is being captured or the
+    workspace says ``validate=False``: then each rank checks locally only (docs/design.md §4)."""
+    if isinstance(x, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return workspace is None or workspace.validate
+
+
+def problem_of(*checks) -> tuple[str, str] | None:
+    """(error class name, message) of the first check that raises, or None."""
+    for check in checks:
+        try:
+            check()
+        except (TypeError, ValueError, RuntimeError) as e:
+            return type(e).__name__ if type(e).__name__ in _ERRORS else "ValueError", str(e)
+    return None
+
+
+def agree(group, owner: str, problem: tuple[str, str] | None, desc: tuple, validate: bool) -> None:
+    """Raise the same error on every rank when any rank's input is bad or the ranks' ``desc`` (what
+    must match: shapes, dtypes, whether a gradient is wanted) differ; with ``validate=False`` only
+    this rank's ``problem`` is raised. The error's class is the lowest bad rank's."""
+    if not validate:
+        if problem is not None:
+            raise _ERRORS[problem[0]](f"{owner}: {problem[1]}")
+        return
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (problem, desc), group=group)
+    bad = [(r, p) for r, (p, _) in enumerate(everyone) if p is not None]
+    if bad:
+        listing = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in bad)
+        raise _ERRORS[bad[0][1][0]](f"{owner}: bad input on {listing}")
+    if len({d for _, d in everyone}) > 1:
+        first = dict(everyone[0][1])
+        diff = [k for k in first if any(dict(d).get(k) != first[k] for _, d in everyone)]
+        listing = "; ".join(f"rank {r}: " + ", ".join(f"{k}={dict(d).get(k)}" for k in diff) for r, (_, d) in enumerate(everyone))
+        raise ValueError(f"{owner}: ranks disagree on {', '.join(diff)} ({listing})")
