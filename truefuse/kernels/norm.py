@@ -38,6 +38,39 @@ def rms_norm_row(x, w, N, eps, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr)
 
 
 @triton.jit
+def _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
+             IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+             RSTD_IN: tl.constexpr, ROUND_NORMED: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    """One row of the forward: ``x`` the row in fp32 (masked lanes 0), ``w`` / ``b`` fp32 rows
+    (placeholders without HAS_W / HAS_B), ``row`` int64."""
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=0) / N
+        xc = tl.where(mask, x - mean, 0.0)
+        tl.store(mean_ptr + row, mean)
+    if RSTD_IN:
+        # a caller's rstd (a stock module's statistics, for its bits: ops/norm.py::rms_norm_hf_ref);
+        # ROUND_NORMED rounds x * rstd to x's dtype before the weight, as Llama's RMSNorm does
+        rstd = tl.load(rstd_ptr + row)
+        y = xc * rstd
+        if ROUND_NORMED:
+            y = y.to(DT).to(tl.float32)
+        if HAS_W:
+            if ZERO_CENTERED:
+                w = w + 1.0
+            y = y * w
+    else:
+        y, rstd = rms_norm_row(xc, w, N, eps, HAS_W, ZERO_CENTERED)
+    if HAS_B:
+        y = y + b
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if not RSTD_IN:
+        tl.store(rstd_ptr + row, rstd)
+
+
+# M: not specialised (a persistent launch's loop bound; one kernel for every row count)
+@triton.jit(do_not_specialize=["M"])
 def _norm_fwd_kernel(
     x_ptr,
     w_ptr,
@@ -56,42 +89,47 @@ def _norm_fwd_kernel(
     BLOCK_N: tl.constexpr,
     RSTD_IN: tl.constexpr = False,
     ROUND_NORMED: tl.constexpr = False,
+    M=0,
+    PERSISTENT: tl.constexpr = False,
+    EVICT: tl.constexpr = "",
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """PERSISTENT: ``num_programs`` programs, program p norms rows p, p + P, ... (M rows), the next
+    row's load issued before this row's math; else one program per row. Each row is normed by the
+    same code in the same layout either way (same bits: only the schedule differs)."""
+    DT: tl.constexpr = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if IS_RMS:
-        xc = x
-    else:
-        mean = tl.sum(x, axis=0) / N
-        xc = tl.where(mask, x - mean, 0.0)
-        tl.store(mean_ptr + row, mean)
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     else:
-        w = x
-    if RSTD_IN:
-        # a caller's rstd (a stock module's statistics, for its bits: ops/norm.py::rms_norm_hf_ref);
-        # ROUND_NORMED rounds x * rstd to x's dtype before the weight, as Llama's RMSNorm does
-        rstd = tl.load(rstd_ptr + row)
-        y = xc * rstd
-        if ROUND_NORMED:
-            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        if HAS_W:
-            if ZERO_CENTERED:
-                w = w + 1.0
-            y = y * w
-    else:
-        y, rstd = rms_norm_row(xc, w, N, eps, HAS_W, ZERO_CENTERED)
+        w = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_B:
-        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    if not RSTD_IN:
-        tl.store(rstd_ptr + row, rstd)
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        b = w
+    if PERSISTENT:
+        pid = tl.program_id(0)
+        P = tl.num_programs(0)
+        first = pid.to(tl.int64)
+        x_nxt = tl.load(x_ptr + first * stride_x + cols, mask=cols < tl.where(first < M, N, 0), other=0.0,
+                        eviction_policy=EVICT)  # fmt: skip
+        for r in range(pid, M, P):
+            row = tl.cast(r, tl.int64)
+            x = x_nxt.to(tl.float32)
+            nxt = row + P
+            x_nxt = tl.load(x_ptr + nxt * stride_x + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0,
+                            eviction_policy=EVICT)  # fmt: skip
+            _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
+                     IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT)  # fmt: skip
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
+                 IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT)  # fmt: skip
 
 
-@triton.jit
+# M, rows_per_program: not specialised (one kernel for every row count)
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _norm_bwd_kernel(
     dy_ptr,
     x_ptr,
@@ -112,53 +150,75 @@ def _norm_bwd_kernel(
     HAS_B: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = True,
+    EVICT: tl.constexpr = "",
 ):
+    """Program p takes rows [p·rows_per_program, (p+1)·rows_per_program) ∩ [0, M) in tiles of ROWS
+    rows (a (ROWS, BLOCK_N) block; each row reduced alone along its columns, in an order fixed by
+    BLOCK_N, ROWS and num_warps: the same for every row whatever its place in the tile). PREFETCH:
+    the next tile's loads are issued before this tile's math (two tiles in flight per program)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
+    cmask = cols < N
+    rr = tl.arange(0, ROWS)
     if HAS_W:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             w = w + 1.0
-    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        w = w[None, :]
+    dw_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    db_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 bounds: the loop index and offsets are int64
     row_end = tl.minimum(row_start + rows_per_program, M)
-    # the next row's loads are issued before this row's math, so two rows are in flight per program
-    nxt = cols < tl.where(row_start < row_end, N, 0)  # the mask of a row that exists
-    x_nxt = tl.load(x_ptr + row_start * stride_x + cols, mask=nxt, other=0.0)
-    dy_nxt = tl.load(dy_ptr + row_start * stride_dy + cols, mask=nxt, other=0.0)
-    for row in range(row_start, row_end):
-        x = x_nxt.to(tl.float32)
-        dy = dy_nxt.to(tl.float32)
-        nxt = cols < tl.where(row + 1 < row_end, N, 0)
-        x_nxt = tl.load(x_ptr + (row + 1) * stride_x + cols, mask=nxt, other=0.0)
-        dy_nxt = tl.load(dy_ptr + (row + 1) * stride_dy + cols, mask=nxt, other=0.0)
-        rstd = tl.load(rstd_ptr + row)
+    if PREFETCH:
+        rows = row_start + rr
+        m2 = (rows < row_end)[:, None] & cmask[None, :]
+        x_nxt = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m2, other=0.0, eviction_policy=EVICT)
+        dy_nxt = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=m2, other=0.0, eviction_policy=EVICT)
+    for r0 in range(row_start, row_end, ROWS):
+        rows = r0 + rr
+        valid = rows < row_end
+        m2 = valid[:, None] & cmask[None, :]
+        if PREFETCH:
+            x = x_nxt.to(tl.float32)
+            dy = dy_nxt.to(tl.float32)
+            nrows = rows + ROWS
+            nm2 = (nrows < row_end)[:, None] & cmask[None, :]
+            x_nxt = tl.load(x_ptr + nrows[:, None] * stride_x + cols[None, :], mask=nm2, other=0.0, eviction_policy=EVICT)
+            dy_nxt = tl.load(dy_ptr + nrows[:, None] * stride_dy + cols[None, :], mask=nm2, other=0.0,
+                             eviction_policy=EVICT)  # fmt: skip
+        else:
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m2, other=0.0, eviction_policy=EVICT)
+            dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=m2, other=0.0, eviction_policy=EVICT)
+            x = x.to(tl.float32)
+            dy = dy.to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=valid, other=0.0)[:, None]
         if IS_RMS:
             xhat = x * rstd
         else:
-            xhat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
+            mean = tl.load(mean_ptr + rows, mask=valid, other=0.0)[:, None]
+            xhat = tl.where(m2, (x - mean) * rstd, 0.0)
         if HAS_W:
             wdy = dy * w
         else:
             wdy = dy
-        c1 = tl.sum(xhat * wdy, axis=0) / N
+        c1 = (tl.sum(xhat * wdy, axis=1) / N)[:, None]
         if IS_RMS:
             dx = (wdy - xhat * c1) * rstd
         else:
-            c2 = tl.sum(wdy, axis=0) / N
+            c2 = (tl.sum(wdy, axis=1) / N)[:, None]
             dx = (wdy - (xhat * c1 + c2)) * rstd
-        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
         dw_acc += dy * xhat
         db_acc += dy
     if HAS_W:
-        tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=mask)
+        tl.store(dw_part_ptr + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
     if HAS_B:
-        tl.store(db_part_ptr + pid * N + cols, db_acc, mask=mask)
+        tl.store(db_part_ptr + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _sum_partials_kernel(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """``out[n] = Σ_p part[p, n]`` in fp32, rounded once to out's dtype. Tiles of BLOCK_P partial
     rows are loaded at once (many loads in flight); the order is fixed by P alone (deterministic)."""

@@ -111,10 +111,46 @@ def block_and_warps(n: int) -> tuple[int, int]:
     """BLOCK_N and num_warps, from the hidden size only (never the row count: batch invariance).
 
     The one choice for every kernel that norms rows with ``kernels/norm.py::rms_norm_row``: the norm
-    launchers here and the fused allreduce's (``ops/allreduce.py``), whose normed rows and rstd must
+    forward here and the fused allreduce's (``ops/allreduce.py``), whose normed rows and rstd must
     be the bits of ``truefuse.rms_norm`` (the row's sum reduces in an order set by both)."""
     block = max(16, 1 << (n - 1).bit_length())
     return block, max(1, min(16, block // 512))
+
+
+def fwd_programs_per_sm(n: int) -> int:
+    """Persistent forward programs per SM (0: one program per row), from the hidden size only.
+    Either schedule norms each row with the same code and layout (BLOCK_N and num_warps of
+    :func:`block_and_warps`): the same bits. Measured on an H200 (experiments/exp_norm_sweep.py,
+    docs/benchmarks.md): persistent is 1.1-1.35x faster from 5120 up and at 1024 and 2880."""
+    if n <= 1024:
+        return 16
+    if n <= 2048 or 2880 < n <= 4096:
+        return 0
+    if n <= 4096:
+        return 4
+    return 2 if n < 8192 else 4
+
+
+def bwd_config(n: int, rms: bool = True) -> tuple[int, int, int, bool]:
+    """The backward's (num_warps, rows per tile, programs per SM, prefetch), from the hidden size only
+    (never the row count: a row's dx reduces in an order set by BLOCK_N, the tile and num_warps
+    alone). Measured on an H200 (experiments/exp_norm_sweep.py): two-row tiles and more programs
+    for small rows (1024: 1.8x), one program per SM and 16-32 warps for wide rows, and no prefetch
+    at 16384 (with it the row's registers spill: 12x slower)."""
+    if n <= 1024:
+        return 4, 2, 4, True
+    if n <= 2048:
+        return 8, 2, 2, True
+    if n <= 4096:
+        return 8, 1, 2, True
+    if n <= 8192:
+        return (32 if rms else 16), 1, 1, True
+    return 16, 1, 1, False
+
+
+def sum_config(n: int) -> tuple[int, int, int]:
+    """``_sum_partials_kernel``'s (BLOCK_P, BLOCK_N, num_warps): tall thin tiles, few serial loads."""
+    return (256, 16, 8) if n <= 4096 else (128, 16, 4)
 
 
 def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: bool, rstd=None, round_normed=False, out_dtype=None):
@@ -138,11 +174,14 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
     if M == 0:
         return y, mean, rstd
     block, warps = block_and_warps(N)
-    _norm_fwd_kernel[(M,)](
+    per_sm = fwd_programs_per_sm(N) if x.is_cuda else 0
+    programs = min(M, per_sm * sm_count(x.device.index or 0)) if per_sm else M
+    _norm_fwd_kernel[(programs,)](
         x, weight if weight is not None else x, bias if bias is not None else x, y,
         mean if mean is not None else rstd, rstd, x.stride(0), y.stride(0), N, float(eps),
         IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ZERO_CENTERED=zero_centered_gamma,
-        BLOCK_N=block, RSTD_IN=rstd_in, ROUND_NORMED=bool(round_normed), num_warps=warps,
+        BLOCK_N=block, RSTD_IN=rstd_in, ROUND_NORMED=bool(round_normed), M=M, PERSISTENT=bool(per_sm),
+        num_warps=warps,
     )  # fmt: skip
     return y, mean, rstd
 
@@ -157,20 +196,24 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
 
     M, N = x.shape
     dx = torch.empty_like(x)
-    programs = max(1, min(M, 2 * sm_count(x.device.index or 0) if x.is_cuda else 4))  # measured: 2/SM = 4/SM < 1/SM
-    rows_per_program = -(-M // programs) if M else 0
+    block, _ = block_and_warps(N)
+    warps, rows, per_sm, prefetch = bwd_config(N, rms)
+    programs = max(1, min(M, per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4))
+    # whole tiles per program; then only as many programs as that takes
+    per_program = -(M // -programs)
+    rows_per_program = -(per_program // -rows) * rows
+    programs = max(1, -(-M // rows_per_program)) if M else 1
     has_w, has_bias = weight is not None, bias is not None
     dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_w else None
     db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_bias else None
     if M == 0:
         return dx, (torch.zeros_like(weight) if has_w else None), (torch.zeros_like(bias) if has_bias else None)
-    block, warps = block_and_warps(N)
     _norm_bwd_kernel[(programs,)](
         dy, x, weight if has_w else x, mean if mean is not None else rstd, rstd, dx,
         dw_part if has_w else rstd, db_part if has_bias else rstd,
         dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program,
         IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma,
-        BLOCK_N=block, num_warps=warps,
+        BLOCK_N=block, ROWS=rows, PREFETCH=prefetch, num_warps=warps,
     )  # fmt: skip
     dw = _sum_partials(dw_part, weight.dtype) if has_w else None
     db = _sum_partials(db_part, bias.dtype) if has_bias else None
@@ -183,8 +226,8 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     P, N = part.shape
     out = torch.empty(N, dtype=dtype, device=part.device)
-    block = 64
-    _sum_partials_kernel[(-(-N // block),)](part, out, P, N, BLOCK_P=32, BLOCK_N=block, num_warps=4)
+    block_p, block, warps = sum_config(N)
+    _sum_partials_kernel[(-(-N // block),)](part, out, P, N, BLOCK_P=block_p, BLOCK_N=block, num_warps=warps)
     return out
 
 
