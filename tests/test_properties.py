@@ -440,6 +440,7 @@ def test_lce_fp32_confident_token():
 
 
 @pytest.mark.xfail(
+    condition=not torch.cuda.is_available(),  # the CPU tensors take the kernel under the interpreter only
     strict=True,
     raises=AssertionError,
     reason="fp32 linear_cross_entropy of a confident token, its gradients: one token, H=1, V=2, x=[[1.]], "
