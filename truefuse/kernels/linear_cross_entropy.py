@@ -93,6 +93,43 @@ def _stats_block(base, bias_ptr, cw_ptr, cols, V, cap, m, s, arg, wz, HAS_BIAS, 
 
 
 @triton.jit
+def _row_stats(base, bias_ptr, cw_ptr, V, cap, HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, SMOOTH: tl.constexpr,
+               SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    """Pass 1 over a row of V logits: (max, Σ e^(z − max), index of the first maximum, Σ w_c·z_c).
+
+    One running state per lane, reduced across lanes once after the loop: no reduction (and so no
+    barrier between warps) per block. A lane whose max stayed -inf holds s = 0, or NaN if it met a
+    NaN (NaN > m is never true, so a NaN moves no max but makes the lane's sum NaN for good): its s
+    is its share as it stands. With a NaN in the row the index is its first NaN (torch.argmax's
+    answer), found by a second pass over this row only, off the common path."""
+    cols0 = tl.arange(0, BLOCK_V)
+    n_full = V // BLOCK_V
+    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_V,), tl.float32)
+    arg = tl.zeros((BLOCK_V,), tl.int32)
+    wz = tl.zeros((BLOCK_V,), tl.float32)
+    for i in range(0, n_full):
+        m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, cap, m, s, arg, wz,
+                                     HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+    if V % BLOCK_V != 0:
+        m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, cap, m, s, arg, wz,
+                                     HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+    mx = tl.max(m, axis=0)
+    scaled = tl.where(m == mx, s, tl.where(m == float("-inf"), s, s * tl.exp(m - mx)))
+    total = tl.sum(scaled, axis=0)
+    best_i = tl.min(tl.where(m == mx, arg, V), axis=0).to(tl.int64)  # the first maximum overall
+    if total != total:
+        first = tl.zeros((BLOCK_V,), tl.int32) + V
+        for i in range(0, tl.cdiv(V, BLOCK_V)):
+            cols = i * BLOCK_V + cols0
+            mask = cols < V
+            z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, True)
+            first = tl.minimum(first, tl.where(mask & (z != z), cols, V))
+        best_i = tl.min(first, axis=0).to(tl.int64)
+    return mx, total, best_i, tl.sum(wz, axis=0)
+
+
+@triton.jit
 def _grad_block(base, bias_ptr, cw_ptr, cols, V, t_safe, a, mx, log_s, lse, s_ce, s_z, w_sum, smoothing, z_loss,
                 cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):  # fmt: skip
     """Pass 2 over one block of a row: the logits' gradient, written over them. p = e^((z − max) −
@@ -153,37 +190,10 @@ def _linear_cross_entropy_chunk_kernel(
     cols0 = tl.arange(0, BLOCK_V)
     n_full = V // BLOCK_V
     tail = V % BLOCK_V != 0
-
-    # Pass 1 keeps one running state per lane and reduces across lanes once, after the loop: no
-    # reduction (and so no barrier between warps) per block.
-    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_V,), tl.float32)
-    arg = tl.zeros((BLOCK_V,), tl.int32)
-    wz = tl.zeros((BLOCK_V,), tl.float32)
-    for i in range(0, n_full):
-        m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, cap, m, s, arg, wz,
-                                     HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
-    if tail:
-        m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, cap, m, s, arg, wz,
-                                     HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
-    mx = tl.max(m, axis=0)
-    # A lane whose max stayed -inf holds s = 0, or NaN if it met a NaN (NaN > m is never true, so
-    # a NaN moves no max but makes the lane's sum NaN for good): its s is its share as it stands.
-    scaled = tl.where(m == mx, s, tl.where(m == float("-inf"), s, s * tl.exp(m - mx)))
-    best_i = tl.min(tl.where(m == mx, arg, V), axis=0).to(tl.int64)  # the first maximum overall
+    mx, total, best_i, wz_sum = _row_stats(base, bias_ptr, cw_ptr, V, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, BLOCK_V)
     # torch.logsumexp: +inf with a +inf logit, -inf when every logit is -inf, NaN with a NaN
-    log_s = tl.log(tl.sum(scaled, axis=0))
+    log_s = tl.log(total)
     lse = mx + log_s
-    if lse != lse:
-        # a NaN logit (nothing else makes lse NaN): torch.argmax returns the first NaN. A second
-        # pass over this row only, off the common path.
-        first = tl.zeros((BLOCK_V,), tl.int32) + V
-        for i in range(0, tl.cdiv(V, BLOCK_V)):
-            cols = i * BLOCK_V + cols0
-            mask = cols < V
-            z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, True)
-            first = tl.minimum(first, tl.where(mask & (z != z), cols, V))
-        best_i = tl.min(first, axis=0).to(tl.int64)
     # F.cross_entropy's log_softmax is NaN on the whole row when its max is not finite (z - max
     # gives inf - inf) or a logit is NaN: the loss and the gradients use this lse, NaN there
     finite = tl.abs(lse) < float("inf")
@@ -201,7 +211,7 @@ def _linear_cross_entropy_chunk_kernel(
     # token (fp32 loss 117x the plain path's error at logits (5, 0), tests/test_properties.py)
     ce = w_t * ((mx - z_t) + log_s)
     if SMOOTH:
-        ce = (1.0 - smoothing) * ce + smoothing / V * (w_sum * lse_ce - tl.sum(wz, axis=0))
+        ce = (1.0 - smoothing) * ce + smoothing / V * (w_sum * lse_ce - wz_sum)
     # selected, not multiplied by 0: an ignored row's logits are never part of the loss (an
     # inf or NaN there must not make it NaN, as it does not in torch)
     tl.store(ce_ptr + row, tl.where(valid, ce, 0.0))

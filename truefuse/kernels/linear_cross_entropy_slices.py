@@ -22,7 +22,7 @@ is untouched: these kernels import its jit helpers only.
 import triton
 import triton.language as tl
 
-from truefuse.kernels.linear_cross_entropy import _load_block, _logits_block, _softcap, _stats_block
+from truefuse.kernels.linear_cross_entropy import _load_block, _logits_block, _row_stats, _softcap
 
 
 @triton.jit(do_not_specialize=["v0"])
@@ -48,38 +48,14 @@ def _lce_slice_stats_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
-    cols0 = tl.arange(0, BLOCK_V)
-    n_full = Vs // BLOCK_V
-    tail = Vs % BLOCK_V != 0
-    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_V,), tl.float32)
-    arg = tl.zeros((BLOCK_V,), tl.int32)
-    wz = tl.zeros((BLOCK_V,), tl.float32)
-    for i in range(0, n_full):
-        m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, Vs, cap, m, s, arg, wz,
-                                     HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
-    if tail:
-        m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, Vs, cap, m, s, arg, wz,
-                                     HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
-    mx = tl.max(m, axis=0)
-    # as the whole-row kernel: a lane whose max stayed -inf keeps its sum (0, or NaN after a NaN)
-    scaled = tl.where(m == mx, s, tl.where(m == float("-inf"), s, s * tl.exp(m - mx)))
-    total = tl.sum(scaled, axis=0)
-    best_i = tl.min(tl.where(m == mx, arg, Vs), axis=0).to(tl.int64)
-    if total != total:
-        # a NaN logit in the slice: its first NaN (torch.argmax's answer when it is the row's first)
-        first = tl.zeros((BLOCK_V,), tl.int32) + Vs
-        for i in range(0, tl.cdiv(Vs, BLOCK_V)):
-            cols = i * BLOCK_V + cols0
-            mask = cols < Vs
-            z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, True)
-            first = tl.minimum(first, tl.where(mask & (z != z), cols, Vs))
-        best_i = tl.min(first, axis=0).to(tl.int64)
+    # the whole-row kernel's pass 1 over the slice (its first NaN when it holds one: torch.argmax's
+    # answer when it is the row's first)
+    mx, total, best_i, wz_sum = _row_stats(base, bias_ptr, cw_ptr, Vs, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, BLOCK_V)
     tl.store(m_ptr + row, mx)
     tl.store(s_ptr + row, total)
     tl.store(arg_ptr + row, best_i + v0)
     if SMOOTH:
-        tl.store(wz_ptr + row, tl.sum(wz, axis=0))
+        tl.store(wz_ptr + row, wz_sum)
     # the target's logit, from the slice that holds it (the others leave it as it is)
     t = tl.load(t_ptr + row)
     here = (t >= v0) & (t < v0 + Vs)
