@@ -10,17 +10,19 @@ from truefuse.__main__ import main
 from truefuse.testing import BoundedReport
 from truefuse.verify import registry
 
-#: ops whose test file runs every registered case itself (test_registered_cases): not run twice
+#: ops whose test file runs every registered case itself (test_registered_cases), or the same case
+#: functions over the same variants (tests/test_linear_modules.py: bounded, delayed, main_grad via
+#: the registered bitwise cases): not run twice
 _OWN_TESTS = {
     "linear_cross_entropy", "linear_cross_entropy_lean", "linear_log_probs", "gated_activation", "grouped_gemm",
-    "rms_norm", "layer_norm",
+    "rms_norm", "layer_norm", "Linear", "LayerNormLinear", "LayerNormMLP",
 }  # fmt: skip
 
 
 def test_verify_cpu_all_pass(capsys):
     """``verify`` on the CPU passes for every op whose own tests do not run its cases already."""
     ops = sorted({c.op for c in registry.all_cases(device="cpu")} - _OWN_TESTS)
-    assert "gemm" in ops and len(ops) >= 6
+    assert "gemm" in ops and "GroupedLinear" in ops and len(ops) >= 5
     assert main(["verify", "--device", "cpu", "--quiet", "--op", *ops]) == 0
     out = capsys.readouterr().out
     assert "wgrad_bgrad_dgelu_split_bf16/grad_bias" in out and "FAIL" not in out
