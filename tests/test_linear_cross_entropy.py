@@ -21,10 +21,13 @@ def _assert(reports):
 
 
 def test_registered_cases(device):
+    """Every registered case on the GPU; on the CPU (the interpreter is slow) all options at once,
+    main_grad and delayed against immediate (tests/test_properties.py draws each option alone)."""
     cases = all_cases(["linear_cross_entropy"], device.type)
     assert len(cases) == 20
     for c in cases:
-        _assert(c.fn(device))
+        if device.type == "cuda" or c.name.startswith(("everything", "fused", "delayed")):
+            _assert(c.fn(device))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -132,8 +132,9 @@ def test_kernels_across_processes(variant, W, M, N, programs, dtype):
 
 
 @_INTERPRETER_ONLY
-@pytest.mark.parametrize("variant", ["ll", "1stage_pull", "2stage_push"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "variant, dtype", [("ll", torch.float32), ("2stage_push", torch.float32), ("1stage_pull", torch.float16)], ids=str
+)
 def test_kernel_rstd_is_the_norm_forwards(variant, dtype):
     """With ``rstd_ptr`` every rank stores each row's rstd: bitwise what the norm's own forward
     kernel (``ops.norm.norm_fwd``, what ``truefuse.rms_norm`` saves for its backward) gives on
