@@ -146,6 +146,10 @@ def _worker(rank: int, world: int) -> dict:
         bad[3] = V
     res["errors"]["target"] = _error(lambda: vp_lce(x, Ws, bad))
     res["errors"]["tiling"] = _error(lambda: vp_lce(x, Ws, t, vocab_start=0))
+    other = t.clone()
+    if rank == 0:
+        other[5] = (int(other[5]) + 1) % V  # a valid class, but not the other ranks' target
+    res["errors"]["targets_differ"] = _error(lambda: vp_lce(x, Ws, other))
     Wm = Ws.float().clone().requires_grad_()
     if rank != 0:
         Wm.main_grad = torch.zeros(Wm.shape)
@@ -169,6 +173,7 @@ def test_vocab_parallel_linear_cross_entropy(world):
             and f"rank {world - 1}: target holds {40 * world}" in err["target"][1]
         )
         assert err["tiling"][0] == "ValueError" and "tile the vocabulary" in err["tiling"][1]
+        assert err["targets_differ"][0] == "ValueError" and "disagree on targets" in err["targets_differ"][1]
         assert err["main_grad"][0] == "RuntimeError" and "rank 0" in err["main_grad"][1] and "no main_grad" in err["main_grad"][1]
     for k in results[0]["errors"]:  # the same error on every rank
         assert len({res["errors"][k] for res in results}) == 1, k

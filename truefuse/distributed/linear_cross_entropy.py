@@ -181,7 +181,8 @@ def linear_cross_entropy(
         input: (..., H) hidden states, the same on every rank (fp16 / bf16 / fp32 / fp64).
         linear_weight_shard: (V_r, H), rows [vocab_start, vocab_start + V_r) of the LM head, the
             input's dtype. The shards tile the vocabulary in rank order (Megatron's layout).
-        target: (...) global class indices in [0, V) or ``ignore_index``, the same on every rank.
+        target: (...) global class indices in [0, V) or ``ignore_index``, the same on every rank
+            (checked: targets that differ are the same ``ValueError`` on every rank).
         group: the process group (None: the default group).
         vocab_start: this rank's first class; default rank · V_r (equal shards, required then).
         linear_bias: (V_r,) this rank's shard of the bias, or None.
@@ -239,6 +240,9 @@ def linear_cross_entropy(
                 problem = ("ValueError" if isinstance(e, ValueError) else type(e).__name__, str(e))
     needs_x = isinstance(input, torch.Tensor) and torch.is_grad_enabled() and input.requires_grad
     desc = (
+        # the targets must be the same on every rank (each owns some classes of every token): a
+        # position-weighted sum of them, one int (wrapping in int64: deterministic), compared
+        ("targets", None if t is None else int((t * torch.arange(1, t.numel() + 1, device=t.device)).sum())),
         ("input shape", tuple(input.shape) if isinstance(input, torch.Tensor) else None),
         ("input dtype", str(getattr(input, "dtype", None))),
         ("input requires grad", needs_x),
