@@ -38,8 +38,6 @@ import functools
 
 import torch
 
-from truefuse.ops._dtypes import wgrad_dtype  # noqa: F401  (the autograd Functions import it from here)
-
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype torch's autocast runs ``F.linear`` in on ``device`` now; None when autocast is off

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad, main_grad_target, main_grad_written
-from truefuse.ops.chunked_head import HeadGrads
+from truefuse.ops.chunked_head import HeadGrads, default_chunk
 
 #: ``run(want, **head_chunks_keywords) -> HeadGrads``: one pass of a loss over the head's chunks,
 #: everything but what to compute and where d_weight goes bound (its ``w_dtype`` included).
@@ -55,3 +55,26 @@ def recompute_backward(
     main_grad, accumulate = main_grad_target(Wp, name)
     dx, _, db, _ = in_dtypes(run(needs, main_grad=main_grad, accumulate=accumulate), Wp.dtype, b_dtype)
     return dx, main_grad_written(Wp, wstate), db
+
+
+def weight_state(fuse_wgrad_accumulation: bool, wgrad_state: WgradState | None) -> WgradState | None:
+    """The head weight's §2 state from a functional's keywords: ``wgrad_state`` as given, or a fresh
+    fused one for ``fuse_wgrad_accumulation`` (None: plain). Both, contradicting: ``ValueError``."""
+    if wgrad_state is None:
+        return WgradState(fuse_wgrad_accumulation=True) if fuse_wgrad_accumulation else None
+    if fuse_wgrad_accumulation and not wgrad_state.fuse_wgrad_accumulation:
+        raise ValueError("fuse_wgrad_accumulation=True contradicts wgrad_state (pass one or the other)")
+    return wgrad_state
+
+
+def chunk_for(chunk_size: int | None, fp32_weight_grad: bool, x: torch.Tensor, W: torch.Tensor, wstate) -> int:
+    """Tokens per chunk: ``chunk_size``, else ``default_chunk``. An fp32 weight-gradient accumulator
+    (V·H·4 bytes) exists when d_weight is returned and accumulated in fp32: chunks up to its size
+    cost no more memory. Into ``main_grad`` there is none, so the chunks stay within ``chunk_bytes``
+    (0.53 GB at 8192 x 128256 x 4096, not 2.1) and the backward recomputes their logits (one more
+    GEMM; docs/benchmarks.md)."""
+    if chunk_size:
+        return chunk_size
+    wgrad = torch.is_grad_enabled() and W.requires_grad
+    fused = wstate is not None and wstate.fuse_wgrad_accumulation
+    return default_chunk(x.shape[0], W.shape[0], x.shape[1], x.element_size(), wgrad and fp32_weight_grad and not fused)

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from truefuse.autograd._autocast import autocast_disabled, cast, wgrad_dtype
+from truefuse.autograd._autocast import autocast_disabled, cast
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops._custom_op import launch
+from truefuse.ops._dtypes import wgrad_dtype
 from truefuse.ops.activation import activation_ref
 from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_fwd_op, use_kernel

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.autograd._autocast import autocast_disabled, autocast_dtype, cast, wgrad_dtype
+from truefuse.autograd._autocast import autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
+from truefuse.ops._dtypes import wgrad_dtype
 from truefuse.ops.activation import activation_grad_ref
 from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.gemm import gemm

@@ -16,19 +16,19 @@ import functools
 import torch
 
 from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dtype, cast
-from truefuse.autograd._chunked_head import in_dtypes, recompute_backward
+from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_backward, weight_state
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops.chunked_head import HeadGrads, default_chunk, head_chunks, kept_weight_grad
+from truefuse.ops.chunked_head import HeadGrads, head_chunks, kept_weight_grad
 from truefuse.ops.linear_cross_entropy import (
     LinearCrossEntropyOptions,
     LinearCrossEntropyOutput,
     check_args,
     check_targets,
-    mean_scales,
     reduce_terms,
-    target_weights,
+    reduction_scales,
     token_accuracy,
+    upstream_scales,
     valid_count,
 )
 from truefuse.ops.linear_cross_entropy_chunk import CrossEntropyChunks
@@ -88,10 +88,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # one chunk: its d_logits serve the weight's GEMM (no tokens: no chunk, nothing to keep)
         keep_d = deferred and 0 < x.shape[0] <= chunk
         now = opts.reduction != "none" and any(needs) and (not deferred or keep_d)
-        if opts.reduction == "mean":
-            s_ce, s_z = mean_scales(n, None if cw is None else target_weights(t, cw, opts.ignore_index, wide)[1])
-        else:
-            s_ce = s_z = torch.ones((), dtype=wide, device=x.device)
+        s_ce, s_z = reduction_scales(opts.reduction, n, t, cw, opts.ignore_index, x)
         want = (needs[0], needs[1] and not deferred, needs[2]) if now else (False, False, False)
         checked = check_targets(t, W.shape[0], opts.ignore_index, valid)  # started here, finished by the loss
         loss, grads = _run(opts, chunk, x, W, b, t, cw, s_ce, s_z, want, check=checked, keep_d=keep_d and now, w_dtype=Wp.dtype)
@@ -149,14 +146,9 @@ def _backward_recompute(ctx, g_loss):
     """The chunks again, scaled by ``grad_output``: for ``none`` (a per-token upstream), and for a
     fused or delayed weight gradient over several chunks (``_chunked_head.recompute_backward``)."""
     x, W, b, t, cw, s_ce, s_z, Wp = ctx.saved_tensors
-    if ctx.opts.reduction != "none":
-        g = g_loss.to(s_ce.dtype)
-        s_ce, s_z = s_ce * g, s_z * g
-    else:
-        # delayed: a copy (N values), since backward_dw() reads it after this backward returned,
-        # when the caller may have written its upstream tensor
-        delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
-        s_ce = s_z = g_loss.reshape(-1).to(wide_dtype(x), copy=delayed)
+    # delayed: copied, since backward_dw() reads it after this backward returned
+    delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
+    s_ce, s_z = upstream_scales(ctx.opts.reduction, g_loss, s_ce, s_z, x, delayed)
 
     def run(want, **head):
         return _run(ctx.opts, ctx.chunk, x, W, b, t, cw, s_ce, s_z, want, w_dtype=Wp.dtype, **head)[1]
@@ -191,10 +183,7 @@ class LinearCrossEntropyLeanFunction(torch.autograd.Function):
         V = W.shape[0]
         valid = t != opts.ignore_index
         n = valid_count(valid, wide)
-        if opts.reduction == "mean":
-            s_ce, s_z = mean_scales(n, None if cw is None else target_weights(t, cw, opts.ignore_index, wide)[1])
-        else:
-            s_ce = s_z = torch.ones((), dtype=wide, device=x.device)
+        s_ce, s_z = reduction_scales(opts.reduction, n, t, cw, opts.ignore_index, x)
         w_sum = class_weight_sum(cw, V, opts)
         checked = check_targets(t, V, opts.ignore_index, valid)  # waited for after pass 1 is queued
         terms = finish_stats(stats_pass(opts, x, W, b, t, cw, width=width, check=checked), t, cw, opts, V, w_sum)
@@ -210,13 +199,9 @@ class LinearCrossEntropyLeanFunction(torch.autograd.Function):
     @autocast_disabled
     def backward(ctx, g_loss, g_z, g_acc):
         x, W, b, t, cw, s_ce, s_z, lse, Wp = ctx.saved_tensors
-        if ctx.opts.reduction != "none":
-            g = g_loss.to(s_ce.dtype)
-            s_ce, s_z = s_ce * g, s_z * g
-        else:
-            # delayed: a copy (N values), since backward_dw() reads it after this backward returned
-            delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
-            s_ce = s_z = g_loss.reshape(-1).to(wide_dtype(x), copy=delayed)
+        # delayed: copied, since backward_dw() reads it after this backward returned
+        delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
+        s_ce, s_z = upstream_scales(ctx.opts.reduction, g_loss, s_ce, s_z, x, delayed)
         opts, V, w_sum, width = ctx.opts, W.shape[0], ctx.w_sum, ctx.width
 
         def run(want, main_grad=None, accumulate=False):
@@ -357,24 +342,14 @@ def linear_cross_entropy_with(
     t = target.reshape(-1).to(torch.int64)  # checked against V in the forward (check_targets)
     x = input.reshape(-1, input.shape[-1])
     cw = None if weight is None else weight.detach().to(wide_dtype(input))
-    wgrad = torch.is_grad_enabled() and linear_weight.requires_grad
-    if wgrad_state is None and fuse_wgrad_accumulation:
-        wgrad_state = WgradState(fuse_wgrad_accumulation=True)
-    elif fuse_wgrad_accumulation and not wgrad_state.fuse_wgrad_accumulation:  # None: plain (no state to trace)
-        raise ValueError("fuse_wgrad_accumulation=True contradicts wgrad_state (pass one or the other)")
-    # an fp32 weight-gradient accumulator (V·H·4 bytes) exists unless d_weight goes to main_grad:
-    # chunks up to its size cost no more memory (default_chunk). Into main_grad the chunks stay
-    # within chunk_bytes (0.53 GB at 8192 x 128256 x 4096, not 2.1), and the backward recomputes
-    # their logits (one more GEMM; docs/benchmarks.md)
+    wgrad_state = weight_state(fuse_wgrad_accumulation, wgrad_state)
     if opts.memory == "lean":
         width = opts.vocab_slice or default_slice_width(x.shape[0], V, x.element_size())
         loss, z_part, acc = LinearCrossEntropyLeanFunction.apply(
             x, linear_weight, linear_bias, t, cw, opts, width, wgrad_state, dtype
         )
     else:
-        fused = wgrad_state is not None and wgrad_state.fuse_wgrad_accumulation
-        accumulator = wgrad and opts.fp32_weight_grad and not fused
-        chunk = opts.chunk_size or default_chunk(x.shape[0], V, x.shape[1], x.element_size(), accumulator)
+        chunk = chunk_for(opts.chunk_size, opts.fp32_weight_grad, x, linear_weight, wgrad_state)
         loss, z_part, acc = LinearCrossEntropyFunction.apply(
             x, linear_weight, linear_bias, t, cw, opts, chunk, wgrad_state, dtype
         )

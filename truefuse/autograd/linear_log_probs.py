@@ -15,10 +15,10 @@ import functools
 import torch
 
 from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dtype, cast
-from truefuse.autograd._chunked_head import in_dtypes, recompute_backward
+from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_backward, weight_state
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops.chunked_head import default_chunk, head_chunks, kept_weight_grad
+from truefuse.ops.chunked_head import head_chunks, kept_weight_grad
 from truefuse.ops.linear_cross_entropy import check_args, check_targets
 from truefuse.ops.linear_log_probs import LinearLogProbsOptions, LinearLogProbsOutput, LogProbChunks
 
@@ -137,20 +137,9 @@ def linear_log_probs(
     dtype = autocast_dtype(input.device) if isinstance(input, torch.Tensor) else None
     input = cast(input, dtype)
     check_args(input, as_cast(linear_weight, dtype), target, as_cast(linear_bias, dtype), None)
-    V = linear_weight.shape[0]
     t = target.reshape(-1).to(torch.int64)
     x = input.reshape(-1, input.shape[-1])
-    if wgrad_state is None and fuse_wgrad_accumulation:
-        wgrad_state = WgradState(fuse_wgrad_accumulation=True)
-    elif fuse_wgrad_accumulation and not wgrad_state.fuse_wgrad_accumulation:
-        raise ValueError("fuse_wgrad_accumulation=True contradicts wgrad_state (pass one or the other)")
-    wgrad = torch.is_grad_enabled() and linear_weight.requires_grad
-    # an fp32 weight-gradient accumulator (V·H·4 bytes) exists unless d_weight goes to main_grad:
-    # chunks up to its size cost no more memory (default_chunk). Into main_grad the chunks stay
-    # within chunk_bytes (0.53 GB at 8192 x 128256 x 4096, not 2.1), and the backward recomputes
-    # their logits (one more GEMM; docs/benchmarks.md)
-    fused = wgrad_state is not None and wgrad_state.fuse_wgrad_accumulation
-    accumulator = wgrad and opts.fp32_weight_grad and not fused
-    chunk = opts.chunk_size or default_chunk(x.shape[0], V, x.shape[1], x.element_size(), accumulator)
+    wgrad_state = weight_state(fuse_wgrad_accumulation, wgrad_state)
+    chunk = chunk_for(opts.chunk_size, opts.fp32_weight_grad, x, linear_weight, wgrad_state)
     lp, ent = LinearLogProbsFunction.apply(x, linear_weight, linear_bias, t, opts, chunk, wgrad_state, dtype)
     return LinearLogProbsOutput(lp.view(target.shape), ent.view(target.shape))

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from truefuse.autograd._autocast import autocast_disabled
-from truefuse.autograd._chunked_head import recompute_backward
+from truefuse.autograd._chunked_head import recompute_backward, weight_state
 from truefuse.autograd._wgrad import WgradState, check_main_grad
 from truefuse.distributed._agree import agree
 from truefuse.distributed.allreduce import allreduce
@@ -33,10 +33,10 @@ from truefuse.ops.linear_cross_entropy import (
     LinearCrossEntropyOptions,
     LinearCrossEntropyOutput,
     check_args,
-    mean_scales,
     reduce_terms,
-    target_weights,
+    reduction_scales,
     token_accuracy,
+    upstream_scales,
     valid_count,
 )
 from truefuse.ops.linear_cross_entropy_slices import (
@@ -95,10 +95,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         deferred = wstate is not None and not wstate.plain and needs[1]
         valid = t != opts.ignore_index
         n = valid_count(valid, wide)
-        if opts.reduction == "mean":
-            s_ce, s_z = mean_scales(n, None if cw is None else target_weights(t, cw, opts.ignore_index, wide)[1])
-        else:
-            s_ce = s_z = torch.ones((), dtype=wide, device=x.device)
+        s_ce, s_z = reduction_scales(opts.reduction, n, t, cw, opts.ignore_index, x)
         w_sum = class_weight_sum(cw, V, opts)
         local = stats_pass(opts, x, W, b, t, cw, width=width, v_offset=vocab_start)
         terms = finish_stats(_gather_stats(local, group), t, cw, opts, V, w_sum)
@@ -115,12 +112,9 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
     @autocast_disabled
     def backward(ctx, g_loss, g_z, g_acc):
         x, W, b, t, cw, s_ce, s_z, lse = ctx.saved_tensors
-        if ctx.opts.reduction != "none":
-            g = g_loss.to(s_ce.dtype)
-            s_ce, s_z = s_ce * g, s_z * g
-        else:
-            delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
-            s_ce = s_z = g_loss.reshape(-1).to(wide_dtype(x), copy=delayed)
+        # delayed: copied, since backward_dw() reads it after this backward returned
+        delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
+        s_ce, s_z = upstream_scales(ctx.opts.reduction, g_loss, s_ce, s_z, x, delayed)
         opts, group = ctx.opts, ctx.group
         kw = {"V": ctx.V, "w_sum": ctx.w_sum, "width": ctx.width, "v_offset": ctx.vocab_start, "w_dtype": W.dtype}
 
@@ -230,8 +224,10 @@ def linear_cross_entropy(
     if problem is None:
         t = target.reshape(-1).to(torch.int64)
         problem = _target_problem(t, V, opts.ignore_index)
-    if wgrad_state is None and fuse_wgrad_accumulation:
-        wgrad_state = WgradState(fuse_wgrad_accumulation=True)
+    try:
+        wgrad_state = weight_state(fuse_wgrad_accumulation, wgrad_state)
+    except ValueError as e:  # agreed below, as every error here
+        problem = problem or ("ValueError", str(e))
     if problem is None and wgrad_state is not None and wgrad_state.fuse_wgrad_accumulation:
         if torch.is_grad_enabled() and linear_weight_shard.requires_grad:
             try:  # here, before any collective of the loss: a missing main_grad on one rank must not hang the others

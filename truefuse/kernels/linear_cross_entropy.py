@@ -130,20 +130,23 @@ def _row_stats(base, bias_ptr, cw_ptr, V, cap, HAS_BIAS: tl.constexpr, HAS_CW: t
 
 
 @triton.jit
-def _grad_block(base, bias_ptr, cw_ptr, cols, V, t_safe, a, mx, log_s, lse, s_ce, s_z, w_sum, smoothing, z_loss,
-                cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):  # fmt: skip
-    """Pass 2 over one block of a row: the logits' gradient, written over them. p = e^((z − max) −
-    log S): relative to the max, as log_softmax, not e^(z − lse) (ulp(lse) of error in p)."""
+def _grad_block(base, bias_ptr, cw_ptr, cols, V, t_col, a, shift, log_s, lse, s_ce, s_z, w_sum, eps_v, z_loss, cap,
+                HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):  # fmt: skip
+    """Pass 2 over one block of a row of V columns (a whole row, or a vocabulary slice): the
+    logits' gradient, written over them. p = e^((z − shift) − log S): the whole row passes its max
+    and log S, relative to the max as log_softmax (e^(z − lse) has ulp(lse) of error); a slice its
+    merged lse and 0. ``t_col``: the target's column, outside [0, V) when it is not in the block's
+    row; ``eps_v``: ε / V of the whole vocabulary."""
     mask = cols < V
     z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
-    p = tl.exp((z - mx) - log_s)
-    g = a * p - tl.where(cols == t_safe, a, 0.0)
+    p = tl.exp((z - shift) - log_s)
+    g = a * p - tl.where(cols == t_col, a, 0.0)
     if SMOOTH:
         if HAS_CW:
-            w_c = tl.load(cw_ptr + cols, mask=mask, other=0.0)
+            w_c = _load_block(cw_ptr, cols, mask, MASKED).to(tl.float32)
         else:
             w_c = 1.0
-        g += smoothing / V * (p * w_sum - w_c) * s_ce
+        g += eps_v * (p * w_sum - w_c) * s_ce
     g += 2.0 * z_loss * lse * s_z * p
     if SOFTCAP:
         g = g * (1.0 - (z / cap) * (z / cap))
@@ -233,7 +236,7 @@ def _linear_cross_entropy_chunk_kernel(
         a = (1.0 - smoothing) * w_t * s_ce
         for i in range(0, n_full):
             _grad_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, t_safe, a, mx, log_s, lse_ce, s_ce, s_z, w_sum,
-                        smoothing, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+                        smoothing / V, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
         if tail:
             _grad_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, t_safe, a, mx, log_s, lse_ce, s_ce, s_z,
-                        w_sum, smoothing, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+                        w_sum, smoothing / V, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip

@@ -11,7 +11,8 @@ logit when the target falls in the slice. The host merges the slices' statistics
 (``ops/linear_cross_entropy_slices.py``), as the whole-row kernel reduces its lanes.
 
 ``_lce_slice_grad_kernel`` (pass 2) reads the merged lse of each row and writes the slice's
-d_logits over its logits, the whole-row kernel's formula (the target may lie outside the slice):
+d_logits over its logits by the whole-row kernel's ``_grad_block`` (the target may lie outside the
+slice):
 
     g_j = s_ce·[(1-ε)·w_t·(p_j − δ_jt) + ε/V·(p_j·Σw − w_j)] + s_z·2·z_loss·lse·p_j
 
@@ -22,7 +23,7 @@ is untouched: these kernels import its jit helpers only.
 import triton
 import triton.language as tl
 
-from truefuse.kernels.linear_cross_entropy import _load_block, _logits_block, _row_stats, _softcap
+from truefuse.kernels.linear_cross_entropy import _grad_block, _row_stats, _softcap
 
 
 @triton.jit(do_not_specialize=["v0"])
@@ -65,31 +66,6 @@ def _lce_slice_stats_kernel(
         z_t += tl.load(bias_ptr + t_loc).to(tl.float32)
     z_t = _softcap(z_t, cap, SOFTCAP)
     tl.store(zt_ptr + row, z_t, mask=here)
-
-
-@triton.jit
-def _slice_grad_block(base, bias_ptr, cw_ptr, cols, Vs, t_loc, a, lse, s_ce, s_z, w_sum, eps_v, z_loss, cap,
-                      HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):  # fmt: skip
-    """The whole-row kernel's ``_grad_block`` on one block of a slice (``eps_v`` = ε / V of the
-    whole vocabulary; ``t_loc`` the target's column in the slice, outside it when it is not there)."""
-    mask = cols < Vs
-    z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
-    p = tl.exp(z - lse)
-    g = a * p - tl.where(cols == t_loc, a, 0.0)
-    if SMOOTH:
-        if HAS_CW:
-            w_c = _load_block(cw_ptr, cols, mask, MASKED).to(tl.float32)
-        else:
-            w_c = 1.0
-        g += eps_v * (p * w_sum - w_c) * s_ce
-    g += 2.0 * z_loss * lse * s_z * p
-    if SOFTCAP:
-        g = g * (1.0 - (z / cap) * (z / cap))
-    g = g.to(base.dtype.element_ty)
-    if MASKED:
-        tl.store(base + cols, g, mask=mask)
-    else:
-        tl.store(base + cols, g)
 
 
 @triton.jit(do_not_specialize=["ignore_index", "v0"])
@@ -144,8 +120,8 @@ def _lce_slice_grad_kernel(
     cols0 = tl.arange(0, BLOCK_V)
     n_full = Vs // BLOCK_V
     for i in range(0, n_full):
-        _slice_grad_block(base, bias_ptr, cw_slice, i * BLOCK_V + cols0, Vs, t_loc, a, lse_ce, s_ce, s_z, w_sum, eps_v,
-                          z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+        _grad_block(base, bias_ptr, cw_slice, i * BLOCK_V + cols0, Vs, t_loc, a, lse_ce, 0.0, lse_ce, s_ce, s_z, w_sum,
+                    eps_v, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
     if Vs % BLOCK_V != 0:
-        _slice_grad_block(base, bias_ptr, cw_slice, n_full * BLOCK_V + cols0, Vs, t_loc, a, lse_ce, s_ce, s_z, w_sum,
-                          eps_v, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+        _grad_block(base, bias_ptr, cw_slice, n_full * BLOCK_V + cols0, Vs, t_loc, a, lse_ce, 0.0, lse_ce, s_ce, s_z,
+                    w_sum, eps_v, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip

@@ -211,6 +211,28 @@ def mean_scales(n: torch.Tensor, w_t: torch.Tensor | None) -> tuple[torch.Tensor
     return torch.where(denom > 0, 1 / torch.where(denom > 0, denom, 1), 0), s_z
 
 
+def reduction_scales(reduction: str, n, t, cw, ignore_index: int, like: torch.Tensor):
+    """The scales of the cross-entropy and z-loss gradients for ``reduction`` before any upstream
+    gradient: :func:`mean_scales` for ``mean``, else 1 (0-dim, in ``like``'s wide dtype)."""
+    wide = wide_dtype(like)
+    if reduction == "mean":
+        return mean_scales(n, None if cw is None else target_weights(t, cw, ignore_index, wide)[1])
+    one = torch.ones((), dtype=wide, device=like.device)
+    return one, one
+
+
+def upstream_scales(reduction: str, g_loss: torch.Tensor, s_ce, s_z, like: torch.Tensor, copy: bool):
+    """The backward's scales: the forward's times ``grad_output`` (0-dim), or for ``none`` the
+    per-token upstream itself, (N,) in ``like``'s wide dtype. ``copy``: a copy of it even when no
+    conversion is needed (a delayed weight gradient reads it after the backward returned, when the
+    caller may have written its upstream tensor)."""
+    if reduction != "none":
+        g = g_loss.to(s_ce.dtype)
+        return s_ce * g, s_z * g
+    s = g_loss.reshape(-1).to(wide_dtype(like), copy=copy)
+    return s, s
+
+
 def token_accuracy(correct: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """Fraction of the tokens that count marked ``correct`` (which must be False where a token does
     not count), over ``n`` from :func:`valid_count`; computed in fp32."""
