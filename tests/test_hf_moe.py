@@ -312,3 +312,48 @@ def test_refusals_leave_the_module_stock():
     assert patch_experts(m) and patch_experts(m).activation == "swiglu"  # twice: still patched, same class
     assert type(m).__name__ == "TruefuseQwen3MoeExperts" and type(m).__mro__[1] is Qwen3MoeExperts
     assert set(EXPERT_CLASSES) == {"Qwen3MoeExperts", "MixtralExperts"}
+
+
+def test_backend_option_reaches_the_kernel(monkeypatch):
+    """``patch_experts(backend=)`` / ``apply_truefuse(experts_backend=)``: ``triton`` runs the Triton
+    grouped GEMM (the interpreter here, fp32; on CUDA the default), ``per_group`` (the CPU's default)
+    ``truefuse.gemm``; both bounded against stock; a bad value raises naming the argument."""
+    import truefuse.autograd.grouped as ag
+    from truefuse.integrations.huggingface import apply_truefuse
+    from truefuse.ops.grouped_gemm import grouped_gemm_available
+
+    calls = []
+    real = ag.grouped_mm_rows
+    monkeypatch.setattr(ag, "grouped_mm_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    stock, ours = _experts("qwen3_moe")
+    idx, w = _routing(24, 2, E, torch.float32)
+    x = torch.randn(24, H, generator=torch.Generator().manual_seed(3))
+    dy = torch.randn(24, H, generator=torch.Generator().manual_seed(4))
+    want = _run(stock, x, idx, w, dy)
+    cases = [(None, 0), ("per_group", 0)]
+    if grouped_gemm_available(x.device, x.dtype):  # TRITON_INTERPRET=1
+        cases.append(("triton", 4))  # fc1, fc2 forward; fc2, fc1 input gradient
+    else:
+        patch_experts(ours, backend="triton")
+        with pytest.raises(ValueError, match="backend='per_group'"):
+            ours(x, idx, w)
+    for backend, n in cases:
+        assert patch_experts(ours, backend=backend)
+        calls.clear()
+        got = _run(ours, x, idx, w, dy)
+        assert len(calls) == n, backend
+        for name, a, b in zip(("y", "dx", "dw_route", "dgate_up", "ddown"), got, want, strict=True):
+            assert _rel(a, b) <= 1e-5, f"{backend} {name}: {_rel(a, b):.3e}"
+    if torch.cuda.is_available():  # the default on CUDA is the Triton kernel
+        assert patch_experts(ours, backend=None)
+        calls.clear()
+        y = ours.cuda()(x.cuda(), idx.cuda(), w.cuda())
+        assert len(calls) == 2 and _rel(y.cpu(), want[0]) <= 1e-5
+    with pytest.raises(ValueError, match="backend='tritn'"):
+        patch_experts(ours, backend="tritn")
+    model = _model("mixtral")
+    with pytest.raises(ValueError, match="experts_backend='cublas'"):
+        apply_truefuse(model, experts_backend="cublas")
+    assert not any(type(e).__name__.startswith("Truefuse") for _, e in find_experts(model))  # nothing patched
+    apply_truefuse(model, experts_backend="per_group")
+    assert all(e._truefuse_backend == "per_group" for _, e in find_experts(model))

@@ -69,17 +69,35 @@ def _splits(m_splits, groups: int, x: torch.Tensor) -> list[int]:
     return check_splits(m_splits, groups, x.shape[0], "the number of rows of x")
 
 
-def _check_backend(backend, fused_grouped_gemm: bool, packed: bool) -> str | None:
-    """The ``backend=`` argument checked against ``fused_grouped_gemm`` (its older spelling)."""
+def check_backend(backend, fused_grouped_gemm: bool, packed: bool, *, arg: str = "backend") -> str | None:
+    """The ``backend=`` argument (named ``arg`` in the errors) checked against ``fused_grouped_gemm``
+    (its older spelling); returns the backend asked for (None: the default)."""
     if backend is not None and backend not in GROUPED_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; choose one of {GROUPED_BACKENDS} (or None: the default)")
+        raise ValueError(f"{arg}={backend!r} is not supported; choose one of {GROUPED_BACKENDS} (or None: the default)")
     if fused_grouped_gemm:
         if backend not in (None, "cublas_grouped"):
-            raise ValueError(f"fused_grouped_gemm=True means backend='cublas_grouped'; it conflicts with backend={backend!r}")
+            raise ValueError(f"fused_grouped_gemm=True means {arg}='cublas_grouped'; it conflicts with {arg}={backend!r}")
         backend = "cublas_grouped"
     if backend == "triton" and not packed:
-        raise ValueError("backend='triton' needs packed weights: pass single_grouped_weight=True")
+        raise ValueError(f"{arg}='triton' needs packed weights: pass single_grouped_weight=True")
     return backend
+
+
+def resolve_backend(backend: str | None, device: torch.device, dtype: torch.dtype, packed: bool, *, arg: str = "backend") -> str:
+    """The backend a forward runs: the one asked for, else ``triton`` where it runs by default
+    (packed weights on CUDA, fp16/bf16/fp32), else ``per_group``."""
+    if backend == "triton":
+        if not grouped_gemm_available(device, dtype):
+            raise ValueError(
+                f"{arg}='triton' runs on CUDA (fp16/bf16/fp32) or, under TRITON_INTERPRET=1, on the CPU for "
+                f"float32; got {dtype} on {device}. Pass {arg}='per_group' there"
+            )
+        return "triton"
+    if backend is not None:
+        return backend
+    if packed and device.type == "cuda" and grouped_gemm_available(device, dtype):
+        return "triton"
+    return "per_group"
 
 
 class _GroupedBackend:
@@ -100,20 +118,8 @@ class _GroupedBackend:
             self.backend = None
 
     def _resolve_backend(self, device: torch.device, dtype: torch.dtype, packed: bool) -> str:
-        """The backend this forward runs: the one asked for, else ``triton`` where it runs by default
-        (packed weights on CUDA, fp16/bf16/fp32), else ``per_group``."""
-        if self.backend == "triton":
-            if not grouped_gemm_available(device, dtype):
-                raise ValueError(
-                    f"backend='triton' runs on CUDA (fp16/bf16/fp32) or, under TRITON_INTERPRET=1, on the CPU for "
-                    f"float32; got {dtype} on {device}. Pass backend='per_group' there"
-                )
-            return "triton"
-        if self.backend is not None:
-            return self.backend
-        if packed and device.type == "cuda" and grouped_gemm_available(device, dtype):
-            return "triton"
-        return "per_group"
+        """:func:`resolve_backend` of this module's ``backend``."""
+        return resolve_backend(self.backend, device, dtype, packed)
 
 
 def _check_grouped(module, x: torch.Tensor, features: int, groups: int, m_splits, packed: bool):
@@ -192,7 +198,7 @@ class GroupedLinear(_GroupedBackend, WgradModule):
         max_pending_wgrad: int | None = DEFAULT_MAX_PENDING_WGRAD,
     ) -> None:
         super().__init__()
-        self.backend = _check_backend(backend, bool(fused_grouped_gemm), single_grouped_weight)
+        self.backend = check_backend(backend, bool(fused_grouped_gemm), single_grouped_weight)
         if num_gemms < 1:
             raise ValueError(f"num_gemms must be at least 1, got {num_gemms}")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
@@ -271,7 +277,7 @@ class GroupedMLP(_GroupedBackend, WgradModule):
         max_pending_wgrad: int | None = DEFAULT_MAX_PENDING_WGRAD,
     ) -> None:
         super().__init__()
-        self.backend = _check_backend(backend, bool(fused_grouped_gemm), single_grouped_weight)
+        self.backend = check_backend(backend, bool(fused_grouped_gemm), single_grouped_weight)
         if num_experts < 1:
             raise ValueError(f"num_experts must be at least 1, got {num_experts}")
         if activation not in MLP_ACTIVATIONS:

@@ -19,16 +19,20 @@ top_k_weights)`` runs:
 1. the (token, slot) pairs sorted by expert (stable sort of ``top_k_index``), per-expert counts
    (``m_splits``) taken to the host (one sync, see :func:`_experts_forward`);
 2. ``GroupedMLPFunction``: grouped GEMM with ``gate_up_proj``, the gated activation, grouped GEMM
-   with ``down_proj``, one GEMM per expert (``fused_grouped_gemm=False``, the default) or cuBLAS
-   ``grouped_mm`` (``fused_grouped_gemm=True``);
+   with ``down_proj``, on the backend ``patch_experts(backend=...)`` names, as
+   ``truefuse.GroupedMLP(single_grouped_weight=True, backend=...)``: by default (None) the
+   batch-invariant Triton grouped GEMM on CUDA (``triton``: each expert's rows bitwise independent
+   of the other experts' token counts and of the batch), one GEMM per expert elsewhere
+   (``per_group``, the CPU); ``cublas_grouped`` (cuBLAS ``grouped_mm``; ``fused_grouped_gemm=True``,
+   its older spelling) promises neither;
 3. each row times its routing weight, back in (token, slot) order, and the sum over the ``top_k``
    slots with stock's rounding (below).
 
 Rounding, against the stock module in the same dtype:
 
-* The GEMMs: one rounding each, as ``F.linear`` (the per-expert GEMM is the call ``truefuse.gemm``
-  makes; in fp32 the results can differ from stock's ``F.linear`` / ``grouped_mm`` in the last
-  bits, since the backends differ).
+* The GEMMs: one rounding each, as ``F.linear`` (``per_group``: the call ``truefuse.gemm`` makes;
+  ``triton``: fp32 accumulation in truefuse's own tile order, bounded against ``F.linear``, not its
+  bits; either can differ from stock's ``F.linear`` / ``grouped_mm`` in the last bits).
 * The activation: truefuse's gated activation computes ``act(gate) * up`` in fp32 and rounds once;
   stock rounds ``act(gate)`` to the input dtype and then the product (two roundings in bf16/fp16;
   identical in fp32 up to the last bit). Not followed: it is GroupedMLP's kernel (docs/design.md).
@@ -82,6 +86,7 @@ from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
 from truefuse.integrations.huggingface.modules import gated_for, truefuse_subclass
+from truefuse.nn.grouped import check_backend, resolve_backend
 
 #: The transformers experts classes :func:`patch_experts` takes (matched by class name, the module's
 #: own class or a stock base of it).
@@ -216,9 +221,9 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     w1, w2 = cast(self.gate_up_proj, dt), cast(self.down_proj, dt)
     x = x_all[rows // K]
     x = cast(x, dt) if dt is not None else x.to(w1.dtype)  # stock's grouped_mm casts to the weights' dtype
-    fused = getattr(self, "_truefuse_fused_grouped_gemm", False)
-    spec1 = GroupSpec(tuple(splits), True, False, ("gate_up_proj",), fused)
-    spec2 = GroupSpec(tuple(splits), True, False, ("down_proj",), fused)
+    backend = resolve_backend(getattr(self, "_truefuse_backend", None), x.device, x.dtype, True)
+    spec1 = GroupSpec(tuple(splits), True, False, ("gate_up_proj",), backend=backend)
+    spec2 = GroupSpec(tuple(splits), True, False, ("down_proj",), backend=backend)
     with torch.autocast(x.device.type, enabled=False) if autocast is not None else contextlib.nullcontext():
         y = GroupedMLPFunction.apply(x, spec1, spec2, self._truefuse_activation, self._truefuse_wgrad, w1, w2)  # (n, H)
 
@@ -240,7 +245,7 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     return out.reshape(shape)
 
 
-def patch_experts(module: torch.nn.Module, *, fused_grouped_gemm: bool = False) -> ExpertsPatch:
+def patch_experts(module: torch.nn.Module, *, backend: str | None = None, fused_grouped_gemm: bool = False) -> ExpertsPatch:
     """Run one stock experts module (:data:`EXPERT_CLASSES`) on truefuse's grouped MLP, in place.
 
     The module keeps its parameters (the same tensors), names, shapes and state_dict keys; its class
@@ -249,19 +254,28 @@ def patch_experts(module: torch.nn.Module, *, fused_grouped_gemm: bool = False) 
 
     Args:
         module: a ``Qwen3MoeExperts`` / ``MixtralExperts`` instance.
-        fused_grouped_gemm: let the packed GEMMs use cuBLAS ``grouped_mm`` (GroupedMLP's option; off:
-            one GEMM per expert).
+        backend: the grouped GEMMs' backend, as ``truefuse.GroupedMLP``'s (the HF weights are packed):
+            None (default): ``"triton"`` on CUDA (fp16/bf16/fp32), ``"per_group"`` elsewhere;
+            ``"triton"`` (batch-invariant; on the CPU only under ``TRITON_INTERPRET=1`` for fp32),
+            ``"per_group"`` (one ``truefuse.gemm`` per expert) or ``"cublas_grouped"``. Resolved at
+            each forward from the input's device and dtype.
+        fused_grouped_gemm: the older spelling of ``backend="cublas_grouped"``.
 
     Returns:
         :class:`ExpertsPatch`, truthy iff patched (an already patched module: truthy, unchanged
-        except ``fused_grouped_gemm``); when falsy its ``reason`` says why and the module is untouched.
+        except ``backend``); when falsy its ``reason`` says why and the module is untouched.
+
+    Raises:
+        ValueError: ``backend`` is not one of ``truefuse.autograd.grouped.GROUPED_BACKENDS`` or None,
+            or conflicts with ``fused_grouped_gemm`` (before anything is checked or patched).
     """
+    backend = check_backend(backend, bool(fused_grouped_gemm), True)
     act, reason = _check(module)
     if act is None:
         return ExpertsPatch(False, reason)
     stock = _stock_class(module)
     module._truefuse_activation = act
-    module._truefuse_fused_grouped_gemm = bool(fused_grouped_gemm)
+    module._truefuse_backend = backend
     if getattr(module, "_truefuse_wgrad", None) is None:
         module._truefuse_wgrad = WgradState(owner=stock.__name__)
     module.__class__ = truefuse_subclass(stock, "experts", _experts_forward)

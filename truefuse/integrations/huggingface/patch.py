@@ -30,6 +30,7 @@ def apply_truefuse(
     rope: bool = True,
     linear_cross_entropy: bool = True,
     stock_norm_bits: bool = True,
+    experts_backend: str | None = None,
 ) -> PatchReport:
     """Patch an instantiated transformers model in place.
 
@@ -47,13 +48,20 @@ def apply_truefuse(
         stock_norm_bits: the norms give the stock forward's bits (default). False: truefuse's
             own ``rms_norm`` (one kernel, one rounding: more accurate, ~2% faster steps on the
             demo's GPU model, not stock's bits).
+        experts_backend: the experts' grouped GEMM backend, ``truefuse.GroupedMLP``'s ``backend``
+            (``moe.patch_experts``): None (default) the batch-invariant ``"triton"`` kernel on CUDA,
+            ``"per_group"`` elsewhere; or ``"triton"``, ``"per_group"``, ``"cublas_grouped"``.
 
     Returns:
-        A :class:`PatchReport`. Calling it again on a patched model changes nothing.
+        A :class:`PatchReport`. Calling it again on a patched model changes nothing (an experts
+        module takes the ``experts_backend`` of the latest call).
 
     Raises:
-        ValueError for an unknown architecture, before anything is patched.
+        ValueError for an unknown architecture or ``experts_backend``, before anything is patched.
     """
+    from truefuse.nn.grouped import check_backend
+
+    experts_backend = check_backend(experts_backend, False, True, arg="experts_backend")
     model_type = _model_type(model)
     arch = architecture_of(model_type)
     report = PatchReport(model_type)
@@ -95,7 +103,7 @@ def apply_truefuse(
                 expert_mods.append(m)
             else:
                 report.left[(stock.__name__, "experts=False")] += 1
-    expert_patch = _experts_patcher(expert_mods, report) if expert_mods else None
+    expert_patch = _experts_patcher(expert_mods, report, experts_backend) if expert_mods else None
     loss_patch = _loss_patcher(model, arch, linear_cross_entropy, report)
     # everything is checked: now patch
     for m, cls in plan:
@@ -107,7 +115,7 @@ def apply_truefuse(
     return report
 
 
-def _experts_patcher(mods: list[torch.nn.Module], report: PatchReport):
+def _experts_patcher(mods: list[torch.nn.Module], report: PatchReport, backend: str | None):
     from truefuse.integrations.huggingface import moe
 
     todo = []
@@ -119,7 +127,7 @@ def _experts_patcher(mods: list[torch.nn.Module], report: PatchReport):
         else:
             todo.append(m)
             report.replaced[(name, "truefuse grouped GEMMs (GroupedMLP)")] += 1
-    return lambda: [moe.patch_experts(m) for m in todo]
+    return lambda: [moe.patch_experts(m, backend=backend) for m in todo]
 
 
 def _loss_patcher(model: torch.nn.Module, arch: Architecture, wanted: bool, report: PatchReport):
