@@ -225,6 +225,36 @@ def test_main_grad_accumulation(dev):
     assert_bitwise(out, fresh)
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_tma_epilogue_equals_the_pointer_epilogue(accumulate, dev):
+    """The Hopper weight-gradient kernel's output through a TMA descriptor (whole tile, halves,
+    quarters) writes, or adds into main_grad, the pointer epilogue's bits; an empty group's
+    main_grad is left alone (signs included). The CPU: the interpreter, fp16 operands."""
+    from truefuse.ops import grouped_gemm as gg
+
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (9, 0):
+        pytest.skip("TMA descriptors need sm_90")
+    cuda = dev.type == "cuda"
+    dt = torch.bfloat16 if cuda else torch.float16
+    splits, n, k = ([130, 0, 1, 257, 3], 200, 320) if cuda else ([5, 0, 19, 33, 3], 40, 96)
+    G, M = len(splits), sum(splits)
+    dy, x = _rand(M, n, seed=1, device=dev, dtype=dt), _rand(M, k, seed=2, device=dev, dtype=dt)
+    off = split_offsets(splits, G, M, dev)
+    odt = torch.float32 if accumulate else dt
+    start = _rand(G, n, k, seed=3, device=dev, dtype=odt)
+    start[1] = -0.0
+    got = []
+    for epi, split in ((False, 1), (True, 1), (True, 2), (True, 4)):
+        blocks = (64, 64, 64, 4, 2) if cuda else (16, 16, 32, 4, 1)
+        cfg = gg.TileConfig(*blocks, programs_per_sm=0, tma=True, tma_epilogue=epi, epilogue_split=split)
+        out = start.clone() if accumulate else torch.full_like(start, float("nan"))
+        gg._launch_wgrad(dy, x, off, out, accumulate, cfg)
+        got.append(out)
+    for out, split in zip(got[1:], (1, 2, 4), strict=True):
+        assert_bitwise(out, got[0], f"TMA epilogue in {split} part(s)")
+    assert torch.signbit(got[1][1]).all() if accumulate else not got[1][1].any()
+
+
 def test_bad_input_is_named(dev):
     x, w, b, dy = _operands(SPLITS, dev)
     off = split_offsets(SPLITS, len(SPLITS), x.shape[0], x.device)

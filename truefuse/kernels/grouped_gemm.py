@@ -123,6 +123,21 @@ def _grouped_gemm_rows_kernel(
 
 
 @triton.jit
+def _epilogue_ptr(c_ptr, acc, g, rn, rk, start, end, N, K, stride_cg, stride_cn, stride_ck, ACCUMULATE: tl.constexpr):
+    """dW_g's (rn, rk) tile written, or added into main_grad (``ACCUMULATE``, one fp32 add), through
+    masked int64 addresses."""
+    c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + rn[:, None].to(tl.int64) * stride_cn + rk[None, :] * stride_ck
+    mask_k = rk < K
+    if ACCUMULATE:
+        # an empty group leaves main_grad untouched (not even -0.0 + 0.0)
+        mask_k = rk < tl.where(end > start, K, 0)
+    c_mask = (rn < N)[:, None] & mask_k[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
 def _grouped_gemm_wgrad_kernel(
     dy_ptr,
     x_ptr,
@@ -185,14 +200,7 @@ def _grouped_gemm_wgrad_kernel(
             else:
                 acc = tl.dot(a, b, acc)
             m0 += BLOCK_M
-        c_ptrs = c_ptr + g * stride_cg + rn[:, None] * stride_cn + rk[None, :] * stride_ck
-        if ACCUMULATE:
-            # an empty group leaves main_grad untouched (not even -0.0 + 0.0)
-            mask_k = rk < tl.where(end > start, K, 0)
-        c_mask = mask_n[:, None] & mask_k[None, :]
-        if ACCUMULATE:
-            acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        _epilogue_ptr(c_ptr, acc, g, rn, rk, start, end, N, K, stride_cg, stride_cn, stride_ck, ACCUMULATE)
         tile += nprog
 
 
@@ -322,9 +330,61 @@ def _grouped_gemm_rows_tma_kernel(
 
 
 @triton.jit
+def _halves(t, BN: tl.constexpr, BK: tl.constexpr):
+    """(BN, BK) -> its column halves [0, BK/2) and [BK/2, BK), each (BN, BK/2)."""
+    return t.reshape(BN, 2, BK // 2).permute(0, 2, 1).split()
+
+
+@triton.jit
+def _epilogue_tma_part(
+    c_desc, part, g, n0, k0, BN: tl.constexpr, BK: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_TY: tl.constexpr
+):
+    """One (BN, BK) part of a dW tile through the output's 3-D descriptor: ``main_grad += part``
+    (one fp32 add, ``ACCUMULATE``) or ``out = part``; the copy engine drops what lies past (G, N, K)."""
+    if ACCUMULATE:
+        part += c_desc.load([g, n0, k0]).reshape(BN, BK).to(tl.float32)
+    c_desc.store([g, n0, k0], part.to(OUT_TY).reshape(1, BN, BK))
+
+
+@triton.jit
+def _epilogue_tma(
+    c_desc,
+    acc,
+    g,
+    n0,
+    k0,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    OUT_TY: tl.constexpr,
+):
+    """The dW tile in SPLIT (1, 2 or 4) column parts: fewer registers and a smaller shared buffer
+    live at once than the whole tile (the 128×256 fp32 ``main_grad`` tile spilled 424 bytes through
+    pointers); the same values, the same one add per element."""
+    if SPLIT == 1:
+        _epilogue_tma_part(c_desc, acc, g, n0, k0, BN, BK, ACCUMULATE, OUT_TY)
+    elif SPLIT == 2:
+        a0, a1 = _halves(acc, BN, BK)
+        _epilogue_tma_part(c_desc, a0, g, n0, k0, BN, BK // 2, ACCUMULATE, OUT_TY)
+        _epilogue_tma_part(c_desc, a1, g, n0, k0 + BK // 2, BN, BK // 2, ACCUMULATE, OUT_TY)
+    else:
+        tl.static_assert(SPLIT == 4)
+        a0, a1 = _halves(acc, BN, BK)
+        a00, a01 = _halves(a0, BN, BK // 2)
+        a10, a11 = _halves(a1, BN, BK // 2)
+        Q: tl.constexpr = BK // 4
+        _epilogue_tma_part(c_desc, a00, g, n0, k0, BN, Q, ACCUMULATE, OUT_TY)
+        _epilogue_tma_part(c_desc, a01, g, n0, k0 + Q, BN, Q, ACCUMULATE, OUT_TY)
+        _epilogue_tma_part(c_desc, a10, g, n0, k0 + 2 * Q, BN, Q, ACCUMULATE, OUT_TY)
+        _epilogue_tma_part(c_desc, a11, g, n0, k0 + 3 * Q, BN, Q, ACCUMULATE, OUT_TY)
+
+
+@triton.jit
 def _grouped_gemm_wgrad_tma_kernel(
     dy_desc,
     x_desc,
+    c_desc,  # the output's (G, N, K) descriptor, blocks (1, BLOCK_N, BLOCK_K // EPI_SPLIT), or None
     c_ptr,
     off_ptr,
     G,
@@ -338,6 +398,8 @@ def _grouped_gemm_wgrad_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TMA_EPI: tl.constexpr,  # the epilogue through c_desc (else masked pointer loads/stores)
+    EPI_SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -372,19 +434,17 @@ def _grouped_gemm_wgrad_tma_kernel(
             a = tl.where(mask_m[:, None], a, tl.zeros_like(a))
             b = tl.where(mask_m[:, None], b, tl.zeros_like(b))
             acc = tl.dot(a.T, b, acc)
-        # the epilogue's int64 addresses are made here, after the reduction: made before it they stay
-        # live across the loop (bf16 128×128 tiles, 8 warps: 174 registers instead of 123), two
-        # programs no longer share an SM, and dW ran 1.3-1.6× slower at 64 × 256 and 128 × 128 (H200)
-        rn = n0 + rn_tile
-        rk = k0 + rk_tile
-        mask_n = rn < N
-        mask_k = rk < K
-        c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + rn[:, None].to(tl.int64) * stride_cn + rk[None, :] * stride_ck
-        if ACCUMULATE:
-            # an empty group leaves main_grad untouched (not even -0.0 + 0.0)
-            mask_k = rk < tl.where(end > start, K, 0)
-        c_mask = mask_n[:, None] & mask_k[None, :]
-        if ACCUMULATE:
-            acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        if TMA_EPI:
+            if ACCUMULATE:
+                if end > start:  # an empty group leaves main_grad untouched (not even -0.0 + 0.0)
+                    _epilogue_tma(c_desc, acc, g, n0, k0, BLOCK_N, BLOCK_K, EPI_SPLIT, True, c_ptr.dtype.element_ty)
+            else:
+                _epilogue_tma(c_desc, acc, g, n0, k0, BLOCK_N, BLOCK_K, EPI_SPLIT, False, c_ptr.dtype.element_ty)
+        else:
+            # the epilogue's int64 addresses are made here, after the reduction: made before it they
+            # stay live across the loop (bf16 128×128 tiles, 8 warps: 174 registers instead of 123),
+            # two programs no longer share an SM, and dW ran 1.3-1.6× slower at 64 × 256 and
+            # 128 × 128 (H200)
+            rn, rk = n0 + rn_tile, k0 + rk_tile
+            _epilogue_ptr(c_ptr, acc, g, rn, rk, start, end, N, K, stride_cg, stride_cn, stride_ck, ACCUMULATE)
         tile += nprog

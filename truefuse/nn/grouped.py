@@ -140,7 +140,8 @@ def _check_grouped(module, x: torch.Tensor, features: int, groups: int, m_splits
             splits = None
         else:
             splits = _splits(m_splits, groups, x)
-        offsets = split_offsets(m_splits if splits is None else splits, groups, x.shape[0], x.device)
+        # a list was checked just above: split_offsets does not check it again (check=False)
+        offsets = split_offsets(m_splits if splits is None else splits, groups, x.shape[0], x.device, check=splits is None)
         return backend, splits, offsets, dtype, cast(x, dtype)
     return backend, _splits(m_splits, groups, x), None, dtype, cast(x, dtype)
 

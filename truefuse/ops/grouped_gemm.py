@@ -24,6 +24,7 @@ and the kernels clamp the offsets to ``[0, M]``, so wrong sizes never read or wr
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,9 @@ class TileConfig:
         tma: fp16/bf16 operands through TMA tensor descriptors (sm_90+; the Hopper kernels of
             ``kernels/grouped_gemm.py``) where the weight's shape allows (16-byte rows), else the
             pointer kernels. Chosen by the configuration and the weight shape, never by the batch.
+        tma_epilogue: (``wgrad`` with ``tma``) dW written, or added into ``main_grad``, through a
+            descriptor of the output (where its rows are 16-byte aligned; else pointers), in
+            ``epilogue_split`` column parts (1, 2 or 4) of the tile. Neither changes the bits.
     """
 
     block_m: int
@@ -64,6 +68,8 @@ class TileConfig:
     num_stages: int = 3
     programs_per_sm: int = 1
     tma: bool = False
+    tma_epilogue: bool = False
+    epilogue_split: int = 1
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -88,7 +94,7 @@ _TUNED_CONFIGS: dict[tuple[str, torch.dtype, tuple[int, int]], TileConfig] = {
     # "Grouped GEMM"): the TMA kernels. Forward/dgrad: 128×256 tiles, 64-deep K steps, 4 stages.
     **{("rows", dt, (9, 0)): TileConfig(128, 256, 64, num_warps=8, num_stages=4, programs_per_sm=1, tma=True) for dt in _HALF},
     # wgrad: 128×128 dW tiles in 64-row steps, two programs per SM (123 registers: both resident);
-    # "wgrad_large" (a layer of >= _LARGE_WGRAD weights per group): 128×256 tiles, one program per SM.
+    # "wgrad_large" (a layer of >= _LARGE_LAYER weights per group): 128×256 tiles, one program per SM.
     **{("wgrad", dt, (9, 0)): TileConfig(64, 128, 128, num_warps=8, num_stages=3, programs_per_sm=2, tma=True) for dt in _HALF},
     **{
         ("wgrad_large", dt, (9, 0)): TileConfig(64, 128, 256, num_warps=8, num_stages=3, programs_per_sm=1, tma=True)
@@ -96,23 +102,30 @@ _TUNED_CONFIGS: dict[tuple[str, torch.dtype, tuple[int, int]], TileConfig] = {
     },
 }
 
-#: Weights per group (N × K) from which a weight gradient takes the ``wgrad_large`` configuration
+#: Weights per group (N × K) from which a GEMM takes its kind's ``<kind>_large`` configuration
 #: where one exists: a property of the layer's shape, never of the batch (2^24: 4096 × 4096).
-_LARGE_WGRAD = 1 << 24
+_LARGE_LAYER = 1 << 24
 
 #: Under the CPU interpreter (fp32 only): small tiles, chosen by the device, never by the sizes.
 _INTERPRETER_CONFIG = TileConfig(16, 16, 16, num_warps=1, num_stages=1)
 _INTERPRETER_PROGRAMS = 3
 
 
-def tile_config(kind: str, dtype: torch.dtype, device: torch.device, weights_per_group: int = 0) -> TileConfig:
+def tile_config(
+    kind: str, dtype: torch.dtype, device: torch.device, weights_per_group: int = 0, accumulate: bool = False
+) -> TileConfig:
     """The configuration of problem ``kind`` (``rows``, ``wgrad``, ``bgrad``) for ``dtype`` on ``device``;
-    ``wgrad`` also by the layer's weights per group (N × K, fixed per layer; never the batch)."""
+    ``rows`` and ``wgrad`` also by the layer's weights per group (N × K, fixed per layer; never the
+    batch: a ``<kind>_large`` entry from 2^24) and ``wgrad`` by whether it adds into ``main_grad``
+    (a ``<kind>_acc`` entry where one exists: the option, never the batch)."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
     cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    if kind == "wgrad" and weights_per_group >= _LARGE_WGRAD and ("wgrad_large", dtype, cap) in _TUNED_CONFIGS:
-        return _TUNED_CONFIGS[("wgrad_large", dtype, cap)]
+    if kind in ("rows", "wgrad"):
+        size = f"{kind}_large" if weights_per_group >= _LARGE_LAYER else kind
+        for key in (f"{size}_acc", size) if accumulate else (size,):
+            if (key, dtype, cap) in _TUNED_CONFIGS:
+                return _TUNED_CONFIGS[(key, dtype, cap)]
     return _TUNED_CONFIGS.get((kind, dtype, cap)) or _CUDA_CONFIGS[(kind, dtype)]
 
 
@@ -159,6 +172,7 @@ def split_offsets(m_splits, groups: int, total: int, device: torch.device, *, ch
     integer tensor on any device (cumsum on its device, no host sync). A tensor on ``device``'s CUDA
     device cannot be checked without a sync: with ``check`` its sizes are asserted non-negative and
     summing to ``total`` by ``torch._assert_async`` (a device-side assert; on the CPU a RuntimeError).
+    ``check=False`` with a list: the caller has checked it (``check_splits``; the layers do, once).
     """
     device = torch.device(device)
     if isinstance(m_splits, torch.Tensor):
@@ -179,12 +193,8 @@ def split_offsets(m_splits, groups: int, total: int, device: torch.device, *, ch
             ok = (offsets[-1] == total) & (s.min() >= 0) if groups else offsets[-1] == total
             torch._assert_async(ok, "m_splits: group sizes must be non-negative and sum to the number of rows of x")
         return offsets
-    splits = check_splits(m_splits, groups, total, "the number of rows of x")
-    acc, offs = 0, [0]
-    for v in splits:
-        acc += v
-        offs.append(acc)
-    host = torch.tensor(offs, dtype=torch.int64)
+    splits = check_splits(m_splits, groups, total, "the number of rows of x") if check else m_splits
+    host = torch.tensor([0, *itertools.accumulate(splits)], dtype=torch.int64)
     if device.type == "cuda" and not torch.compiler.is_compiling():
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
@@ -393,7 +403,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 def _use_tma(cfg: TileConfig, dtype: torch.dtype, *inner: int) -> bool:
     """The TMA kernels: asked for by ``cfg``, fp16/bf16, and every operand's row (the weight's two
     inner dims) a multiple of 16 bytes: a property of the layer's shape, never of the batch."""
-    es = torch.empty((), dtype=dtype).element_size()
+    es = dtype.itemsize
     return cfg.tma and dtype in _HALF and all(d > 0 and (d * es) % 16 == 0 for d in inner)
 
 
@@ -445,10 +455,15 @@ def _launch_wgrad(dy, x, offsets, out, accumulate: bool, cfg: TileConfig) -> Non
         dy, x = _tma_ready(dy), _tma_ready(x)
         dy_desc = TensorDescriptor(dy, [M, N], [dy.stride(0), 1], [cfg.block_m, cfg.block_n])
         x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
+        # out is written in place, never copied: its descriptor only where its rows allow one
+        c_desc = None
+        if cfg.tma_epilogue and _tma_rows_ok(out):
+            c_desc = TensorDescriptor(out, [G, N, K], list(out.stride()), [1, cfg.block_n, cfg.block_k // cfg.epilogue_split])
         _grouped_gemm_wgrad_tma_kernel[grid](
-            dy_desc, x_desc, out, offsets,
+            dy_desc, x_desc, c_desc, out, offsets,
             G, M, N, K, out.stride(0), out.stride(1), out.stride(2),
             ACCUMULATE=bool(accumulate), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=cfg.block_m,
+            TMA_EPI=c_desc is not None, EPI_SPLIT=cfg.epilogue_split,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return
@@ -484,7 +499,7 @@ def grouped_gemm_rows_op(
             sizes = offsets.diff().clamp_min(0)
             out.copy_(torch.repeat_interleave(bias, sizes, dim=0, output_size=M))
         return
-    _launch_rows(x, w, offsets, bias, transpose_w, out, tile_config("rows", x.dtype, x.device))
+    _launch_rows(x, w, offsets, bias, transpose_w, out, tile_config("rows", x.dtype, x.device, N * K))
 
 
 @grouped_gemm_rows_op.register_fake
@@ -504,7 +519,7 @@ def grouped_gemm_wgrad_op(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tens
         if not accumulate:
             out.zero_()
         return
-    _launch_wgrad(dy, x, offsets, out, accumulate, tile_config("wgrad", dy.dtype, dy.device, N * K))
+    _launch_wgrad(dy, x, offsets, out, accumulate, tile_config("wgrad", dy.dtype, dy.device, N * K, bool(accumulate)))
 
 
 @grouped_gemm_wgrad_op.register_fake

@@ -1,0 +1,186 @@
+"""Issue 16, follow-up: where GroupedMLP's time goes above its GEMMs, and the layer under the best
+weight-gradient configurations of a sweep, side by side with the committed ones.
+
+Run on the H200, after ``exp_grouped_gemm_tune.py --set mini`` wrote ``tune.jsonl`` into DIR:
+``PYTHONPATH=. python experiments/exp_grouped_gemm_layer.py --tune DIR/tune.jsonl [--out DIR]``.
+
+1. Per case of ``truefuse bench grouped`` (bf16, swiglu, packed, uniform routing): the host time of
+   one forward + backward call (Python and launches, no sync: above the GPU time the layer waits on
+   the CPU), its time under ``do_bench`` (what the bench reports) and under CUDA-graph replay
+   (device splits: GPU time alone), and at 128 × 128 the profiler's GPU time per kernel of one step.
+2. The weight-gradient configurations: from the sweep, per size class (``wgrad``: < 2^24 weights per
+   group, the 64 × 256 and 128 × 128 layers; ``wgrad_large``: 8 × 2048) and per variant (written,
+   added into ``main_grad``: ``*_acc``), the candidate with the least summed time; then the layer
+   (plain and fused ``main_grad``) under the committed and the picked configurations, with
+   ``floor``, ``floor_main_grad`` and ``per_group`` + ``main_grad`` in the same process. Each
+   pick's dW and ``main_grad`` are compared bitwise with the committed configuration's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+from truefuse.bench import bench_grouped as bg
+from truefuse.bench.harness import measure
+from truefuse.nn.grouped import GroupedMLP
+from truefuse.ops import grouped_gemm as gg
+
+sys.path.insert(0, os.path.dirname(__file__))
+from exp_grouped_gemm_tune import CASES, ROWS_MINI, WGRAD_MINI  # noqa: E402
+
+BF = torch.bfloat16
+LARGE = {"8x2048"}  # the cases whose layers are >= 2^24 weights per group (wgrad_large)
+
+
+@contextlib.contextmanager
+def configs(entries: dict):
+    """``_TUNED_CONFIGS`` with ``entries`` ({kind: TileConfig}, bf16/fp16 on sm_90) for a while."""
+    saved = dict(gg._TUNED_CONFIGS)
+    for kind, cfg in entries.items():
+        for dt in (torch.float16, torch.bfloat16):
+            gg._TUNED_CONFIGS[(kind, dt, (9, 0))] = cfg
+    try:
+        yield
+    finally:
+        gg._TUNED_CONFIGS.clear()
+        gg._TUNED_CONFIGS.update(saved)
+
+
+def pick(tune_path: str) -> dict:
+    """{kind: (name, TileConfig)} with the least summed time per kind, size class and variant."""
+    rows = [json.loads(line) for line in open(tune_path)]
+    out = {}
+    kinds = (
+        ("rows", False), ("rows_large", False),
+        ("wgrad", False), ("wgrad_acc", True), ("wgrad_large", False), ("wgrad_large_acc", True),
+    )  # fmt: skip
+    for kind, acc in kinds:
+        large, wgrad = "_large" in kind, kind.startswith("wgrad")
+        cands = WGRAD_MINI if wgrad else ROWS_MINI
+        rs = [r for r in rows if (r["case"] in LARGE) == large and r["gemm"].startswith("wgrad") == wgrad]
+        rs = [r for r in rs if r["gemm"].endswith("+main_grad") == acc]
+        if not rs:
+            continue
+        tot = {n: sum(r["cfg"][n]["ms"] for r in rs) for n in cands if all(n in r["cfg"] for r in rs)}
+        tot = {n: t for n, t in tot.items() if t == t}  # NaN: failed to compile or run
+        best = min(tot, key=tot.get)
+        first = next(iter(cands))
+        print(f"{kind:16s} best {best:24s} {tot[best]:.3f} ms, committed-like {first} {tot.get(first, float('nan')):.3f} ms")
+        print("    " + ", ".join(f"{n} {t:.3f}" for n, t in tot.items()))
+        out[kind] = (best, cands[best])
+    return out
+
+
+def host_ms(fn, n: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    ms = (time.perf_counter() - t) / n * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
+def where_time_goes(name: str, p: dict, dev, profile: bool) -> dict:
+    fn = bg._truefuse(False)(p, dev)
+    row = {"case": name, "host_ms": host_ms(fn), "do_bench_ms": measure(fn, dev).ms}
+    try:
+        row["graph_ms"] = measure(bg._truefuse(False, device_splits=True)(p, dev), dev, cuda_graph=True).ms
+    except Exception as e:  # noqa: BLE001
+        row["graph_ms"] = float("nan")
+        print("graph:", repr(e)[:300])
+    print(json.dumps(row), flush=True)
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof_ctx
+
+        fn()
+        torch.cuda.synchronize()
+        with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        kernels = {}
+        for e in prof.key_averages():
+            dt = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+            if dt > 0:
+                kernels[e.key] = (dt / 5 / 1e3, e.count // 5)
+        tot = sum(v[0] for v in kernels.values())
+        print(f"\n== {name}: GPU time per step by kernel (profiler, 5 steps), sum {tot:.3f} ms ==")
+        for k, (ms, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:16]:
+            print(f"  {ms:8.3f} ms x{c:<3d} {k[:110]}")
+        row["kernels"] = kernels
+        row["kernel_sum_ms"] = tot
+    return row
+
+
+def grads(p, dev, main_grad: bool):
+    """One step's weight gradients (or main_grads) of the default layer: for the bitwise check."""
+    torch.manual_seed(0)
+    m = GroupedMLP(p["E"], p["H"], p["F"], device=dev, dtype=BF, single_grouped_weight=True, fuse_wgrad_accumulation=main_grad)
+    if main_grad:
+        for _, q in m.gemm_weights():
+            q.main_grad = torch.randn(q.shape, device=dev, generator=torch.Generator(device=dev).manual_seed(9))
+    x = bg._rand(p["E"] * p["tokens"], p["H"], device=dev, seed=0)
+    m(x, bg._splits(p)).backward(bg._rand(p["E"] * p["tokens"], p["H"], device=dev, seed=5))
+    return [(q.main_grad if main_grad else q.grad).clone() for _, q in m.gemm_weights()]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tune", default=None)
+    ap.add_argument("--cases", default=",".join(CASES))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    import triton
+
+    print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
+    cases = args.cases.split(",")
+    res = {"where": [], "layer": []}
+    for name in cases:
+        res["where"].append(where_time_goes(name, CASES[name], dev, profile=name == "128x128"))
+    picks = pick(args.tune) if args.tune else {}
+    sets = {"committed": {}, "picked": {k: c for k, (_, c) in picks.items()}}
+    print("\n== the layer, ms (ratio to floor) ==", flush=True)
+    for name in cases:
+        p = CASES[name]
+        base = {
+            "floor": measure(bg._floor(p, dev), dev).ms,
+            "floor_main_grad": measure(bg._floor_main_grad(p, dev), dev).ms,
+            "per_group_main_grad": measure(bg._truefuse(True, "per_group")(p, dev), dev).ms,
+        }
+        row = {"case": name, **base}
+        ref = {mg: grads(p, dev, mg) for mg in (False, True)}
+        for sname, entries in sets.items():
+            with configs(entries):
+                row[f"{sname}"] = measure(bg._truefuse(False)(p, dev), dev).ms
+                row[f"{sname}_main_grad"] = measure(bg._truefuse(True)(p, dev), dev).ms
+                same = [all(torch.equal(a, b) for a, b in zip(grads(p, dev, mg), ref[mg], strict=True)) for mg in (False, True)]
+                row[f"{sname}_bitwise"] = same
+        f = row["floor"]
+        print(
+            f"{name:8s} floor {f:.3f} | committed {row['committed']:.3f} ({row['committed'] / f:.3f}) "
+            f"picked {row['picked']:.3f} ({row['picked'] / f:.3f}) | main_grad committed {row['committed_main_grad']:.3f} "
+            f"({row['committed_main_grad'] / f:.3f}) picked {row['picked_main_grad']:.3f} ({row['picked_main_grad'] / f:.3f}) "
+            f"per_group {row['per_group_main_grad']:.3f} ({row['per_group_main_grad'] / f:.3f}) floor_mg "
+            f"{row['floor_main_grad']:.3f} | bitwise vs committed {row['picked_bitwise']}",
+            flush=True,
+        )
+        res["layer"].append(row)
+        torch.cuda.empty_cache()
+    res["picks"] = {k: n for k, (n, _) in picks.items()}
+    with open(os.path.join(args.out, "layer.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
