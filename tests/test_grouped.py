@@ -22,7 +22,8 @@ def _random_splits(seed: int, groups: int = 6) -> list[int]:
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# two draws of sizes (each has an empty and a one-row group): a third repeated the same paths (suite time)
+@pytest.mark.parametrize("seed", [0, 1])
 def test_grouped_linear_equals_linear_per_group(packed, fused, bias, seed, device):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     splits = _random_splits(seed)
