@@ -48,13 +48,14 @@ def _verify_distributed(world_size: int, device: str, ops: list[str] | None = No
     from truefuse.verify.distributed_table import OPS, format_table
     from truefuse.verify.distributed_tp import OPS as TP_OPS
     from truefuse.verify.distributed_tp import format_tp_table, tables
+    from truefuse.verify.distributed_vocab import OP as VOCAB_OP
 
     # every row of the allreduce table checks all of OPS: an --op among them runs that whole table
-    unknown = [o for o in ops or () if o not in OPS + TP_OPS]
+    known = OPS + TP_OPS + (VOCAB_OP,)
+    unknown = [o for o in ops or () if o not in known]
     if unknown:
         print(
-            f"verify: --op {unknown[0]!r} is not in the distributed tables that --world-size runs; their ops: "
-            f"{', '.join(OPS + TP_OPS)}",
+            f"verify: --op {unknown[0]!r} is not in the distributed tables that --world-size runs; their ops: {', '.join(known)}",
             file=sys.stderr,
         )
         return 2
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         type=_positive_int,
         default=None,
         metavar="N",
-        help="run the allreduce + RMSNorm table and the tensor-parallel layers' table on N >= 1 local processes "
+        help="run the allreduce + RMSNorm table, the tensor-parallel layers' and the vocab-parallel loss's tables on "
+        "N >= 1 local processes "
         "(gloo on cpu, nccl on cuda) instead of the plain verify",
     )
     v.set_defaults(fn=_cmd_verify)

@@ -22,6 +22,7 @@ BENCHES = {
 DISTRIBUTED_BENCHES = {
     "allreduce_add_rmsnorm": "truefuse.bench.bench_allreduce_add_rmsnorm",
     "tp": "truefuse.bench.bench_tp",
+    "tp_linear_cross_entropy": "truefuse.bench.bench_tp_linear_cross_entropy",
 }
 
 

@@ -19,6 +19,7 @@ step time is the slowest rank's. Ratios are against ``torch``. Peak memory: one 
 ``max_memory_allocated`` above what the inputs and parameters hold.
 
 Without GPUs (or fewer than N) ``--quick`` runs a small CPU smoke run over gloo (no measurement).
+Then the vocab-parallel loss's table (``bench_tp_linear_cross_entropy``) in the same call.
 """
 
 from __future__ import annotations
@@ -60,6 +61,35 @@ def _time_steps(step, dev: torch.device, n: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / n
+
+
+def measure(steps: dict, dev: torch.device, clear=None) -> tuple[dict, dict]:
+    """Every rank times ``steps`` (name -> step) the same way: warm-up, then interleaved rounds with
+    the order reversed every other round; and one step's peak memory above what was allocated
+    before it (after ``clear()``, which frees what a previous step left, e.g. returned gradients).
+    Returns ({name: ms per step of each round}, {name: peak MiB or None off CUDA})."""
+    for step in steps.values():
+        for _ in range(_WARMUP):
+            step()
+    names = list(steps)
+    rounds: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(_ROUNDS):
+        for n in names if r % 2 == 0 else reversed(names):
+            rounds[n].append(_time_steps(steps[n], dev, _STEPS))
+    peak: dict = {}
+    for n, step in steps.items():
+        peak[n] = None
+        if dev.type == "cuda":
+            if clear is not None:
+                clear()
+            _sync(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            step()
+            _sync(dev)
+            peak[n] = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
+        dist.barrier()
+    return rounds, peak
 
 
 def _providers(shape: dict, rank: int, world: int, dev: torch.device, ws) -> tuple[dict, dict]:
@@ -140,29 +170,11 @@ def _worker(rank: int, world: int, shape: dict, device: str) -> list[dict]:
     agree = {
         k: rel_error(a, b) for k, a, b in zip(("normed", "residual_out", "d_input"), outs["truefuse"], outs["torch"], strict=True)
     }
-    for step in steps.values():
-        for _ in range(_WARMUP):
-            step()
-    names = list(steps)
-    rounds: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(_ROUNDS):
-        for n in names if r % 2 == 0 else reversed(names):
-            rounds[n].append(_time_steps(steps[n], dev, _STEPS))
-    peak = {}
-    for n, step in steps.items():
-        if dev.type != "cuda":
-            peak[n] = None
-            continue
-        _sync(dev)
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        step()
-        _sync(dev)
-        peak[n] = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
+    rounds, peak = measure(steps, dev)
     dist.barrier()
     ws.close()
     return [{"provider": n, "ms": statistics.median(rounds[n]), "rounds_ms": rounds[n], "peak_mb": peak[n], **shape,
-             "rel_diff_vs_torch": agree if n == "truefuse" else None} for n in names]  # fmt: skip
+             "rel_diff_vs_torch": agree if n == "truefuse" else None} for n in steps]  # fmt: skip
 
 
 def run(world_size: int, out_dir: str, quick: bool = False) -> int:
@@ -202,4 +214,6 @@ def run(world_size: int, out_dir: str, quick: bool = False) -> int:
     diff = next(r["rel_diff_vs_torch"] for r in rows if r["provider"] == "truefuse")
     print("truefuse vs torch, relative difference: " + ", ".join(f"{k} {v:.2e}" for k, v in diff.items()))
     print(f"wrote {out}")
-    return 0
+    from truefuse.bench import bench_tp_linear_cross_entropy  # the parallel loss's table after the layer's
+
+    return bench_tp_linear_cross_entropy.run(world_size, out_dir, quick)

@@ -11,7 +11,8 @@ the same input and targets. It is ``memory="lean"``'s sliced machinery
   (``merge_stats``): identical bits everywhere; lse, the loss terms and the accuracy follow;
 * pass 2, local (in the backward): the shard's d_logits from the merged lse, d_weight's and
   d_bias's shard rows, and this rank's fp32 partial sum of d_input, summed over the ranks with
-  truefuse's bitwise ``allreduce`` (rank-order fp32 sum, one rounding; fp64 summed in fp64).
+  the arithmetic of truefuse's bitwise ``allreduce`` (rank-order fp32 sum, one rounding; fp64
+  summed in fp64), as a reduce-scatter then an all-gather of the rounded blocks (``_sum_over_ranks``).
 
 Every eager call first agrees on the arguments across ranks (one ``all_gather_object``): bad
 input on any rank, a target outside [0, V) included, is the same ``ValueError`` on every rank.
@@ -26,7 +27,6 @@ from truefuse.autograd._autocast import autocast_disabled
 from truefuse.autograd._chunked_head import recompute_backward, weight_state
 from truefuse.autograd._wgrad import WgradState, check_main_grad
 from truefuse.distributed._agree import agree
-from truefuse.distributed.allreduce import allreduce
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.chunked_head import HeadGrads
 from truefuse.ops.linear_cross_entropy import (
@@ -66,19 +66,31 @@ def _gather_stats(st: SliceStats, group) -> SliceStats:
     return merge_stats(stats)
 
 
-def _sum_over_ranks(dx: torch.Tensor, group) -> torch.Tensor:
-    """The ranks' partial d_input (N, H), fp32 or fp64, summed in rank order (not rounded)."""
-    if dx.dtype == torch.float32 and dx.shape[0] > 0:
-        try:
-            return allreduce(dx, group=group)  # fp32 sum in rank order: bitwise the same on every rank
-        except ValueError:
-            pass  # wider than the allreduce takes (H > max_kernel_n): the same sum by hand below
-    parts = [torch.empty_like(dx) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, dx.contiguous(), group=group)
-    acc = parts[0].clone()
+def _sum_over_ranks(dx: torch.Tensor, group, out_dtype: torch.dtype) -> torch.Tensor:
+    """The ranks' partial d_input (N, H), fp32 or fp64, summed in rank order and rounded to
+    ``out_dtype`` once, the same bits on every rank (docs/design.md §4's allreduce arithmetic).
+
+    A reduce-scatter by hand, then an all-gather: rank r receives every rank's rows of its block
+    (one ``all_to_all_single``), sums them in rank order, rounds, and the rounded blocks are
+    gathered. A rank receives one (N, H) fp32 buffer (128 MiB at 8192 × 4096), where an all-gather
+    of the partials would take one per rank, and the second collective moves ``out_dtype``."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return dx.to(out_dtype)
+    n, h = dx.shape
+    block = -(-n // world)
+    if block * world != n:  # equal blocks for the collectives: zero rows, cut off at the end
+        dx = torch.cat([dx, dx.new_zeros(block * world - n, h)])
+    got = torch.empty_like(dx)
+    dist.all_to_all_single(got, dx.contiguous(), group=group)  # got[r·block:(r+1)·block] = rank r's rows of my block
+    parts = got.view(world, block, h)
+    mine = parts[0].clone()
     for p in parts[1:]:
-        acc += p
-    return acc
+        mine += p
+    mine = mine.to(out_dtype)
+    blocks = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(blocks, mine, group=group)
+    return torch.cat(blocks)[:n]
 
 
 class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
@@ -123,7 +135,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
                 opts, x, W, b, t, cw, lse, s_ce, s_z, want=want, main_grad=main_grad, accumulate=accumulate, **kw
             )
             if dx is not None:  # every rank runs this pass (the ranks agreed on what needs a gradient)
-                dx = _sum_over_ranks(dx, group).to(x.dtype)  # one rounding after the rank-order sum
+                dx = _sum_over_ranks(dx, group, x.dtype)  # one rounding after the rank-order sum
             return HeadGrads(dx, dW, db, None)
 
         dx, dW, db = recompute_backward(run, ctx.needs, ctx.wstate, W, ctx.b_dtype)

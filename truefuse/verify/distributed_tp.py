@@ -393,16 +393,17 @@ def _fmt(v, spec=".2e") -> str:
 
 
 def format_tp_table(rows: list[dict], world_size: int) -> str:
+    w = max([20] + [len(r["op"]) for r in rows])
     lines = [
-        f"tensor-parallel layers, world size {world_size}",
-        f"{'op':<20} {'case':<22} {'dtype':>5} {'path':>9} {'check':<30} {'tensor':<22} {'error':>9} {'baseline':>9} "
+        f"tensor-parallel layers and loss, world size {world_size}",
+        f"{'op':<{w}} {'case':<22} {'dtype':>5} {'path':>9} {'check':<30} {'tensor':<22} {'error':>9} {'baseline':>9} "
         f"{'ratio':>6} {'single':>9} {'ranks':>5} result",
     ]
     for r in rows:
         ranks = {None: "-", True: "same", False: "DIFF"}[r.get("all_ranks")]
         err = r.get("error", r.get("max_diff"))
         lines.append(
-            f"{r['op']:<20} {r['case']:<22} {r['dtype']:>5} {r['path']:>9} {r['check']:<30} {r['tensor']:<22} "
+            f"{r['op']:<{w}} {r['case']:<22} {r['dtype']:>5} {r['path']:>9} {r['check']:<30} {r['tensor']:<22} "
             f"{_fmt(err):>9} {_fmt(r.get('baseline_error')):>9} {_fmt(r.get('ratio'), '.3f'):>6} "
             f"{_fmt(r.get('single_error')):>9} "
             f"{ranks:>5} {'PASS' if r['passed'] else 'FAIL'}{(' ' + r['detail']) if r.get('detail') else ''}"
@@ -411,10 +412,11 @@ def format_tp_table(rows: list[dict], world_size: int) -> str:
 
 
 def tables(rank: int, world_size: int, device: str = "cpu", ops=None) -> list[dict]:
-    """What ``verify --world-size N`` runs on each rank (one process group for both tables): the
-    allreduce table (``distributed_table``) when ``ops`` is None or names one of its ops, and this
-    table's rows for the layers ``ops`` names (all when None). This table's rows carry ``"op"``."""
-    from truefuse.verify import distributed_table
+    """What ``verify --world-size N`` runs on each rank (one process group for the three tables): the
+    allreduce table (``distributed_table``) when ``ops`` is None or names one of its ops, this
+    table's rows for the layers ``ops`` names (all when None), and the vocab-parallel loss's
+    (``distributed_vocab``) when ``ops`` is None or names it. The last two's rows carry ``"op"``."""
+    from truefuse.verify import distributed_table, distributed_vocab
 
     rows = []
     if ops is None or any(o in distributed_table.OPS for o in ops):
@@ -422,4 +424,6 @@ def tables(rank: int, world_size: int, device: str = "cpu", ops=None) -> list[di
     tp_ops = OPS if ops is None else tuple(o for o in ops if o in OPS)
     if tp_ops:
         rows += tp_table(rank, world_size, device, ops=tp_ops)
+    if ops is None or distributed_vocab.OP in ops:
+        rows += distributed_vocab.vocab_table(rank, world_size, device)
     return rows
