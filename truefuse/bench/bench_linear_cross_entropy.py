@@ -20,6 +20,9 @@ splits them, torch.compile pads them). Providers, side by side in one run (ratio
   cut-cross-entropy ``linear_cross_entropy`` (default "cce" implementation), when installed.
 
 ``peak MiB`` is above the inputs; the returned gradients (input + weight, bf16) are part of it.
+``err_dx`` / ``err_dW``: d_input's and d_weight's relative error against a float64 reference on
+the same bf16 inputs (``main_grad`` providers: the fp32 ``main_grad`` after one step from zeros),
+and ``err_*_ratio`` that error over the ``plain`` path's (the issue's goal: at most 1.05).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
 from truefuse.bench.harness import Sweep
 from truefuse.ops.linear_cross_entropy import linear_cross_entropy_ref
 
+#: provider -> (loss(x, W, t), weight gradient into main_grad): what the accuracy columns run
+_LOSSES: dict = {}
+
 _BF = torch.bfloat16
 
 
@@ -40,6 +46,56 @@ def _inputs(p, device):
     W = (torch.randn(p["V"], p["H"], generator=g, device=device, dtype=_BF) * p["H"] ** -0.5).requires_grad_()
     t = torch.randint(0, p["V"], (p["N"],), generator=g, device=device)
     return x, W, t
+
+
+def _grads(loss_fn, main_grad: bool, p: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """d_input and d_weight of one forward + backward on the bench's inputs."""
+    x, W, t = _inputs(p, device)
+    if main_grad:
+        W.main_grad = torch.zeros(W.shape, dtype=torch.float32, device=device)
+    loss_fn(x, W, t).backward()
+    return x.grad, W.main_grad if main_grad else W.grad
+
+
+def _reference(p: dict, device, rows: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy's d_input and d_weight in float64 on the bench's bf16 inputs, ``rows``
+    tokens at a time (the whole float64 logits would take 40 GB at 32768 x 152064)."""
+    x, W, t = _inputs(p, device)
+    x64, W64 = x.detach().double(), W.detach().double()
+    N = x64.shape[0]
+    dx, dW = torch.empty_like(x64), torch.zeros_like(W64)
+    for c in range(0, N, rows):
+        pr = torch.softmax(x64[c : c + rows] @ W64.t(), dim=-1)
+        pr[torch.arange(pr.shape[0], device=device), t[c : c + rows]] -= 1
+        pr /= N
+        dx[c : c + rows] = pr @ W64
+        dW.addmm_(pr.t(), x64[c : c + rows])
+    return dx, dW
+
+
+def _rel_error(out: torch.Tensor, ref: torch.Tensor, rows: int = 8192) -> float:
+    """``‖out − ref‖ / ‖ref‖`` in float64 on the device, ``rows`` rows at a time."""
+    num = sum(float(torch.linalg.vector_norm(out[i : i + rows].double() - ref[i : i + rows]) ** 2)
+              for i in range(0, len(ref), rows))  # fmt: skip
+    return (num / float(torch.linalg.vector_norm(ref) ** 2)) ** 0.5
+
+
+class _Accuracy:
+    """The sweep's ``accuracy`` columns: each loss provider's errors, and their ratio to ``plain``'s
+    (the float64 reference and plain's errors computed once per point)."""
+
+    def __init__(self) -> None:
+        self.point: dict | None = None
+
+    def __call__(self, p: dict, provider: str, device) -> dict:
+        if provider not in _LOSSES or device.type != "cuda":
+            return {}
+        if self.point != p:
+            self.point, self.ref = dict(p), _reference(p, device)
+            self.plain = [_rel_error(g, r) for g, r in zip(_grads(_plain, False, p, device), self.ref, strict=True)]
+        errs = [_rel_error(g, r) for g, r in zip(_grads(*_LOSSES[provider], p, device), self.ref, strict=True)]
+        ratios = [e / b for e, b in zip(errs, self.plain, strict=True)]
+        return {"err_dx": errs[0], "err_dW": errs[1], "err_dx_ratio": ratios[0], "err_dW_ratio": ratios[1]}
 
 
 def _step(loss_fn, main_grad=False):
@@ -115,31 +171,35 @@ def sweep(quick: bool) -> Sweep:
             {"N": 8192, "V": 32000, "H": 4096},
             {"N": 4096, "V": 256000, "H": 2304},
             {"N": 8192, "V": 50257, "H": 4096},  # an odd vocabulary (GPT-2's): cuBLAS's slow case
+            {"N": 32768, "V": 152064, "H": 5120},  # Qwen's vocabulary, a long sequence: 10 GB of bf16 logits
         ]
-    providers = {
-        "gemms": _gemms,
-        "truefuse": _step(linear_cross_entropy),
-        "plain": _step(_plain),
-        "compile_plain": _step(_compiled_step("plain", _plain)),
-        "compile_ref": _step(_compiled_step("ref", linear_cross_entropy_ref)),
-        **{name: _step(fn) for name, fn in peers().items()},
+    losses = {
+        "truefuse": (linear_cross_entropy, False),
+        "plain": (_plain, False),
+        "compile_plain": (_compiled_step("plain", _plain), False),
+        "compile_ref": (_compiled_step("ref", linear_cross_entropy_ref), False),
+        **{name: (fn, False) for name, fn in peers().items()},
     }
     for c in (2048, 4096, 8192):
-        providers[f"truefuse_c{c}"] = _step(lambda x, W, t, c=c: linear_cross_entropy(x, W, t, chunk_size=c))
+        losses[f"truefuse_c{c}"] = (lambda x, W, t, c=c: linear_cross_entropy(x, W, t, chunk_size=c), False)
     # weight gradient accumulated in bf16: no fp32 accumulator
-    providers["truefuse_bf16acc_c4096"] = _step(
-        lambda x, W, t: linear_cross_entropy(x, W, t, chunk_size=4096, fp32_weight_grad=False)
+    losses["truefuse_bf16acc_c4096"] = (
+        lambda x, W, t: linear_cross_entropy(x, W, t, chunk_size=4096, fp32_weight_grad=False),
+        False,
     )
-    providers["truefuse_main_grad"] = _step(
-        lambda x, W, t: linear_cross_entropy(x, W, t, fuse_wgrad_accumulation=True), main_grad=True
+    losses["truefuse_main_grad"] = (lambda x, W, t: linear_cross_entropy(x, W, t, fuse_wgrad_accumulation=True), True)
+    losses["truefuse_main_grad_c8192"] = (
+        lambda x, W, t: linear_cross_entropy(x, W, t, chunk_size=8192, fuse_wgrad_accumulation=True),
+        True,
     )
-    providers["truefuse_main_grad_c8192"] = _step(
-        lambda x, W, t: linear_cross_entropy(x, W, t, chunk_size=8192, fuse_wgrad_accumulation=True), main_grad=True
+    losses["truefuse_lean"] = (lambda x, W, t: linear_cross_entropy(x, W, t, memory="lean"), False)
+    losses["truefuse_lean_main_grad"] = (
+        lambda x, W, t: linear_cross_entropy(x, W, t, memory="lean", fuse_wgrad_accumulation=True),
+        True,
     )
-    providers["truefuse_lean"] = _step(lambda x, W, t: linear_cross_entropy(x, W, t, memory="lean"))
-    providers["truefuse_lean_main_grad"] = _step(
-        lambda x, W, t: linear_cross_entropy(x, W, t, memory="lean", fuse_wgrad_accumulation=True), main_grad=True
-    )
+    _LOSSES.clear()
+    _LOSSES.update(losses)
+    providers = {"gemms": _gemms, **{name: _step(fn, mg) for name, (fn, mg) in losses.items()}}
     return Sweep(
         name="linear_cross_entropy",
         points=points,
@@ -148,4 +208,5 @@ def sweep(quick: bool) -> Sweep:
         x="N",
         flops=lambda p: 6.0 * p["N"] * p["V"] * p["H"],
         rounds=2,
+        accuracy=_Accuracy(),
     )

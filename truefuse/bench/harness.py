@@ -72,6 +72,9 @@ class Sweep:
         flops: optional ``point -> FLOPs`` to report TFLOP/s.
         bytes: optional ``point -> bytes moved`` (the op's minimal traffic) to report GB/s.
         rounds: interleaved measurement rounds per point on a GPU (the median is kept).
+        accuracy: optional ``(point, provider, device) -> {column: value}``, called once per point
+            and provider after the timing (outside it): error columns for the row, named
+            ``err_*`` (printed), e.g. against a float64 reference; ``{}`` where it does not apply.
     """
 
     name: str
@@ -82,6 +85,7 @@ class Sweep:
     flops: Callable[[dict], float] | None = None
     bytes: Callable[[dict], float] | None = None
     rounds: int = 3
+    accuracy: Callable[[dict, str, torch.device], dict] | None = None
     rows: list[dict] = field(default_factory=list)
 
     def run(self, device: torch.device, providers: Sequence[str] | None = None, cuda_graph: bool = False) -> list[dict]:
@@ -120,6 +124,8 @@ class Sweep:
                     row["tflops"] = self.flops(point) / (ms * 1e-3) / 1e12
                 if self.bytes is not None and self.bytes(point):
                     row["gbps"] = self.bytes(point) / (ms * 1e-3) / 1e9
+                if self.accuracy is not None:
+                    row.update(self.accuracy(point, prov, device))
                 self.rows.append(row)
         return self.rows
 
@@ -158,8 +164,9 @@ class Sweep:
         from rich.table import Table
 
         keys = list(dict.fromkeys(k for p in self.points for k in p))
+        extra = list(dict.fromkeys(k for r in self.rows for k in r if k.startswith("err_")))  # accuracy's columns
         t = Table(title=f"{self.name} (ratio: time / {self.reference}, same run)")
-        for k in [*keys, "provider", "ms", "ratio", "peak MiB", "TFLOP/s", "GB/s"]:
+        for k in [*keys, "provider", "ms", "ratio", "peak MiB", "TFLOP/s", "GB/s", *extra]:
             t.add_column(k, justify="right")
         for r in self.rows:
             t.add_row(
@@ -170,6 +177,7 @@ class Sweep:
                 "-" if r["peak_mb"] is None else f"{r['peak_mb']:.1f}",
                 f"{r['tflops']:.0f}" if "tflops" in r else "-",
                 f"{r['gbps']:.0f}" if "gbps" in r else "-",
+                *[f"{r[k]:.3g}" if r.get(k) is not None else "-" for k in extra],
             )
         console = Console()
         console.width = max(console.width, 150)
