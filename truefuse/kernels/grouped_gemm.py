@@ -246,7 +246,10 @@ def _grouped_gemm_bgrad_kernel(
 # row depends on its own A row alone. The weight descriptor is 3-D (G, ., .) so a K tail never reads
 # the next group's weights (the copy engine zero-fills past each dimension's bound). Wgrad reduces
 # over the group's rows: full BLOCK_M chunks load unmasked, the one tail chunk is zeroed past the
-# group's end (both operands, so that no other group's value, inf or NaN, reaches dW_g).
+# group's end (both operands, so that no other group's value, inf or NaN, reaches dW_g). Its output
+# may go through a 3-D (G, N, K) descriptor too (``TMA_EPI``: the copy engine clips N and K tails at
+# the output's bounds, an empty group's main_grad is skipped), in EPI_SPLIT column parts: the same
+# fp32 values, the same one add into main_grad, so the same bits as the pointer epilogue.
 
 
 @triton.jit

@@ -100,6 +100,15 @@ _TUNED_CONFIGS: dict[tuple[str, torch.dtype, tuple[int, int]], TileConfig] = {
         ("wgrad_large", dt, (9, 0)): TileConfig(64, 128, 256, num_warps=8, num_stages=3, programs_per_sm=1, tma=True)
         for dt in _HALF
     },
+    # ... adding into an fp32 main_grad: the same tiles (so the same bits), the epilogue through a TMA
+    # descriptor in four 128×64 parts; through pointers the whole 128×256 fp32 tile spilled 424 bytes
+    # of stack (docs/benchmarks.md, issue 16: 12.7 ms against cuBLAS's 9.9 at 8 × 2048)
+    **{
+        ("wgrad_large_acc", dt, (9, 0)): TileConfig(
+            64, 128, 256, num_warps=8, num_stages=3, programs_per_sm=1, tma=True, tma_epilogue=True, epilogue_split=4
+        )
+        for dt in _HALF
+    },
 }
 
 #: Weights per group (N × K) from which a GEMM takes its kind's ``<kind>_large`` configuration
