@@ -62,12 +62,10 @@ WGRAD_MINI = {
     "tma64|128x128w8s3p2e2": T(64, 128, 128, 8, 3, 2, tma=True, tma_epilogue=True, epilogue_split=2),
     "tma64|128x128w8s2p2e2": T(64, 128, 128, 8, 2, 2, tma=True, tma_epilogue=True, epilogue_split=2),
     "tma128|128x128w8s2p1e2": T(128, 128, 128, 8, 2, 1, tma=True, tma_epilogue=True, epilogue_split=2),
-    "tma64|128x128w8s4p1e2": T(64, 128, 128, 8, 4, 1, tma=True, tma_epilogue=True, epilogue_split=2),
     "tma64|128x256w8s3p1": T(64, 128, 256, 8, 3, 1, tma=True),
     "tma64|128x256w8s3p1e1": T(64, 128, 256, 8, 3, 1, tma=True, tma_epilogue=True),
     "tma64|128x256w8s3p1e2": T(64, 128, 256, 8, 3, 1, tma=True, tma_epilogue=True, epilogue_split=2),
     "tma64|128x256w8s3p1e4": T(64, 128, 256, 8, 3, 1, tma=True, tma_epilogue=True, epilogue_split=4),
-    "tma64|128x256w8s4p1e4": T(64, 128, 256, 8, 4, 1, tma=True, tma_epilogue=True, epilogue_split=4),
     "tma64|256x128w8s3p1e2": T(64, 256, 128, 8, 3, 1, tma=True, tma_epilogue=True, epilogue_split=2),
 }
 
@@ -76,8 +74,6 @@ ROWS_MINI = {
     "tma128x256x64w8s4p1": T(128, 256, 64, 8, 4, 1, tma=True),
     "tma128x128x64w8s4p1": T(128, 128, 64, 8, 4, 1, tma=True),
     "tma128x128x64w8s3p2": T(128, 128, 64, 8, 3, 2, tma=True),
-    "tma128x256x64w8s3p1": T(128, 256, 64, 8, 3, 1, tma=True),
-    "tma64x256x64w4s4p2": T(64, 256, 64, 4, 4, 2, tma=True),
 }
 
 CASES = {
