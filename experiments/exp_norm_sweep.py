@@ -203,6 +203,22 @@ def precompile(hs, workers):
 # timing and checks
 
 
+def open_log(out: str, name: str):
+    """``say(line)``: print and append to ``out/name``; the first line names the versions and the GPU."""
+    import triton
+
+    os.makedirs(out, exist_ok=True)
+    log = open(os.path.join(out, name), "w")
+
+    def say(s=""):
+        print(s, flush=True)
+        log.write(s + "\n")
+        log.flush()
+
+    say(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name(0)}")
+    return say
+
+
 def gtime(fn, n=10, reps=7):
     """Median µs per call: a CUDA graph of n calls, replayed reps times."""
     s = torch.cuda.Stream()
@@ -250,6 +266,23 @@ def reference(kind, x, w, b, dy):
     return y.detach(), xf.grad, wf.grad, bf.grad
 
 
+def check_bwd(launch, kind, c, args, sms, refs, invariance):
+    """(relative error of one backward run's dx, dw and db against the fp32 reference, and with
+    ``invariance`` whether the rows of a 37-row and a 1-row call are the full call's bits, else
+    None). ``args``: (dy, x, w, mean, rstd, dx, dw_part, db_part) as ``launch`` takes them."""
+    dy, x, w, mean, rstd, dx, dwp, dbp = args
+    dx_ref, dw_ref, db_ref = refs
+    err = max(rel(dx, dx_ref), rel(dwp.sum(0), dw_ref), rel(dbp.sum(0), db_ref) if kind == "ln" else 0.0)
+    if not invariance:
+        return err, None
+    inv = True
+    for lo, hi in ((0, 37), (5, 6)):
+        dxs = torch.full_like(dx[lo:hi], float("nan"))
+        launch(kind, c, dy[lo:hi], x[lo:hi], w, mean[lo:hi], rstd[lo:hi], dxs, dwp, dbp, sms)
+        inv = inv and bool(torch.equal(dxs, dx[lo:hi]))
+    return err, inv
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -259,17 +292,7 @@ def main():
     args = ap.parse_args()
     t_start = time.time()
     hs, ms = ((1024, 7168), (8192,)) if args.quick else (HS, MS)
-    os.makedirs(args.out, exist_ok=True)
-    log = open(os.path.join(args.out, "norm_sweep.txt"), "w")
-
-    def say(s=""):
-        print(s, flush=True)
-        log.write(s + "\n")
-        log.flush()
-
-    import triton
-
-    say(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name(0)}")
+    say = open_log(args.out, "norm_sweep.txt")
     if args.workers > 0:
         precompile(hs, args.workers)
     dev = torch.device("cuda")
@@ -376,16 +399,10 @@ def main():
                     except Exception as e:  # noqa: BLE001
                         bad.append(f"bwd {kind} H{h} {c}: {type(e).__name__} {str(e)[:200]}")
                         continue
-                    err = max(rel(dx, dx_ref), rel(dw_part.sum(0), dw_ref), rel(db_part.sum(0), db_ref) if kind == "ln" else 0.0)
-                    inv = None
-                    if m == ms[0]:  # batch invariance: rows of a 37-row and a 1-row call are the full call's bits
-                        inv = True
-                        for lo, hi in ((0, 37), (5, 6)):
-                            dxs = torch.full_like(dx[lo:hi], float("nan"))
-                            launch_bwd(kind, c, dy[lo:hi], x[lo:hi], w, mean[lo:hi], rstd[lo:hi], dxs, dw_part, db_part, sms)
-                            inv = inv and bool(torch.equal(dxs, dx[lo:hi]))
-                        if not inv:
-                            bad.append(f"bwd {kind} H{h} {c}: not batch invariant")
+                    err, inv = check_bwd(launch_bwd, kind, c, (dy, x, w, mean, rstd, dx, dw_part, db_part), sms,
+                                         (dx_ref, dw_ref, db_ref), m == ms[0])  # fmt: skip
+                    if inv is False:
+                        bad.append(f"bwd {kind} H{h} {c}: not batch invariant")
                     t = gtime(lambda: launch_bwd(kind, c, dy, x, w, mean, rstd, dx, dw_part, db_part, sms))
                     res[(kind, h, m, "bwd", c)] = t
                     record(op="bwd", kind=kind, H=h, M=m, cfg=list(c), P=P, us=t, err=err, invariant=inv)
@@ -471,8 +488,8 @@ def _report_h(say, h, ms, floor, res, sum_us, best_sum, sms):
             say(line)
 
 
-def _sequence(kind, h, m, new, old, sms):
-    """µs of forward + backward + partial sums, new and old configurations, interleaved in one graph each."""
+def seq_buffers(h, m):
+    """x, dy, w, b, y, dx, mean, rstd, dw, db of one (m, h) bf16 forward + backward."""
     dev = torch.device("cuda")
     x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
     dy = torch.randn_like(x)
@@ -481,6 +498,13 @@ def _sequence(kind, h, m, new, old, sms):
     y, dx = torch.empty_like(x), torch.empty_like(x)
     mean, rstd = torch.empty(m, device=dev), torch.empty(m, device=dev)
     dw, db = torch.empty(h, device=dev, dtype=torch.bfloat16), torch.empty(h, device=dev, dtype=torch.bfloat16)
+    return x, dy, w, b, y, dx, mean, rstd, dw, db
+
+
+def _sequence(kind, h, m, new, old, sms):
+    """µs of forward + backward + partial sums, new and old configurations, interleaved in one graph each."""
+    dev = torch.device("cuda")
+    x, dy, w, b, y, dx, mean, rstd, dw, db = seq_buffers(h, m)
     out = []
     for fc, bc, sc in (new, old):
         P = bwd_grid(m, bc[1], bc[2], sms)[0]

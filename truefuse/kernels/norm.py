@@ -20,6 +20,59 @@ registers, stored as one partial row per program. The host sums the partials in 
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (Hopper+); the kernels use it only where ops.norm asks
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Programmatic dependent launch (``launch_pdl=True``): this grid may start while the previous
+    kernel drains; wait here, before any load (any input may be that kernel's output), then let the
+    next kernel's programs launch as ours finish. Without PDL: nothing."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _chan(n_a, s_a, e_a, q_a, n_b, s_b, e_b, q_b):
+    """Chan et al.'s pairwise combine of (count, sum, the sum's rounding error, Σ squared deviations
+    from the mean): stable when |mean| >> std, where Σx² - N·mean² loses the variance (mean/std =
+    100: ~1e-2 relative). The sum carries its exact rounding error (TwoSum), so the mean is as good
+    whatever the combine order (the interpreter folds in sequence: 2.5x torch's error at mean/std
+    = 100 without it); the group means only enter the correction term: an approximate division."""
+    n = n_a + n_b
+    t = s_a + s_b
+    bp = t - s_a
+    e = e_a + e_b + ((s_a - (t - bp)) + (s_b - bp))
+    d = tl.fdiv(s_b, tl.maximum(n_b, 1.0)) - tl.fdiv(s_a, tl.maximum(n_a, 1.0))
+    return n, t, e, q_a + q_b + (d * d) * tl.fdiv(n_a * n_b, tl.maximum(n, 1.0))
+
+
+@triton.jit
+def ln_stats_one_pass(x, mask, N, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """(mean, Σ(x - mean)²) of one fp32 row (masked lanes 0) in ONE cross-thread reduction: each
+    group of G adjacent columns (within a thread) gives its count, sum and squared deviations about
+    its own mean, and the groups are merged by ``_chan``. The two-pass path waits on two reductions
+    in a row (mean, then variance)."""
+    R: tl.constexpr = BLOCK_N // G
+    x2 = tl.reshape(x, (R, G))
+    m2 = tl.reshape(mask, (R, G))
+    n = tl.sum(m2.to(tl.float32), axis=1)
+    s = tl.sum(x2, axis=1)
+    d = tl.where(m2, x2 - tl.fdiv(s, tl.maximum(n, 1.0))[:, None], 0.0)
+    _, total, err, q = tl.reduce((n, s, tl.zeros_like(s), tl.sum(d * d, axis=1)), 0, _chan)
+    return (total + err) / N, q
+
 
 @triton.jit
 def rms_norm_row(x, w, N, eps, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr):
@@ -40,16 +93,29 @@ def rms_norm_row(x, w, N, eps, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr)
 @triton.jit
 def _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
              IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-             RSTD_IN: tl.constexpr, ROUND_NORMED: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+             RSTD_IN: tl.constexpr, ROUND_NORMED: tl.constexpr, DT: tl.constexpr,
+             ONE_PASS: tl.constexpr = 0, BLOCK_N: tl.constexpr = 16):  # fmt: skip
     """One row of the forward: ``x`` the row in fp32 (masked lanes 0), ``w`` / ``b`` fp32 rows
-    (placeholders without HAS_W / HAS_B), ``row`` int64."""
+    (placeholders without HAS_W / HAS_B), ``row`` int64. ONE_PASS (LayerNorm only): G of
+    ``ln_stats_one_pass`` (0: two passes)."""
     if IS_RMS:
         xc = x
+    elif ONE_PASS:
+        mean, q = ln_stats_one_pass(x, mask, N, BLOCK_N, ONE_PASS)
+        tl.store(mean_ptr + row, mean)
+        rstd = 1.0 / tl.sqrt_rn(q / N + eps)
+        y = tl.where(mask, x - mean, 0.0) * rstd
+        if HAS_W:
+            if ZERO_CENTERED:
+                w = w + 1.0
+            y = y * w
     else:
         mean = tl.sum(x, axis=0) / N
         xc = tl.where(mask, x - mean, 0.0)
         tl.store(mean_ptr + row, mean)
-    if RSTD_IN:
+    if ONE_PASS:
+        pass  # y and rstd above
+    elif RSTD_IN:
         # a caller's rstd (a stock module's statistics, for its bits: ops/norm.py::rms_norm_hf_ref);
         # ROUND_NORMED rounds x * rstd to x's dtype before the weight, as Llama's RMSNorm does
         rstd = tl.load(rstd_ptr + row)
@@ -92,10 +158,13 @@ def _norm_fwd_kernel(
     M=0,
     PERSISTENT: tl.constexpr = False,
     EVICT: tl.constexpr = "",
+    ONE_PASS: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """PERSISTENT: ``num_programs`` programs, program p norms rows p, p + P, ... (M rows), the next
     row's load issued before this row's math; else one program per row. Each row is normed by the
     same code in the same layout either way (same bits: only the schedule differs)."""
+    _pdl_enter(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -120,12 +189,12 @@ def _norm_fwd_kernel(
             x_nxt = tl.load(x_ptr + nxt * stride_x + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0,
                             eviction_policy=EVICT)  # fmt: skip
             _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
-                     IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT)  # fmt: skip
+                     IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT, ONE_PASS, BLOCK_N)  # fmt: skip
     else:
         row = tl.program_id(0).to(tl.int64)
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
         _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
-                 IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT)  # fmt: skip
+                 IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT, ONE_PASS, BLOCK_N)  # fmt: skip
 
 
 # M, rows_per_program: not specialised (one kernel for every row count)
@@ -153,11 +222,13 @@ def _norm_bwd_kernel(
     ROWS: tl.constexpr = 1,
     PREFETCH: tl.constexpr = True,
     EVICT: tl.constexpr = "",
+    PDL: tl.constexpr = False,
 ):
     """Program p takes rows [p·rows_per_program, (p+1)·rows_per_program) ∩ [0, M) in tiles of ROWS
     rows (a (ROWS, BLOCK_N) block; each row reduced alone along its columns, in an order fixed by
     BLOCK_N, ROWS and num_warps: the same for every row whatever its place in the tile). PREFETCH:
     the next tile's loads are issued before this tile's math (two tiles in flight per program)."""
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -218,10 +289,122 @@ def _norm_bwd_kernel(
         tl.store(db_part_ptr + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
 
 
+@triton.jit
+def _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, c, lim, EVICT: tl.constexpr):
+    """x and dy at columns ``c < lim`` of ``row`` (lim: N, or 0 past the program's last row)."""
+    m = c < lim
+    x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0, eviction_policy=EVICT)
+    dy = tl.load(dy_ptr + row * stride_dy + c, mask=m, other=0.0, eviction_policy=EVICT)
+    return x, dy
+
+
+@triton.jit
+def _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """x̂ and w·dy of one column part of a row (fp32); w loaded here (an L1 hit after the first row)."""
+    x = x.to(tl.float32)
+    dy = dy.to(tl.float32)
+    if IS_RMS:
+        xhat = x * rstd
+    else:
+        xhat = tl.where(m, (x - mean) * rstd, 0.0)
+    if HAS_W:
+        w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w = w + 1.0
+        wdy = dy * w
+    else:
+        wdy = dy
+    return xhat, wdy, dy
+
+
+@triton.jit
+def _bwd_part_dx(x, dy, x_ptr, dy_ptr, w_ptr, dx_ptr, row, stride_x, stride_dy, stride_dx, c, m, N, mean, rstd, c1, c2,
+                 dw, db, RELOAD: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                 ZERO_CENTERED: tl.constexpr):  # fmt: skip
+    """One column part's dx (stored) and weight / bias-gradient terms (added to dw / db), from the
+    row's c1, c2. RELOAD: x and dy loaded again (another cache hint than the first load, so the two
+    are not merged: the row need not stay in registers across the reductions); else the first
+    pass's x and dy (its x̂ and w·dy are recomputed from them: the same values, merged by the compiler)."""
+    if RELOAD:
+        x, dy = _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, c, N, "evict_first")
+    xhat, wdy, dy = _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
+    tl.store(dx_ptr + row * stride_dx + c, ((wdy - (xhat * c1 + c2)) * rstd).to(dx_ptr.dtype.element_ty), mask=m)
+    dw += dy * xhat
+    if HAS_B:
+        db += dy
+    return dw, db
+
+
+# M, rows_per_program: not specialised (one kernel for every row count)
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
+def _norm_bwd_split_kernel(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    stride_dy, stride_x, stride_dx, M, N, rows_per_program,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, RELOAD: tl.constexpr = False, PREFETCH: tl.constexpr = True,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """The backward of ``_norm_bwd_kernel`` (one row at a time) with the row in two column parts,
+    A = [0, BLOCK_A) and B = [BLOCK_A, BLOCK_A + BLOCK_B): a hidden size that is not a power of two
+    pads less (5120 = 4096 + 1024 instead of 8192: 37% of the lanes idle), and with RELOAD the
+    second pass (dx, the weight-gradient terms) loads x and dy again (L1 / L2 hits) instead of
+    holding the row in registers through the reductions (16384: x, dy, w and the dw accumulator in
+    fp32 are the SM's whole register file). Each row reduced in an order fixed by the blocks and
+    num_warps (batch invariance)."""
+    _pdl_enter(PDL)
+    pid = tl.program_id(0)
+    ca = tl.arange(0, BLOCK_A)
+    cb = BLOCK_A + tl.arange(0, BLOCK_B)
+    ma = ca < N
+    mb = cb < N
+    dwa = tl.zeros((BLOCK_A,), dtype=tl.float32)
+    dwb = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    dba = tl.zeros((BLOCK_A,), dtype=tl.float32)
+    dbb = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    if PREFETCH:
+        lim = tl.where(row_start < row_end, N, 0)
+        xa_n, dya_n = _bwd_part_load(x_ptr, dy_ptr, row_start, stride_x, stride_dy, ca, lim, "")
+        xb_n, dyb_n = _bwd_part_load(x_ptr, dy_ptr, row_start, stride_x, stride_dy, cb, lim, "")
+    for row in range(row_start, row_end):
+        if PREFETCH:
+            xa, dya, xb, dyb = xa_n, dya_n, xb_n, dyb_n
+            lim = tl.where(row + 1 < row_end, N, 0)
+            xa_n, dya_n = _bwd_part_load(x_ptr, dy_ptr, row + 1, stride_x, stride_dy, ca, lim, "")
+            xb_n, dyb_n = _bwd_part_load(x_ptr, dy_ptr, row + 1, stride_x, stride_dy, cb, lim, "")
+        else:
+            xa, dya = _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, ca, N, "evict_last")
+            xb, dyb = _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, cb, N, "evict_last")
+        rstd = tl.load(rstd_ptr + row)
+        if IS_RMS:
+            mean = 0.0
+        else:
+            mean = tl.load(mean_ptr + row)
+        xha, wdya, _ = _bwd_part_math(xa, dya, w_ptr, ca, ma, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
+        xhb, wdyb, _ = _bwd_part_math(xb, dyb, w_ptr, cb, mb, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
+        c1 = (tl.sum(xha * wdya, axis=0) + tl.sum(xhb * wdyb, axis=0)) / N
+        if IS_RMS:
+            c2 = 0.0
+        else:
+            c2 = (tl.sum(wdya, axis=0) + tl.sum(wdyb, axis=0)) / N
+        dwa, dba = _bwd_part_dx(xa, dya, x_ptr, dy_ptr, w_ptr, dx_ptr, row, stride_x, stride_dy, stride_dx, ca, ma, N,
+                                mean, rstd, c1, c2, dwa, dba, RELOAD, IS_RMS, HAS_W, HAS_B, ZERO_CENTERED)  # fmt: skip
+        dwb, dbb = _bwd_part_dx(xb, dyb, x_ptr, dy_ptr, w_ptr, dx_ptr, row, stride_x, stride_dy, stride_dx, cb, mb, N,
+                                mean, rstd, c1, c2, dwb, dbb, RELOAD, IS_RMS, HAS_W, HAS_B, ZERO_CENTERED)  # fmt: skip
+    if HAS_W:
+        tl.store(dw_part_ptr + pid * N + ca, dwa, mask=ma)
+        tl.store(dw_part_ptr + pid * N + cb, dwb, mask=mb)
+    if HAS_B:
+        tl.store(db_part_ptr + pid * N + ca, dba, mask=ma)
+        tl.store(db_part_ptr + pid * N + cb, dbb, mask=mb)
+
+
 @triton.jit(do_not_specialize=["P"])
-def _sum_partials_kernel(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def _sum_partials_kernel(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """``out[n] = Σ_p part[p, n]`` in fp32, rounded once to out's dtype. Tiles of BLOCK_P partial
     rows are loaded at once (many loads in flight); the order is fixed by P alone (deterministic)."""
+    _pdl_enter(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_P)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)

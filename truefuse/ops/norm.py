@@ -10,6 +10,8 @@ normalization and after the weight).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -131,21 +133,54 @@ def fwd_programs_per_sm(n: int) -> int:
     return 2 if n < 8192 else 4
 
 
-def bwd_config(n: int, rms: bool = True) -> tuple[int, int, int, bool]:
-    """The backward's (num_warps, rows per tile, programs per SM, prefetch), from the hidden size only
-    (never the row count: a row's dx reduces in an order set by BLOCK_N, the tile and num_warps
-    alone). Measured on an H200 (experiments/exp_norm_sweep.py): two-row tiles and more programs
-    for small rows (1024: 1.8x), one program per SM and 16-32 warps for wide rows, and no prefetch
-    at 16384 (with it the row's registers spill: 12x slower)."""
+class BwdConfig(NamedTuple):
+    """The backward's launch, from the hidden size only (see :func:`bwd_config`)."""
+
+    warps: int
+    rows: int  # rows per tile (the tile kernel; 1 with parts)
+    per_sm: int  # programs per SM
+    prefetch: bool  # the next tile's loads issued before this tile's math
+    parts: tuple[int, int] | None = None  # (BLOCK_A, BLOCK_B): ``_norm_bwd_split_kernel``
+    reload: bool = False  # parts: the second pass loads x and dy again
+
+
+def bwd_config(n: int, rms: bool = True) -> BwdConfig:
+    """The backward's configuration, from the hidden size only (never the row count: a row's dx
+    reduces in an order set by the blocks, the tile and num_warps alone). Measured on an H200
+    (experiments/exp_norm_sweep.py, exp_norm_variants.py): two-row tiles and more programs for
+    small rows (1024: 1.8x), one program per SM and 16-32 warps for wide rows; 16384 in two halves
+    with the second pass reloading x and dy (x, dy, w and the dw accumulator of a whole row in fp32
+    fill the register file: 65 -> 68% of the copy rate for RMSNorm, 42 -> 44% for LayerNorm). Two
+    parts with less padding (2880 = 2048 + 1024, 5120 = 4096 + 1024) measured 1-4% slower."""
     if n <= 1024:
-        return 4, 2, 4, True
+        return BwdConfig(4, 2, 4, True)
     if n <= 2048:
-        return 8, 2, 2, True
+        return BwdConfig(8, 2, 2, True)
     if n <= 4096:
-        return 8, 1, 2, True
+        return BwdConfig(8, 1, 2, True)
     if n <= 8192:
-        return (32 if rms else 16), 1, 1, True
-    return 16, 1, 1, False
+        return BwdConfig(32 if rms else 16, 1, 1, True)
+    return BwdConfig(32, 1, 1, True, (8192, 8192), True) if rms else BwdConfig(16, 1, 1, False, (8192, 8192), True)
+
+
+def ln_fwd_config(n: int) -> tuple[int, int, int]:
+    """LayerNorm's forward (num_warps, programs per SM (0: one per row), one-pass group G (0: two
+    passes)), from the hidden size only. LayerNorm is not coupled to the allreduce, but the
+    RMSNorm forward's choice measured best for it too; the one-pass statistics
+    (``kernels/norm.py::ln_stats_one_pass``) measured 2-20% slower than two passes at every hidden
+    size but 8192 (a tie; experiments/exp_norm_variants.py, H200)."""
+    return block_and_warps(n)[1], fwd_programs_per_sm(n), 0
+
+
+def use_pdl(x: torch.Tensor) -> bool:
+    """Programmatic dependent launch for the norm's kernels: CUDA (not ROCm) on compute capability
+    9+. Each kernel waits for the previous one before its first load and store, so any neighbour is
+    safe; it hides a kernel boundary (0.3-2 µs of fwd + bwd, experiments/exp_norm_variants.py)."""
+    return x.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _pdl_kw(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl else {}
 
 
 def sum_config(n: int) -> tuple[int, int, int]:
@@ -174,14 +209,18 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
     if M == 0:
         return y, mean, rstd
     block, warps = block_and_warps(N)
-    per_sm = fwd_programs_per_sm(N) if x.is_cuda else 0
+    per_sm, one_pass = fwd_programs_per_sm(N), 0
+    if not rms:
+        warps, per_sm, one_pass = ln_fwd_config(N)
+    per_sm = per_sm if x.is_cuda else 0
     programs = min(M, per_sm * sm_count(x.device.index or 0)) if per_sm else M
+    pdl = use_pdl(x)
     _norm_fwd_kernel[(programs,)](
         x, weight if weight is not None else x, bias if bias is not None else x, y,
         mean if mean is not None else rstd, rstd, x.stride(0), y.stride(0), N, float(eps),
         IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ZERO_CENTERED=zero_centered_gamma,
         BLOCK_N=block, RSTD_IN=rstd_in, ROUND_NORMED=bool(round_normed), M=M, PERSISTENT=bool(per_sm),
-        num_warps=warps,
+        ONE_PASS=one_pass, PDL=pdl, num_warps=warps, **_pdl_kw(pdl),
     )  # fmt: skip
     return y, mean, rstd
 
@@ -192,42 +231,51 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     Returns ``(dx, dweight, dbias)``: dx in ``x.dtype``; dweight / dbias (N,) summed in fp32 from
     per-program partials and rounded once to the parameter's dtype (None where there is no weight / bias).
     """
-    from truefuse.kernels.norm import _norm_bwd_kernel
+    from truefuse.kernels.norm import _norm_bwd_kernel, _norm_bwd_split_kernel
 
     M, N = x.shape
     dx = torch.empty_like(x)
     block, _ = block_and_warps(N)
-    warps, rows, per_sm, prefetch = bwd_config(N, rms)
-    programs = max(1, min(M, per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4))
+    cfg = bwd_config(N, rms)
+    programs = max(1, min(M, cfg.per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4))
     # whole tiles per program; then only as many programs as that takes
     per_program = -(M // -programs)
-    rows_per_program = -(per_program // -rows) * rows
+    rows_per_program = -(per_program // -cfg.rows) * cfg.rows
     programs = max(1, -(-M // rows_per_program)) if M else 1
     has_w, has_bias = weight is not None, bias is not None
     dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_w else None
     db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_bias else None
     if M == 0:
         return dx, (torch.zeros_like(weight) if has_w else None), (torch.zeros_like(bias) if has_bias else None)
-    _norm_bwd_kernel[(programs,)](
+    pdl = use_pdl(x)
+    args = (
         dy, x, weight if has_w else x, mean if mean is not None else rstd, rstd, dx,
         dw_part if has_w else rstd, db_part if has_bias else rstd,
         dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program,
-        IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma,
-        BLOCK_N=block, ROWS=rows, PREFETCH=prefetch, num_warps=warps,
     )  # fmt: skip
-    dw = _sum_partials(dw_part, weight.dtype) if has_w else None
-    db = _sum_partials(db_part, bias.dtype) if has_bias else None
+    flags = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma, PREFETCH=cfg.prefetch, PDL=pdl)
+    if cfg.parts is None:
+        _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, num_warps=cfg.warps, **_pdl_kw(pdl))
+    else:
+        a, b = cfg.parts
+        _norm_bwd_split_kernel[(programs,)](
+            *args, **flags, BLOCK_A=a, BLOCK_B=b, RELOAD=cfg.reload, num_warps=cfg.warps, **_pdl_kw(pdl)
+        )
+    dw = _sum_partials(dw_part, weight.dtype, pdl) if has_w else None
+    db = _sum_partials(db_part, bias.dtype, pdl) if has_bias else None
     return dx, dw, db
 
 
-def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
     """Column sums of the (programs, N) fp32 partials, in program order, rounded once to ``dtype``."""
     from truefuse.kernels.norm import _sum_partials_kernel
 
     P, N = part.shape
     out = torch.empty(N, dtype=dtype, device=part.device)
     block_p, block, warps = sum_config(N)
-    _sum_partials_kernel[(-(-N // block),)](part, out, P, N, BLOCK_P=block_p, BLOCK_N=block, num_warps=warps)
+    _sum_partials_kernel[(-(-N // block),)](
+        part, out, P, N, BLOCK_P=block_p, BLOCK_N=block, PDL=pdl, num_warps=warps, **_pdl_kw(pdl)
+    )
     return out
 
 
