@@ -44,37 +44,6 @@ def _pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def _chan(n_a, s_a, e_a, q_a, n_b, s_b, e_b, q_b):
-    """Chan et al.'s pairwise combine of (count, sum, the sum's rounding error, Σ squared deviations
-    from the mean): stable when |mean| >> std, where Σx² - N·mean² loses the variance (mean/std =
-    100: ~1e-2 relative). The sum carries its exact rounding error (TwoSum), so the mean is as good
-    whatever the combine order (the interpreter folds in sequence: 2.5x torch's error at mean/std
-    = 100 without it); the group means only enter the correction term: an approximate division."""
-    n = n_a + n_b
-    t = s_a + s_b
-    bp = t - s_a
-    e = e_a + e_b + ((s_a - (t - bp)) + (s_b - bp))
-    d = tl.fdiv(s_b, tl.maximum(n_b, 1.0)) - tl.fdiv(s_a, tl.maximum(n_a, 1.0))
-    return n, t, e, q_a + q_b + (d * d) * tl.fdiv(n_a * n_b, tl.maximum(n, 1.0))
-
-
-@triton.jit
-def ln_stats_one_pass(x, mask, N, BLOCK_N: tl.constexpr, G: tl.constexpr):
-    """(mean, Σ(x - mean)²) of one fp32 row (masked lanes 0) in ONE cross-thread reduction: each
-    group of G adjacent columns (within a thread) gives its count, sum and squared deviations about
-    its own mean, and the groups are merged by ``_chan``. The two-pass path waits on two reductions
-    in a row (mean, then variance)."""
-    R: tl.constexpr = BLOCK_N // G
-    x2 = tl.reshape(x, (R, G))
-    m2 = tl.reshape(mask, (R, G))
-    n = tl.sum(m2.to(tl.float32), axis=1)
-    s = tl.sum(x2, axis=1)
-    d = tl.where(m2, x2 - tl.fdiv(s, tl.maximum(n, 1.0))[:, None], 0.0)
-    _, total, err, q = tl.reduce((n, s, tl.zeros_like(s), tl.sum(d * d, axis=1)), 0, _chan)
-    return (total + err) / N, q
-
-
-@triton.jit
 def rms_norm_row(x, w, N, eps, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     """RMSNorm of one fp32 row held in registers, by the rounding rule above (before the final
     rounding). Shared with the fused allreduce + RMSNorm kernel so both give the same bits: the
@@ -93,29 +62,17 @@ def rms_norm_row(x, w, N, eps, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr)
 @triton.jit
 def _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
              IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-             RSTD_IN: tl.constexpr, ROUND_NORMED: tl.constexpr, DT: tl.constexpr,
-             ONE_PASS: tl.constexpr = 0, BLOCK_N: tl.constexpr = 16):  # fmt: skip
+             RSTD_IN: tl.constexpr, ROUND_NORMED: tl.constexpr, DT: tl.constexpr):  # fmt: skip
     """One row of the forward: ``x`` the row in fp32 (masked lanes 0), ``w`` / ``b`` fp32 rows
-    (placeholders without HAS_W / HAS_B), ``row`` int64. ONE_PASS (LayerNorm only): G of
-    ``ln_stats_one_pass`` (0: two passes)."""
+    (placeholders without HAS_W / HAS_B), ``row`` int64. LayerNorm's two reductions (mean, then
+    variance) stay two: one pass (Chan's combine) measured 2-20% slower (experiments/exp_norm_variants.py)."""
     if IS_RMS:
         xc = x
-    elif ONE_PASS:
-        mean, q = ln_stats_one_pass(x, mask, N, BLOCK_N, ONE_PASS)
-        tl.store(mean_ptr + row, mean)
-        rstd = 1.0 / tl.sqrt_rn(q / N + eps)
-        y = tl.where(mask, x - mean, 0.0) * rstd
-        if HAS_W:
-            if ZERO_CENTERED:
-                w = w + 1.0
-            y = y * w
     else:
         mean = tl.sum(x, axis=0) / N
         xc = tl.where(mask, x - mean, 0.0)
         tl.store(mean_ptr + row, mean)
-    if ONE_PASS:
-        pass  # y and rstd above
-    elif RSTD_IN:
+    if RSTD_IN:
         # a caller's rstd (a stock module's statistics, for its bits: ops/norm.py::rms_norm_hf_ref);
         # ROUND_NORMED rounds x * rstd to x's dtype before the weight, as Llama's RMSNorm does
         rstd = tl.load(rstd_ptr + row)
@@ -158,7 +115,6 @@ def _norm_fwd_kernel(
     M=0,
     PERSISTENT: tl.constexpr = False,
     EVICT: tl.constexpr = "",
-    ONE_PASS: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     """PERSISTENT: ``num_programs`` programs, program p norms rows p, p + P, ... (M rows), the next
@@ -189,12 +145,12 @@ def _norm_fwd_kernel(
             x_nxt = tl.load(x_ptr + nxt * stride_x + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0,
                             eviction_policy=EVICT)  # fmt: skip
             _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
-                     IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT, ONE_PASS, BLOCK_N)  # fmt: skip
+                     IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT)  # fmt: skip
     else:
         row = tl.program_id(0).to(tl.int64)
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
         _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
-                 IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT, ONE_PASS, BLOCK_N)  # fmt: skip
+                 IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT)  # fmt: skip
 
 
 # M, rows_per_program: not specialised (one kernel for every row count)

@@ -163,15 +163,6 @@ def bwd_config(n: int, rms: bool = True) -> BwdConfig:
     return BwdConfig(32, 1, 1, True, (8192, 8192), True) if rms else BwdConfig(16, 1, 1, False, (8192, 8192), True)
 
 
-def ln_fwd_config(n: int) -> tuple[int, int, int]:
-    """LayerNorm's forward (num_warps, programs per SM (0: one per row), one-pass group G (0: two
-    passes)), from the hidden size only. LayerNorm is not coupled to the allreduce, but the
-    RMSNorm forward's choice measured best for it too; the one-pass statistics
-    (``kernels/norm.py::ln_stats_one_pass``) measured 2-20% slower than two passes at every hidden
-    size but 8192 (a tie; experiments/exp_norm_variants.py, H200)."""
-    return block_and_warps(n)[1], fwd_programs_per_sm(n), 0
-
-
 def use_pdl(x: torch.Tensor) -> bool:
     """Programmatic dependent launch for the norm's kernels: CUDA (not ROCm) on compute capability
     9+. Each kernel waits for the previous one before its first load and store, so any neighbour is
@@ -209,10 +200,7 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
     if M == 0:
         return y, mean, rstd
     block, warps = block_and_warps(N)
-    per_sm, one_pass = fwd_programs_per_sm(N), 0
-    if not rms:
-        warps, per_sm, one_pass = ln_fwd_config(N)
-    per_sm = per_sm if x.is_cuda else 0
+    per_sm = fwd_programs_per_sm(N) if x.is_cuda else 0
     programs = min(M, per_sm * sm_count(x.device.index or 0)) if per_sm else M
     pdl = use_pdl(x)
     _norm_fwd_kernel[(programs,)](
@@ -220,7 +208,7 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
         mean if mean is not None else rstd, rstd, x.stride(0), y.stride(0), N, float(eps),
         IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ZERO_CENTERED=zero_centered_gamma,
         BLOCK_N=block, RSTD_IN=rstd_in, ROUND_NORMED=bool(round_normed), M=M, PERSISTENT=bool(per_sm),
-        ONE_PASS=one_pass, PDL=pdl, num_warps=warps, **_pdl_kw(pdl),
+        PDL=pdl, num_warps=warps, **_pdl_kw(pdl),
     )  # fmt: skip
     return y, mean, rstd
 
