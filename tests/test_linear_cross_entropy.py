@@ -227,18 +227,46 @@ def test_weight_grad_accumulated_in_the_weight_dtype(device):
 
 def test_default_chunk_takes_all_tokens_only_within_the_chunked_memory():
     """One chunk when every token's logits fit in what chunking would hold anyway (the chunk_bytes
-    tuning knob, or the fp32 weight-gradient accumulator's V·H·4 bytes when that is wanted); else
-    the largest power of two that fits there."""
+    tuning knob, or the fp32 weight-gradient accumulator's V·H·4 bytes when that is wanted), or,
+    with the accumulator, when one chunk's peak is at most 1/8 above the chunks'; else the largest
+    power of two that fits there."""
     from truefuse.ops.chunked_head import default_chunk as _default_chunk
 
     assert get_tuning().chunk_bytes == 512 << 20
     assert _default_chunk(8192, 128256, 4096, 2, True) == 8192  # 2.10 GB of logits == the fp32 accumulator
-    assert _default_chunk(8193, 128256, 4096, 2, True) == 8192  # chunks of the accumulator's size
-    assert _default_chunk(16384, 128256, 4096, 2, True) == 8192
+    assert _default_chunk(8193, 128256, 4096, 2, True) == 8193  # 3.15 GB in one chunk against 4.20 in chunks
+    assert _default_chunk(14336, 128256, 4096, 2, True) == 14336  # 4.73 against 4.20: within 1/8
+    assert _default_chunk(14337, 128256, 4096, 2, True) == 8192
+    assert _default_chunk(16384, 128256, 4096, 2, True) == 8192  # 5.25 against 4.20
+    assert _default_chunk(8192, 152064, 3584, 2, True) == 8192  # 3.58 against 3.43 (linear_log_probs: no recompute)
     assert _default_chunk(8192, 128256, 4096, 2, False) == 2048  # no accumulator to trade for
     assert _default_chunk(4096, 256000, 2304, 2, True) == 4096
     assert _default_chunk(100, 1000, 64, 4, False) == 100  # small: inside chunk_bytes
     assert _default_chunk(0, 1000, 64, 4, True) == 1
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_target_prologue_is_the_torch_ops_bits(reduction, device):
+    """One kernel for the count of the valid tokens, mean's scales and the target check (where
+    the Triton kernels run): the bits of valid_count / reduction_scales, and the same errors."""
+    from truefuse.ops.linear_cross_entropy import reduction_scales, target_prologue, valid_count
+
+    x = torch.empty(0, 8, device=device)
+    for t in (
+        torch.tensor([3, -100, 0, 9, -100], device=device),
+        torch.full((3,), -100, device=device),
+        torch.arange(200, device=device) % 7,
+    ):
+        n, s_ce, s_z, finish = target_prologue(t, 10, -100, reduction, None, x)
+        finish()
+        want_n = valid_count(t != -100, torch.float32)
+        assert torch.equal(n, want_n)
+        for got, want in zip((s_ce, s_z), reduction_scales(reduction, want_n, t, None, -100, x), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    for bad in (10, -1):
+        t = torch.tensor([1, -100, bad, 2], device=device)
+        with pytest.raises(ValueError, match=f"target holds {bad}"):
+            target_prologue(t, 10, -100, reduction, None, x)[3]()
 
 
 def test_one_chunk_and_many_chunks_agree(device):

@@ -218,6 +218,10 @@ def test_slice_width_and_bounds():
     assert default_slice_width(8192, 128256, 2) == 16384
     assert len(slice_bounds(128256, 16384)) == 8
     assert default_slice_width(16384, 128256, 2) == 8192  # depends on N: lean is not batch invariant
+    # lean's own (with H): what 560 MiB leaves beside the d_input buffer, evened out: 5 / 10 slices
+    assert default_slice_width(8192, 128256, 2, H=4096) == 25664 and len(slice_bounds(128256, 25664)) == 5
+    assert default_slice_width(16384, 128256, 2, H=4096) == 12864 and len(slice_bounds(128256, 12864)) == 10
+    assert default_slice_width(8, 100, 4, H=8) == 64 and slice_bounds(100, 64) == slice_bounds(100, 128)
     assert default_slice_width(8, 100, 4) == 128 and default_slice_width(1 << 30, 100, 4) == 64
     assert slice_bounds(203, 64) == [(0, 64), (64, 128), (128, 192), (192, 203)]
     assert slice_bounds(50257, 16384) == [(0, 16384), (16384, 32768), (32768, 49152), (49152, 50240), (50240, 50257)]

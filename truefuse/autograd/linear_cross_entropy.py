@@ -24,12 +24,10 @@ from truefuse.ops.linear_cross_entropy import (
     LinearCrossEntropyOptions,
     LinearCrossEntropyOutput,
     check_args,
-    check_targets,
     reduce_terms,
-    reduction_scales,
+    target_prologue,
     token_accuracy,
     upstream_scales,
-    valid_count,
 )
 from truefuse.ops.linear_cross_entropy_chunk import CrossEntropyChunks
 from truefuse.ops.linear_cross_entropy_slices import (
@@ -46,6 +44,15 @@ def _run(opts, chunk, x, W, b, t, cw, s_ce, s_z, want, *, check=None, **head) ->
     """One pass of the cross-entropy over the head's chunks: (its per-token outputs, the gradients)."""
     loss = CrossEntropyChunks(opts, W.shape[0], t, cw, s_ce, s_z, like=x, check=check)
     return loss, head_chunks(loss, x, W, b, chunk=chunk, want=want, fp32_weight_grad=opts.fp32_weight_grad, **head)
+
+
+def _outputs(opts, ce, zl, correct, n, s_ce, s_z, wide):
+    """The Function's outputs (loss, z part, accuracy) from the per-token terms. The z part and the
+    accuracy are computed only when asked for (the z part also with a z-loss, which the loss
+    holds): otherwise ``n`` stands in for them, never returned to the caller."""
+    total, z_part = reduce_terms(ce, zl, opts.reduction, (s_ce, s_z), with_z=opts.z_loss > 0 or opts.return_z_loss)
+    acc = token_accuracy(correct, n).to(wide) if opts.return_token_accuracy else n  # the chunks mark valid tokens only
+    return total, n.view(()) if z_part is None else z_part, acc
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -80,20 +87,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # the parameter (for §2 and the gradients' dtypes); the GEMMs take W and b cast under autocast
         Wp, ctx.b_dtype = W, None if b is None else b.dtype
         W, b = cast(W, dtype), cast(b, dtype)
-        # Few small kernels around the loop (each is a launch; per call they cost ~2% at
-        # 8192 x 32000 x 4096 against torch.compile's fused ones): one count of the valid tokens
-        # serves mean's scales, the accuracy, and the target check reuses the mask.
-        valid = t != opts.ignore_index
-        n = valid_count(valid, wide)
+        # Few small kernels around the loop (each is a launch between the GEMMs; torch.compile
+        # fuses its own): the count of the valid tokens, mean's scales and the target check in one
+        # kernel (target_prologue; its check is finished by the loss), no z-loss sum without a
+        # z-loss, no accuracy unless asked for.
+        n, s_ce, s_z, checked = target_prologue(t, W.shape[0], opts.ignore_index, opts.reduction, cw, x)
         # one chunk: its d_logits serve the weight's GEMM (no tokens: no chunk, nothing to keep)
         keep_d = deferred and 0 < x.shape[0] <= chunk
         now = opts.reduction != "none" and any(needs) and (not deferred or keep_d)
-        s_ce, s_z = reduction_scales(opts.reduction, n, t, cw, opts.ignore_index, x)
         want = (needs[0], needs[1] and not deferred, needs[2]) if now else (False, False, False)
-        checked = check_targets(t, W.shape[0], opts.ignore_index, valid)  # started here, finished by the loss
         loss, grads = _run(opts, chunk, x, W, b, t, cw, s_ce, s_z, want, check=checked, keep_d=keep_d and now, w_dtype=Wp.dtype)
-        total, z_part = reduce_terms(loss.ce, loss.zl, opts.reduction, (s_ce, s_z))
-        acc = token_accuracy(loss.correct, n).to(wide)  # the chunks mark valid tokens only
+        total, z_part, acc = _outputs(opts, loss.ce, loss.zl, loss.correct, n, s_ce, s_z, wide)
         ctx.opts, ctx.chunk, ctx.needs, ctx.now, ctx.wstate, ctx.deferred = opts, chunk, needs, now, wstate, deferred
         ctx.want, ctx.keep_d, ctx.grads = want, keep_d, None
         if now:
@@ -107,11 +111,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # Wp are one tensor outside autocast)
             ctx.save_for_backward(x, W, b, t, cw, s_ce, s_z, Wp)
         ctx.mark_non_differentiable(z_part, acc)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for the z part and the accuracy
         return total, z_part, acc
 
     @staticmethod
     @autocast_disabled
     def backward(ctx, g_loss, g_z, g_acc):
+        if g_loss is None:  # not materialized: nothing flowed into the loss
+            g_loss = torch.zeros((), dtype=wide_dtype(ctx.saved_tensors[0]), device=ctx.saved_tensors[0].device)
+            if ctx.opts.reduction == "none":
+                g_loss = g_loss.expand(ctx.saved_tensors[0].shape[0])
         dx, dW, db = _backward_kept(ctx, g_loss) if ctx.now else _backward_recompute(ctx, g_loss)
         return dx, dW, db, None, None, None, None, None, None
 
@@ -181,24 +190,23 @@ class LinearCrossEntropyLeanFunction(torch.autograd.Function):
         Wp, ctx.b_dtype = W, None if b is None else b.dtype
         W, b = cast(W, dtype), cast(b, dtype)
         V = W.shape[0]
-        valid = t != opts.ignore_index
-        n = valid_count(valid, wide)
-        s_ce, s_z = reduction_scales(opts.reduction, n, t, cw, opts.ignore_index, x)
+        n, s_ce, s_z, checked = target_prologue(t, V, opts.ignore_index, opts.reduction, cw, x)  # checked after pass 1 is queued
         w_sum = class_weight_sum(cw, V, opts)
-        checked = check_targets(t, V, opts.ignore_index, valid)  # waited for after pass 1 is queued
         terms = finish_stats(stats_pass(opts, x, W, b, t, cw, width=width, check=checked), t, cw, opts, V, w_sum)
-        total, z_part = reduce_terms(terms.ce, terms.zl, opts.reduction, (s_ce, s_z))
-        acc = token_accuracy(terms.correct, n).to(wide)
+        total, z_part, acc = _outputs(opts, terms.ce, terms.zl, terms.correct, n, s_ce, s_z, wide)
         ctx.opts, ctx.width, ctx.needs, ctx.wstate, ctx.deferred, ctx.w_sum = opts, width, needs, wstate, deferred, w_sum
         if any(needs):
             ctx.save_for_backward(x, W, b, t, cw, s_ce, s_z, terms.lse, Wp)
         ctx.mark_non_differentiable(z_part, acc)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for the z part and the accuracy
         return total, z_part, acc
 
     @staticmethod
     @autocast_disabled
     def backward(ctx, g_loss, g_z, g_acc):
         x, W, b, t, cw, s_ce, s_z, lse, Wp = ctx.saved_tensors
+        if g_loss is None:  # not materialized: nothing flowed into the loss
+            g_loss = torch.zeros(x.shape[0] if ctx.opts.reduction == "none" else (), dtype=wide_dtype(x), device=x.device)
         # delayed: copied, since backward_dw() reads it after this backward returned
         delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
         s_ce, s_z = upstream_scales(ctx.opts.reduction, g_loss, s_ce, s_z, x, delayed)
@@ -249,8 +257,11 @@ def linear_cross_entropy(
         chunk_size: tokens per chunk. Default: all tokens in one chunk when their logits take no
             more memory than chunking would (the ``chunk_bytes`` tuning knob, 512 MiB, or the fp32 weight-gradient
             accumulator's V·H·4 bytes when there is one, i.e. the weight gradient is returned: 8192
-            tokens at V = 128256, H = 4096 in bf16), else the largest power of two of tokens whose
-            logits fit in that budget. Into ``main_grad`` there is no accumulator: 512 MiB.
+            tokens at V = 128256, H = 4096 in bf16), or, with the accumulator, when one chunk's
+            peak (its logits and the weight gradient) is at most 1/8 above the chunks' (a chunk's
+            logits and the accumulator); else the largest power of two of tokens whose logits
+            fit in that budget (``chunked_head.default_chunk``). Into ``main_grad`` there is no
+            accumulator: 512 MiB.
         fp32_weight_grad: accumulate the weight gradient across chunks in fp32 and round once
             (default: as accurate as the plain path; V·H·4 bytes of memory), or in the weight's
             dtype (no extra memory, one rounding per chunk; measured in docs/benchmarks.md). A
@@ -271,14 +282,15 @@ def linear_cross_entropy(
             (one more GEMM than the default: 4 instead of 3), writes d_weight's rows by one GEMM
             per slice over all tokens (fp32 inside, rounded once, or added into ``main_grad``)
             and accumulates d_input in an fp32 (tokens, H) buffer rounded once. Peak above the
-            returned gradients: one slice's logits (256 MiB by default) plus that buffer (0.40 GB
-            at 8192 x 128256 x 4096 in bf16). Lean and default are each bounded against the
+            returned gradients: one slice's logits plus that buffer, less the d_input returned
+            (by default within 560 MiB: 465 / 530 MiB at 8192 / 16384 x 128256 x 4096 in bf16,
+            5 / 10 slices). Lean and default are each bounded against the
             float64 reference, not bitwise equal to each other (the sums over V run in another
             order). ``chunk_size`` and ``fp32_weight_grad`` do not
             apply to it. docs/linear_cross_entropy.md, "Memory".
-        vocab_slice: classes per slice under ``lean`` (default: the largest multiple of 64 whose
-            logits over all tokens fit in 256 MiB; it depends on the number of tokens, so lean
-            is not batch invariant).
+        vocab_slice: classes per slice under ``lean`` (default: as few slices as fit that peak,
+            evened out, multiples of 64, ``linear_cross_entropy_slices.default_slice_width``; it
+            depends on the number of tokens, so lean is not batch invariant).
         wgrad_state: the weight's docs/design.md §2 state (``LinearCrossEntropyLoss`` passes its own: it
             holds ``delay_wgrad_compute`` and the queue ``backward_dw()`` runs); default: a fresh
             one from ``fuse_wgrad_accumulation``.
@@ -344,7 +356,7 @@ def linear_cross_entropy_with(
     cw = None if weight is None else weight.detach().to(wide_dtype(input))
     wgrad_state = weight_state(fuse_wgrad_accumulation, wgrad_state)
     if opts.memory == "lean":
-        width = opts.vocab_slice or default_slice_width(x.shape[0], V, x.element_size())
+        width = opts.vocab_slice or default_slice_width(x.shape[0], V, x.element_size(), H=x.shape[1])
         loss, z_part, acc = LinearCrossEntropyLeanFunction.apply(
             x, linear_weight, linear_bias, t, cw, opts, width, wgrad_state, dtype
         )
@@ -354,7 +366,7 @@ def linear_cross_entropy_with(
             x, linear_weight, linear_bias, t, cw, opts, chunk, wgrad_state, dtype
         )
     if opts.reduction == "none":
-        loss, z_part = loss.view(target.shape), z_part.view(target.shape)
+        loss, z_part = loss.view(target.shape), z_part.view(target.shape) if opts.return_z_loss else None
     if not opts.extras:
         return loss
     return LinearCrossEntropyOutput(loss, z_part if opts.return_z_loss else None, acc if opts.return_token_accuracy else None)

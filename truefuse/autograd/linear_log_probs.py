@@ -19,7 +19,7 @@ from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_back
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.chunked_head import head_chunks, kept_weight_grad
-from truefuse.ops.linear_cross_entropy import check_args, check_targets
+from truefuse.ops.linear_cross_entropy import check_args, target_prologue
 from truefuse.ops.linear_log_probs import LinearLogProbsOptions, LinearLogProbsOutput, LogProbChunks
 
 
@@ -40,7 +40,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
             check_main_grad(W, "linear_weight")  # a clear error now, not in the backward
         Wp, ctx.b_dtype = W, None if b is None else b.dtype
         W, b = cast(W, dtype), cast(b, dtype)
-        check = check_targets(t, W.shape[0], opts.ignore_index)
+        check = target_prologue(t, W.shape[0], opts.ignore_index, "sum", None, x)[3]  # one kernel where it can
         loss = LogProbChunks(opts, W.shape[0], t, None, None, like=x, check=check)
         keep = any(needs) and 0 < x.shape[0] <= chunk
         kept = head_chunks(loss, x, W, b, chunk=chunk, want=(False, False, False), keep_logits=keep).d

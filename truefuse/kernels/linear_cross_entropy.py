@@ -240,3 +240,26 @@ def _linear_cross_entropy_chunk_kernel(
         if tail:
             _grad_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, t_safe, a, mx, log_s, lse_ce, s_ce, s_z,
                         w_sum, smoothing / V, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["N", "ignore_index"])
+def _lce_targets_kernel(t_ptr, out_ptr, N, V, ignore_index, BLOCK: tl.constexpr):
+    """One program over the N targets, before the chunks: ``out`` = [n, 1/n, 1, bad] in fp32, with n
+    the number of targets that count (at least 1: a divisor) and ``bad`` 1 when one of them lies
+    outside [0, V). The count is an integer sum (exact in any order), n its rounding to fp32 and 1/n
+    an IEEE division: the bits of ``valid.sum().clamp(min=1).float()`` and ``torch.reciprocal``."""
+    cols = tl.arange(0, BLOCK)
+    cnt = tl.zeros((BLOCK,), tl.int64)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, N, BLOCK):
+        offs = start + cols
+        inside = offs < N
+        t = tl.load(t_ptr + offs, mask=inside, other=ignore_index)
+        valid = inside & (t != ignore_index)
+        cnt += valid.to(tl.int64)
+        bad = tl.maximum(bad, (valid & ((t < 0) | (t >= V))).to(tl.int32))
+    n = tl.maximum(tl.sum(cnt, axis=0), 1).to(tl.float32)
+    tl.store(out_ptr, n)
+    tl.store(out_ptr + 1, tl.math.div_rn(1.0, n))
+    tl.store(out_ptr + 2, 1.0)
+    tl.store(out_ptr + 3, tl.max(bad, axis=0).to(tl.float32))

@@ -6,9 +6,10 @@ row of one slice's logits (tokens, Vs), columns [v0, v0 + Vs) of the vocabulary.
 ``_stats_block`` (``kernels/linear_cross_entropy.py``: online max and sum of exponentials per lane,
 first maximum, Σ w_c·z_c) and writes the slice's statistics: its max ``m``, its sum of
 exponentials relative to ``m`` (NaN once a NaN was met), the index of its first maximum (of its
-first NaN when the sum is NaN: a second pass over that row only), Σ w_c·z_c, and the target's
-logit when the target falls in the slice. The host merges the slices' statistics in slice order
-(``ops/linear_cross_entropy_slices.py``), as the whole-row kernel reduces its lanes.
+first NaN when the sum is NaN: a second pass over that row only), Σ w_c·z_c (0 without label
+smoothing), the target's logit when the target falls in the slice (else 0) and whether it does.
+The host merges the slices' statistics in slice order (``ops/linear_cross_entropy_slices.py``), as
+the whole-row kernel reduces its lanes.
 
 ``_lce_slice_grad_kernel`` (pass 2) reads the merged lse of each row and writes the slice's
 d_logits over its logits by the whole-row kernel's ``_grad_block`` (the target may lie outside the
@@ -38,6 +39,7 @@ def _lce_slice_stats_kernel(
     arg_ptr,
     wz_ptr,
     zt_ptr,
+    has_t_ptr,
     Vs,
     v0,
     cap,
@@ -55,9 +57,9 @@ def _lce_slice_stats_kernel(
     tl.store(m_ptr + row, mx)
     tl.store(s_ptr + row, total)
     tl.store(arg_ptr + row, best_i + v0)
-    if SMOOTH:
-        tl.store(wz_ptr + row, wz_sum)
-    # the target's logit, from the slice that holds it (the others leave it as it is)
+    tl.store(wz_ptr + row, wz_sum)  # 0 without SMOOTH (a sum of zeros)
+    # the target's logit, from the slice that holds it (0 in the others), and whether it is here:
+    # every output written, so the host allocates them without a zero fill
     t = tl.load(t_ptr + row)
     here = (t >= v0) & (t < v0 + Vs)
     t_loc = tl.where(here, t - v0, 0)
@@ -65,7 +67,8 @@ def _lce_slice_stats_kernel(
     if HAS_BIAS:
         z_t += tl.load(bias_ptr + t_loc).to(tl.float32)
     z_t = _softcap(z_t, cap, SOFTCAP)
-    tl.store(zt_ptr + row, z_t, mask=here)
+    tl.store(zt_ptr + row, tl.where(here, z_t, 0.0))
+    tl.store(has_t_ptr + row, here)
 
 
 @triton.jit(do_not_specialize=["ignore_index", "v0"])

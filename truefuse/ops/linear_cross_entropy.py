@@ -29,7 +29,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops._dtypes import wide_dtype
+from truefuse.ops._triton import triton_runs
 
 REDUCTIONS = ("mean", "sum", "none")
 MEMORY_MODES = ("default", "lean")
@@ -165,12 +167,19 @@ def check_targets(target: torch.Tensor, V: int, ignore_index: int, valid: torch.
         # with no value named; on the CPU it still raises before the function returns)
         torch._assert_async(~bad.any(), f"target outside [0, {V}) and not ignore_index={ignore_index}")
         return lambda: None
+    return _check_finish(bad.any(), target, V, ignore_index)
+
+
+def _check_finish(flag: torch.Tensor, target: torch.Tensor, V: int, ignore_index: int):
+    """:func:`check_targets`' callable from ``flag``, a 0-dim device tensor, nonzero when a target
+    is bad (copied to pinned memory behind an event on CUDA; the first bad value is looked up only
+    then)."""
     if not target.is_cuda:
-        any_bad = bool(bad.any())
+        any_bad = bool(flag)
         ready = None
     else:
-        any_bad = torch.empty((), dtype=torch.bool, pin_memory=True)
-        any_bad.copy_(bad.any(), non_blocking=True)
+        any_bad = torch.empty((), dtype=flag.dtype, pin_memory=True)
+        any_bad.copy_(flag, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
 
@@ -178,10 +187,47 @@ def check_targets(target: torch.Tensor, V: int, ignore_index: int, valid: torch.
         if ready is not None:
             ready.synchronize()
         if bool(any_bad):
+            bad = (target != ignore_index) & (target.clamp(0, V - 1) != target)
             first = target[bad][0].item()
             raise ValueError(f"target holds {first}, outside [0, {V}) and not ignore_index={ignore_index}")
 
     return finish
+
+
+def target_prologue(t: torch.Tensor, V: int, ignore_index: int, reduction: str, cw: torch.Tensor | None, like: torch.Tensor):
+    """What a loss needs from its targets before its chunks: ``(n, s_ce, s_z, finish)``: the
+    :func:`valid_count`, the :func:`reduction_scales` and :func:`check_targets`' callable.
+
+    Where the Triton kernels run, in fp32, without class weights and outside torch.compile, one
+    kernel computes them all (``kernels/linear_cross_entropy.py``: ``_lce_targets_kernel``, the same
+    bits) instead of ten small PyTorch kernels (the mask, the count, its clamp and cast, the
+    reciprocal, the target check's four): each launch sits between the GEMMs of a step
+    (docs/benchmarks.md, 8192 × 32000 × 4096). Elsewhere: those functions."""
+    wide = wide_dtype(like)
+    if cw is not None or wide != torch.float32 or not triton_runs(like) or torch.compiler.is_compiling():
+        valid = t != ignore_index
+        n = valid_count(valid, wide)
+        s_ce, s_z = reduction_scales(reduction, n, t, cw, ignore_index, like)
+        return n, s_ce, s_z, check_targets(t, V, ignore_index, valid)
+    out = torch.empty(4, dtype=torch.float32, device=like.device)  # n, 1/n, 1, bad
+    launch(lce_targets_op, t, out, V, ignore_index)
+    s = out[1] if reduction == "mean" else out[2]
+    return out[0], s, s, _check_finish(out[3], t, V, ignore_index)
+
+
+@custom_op("truefuse::lce_targets", mutates_args=("out",))
+def lce_targets_op(t: torch.Tensor, out: torch.Tensor, V: int, ignore_index: int) -> None:
+    """The launch of :func:`target_prologue`'s kernel as a custom op (docs/design.md §6.7): writes
+    ``out`` = [n, 1/n, 1, bad] (fp32)."""
+    from truefuse.kernels.linear_cross_entropy import _lce_targets_kernel
+
+    block = 4096 if t.is_cuda else 64  # 8192 targets in two loads a lane (9.5 us a step with 1024 and 4 warps, H200)
+    _lce_targets_kernel[(1,)](t, out, t.shape[0], V, ignore_index, BLOCK=block, num_warps=8 if t.is_cuda else 1)
+
+
+@lce_targets_op.register_fake
+def _(t, out, V, ignore_index):
+    return None
 
 
 def target_weights(t: torch.Tensor, cw: torch.Tensor | None, ignore_index: int, dtype: torch.dtype):
@@ -239,8 +285,15 @@ def token_accuracy(correct: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return correct.sum() / n.float()
 
 
-def reduce_terms(ce, zl, reduction, scales):
-    """(loss, z part) from per-token terms; ``scales``: :func:`mean_scales`' pair, read for ``mean`` only."""
+def reduce_terms(ce, zl, reduction, scales, with_z: bool = True):
+    """(loss, z part) from per-token terms; ``scales``: :func:`mean_scales`' pair, read for ``mean`` only.
+    ``with_z=False`` (z_loss 0 and the z part not asked for): the loss without the z-loss term and
+    None for the z part; three kernels less. The term is then 0, or NaN on a row whose lse is not
+    finite, where the cross-entropy is NaN too: the same loss."""
+    if not with_z:
+        if reduction == "none":
+            return ce, None
+        return (ce.sum() if reduction == "sum" else ce.sum() * scales[0]), None
     if reduction == "none":
         return ce + zl, zl
     if reduction == "sum":

@@ -28,8 +28,9 @@ Where the slice kernels run (``kernels/linear_cross_entropy_slices.py``: CUDA, f
 interpreter), they compute the statistics and d_logits; elsewhere (fp64, bf16 on the CPU) the
 same math in PyTorch (:func:`slice_stats_math`, :func:`slice_grad_math`).
 
-Memory above the returned gradients: one slice's logits (the ``slice_bytes`` tuning knob, 256 MiB)
-plus the fp32 (tokens, H) d_input buffer plus O(tokens) statistics.
+Memory above the returned gradients: one slice's logits plus the fp32 (tokens, H) d_input buffer
+(less the d_input returned) plus O(tokens) statistics: within :data:`LEAN_PEAK` (560 MiB) by
+default (:func:`default_slice_width`).
 """
 
 from __future__ import annotations
@@ -49,15 +50,36 @@ from truefuse.ops.linear_cross_entropy import LinearCrossEntropyOptions
 ALIGN = 64
 
 
-def default_slice_width(N: int, V: int, itemsize: int, budget: int | None = None) -> int:
+#: memory="lean"'s peak beyond its returned gradients when the caller gives H: one slice's logits
+#: plus the fp32 (N, H) d_input buffer less the d_input it returns (N·H in the input dtype), 0.6
+#: GB (572 MiB, the issue's goal) less 12 MiB for the O(N) statistics and GEMM workspaces.
+LEAN_PEAK = 560 << 20
+
+
+def default_slice_width(N: int, V: int, itemsize: int, budget: int | None = None, H: int = 0) -> int:
     """Classes per vocabulary slice when the caller gives none: the largest multiple of
     :data:`ALIGN` whose (N, width) logits fit in ``budget`` bytes (default: the ``slice_bytes``
     tuning knob, 256 MiB: 16384 classes of 8192 bf16 tokens), at least ALIGN, at most V
     rounded up to ALIGN. It depends on N: lean does not promise batch invariance (the slices'
-    partial sums, and so the bits, depend on where the vocabulary is cut)."""
+    partial sums, and so the bits, depend on where the vocabulary is cut).
+
+    With ``H`` (lean's own call; the vocabulary-parallel loss passes none) the budget is what
+    :data:`LEAN_PEAK` leaves beside the d_input buffer when that is more, and the slices are
+    evened out (as few, each as wide): every slice adds a pass over the fp32 d_input buffer in
+    its d_input GEMM (beta=1, 2·N·H·4 bytes), so fewer slices cost less time. H200, bf16, forward +
+    backward against the default (``experiments/exp_lce_rule_lean.py``, docs/benchmarks.md):
+    8192 x 128256 x 4096 in 8 slices of 16384 1.353x, in 5 of 25664 1.343x (465 MiB); 16384 x
+    128256 x 4096 in 16 of 8192 1.352x, in 10 of 12864 1.337x (530 MiB)."""
     budget = get_tuning().slice_bytes if budget is None else budget
+    if H:
+        budget = max(budget, LEAN_PEAK - N * H * (4 - itemsize))
     fit = budget // (max(N, 1) * itemsize) // ALIGN * ALIGN
-    return max(ALIGN, min(fit, -(-V // ALIGN) * ALIGN))
+    width = max(ALIGN, min(fit, -(-V // ALIGN) * ALIGN))
+    if H and V > ALIGN:
+        aligned = V // ALIGN * ALIGN
+        n = -(-aligned // width)  # slices of the aligned classes; then ceil(aligned / n) up to ALIGN
+        width = -(-aligned // (n * ALIGN)) * ALIGN
+    return width
 
 
 def slice_bounds(V: int, width: int) -> list[tuple[int, int]]:
@@ -100,24 +122,34 @@ def merge_stats(parts: list[SliceStats]) -> SliceStats:
     and Σ wz_i run left to right, so every caller merging the same parts gets the same bits."""
     if len(parts) == 1:
         return parts[0]
-    M = parts[0].m
-    for p in parts[1:]:
-        M = torch.maximum(M, p.m)  # m is never NaN: exact, in any order
-    total = wz = zt = None
-    has_t = torch.zeros_like(parts[0].has_t)
-    best = torch.full_like(parts[0].arg, -1)
-    for p in parts:
-        # a part whose max stayed -inf keeps its sum (0, or NaN after a NaN), as the kernel's lanes
-        scaled = torch.where((p.m == M) | (p.m == float("-inf")), p.s, p.s * torch.exp(p.m - M))
-        total = scaled if total is None else total + scaled
-        wz = p.wz if wz is None else wz + p.wz
-        zt = torch.where(p.has_t, p.zt, 0.0 if zt is None else zt)
-        has_t = has_t | p.has_t
-        best = torch.where((best < 0) & (p.m == M), p.arg, best)  # the first part holding the max
-    first_nan = torch.full_like(best, -1)
-    for p in parts:
-        first_nan = torch.where((first_nan < 0) & p.s.isnan(), p.arg, first_nan)
-    best = torch.where(first_nan >= 0, first_nan, best)  # torch.argmax: the first NaN
+    return merge_stacked(SliceStats(*(torch.stack(f) for f in zip(*parts, strict=True))))
+
+
+def merge_stacked(st: SliceStats, smooth: bool = True) -> SliceStats:
+    """:func:`merge_stats` of P parts stacked: each field (P, N), part i in row i. The same bits
+    in a few kernels over (P, N) instead of a dozen per part: the max is exact in any order, the
+    two sums run over the rows left to right, and the first part holding the max (the target, the
+    first NaN) is an argmax over the rows. ``smooth=False``: every ``wz`` is 0 (not summed)."""
+    if st.m.shape[0] == 1:
+        return SliceStats(*(f[0] for f in st))
+    M = st.m.amax(0)  # m is never NaN: exact
+    # a part whose max stayed -inf keeps its sum (0, or NaN after a NaN), as the kernel's lanes
+    scaled = torch.where((st.m == M) | (st.m == float("-inf")), st.s, st.s * torch.exp(st.m - M))
+    total, wz = scaled[0], st.wz[0]
+    for i in range(1, scaled.shape[0]):
+        total = total + scaled[i]
+        if smooth:
+            wz = wz + st.wz[i]
+
+    def first(mask: torch.Tensor) -> torch.Tensor:  # per token, the first part where mask holds (0: none)
+        return mask.to(torch.uint8).argmax(0, keepdim=True)
+
+    # the target falls in one part at most (the parts are disjoint); none: 0
+    has_t = st.has_t.any(0)
+    zt = torch.where(has_t, st.zt.gather(0, first(st.has_t)).squeeze(0), 0.0)
+    best = st.arg.gather(0, first(st.m == M)).squeeze(0)  # the first part holding the max
+    nan = st.s.isnan()
+    best = torch.where(nan.any(0), st.arg.gather(0, first(nan)).squeeze(0), best)  # torch.argmax: the first NaN
     return SliceStats(M, total, best, wz, zt, has_t)
 
 
@@ -192,28 +224,32 @@ def stats_pass(
     if not kernel and check is not None:
         check()
     smooth = opts.label_smoothing > 0
-    parts = []
+    bounds = slice_bounds(Vw, width)
+    if not bounds:  # no slice: only an empty vocabulary shard (a rank holding no class)
+        ninf = torch.full((N,), float("-inf"), dtype=wide, device=x.device)
+        zeros = torch.zeros(N, dtype=wide, device=x.device)
+        arg = torch.full((N,), v_offset, dtype=torch.int64, device=x.device)
+        return SliceStats(ninf, zeros, arg, zeros, zeros, torch.zeros(N, dtype=torch.bool, device=x.device))
+    # the kernels write each slice's statistics into row i of (P, N) buffers: no allocation, zero
+    # fill or mask per slice, and a merge over stacked rows (merge_stacked)
+    stacked = _stats_buffers((len(bounds), N), wide, x.device)
     logits = None
-    for v0, v1 in slice_bounds(Vw, width):
+    for i, (v0, v1) in enumerate(bounds):
         logits = None  # the previous slice's logits go before this slice's are made
         logits = _slice_logits(x, W, b, v0, v1)
         g0 = v_offset + v0
         cws = None if cw is None else cw[g0 : g0 + v1 - v0]
         if kernel:
-            parts.append(slice_stats_kernel(logits, None, cws if smooth else None, t, g0, opts))
+            slice_stats_kernel(logits, None, cws if smooth else None, t, g0, opts, into=SliceStats(*(f[i] for f in stacked)))
         else:
             z = logits.to(wide)
             if opts.softcap is not None:
                 z = opts.softcap * torch.tanh(z / opts.softcap)
-            parts.append(slice_stats_math(z, t, cws, g0, smooth))
+            for f, v in zip(stacked, slice_stats_math(z, t, cws, g0, smooth), strict=True):
+                f[i] = v
     if kernel and check is not None:
         check()
-    if not parts:  # no slice: only an empty vocabulary shard (a rank holding no class)
-        ninf = torch.full((N,), float("-inf"), dtype=wide, device=x.device)
-        zeros = torch.zeros(N, dtype=wide, device=x.device)
-        arg = torch.full((N,), v_offset, dtype=torch.int64, device=x.device)
-        return SliceStats(ninf, zeros, arg, zeros, zeros, torch.zeros(N, dtype=torch.bool, device=x.device))
-    return merge_stats(parts)
+    return merge_stacked(stacked, smooth)
 
 
 def slice_stats_math(z: torch.Tensor, t: torch.Tensor, cw: torch.Tensor | None, v0: int, smooth: bool) -> SliceStats:
@@ -235,27 +271,32 @@ def slice_stats_math(z: torch.Tensor, t: torch.Tensor, cw: torch.Tensor | None, 
     return SliceStats(m, s, arg, wz, torch.where(has_t, zt, 0.0), has_t)
 
 
-def slice_stats_kernel(logits, bias, cw, t, v0: int, opts: LinearCrossEntropyOptions) -> SliceStats:
+def _stats_buffers(shape: tuple[int, ...], wide: torch.dtype, device) -> SliceStats:
+    """Uninitialised :class:`SliceStats` of ``shape`` for the kernel to write (it writes every element)."""
+    dtypes = (wide, wide, torch.int64, wide, wide, torch.bool)
+    return SliceStats(*(torch.empty(shape, dtype=d, device=device) for d in dtypes))
+
+
+def slice_stats_kernel(
+    logits, bias, cw, t, v0: int, opts: LinearCrossEntropyOptions, into: SliceStats | None = None
+) -> SliceStats:
     """:func:`slice_stats_math` for one slice in one Triton kernel, from its (N, Vs) logits in
     the input dtype (rows of ``logits.stride(0)`` elements; bias (Vs,) added in fp32 by the
-    kernel; ``cw`` the slice's fp32 class weights, read with label smoothing only)."""
-    N, Vs = logits.shape
+    kernel; ``cw`` the slice's fp32 class weights, read with label smoothing only). ``into``: the
+    (N,) tensors to write (every element is written), else new ones."""
+    N = logits.shape[0]
     wide = wide_dtype(logits)
-    m = torch.empty(N, dtype=wide, device=logits.device)
-    s = torch.empty(N, dtype=wide, device=logits.device)
-    arg = torch.empty(N, dtype=torch.int64, device=logits.device)
-    wz = torch.zeros(N, dtype=wide, device=logits.device)
-    zt = torch.zeros(N, dtype=wide, device=logits.device)
-    smooth = opts.label_smoothing > 0
-    launch(lce_slice_stats_op, logits, bias, cw, t, m, s, arg, wz, zt, v0, opts.softcap, smooth)
-    return SliceStats(m, s, arg, wz, zt, (t >= v0) & (t < v0 + Vs))
+    if into is None:
+        into = _stats_buffers((N,), wide, logits.device)
+    launch(lce_slice_stats_op, logits, bias, cw, t, *into, v0, opts.softcap, opts.label_smoothing > 0)
+    return into
 
 
 def _block_v(logits: torch.Tensor) -> int:
     return 2048 if logits.is_cuda else 64
 
 
-@custom_op("truefuse::lce_slice_stats", mutates_args=("m", "s", "arg", "wz", "zt"))
+@custom_op("truefuse::lce_slice_stats", mutates_args=("m", "s", "arg", "wz", "zt", "has_t"))
 def lce_slice_stats_op(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -266,26 +307,31 @@ def lce_slice_stats_op(
     arg: torch.Tensor,
     wz: torch.Tensor,
     zt: torch.Tensor,
+    has_t: torch.Tensor,
     v0: int,
     softcap: float | None,
     smooth: bool,
 ) -> None:
     """The launch of :func:`slice_stats_kernel` as a custom op (docs/design.md §6.7): writes the
-    slice's ``m``, ``s``, ``arg``, ``wz`` (with ``smooth``) and ``zt`` where the target is in it."""
+    slice's ``m``, ``s``, ``arg``, ``wz`` (0 without ``smooth``), ``zt`` (0 where the target is
+    not in it) and ``has_t``."""
     from truefuse.kernels.linear_cross_entropy_slices import _lce_slice_stats_kernel
 
     N, Vs = logits.shape
-    if N == 0 or Vs == 0:
+    if N == 0:
+        return
+    if Vs == 0:  # no class: nothing above -inf
+        m.fill_(float("-inf")), s.zero_(), arg.fill_(v0), wz.zero_(), zt.zero_(), has_t.zero_()
         return
     _lce_slice_stats_kernel[(N,)](
         logits, logits.stride(0), bias if bias is not None else logits, cw if cw is not None else m, t, m, s, arg, wz,
-        zt, Vs, v0, softcap or 1.0, HAS_BIAS=bias is not None, HAS_CW=cw is not None, SMOOTH=smooth,
+        zt, has_t, Vs, v0, softcap or 1.0, HAS_BIAS=bias is not None, HAS_CW=cw is not None, SMOOTH=smooth,
         SOFTCAP=softcap is not None, BLOCK_V=_block_v(logits), num_warps=8,
     )  # fmt: skip
 
 
 @lce_slice_stats_op.register_fake
-def _(logits, bias, cw, t, m, s, arg, wz, zt, v0, softcap, smooth):
+def _(logits, bias, cw, t, m, s, arg, wz, zt, has_t, v0, softcap, smooth):
     return None
 
 
@@ -344,7 +390,9 @@ def grad_pass(
     gx, gw, gb = want
     kernel = triton_runs(x)
     w_dtype = W.dtype if w_dtype is None else w_dtype
-    dx = torch.zeros(N, H, dtype=wide, device=x.device) if gx else None  # zeros: a shard may hold no class
+    bounds = slice_bounds(Vw, width)
+    # the first slice's GEMM writes it (beta=0); zeros only for a shard holding no class
+    dx = (torch.empty if bounds else torch.zeros)(N, H, dtype=wide, device=x.device) if gx else None
     dW = None
     if gw and main_grad is None:
         dW = torch.empty(Vw, H, dtype=wgrad_dtype(x.dtype, w_dtype), device=x.device)
@@ -358,7 +406,7 @@ def grad_pass(
             main_grad.zero_()
         return Grads(dx, dW, db)
     d = logits = None
-    for i, (v0, v1) in enumerate(slice_bounds(Vw, width)):
+    for i, (v0, v1) in enumerate(bounds):
         d = logits = None  # the previous slice's go before this slice's are made
         logits = _slice_logits(x, W, b, v0, v1)
         g0 = v_offset + v0
