@@ -45,18 +45,14 @@ def _t(*a, **k):
 #: Named sets of configuration entries ({kind: TileConfig, or None: no such entry}) tried against the
 #: code's own table ("final": no change). "before" is the table this follow-up started from.
 SETS = {
-    "before": {"wgrad_large_acc": None},
+    "before": {"wgrad_large_acc": None, "wgrad": _t(64, 128, 128, 8, 3, 2)},
     "final": {},
-    "small_epi1": {"wgrad": _t(64, 128, 128, 8, 3, 2, tma_epilogue=True)},
-    "small_epi2": {"wgrad": _t(64, 128, 128, 8, 3, 2, tma_epilogue=True, epilogue_split=2)},
-    "small_wg128x256": {"wgrad": _t(64, 128, 256, 8, 3, 1)},
-    "small_rows128": {"rows": _t(128, 128, 64, 8, 3, 2), "rows_large": _t(128, 256, 64, 8, 4, 1)},
-    "large_acc_epi2": {"wgrad_large_acc": _t(64, 128, 256, 8, 3, 1, tma_epilogue=True, epilogue_split=2)},
-    "large_acc_128p2": {"wgrad_large_acc": _t(64, 128, 128, 8, 3, 2, tma_epilogue=True, epilogue_split=2)},
+    "small_ptr_epi": {"wgrad": _t(64, 128, 128, 8, 3, 2)},
+    "large_acc_epi4": {"wgrad_large_acc": _t(64, 128, 256, 8, 3, 1, tma_epilogue=True, epilogue_split=4)},
 }
 #: The sets that change anything at a case (the others are "final" there).
-SMALL_ONLY = {"small_epi1", "small_epi2", "small_wg128x256", "small_rows128"}
-LARGE_ONLY = {"large_acc_epi2", "large_acc_128p2"}
+SMALL_ONLY = {"small_ptr_epi"}
+LARGE_ONLY = {"large_acc_epi4"}
 
 
 @contextlib.contextmanager

@@ -93,19 +93,24 @@ _TUNED_CONFIGS: dict[tuple[str, torch.dtype, tuple[int, int]], TileConfig] = {
     # Hopper (H100/H200), measured on an H200 (experiments/exp_grouped_gemm_tune.py, docs/design.md
     # "Grouped GEMM"): the TMA kernels. Forward/dgrad: 128×256 tiles, 64-deep K steps, 4 stages.
     **{("rows", dt, (9, 0)): TileConfig(128, 256, 64, num_warps=8, num_stages=4, programs_per_sm=1, tma=True) for dt in _HALF},
-    # wgrad: 128×128 dW tiles in 64-row steps, two programs per SM (123 registers: both resident);
+    # wgrad: 128×128 dW tiles in 64-row steps, two programs per SM (123 registers: both resident),
+    # written (or added into main_grad) through a TMA descriptor: the same bits, main_grad 0.77× /
+    # 0.83× the pointer epilogue's layer time at 128 × 128 / 64 × 256 (H200, docs/benchmarks.md);
     # "wgrad_large" (a layer of >= _LARGE_LAYER weights per group): 128×256 tiles, one program per SM.
-    **{("wgrad", dt, (9, 0)): TileConfig(64, 128, 128, num_warps=8, num_stages=3, programs_per_sm=2, tma=True) for dt in _HALF},
+    **{
+        ("wgrad", dt, (9, 0)): TileConfig(64, 128, 128, num_warps=8, num_stages=3, programs_per_sm=2, tma=True, tma_epilogue=True)
+        for dt in _HALF
+    },
     **{
         ("wgrad_large", dt, (9, 0)): TileConfig(64, 128, 256, num_warps=8, num_stages=3, programs_per_sm=1, tma=True)
         for dt in _HALF
     },
     # ... adding into an fp32 main_grad: the same tiles (so the same bits), the epilogue through a TMA
-    # descriptor in four 128×64 parts; through pointers the whole 128×256 fp32 tile spilled 424 bytes
-    # of stack (docs/benchmarks.md, issue 16: 12.7 ms against cuBLAS's 9.9 at 8 × 2048)
+    # descriptor in two 128×128 parts; through pointers the whole 128×256 fp32 tile spilled 424 bytes
+    # of stack. H200, 8 × 2048 layer with main_grad: 29.9 ms against 31.8 (four parts: 30.4)
     **{
         ("wgrad_large_acc", dt, (9, 0)): TileConfig(
-            64, 128, 256, num_warps=8, num_stages=3, programs_per_sm=1, tma=True, tma_epilogue=True, epilogue_split=4
+            64, 128, 256, num_warps=8, num_stages=3, programs_per_sm=1, tma=True, tma_epilogue=True, epilogue_split=2
         )
         for dt in _HALF
     },
