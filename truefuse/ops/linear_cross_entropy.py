@@ -221,8 +221,9 @@ def lce_targets_op(t: torch.Tensor, out: torch.Tensor, V: int, ignore_index: int
     ``out`` = [n, 1/n, 1, bad] (fp32)."""
     from truefuse.kernels.linear_cross_entropy import _lce_targets_kernel
 
-    block = 4096 if t.is_cuda else 64  # 8192 targets in two loads a lane (9.5 us a step with 1024 and 4 warps, H200)
-    _lce_targets_kernel[(1,)](t, out, t.shape[0], V, ignore_index, BLOCK=block, num_warps=8 if t.is_cuda else 1)
+    # one program: 9.5 us at 8192 targets (H200), against ~25 us for the ten PyTorch kernels
+    block = 1024 if t.is_cuda else 64
+    _lce_targets_kernel[(1,)](t, out, t.shape[0], V, ignore_index, BLOCK=block, num_warps=4 if t.is_cuda else 1)
 
 
 @lce_targets_op.register_fake
