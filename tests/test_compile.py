@@ -14,6 +14,7 @@ import torch
 import truefuse
 from truefuse.ops.gated_activation import gated2_bwd_op, gated2_fwd_op, gated_bwd_op, gated_fwd_op, use_kernel
 from truefuse.ops.gemm import gemm_op, gemm_out_op
+from truefuse.ops.linear_cross_entropy import lce_targets_op
 from truefuse.ops.linear_cross_entropy_chunk import lce_chunk_op
 from truefuse.ops.linear_cross_entropy_slices import lce_slice_grad_op, lce_slice_stats_op
 from truefuse.ops.linear_log_probs import log_probs_chunk_op
@@ -118,10 +119,13 @@ def test_opcheck_lce_slices(device):
     stats = [torch.empty(N, device=device) for _ in range(2)]
     arg = torch.empty(N, dtype=torch.int64, device=device)
     wz, zt = torch.zeros(N, device=device), torch.zeros(N, device=device)
+    has_t = torch.empty(N, dtype=torch.bool, device=device)
     cw = torch.rand(Vs, device=device) + 0.5
-    torch.library.opcheck(lce_slice_stats_op, (logits, None, cw, t, *stats, arg, wz, zt, v0, 4.0, True))
+    torch.library.opcheck(lce_slice_stats_op, (logits, None, cw, t, *stats, arg, wz, zt, has_t, v0, 4.0, True))
     lse, s = torch.randn(N, device=device) + 5, torch.tensor(0.25, device=device)
     torch.library.opcheck(lce_slice_grad_op, (logits, None, cw, t, lse, s, s, v0, V, -100, 250.0, 0.1, 1e-4, 4.0))
+    # the loss's targets prologue (count, scales, check) beside them
+    torch.library.opcheck(lce_targets_op, (t, torch.empty(4, device=device), V, -100))
 
 
 def test_opcheck_gemm(device):
