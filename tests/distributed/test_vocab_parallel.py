@@ -50,6 +50,27 @@ def _worker(rank: int, world: int) -> dict:
     ref = run_loss(linear_cross_entropy_ref, x, W, t, None, up, "mean")
     res["control_fails"] = not bounded_report(wrong["loss"], ref["loss"], ref["loss"]).passed
 
+    # memory="default" keeps pass 1's logits for the backward, "lean" computes them again: the same
+    # bits (fp64: the PyTorch path; fp32 at 2 ranks: the slice kernels); a second backward runs the
+    # GEMMs again (the kept logits were consumed) and gives the first one's bits (the delayed weight
+    # gradient, which also runs them again, is the table's delayed_vs_immediate rows)
+    res["kept_vs_lean"] = {}
+    for dtype in (torch.float64, torch.float32) if world == 2 else (torch.float64,):
+        x, W, b, t, cw, up = inputs(dtype, 8, V)
+        kw = {"reduction": "none", "label_smoothing": 0.1, "z_loss": 1e-3, "vocab_slice": 16}
+        runs = {m: run_loss(vp_lce, x, W[rows], t, b[rows], up, memory=m, **kw) for m in ("default", "lean")}
+        res["kept_vs_lean"][str(dtype)] = all(
+            torch.equal(runs["default"][k], runs["lean"][k]) for k in ("loss", "dx", "dW", "db")
+        )
+        xl = x.clone().requires_grad_()
+        loss = vp_lce(xl, W[rows], t, memory="default", **kw)
+        loss.backward(up.to(loss.dtype), retain_graph=True)
+        first = xl.grad.clone()
+        xl.grad = None
+        loss.backward(up.to(loss.dtype))
+        res["kept_vs_lean"][f"{dtype}/second_backward"] = torch.equal(xl.grad, first)
+    res["errors"]["memory"] = _error(lambda: vp_lce(x, W[rows], t, memory="lean" if rank else "fast"))
+
     # d_input's sum over the ranks: the allreduce's arithmetic (rank order, one rounding), bitwise,
     # also for a token count the ranks do not divide
     from truefuse.distributed.allreduce import ordered_sum
@@ -107,6 +128,7 @@ def test_vocab_parallel_linear_cross_entropy(world):
         if world == 2:
             checks = {x["check"] for x in res["rows"]}
             assert {"delayed_vs_immediate_grad", "delayed_vs_immediate_main_grad", "main_grad_2_microbatches"} <= checks
+        assert all(res["kept_vs_lean"].values()), f"rank {r}: {res['kept_vs_lean']}"
         assert res["sum_bf16"] and res["sum_fp64"], f"rank {r}: d_input's sum is not the rank-order sum"
         assert res["control_fails"], f"rank {r}: a wrong shard passed the bounded check"
         assert res["uneven_close"], f"rank {r}: uneven shards"
@@ -117,6 +139,7 @@ def test_vocab_parallel_linear_cross_entropy(world):
             and f"rank {world - 1}: target holds {40 * world}" in err["target"][1]
         )
         assert err["tiling"][0] == "ValueError" and "tile the vocabulary" in err["tiling"][1]
+        assert err["memory"][0] == "ValueError" and "rank 0: memory must be" in err["memory"][1]
         assert err["targets_differ"][0] == "ValueError" and "disagree on targets" in err["targets_differ"][1]
         assert err["main_grad"][0] == "RuntimeError" and "rank 0" in err["main_grad"][1] and "no main_grad" in err["main_grad"][1]
     for k in results[0]["errors"]:  # the same error on every rank

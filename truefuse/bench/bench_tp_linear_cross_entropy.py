@@ -4,7 +4,9 @@ on N local GPUs (one process each, NCCL); rank r holds rows [r·V/N, (r+1)·V/N)
 
 Providers, side by side in one run on the same inputs (mean reduction, input and weight gradients):
 
-* ``truefuse``: :func:`truefuse.distributed.linear_cross_entropy` on this rank's shard;
+* ``truefuse``: :func:`truefuse.distributed.linear_cross_entropy` on this rank's shard (the
+  default: the shard's logits kept for the backward, three GEMMs); ``truefuse_lean``: with
+  ``memory="lean"`` (the backward computes the logits again: four GEMMs, less memory);
 * ``megatron``: Megatron's unfused pattern written with PyTorch: the shard's logits (``F.linear``,
   bf16, then fp32), the vocab-parallel cross-entropy as an autograd Function (the row max, the
   target's logit and the sum of exponentials each one ``all_reduce``; the softmax kept for the
@@ -85,7 +87,7 @@ def _steps(shape: dict, rank: int, world: int, dev: torch.device) -> tuple[dict,
     W = (torch.randn(V, H, generator=g, device=dev) * H**-0.5).to(dt)
     t = torch.randint(0, V_r * world, (N,), generator=g, device=dev)  # V unless emulating
     Wr = W[start : start + V_r].clone().requires_grad_()
-    Wt, Wm = Wr.detach().clone().requires_grad_(), Wr.detach().clone().requires_grad_()
+    Wt, Wm, Wl = (Wr.detach().clone().requires_grad_() for _ in range(3))
     Wfull = W.requires_grad_() if rank == 0 else None
     group = dist.group.WORLD
 
@@ -95,6 +97,10 @@ def _steps(shape: dict, rank: int, world: int, dev: torch.device) -> tuple[dict,
         loss = vocab_parallel(xi, Wt, t)
         loss.backward()
         return loss.detach(), xi.grad
+
+    def lean_step():
+        Wl.grad = None
+        vocab_parallel(x.detach().requires_grad_(), Wl, t, memory="lean").backward()
 
     def megatron_step():
         Wm.grad = None
@@ -118,13 +124,14 @@ def _steps(shape: dict, rank: int, world: int, dev: torch.device) -> tuple[dict,
         gemm(d.t(), x)  # d_weight
 
     def clear():
-        for w in (Wt, Wm, Wfull):
+        for w in (Wt, Wl, Wm, Wfull):
             if w is not None:
                 w.grad = None
 
     checks = {"truefuse": truefuse_step(), "megatron": megatron_step()}
     clear()
-    return {"truefuse": truefuse_step, "megatron": megatron_step, "single": single_step, "gemms": gemms_step}, checks, clear
+    steps = {"truefuse": truefuse_step, "truefuse_lean": lean_step, "megatron": megatron_step, "single": single_step}
+    return {**steps, "gemms": gemms_step}, checks, clear
 
 
 def _worker(rank: int, world: int, shape: dict, device: str) -> list[dict]:
@@ -176,11 +183,11 @@ def run(world_size: int, out_dir: str, quick: bool = False, shards: int | None =
           f"{world_size} {'GPUs (NCCL)' if on_gpu else 'CPU processes (gloo)'}"
           + (f", each rank one of {shape['shards']} shards (its compute alone)" if shape["shards"] != world_size else "")
           + "; ms per step, ratio to single")  # fmt: skip
-    print(f"{'provider':>10} {'ms':>9} {'rank0 ms':>9} {'ratio':>7} {'peak MiB':>9} {'peak ratio':>10}")
+    print(f"{'provider':>13} {'ms':>9} {'rank0 ms':>9} {'ratio':>7} {'peak MiB':>9} {'peak ratio':>10}")
     for r in rows:
         peak = "-" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}"
         pr = "-" if r["peak_ratio_to_single"] is None else f"{r['peak_ratio_to_single']:.3f}"
-        print(f"{r['provider']:>10} {r['ms']:>9.3f} {r['ms_rank0']:>9.3f} {r['ratio_to_single']:>7.3f} {peak:>9} {pr:>10}")
+        print(f"{r['provider']:>13} {r['ms']:>9.3f} {r['ms_rank0']:>9.3f} {r['ratio_to_single']:>7.3f} {peak:>9} {pr:>10}")
     diff = next(r["rel_diff_vs_megatron"] for r in rows if r["provider"] == "truefuse")
     print("truefuse vs megatron, relative difference: " + ", ".join(f"{k} {v:.2e}" for k, v in diff.items()))
     print(f"wrote {out}")

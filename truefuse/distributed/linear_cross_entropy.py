@@ -9,7 +9,8 @@ the same input and targets. It is ``memory="lean"``'s sliced machinery
   argmax, the target's logit where the rank owns the target), over sub-slices of the shard;
 * ONE all-gather of the small (N, 6) statistics per call, merged in rank order on every rank
   (``merge_stats``): identical bits everywhere; lse, the loss terms and the accuracy follow;
-* pass 2, local (in the backward): the shard's d_logits from the merged lse, d_weight's and
+* pass 2, local (in the backward): the shard's d_logits from the merged lse (over the logits
+  pass 1 kept, up to V_r·H·4 bytes with ``memory="default"``, else computed again), d_weight's and
   d_bias's shard rows, and this rank's fp32 partial sum of d_input, summed over the ranks with
   the arithmetic of truefuse's bitwise ``allreduce`` (rank-order fp32 sum, one rounding; fp64
   summed in fp64), as a reduce-scatter then an all-gather of the rounded blocks (``_sum_over_ranks``).
@@ -96,12 +97,13 @@ def _sum_over_ranks(dx: torch.Tensor, group, out_dtype: torch.dtype) -> torch.Te
 class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
     """Inputs: x (N, H), this rank's W shard (V_r, H), its bias shard or None, targets (N,),
     the whole vocabulary's class weights (V,) or None, the options, the slice width, the §2 state,
-    the group, vocab_start and V. Backward as ``LinearCrossEntropyLeanFunction``, with d_input's
-    partial sums reduced over the ranks."""
+    the group, vocab_start, V and how many bytes of the shard's logits to keep for the backward.
+    Backward as ``LinearCrossEntropyLeanFunction`` (over the kept logits where there are), with
+    d_input's partial sums reduced over the ranks."""
 
     @staticmethod
     @autocast_disabled
-    def forward(ctx, x, W, b, t, cw, opts: LinearCrossEntropyOptions, width, wstate, group, vocab_start: int, V: int):
+    def forward(ctx, x, W, b, t, cw, opts: LinearCrossEntropyOptions, width, wstate, group, vocab_start, V, keep_bytes):
         wide = wide_dtype(x)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         deferred = wstate is not None and not wstate.plain and needs[1]
@@ -109,7 +111,9 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         n = valid_count(valid, wide)
         s_ce, s_z = reduction_scales(opts.reduction, n, t, cw, opts.ignore_index, x)
         w_sum = class_weight_sum(cw, V, opts)
-        local = stats_pass(opts, x, W, b, t, cw, width=width, v_offset=vocab_start)
+        # the shard's logits kept for the backward up to keep_bytes: a GEMM fewer per kept slice
+        ctx.kept = [] if any(needs) and keep_bytes > 0 else None
+        local = stats_pass(opts, x, W, b, t, cw, width=width, v_offset=vocab_start, keep=ctx.kept, keep_bytes=keep_bytes)
         terms = finish_stats(_gather_stats(local, group), t, cw, opts, V, w_sum)
         total, z_part = reduce_terms(terms.ce, terms.zl, opts.reduction, (s_ce, s_z))
         acc = token_accuracy(terms.correct, n).to(wide)
@@ -132,14 +136,15 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
 
         def run(want, main_grad=None, accumulate=False):
             dx, dW, db = grad_pass(
-                opts, x, W, b, t, cw, lse, s_ce, s_z, want=want, main_grad=main_grad, accumulate=accumulate, **kw
-            )
+                opts, x, W, b, t, cw, lse, s_ce, s_z, want=want, main_grad=main_grad, accumulate=accumulate,
+                kept=ctx.kept, **kw,
+            )  # fmt: skip
             if dx is not None:  # every rank runs this pass (the ranks agreed on what needs a gradient)
                 dx = _sum_over_ranks(dx, group, x.dtype)  # one rounding after the rank-order sum
             return HeadGrads(dx, dW, db, None)
 
         dx, dW, db = recompute_backward(run, ctx.needs, ctx.wstate, W, ctx.b_dtype)
-        return dx, dW, db, None, None, None, None, None, None, None, None
+        return dx, dW, db, None, None, None, None, None, None, None, None, None
 
 
 def _problem(x, W, t, b, cw, V_total) -> tuple[str, str] | None:
@@ -178,6 +183,7 @@ def linear_cross_entropy(
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
     vocab_slice: int | None = None,
+    memory: str = "default",
     fuse_wgrad_accumulation: bool = False,
     wgrad_state: WgradState | None = None,
 ):
@@ -197,6 +203,11 @@ def linear_cross_entropy(
         return_token_accuracy: as :func:`truefuse.linear_cross_entropy`.
         vocab_slice: classes per sub-slice of this rank's shard (default: the largest multiple of
             64 whose logits over all tokens take at most 256 MiB).
+        memory: ``"default"``: the forward keeps the shard's logits for the backward, up to the
+            V_r·H·4 bytes the one-GPU loss's fp32 weight-gradient accumulator would take (all of
+            them at 8192 tokens × 64128 × 4096 in bf16): three GEMMs per rank. ``"lean"``: none
+            kept, the backward computes them again (four GEMMs, one slice's logits alive at a
+            time). The same bits either way.
         fuse_wgrad_accumulation, wgrad_state: the shard's weight gradient under docs/design.md §2
             (``main_grad`` is the shard's, (V_r, H) fp32).
 
@@ -231,6 +242,8 @@ def linear_cross_entropy(
         given = [s for _, s in shards]
         problem = ("ValueError", f"the shards must tile the vocabulary in rank order: vocab_start {given}, sizes {sizes}")
     start = expected[rank]
+    if memory not in ("default", "lean"):
+        problem = problem or ("ValueError", f"memory must be 'default' or 'lean', got {memory!r}")
     problem = problem or _problem(input, linear_weight_shard, target, linear_bias, weight, V)
     t = None
     if problem is None:
@@ -261,8 +274,9 @@ def linear_cross_entropy(
     x = input.reshape(-1, input.shape[-1])
     cw = None if weight is None else weight.detach().to(wide_dtype(input))
     width = opts.vocab_slice or default_slice_width(x.shape[0], V_r, x.element_size())
+    keep_bytes = V_r * x.shape[1] * 4 if memory == "default" else 0
     loss, z_part, acc = VocabParallelLinearCrossEntropyFunction.apply(
-        x, linear_weight_shard, linear_bias, t, cw, opts, width, wgrad_state, group, start, V
+        x, linear_weight_shard, linear_bias, t, cw, opts, width, wgrad_state, group, start, V, keep_bytes
     )
     if opts.reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape)

@@ -207,6 +207,8 @@ def stats_pass(
     width: int,
     v_offset: int = 0,
     check=None,
+    keep: list | None = None,
+    keep_bytes: int = 0,
 ) -> SliceStats:
     """Pass 1 over the slices of ``W`` (Vw, H): their statistics, merged in slice order.
 
@@ -217,6 +219,9 @@ def stats_pass(
         width: classes per slice (:func:`default_slice_width`).
         check: ``check_targets``' finish: called after the kernels are queued, before the
             PyTorch path indexes with the targets.
+        keep, keep_bytes: with a list, slice i's logits are appended to it while the kept ones
+            take at most ``keep_bytes`` (else None is appended): :func:`grad_pass` then uses
+            them instead of a GEMM (the same GEMM's bits), one GEMM fewer per kept slice.
     """
     N, Vw = x.shape[0], W.shape[0]
     wide = wide_dtype(x)
@@ -237,6 +242,10 @@ def stats_pass(
     for i, (v0, v1) in enumerate(bounds):
         logits = None  # the previous slice's logits go before this slice's are made
         logits = _slice_logits(x, W, b, v0, v1)
+        if keep is not None:
+            fits = logits.numel() * logits.element_size() <= keep_bytes
+            keep.append(logits if fits else None)
+            keep_bytes -= logits.numel() * logits.element_size() if fits else 0
         g0 = v_offset + v0
         cws = None if cw is None else cw[g0 : g0 + v1 - v0]
         if kernel:
@@ -370,6 +379,7 @@ def grad_pass(
     w_dtype: torch.dtype | None = None,
     main_grad: torch.Tensor | None = None,
     accumulate: bool = False,
+    kept: list | None = None,
 ) -> Grads:
     """Pass 2 over the slices of ``W`` (Vw, H): d_logits from the merged ``lse`` (N,), then the
     gradients asked for in ``want`` (d_input, d_weight, d_bias).
@@ -382,6 +392,9 @@ def grad_pass(
             copy): d_weight's GEMMs write ``wgrad_dtype(x.dtype, w_dtype)``.
         main_grad: add (``accumulate``; else write) d_weight's rows into this fp32 (Vw, H) tensor
             instead of returning it.
+        kept: :func:`stats_pass`'s ``keep`` list: a slice's kept logits take the place of its
+            GEMM and are consumed (d_logits are written over them; the entry becomes None, so a
+            second pass, delayed or repeated, runs the GEMM again: the same bits).
     Other arguments as :func:`stats_pass`.
     """
     N, H = x.shape
@@ -408,7 +421,10 @@ def grad_pass(
     d = logits = None
     for i, (v0, v1) in enumerate(bounds):
         d = logits = None  # the previous slice's go before this slice's are made
-        logits = _slice_logits(x, W, b, v0, v1)
+        if kept is not None and i < len(kept) and kept[i] is not None:
+            logits, kept[i] = kept[i], None
+        else:
+            logits = _slice_logits(x, W, b, v0, v1)
         g0 = v_offset + v0
         if kernel:
             d = slice_grad_kernel(logits, None, cw, t, lse, s_ce, s_z, g0, V, w_sum, opts)
