@@ -38,14 +38,34 @@ def agree(group, owner: str, problem: tuple[str, str] | None, desc: tuple, valid
         if problem is not None:
             raise _ERRORS[problem[0]](f"{owner}: {problem[1]}")
         return
+    everyone = gather_verdicts(group, problem, desc)
+    raise_problems(owner, [p for p, _, _ in everyone])
+    raise_disagreement(owner, [d for _, d, _ in everyone])
+
+
+def gather_verdicts(group, problem: tuple[str, str] | None, desc: tuple, extra=None) -> list[tuple]:
+    """Every rank's ``(problem, desc, extra)`` in rank order (one small host all-gather): a caller
+    that needs other ranks' data to check its input (``extra``, e.g. the shard sizes) decides from
+    this list, the same on every rank, so it raises the same error everywhere without a second
+    gather."""
     everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (problem, desc), group=group)
-    bad = [(r, p) for r, (p, _) in enumerate(everyone) if p is not None]
+    dist.all_gather_object(everyone, (problem, desc, extra), group=group)
+    return everyone
+
+
+def raise_problems(owner: str, problems: list) -> None:
+    """One error listing every rank's ``(class name, message)`` problem (None: fine), of the lowest
+    bad rank's class; nothing when there is none."""
+    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
     if bad:
         listing = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in bad)
         raise _ERRORS[bad[0][1][0]](f"{owner}: bad input on {listing}")
-    if len({d for _, d in everyone}) > 1:
-        first = dict(everyone[0][1])
-        diff = [k for k in first if any(dict(d).get(k) != first[k] for _, d in everyone)]
-        listing = "; ".join(f"rank {r}: " + ", ".join(f"{k}={dict(d).get(k)}" for k in diff) for r, (_, d) in enumerate(everyone))
+
+
+def raise_disagreement(owner: str, descs: list) -> None:
+    """ValueError naming what differs when the ranks' ``desc`` tuples (of (name, value) pairs) do."""
+    if len(set(descs)) > 1:
+        first = dict(descs[0])
+        diff = [k for k in first if any(dict(d).get(k) != first[k] for d in descs)]
+        listing = "; ".join(f"rank {r}: " + ", ".join(f"{k}={dict(d).get(k)}" for k in diff) for r, d in enumerate(descs))
         raise ValueError(f"{owner}: ranks disagree on {', '.join(diff)} ({listing})")

@@ -15,8 +15,9 @@ the same input and targets. It is ``memory="lean"``'s sliced machinery
   the arithmetic of truefuse's bitwise ``allreduce`` (rank-order fp32 sum, one rounding; fp64
   summed in fp64), as a reduce-scatter then an all-gather of the rounded blocks (``_sum_over_ranks``).
 
-Every eager call first agrees on the arguments across ranks (one ``all_gather_object``): bad
-input on any rank, a target outside [0, V) included, is the same ``ValueError`` on every rank.
+Every eager call first agrees on the arguments across ranks (ONE ``all_gather_object`` of each
+rank's verdict, shard size and target range): bad input on any rank, a target outside [0, V)
+included, is the same ``ValueError`` on every rank.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from truefuse.autograd._autocast import autocast_disabled
 from truefuse.autograd._chunked_head import recompute_backward, weight_state
 from truefuse.autograd._wgrad import WgradState, check_main_grad
-from truefuse.distributed._agree import agree
+from truefuse.distributed._agree import gather_verdicts, problem_of, raise_disagreement, raise_problems
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.chunked_head import HeadGrads
 from truefuse.ops.linear_cross_entropy import (
@@ -147,23 +148,42 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         return dx, dW, db, None, None, None, None, None, None, None, None, None
 
 
-def _problem(x, W, t, b, cw, V_total) -> tuple[str, str] | None:
-    """This rank's bad input as (error class, message), or None."""
-    try:
-        check_args(x, W, t, b, None)
-    except (TypeError, ValueError) as e:
-        return type(e).__name__, str(e)
-    if cw is not None and (not isinstance(cw, torch.Tensor) or tuple(cw.shape) != (V_total,)):
-        got = tuple(cw.shape) if isinstance(cw, torch.Tensor) else type(cw).__name__
-        return "ValueError", f"weight must have shape ({V_total},) (one per class of the whole vocabulary), got {got}"
-    return None
+def _target_summary(t: torch.Tensor, ignore_index: int) -> tuple[int, tuple[int, int] | None]:
+    """(a position-weighted sum of the targets, (min, max) of those not ignored or None): what the
+    ranks compare and what the range check needs, read with one host sync."""
+    valid = t != ignore_index
+    big = torch.iinfo(torch.int64).max
+    pos = torch.arange(1, t.numel() + 1, device=t.device)
+    lo = torch.where(valid, t, big).amin() if t.numel() else t.new_tensor(big)
+    hi = torch.where(valid, t, -big).amax() if t.numel() else t.new_tensor(-big)
+    total, lo, hi = torch.stack([(t * pos).sum(), lo, hi]).tolist()
+    return total, (None if lo > hi else (lo, hi))
 
 
-def _target_problem(t: torch.Tensor, V: int, ignore_index: int) -> tuple[str, str] | None:
-    bad = (t != ignore_index) & ((t < 0) | (t >= V))
-    if bool(bad.any()):
-        return "ValueError", f"target holds {t[bad][0].item()}, outside [0, {V}) and not ignore_index={ignore_index}"
-    return None
+def _vocabulary(everyone: list, ignore_index: int) -> tuple[int, list[int]]:
+    """The vocabulary's size and the ranks' first classes from the gathered (V_r, vocab_start,
+    target range, class weights' shape), or the same ValueError on every rank: shards that do not
+    tile [0, V) in rank order, a target outside it, class weights not of shape (V,)."""
+    sizes = [e[0] for _, _, e in everyone]
+    given = [e[1] for _, _, e in everyone]
+    V = sum(sizes)
+    starts = [sum(sizes[:r]) for r in range(len(sizes))]  # the shards tile [0, V) in rank order
+    problems: list = [None] * len(everyone)
+    for r, (_, _, (_, start, t_range, cw_shape)) in enumerate(everyone):
+        if start is None and len(set(sizes)) > 1:
+            msg = f"vocab_start is None but the shards differ in size ({sizes}): give each rank's vocab_start"
+        elif start is not None and given != starts:
+            msg = f"the shards must tile the vocabulary in rank order: vocab_start {given}, sizes {sizes}"
+        elif t_range is not None and (t_range[0] < 0 or t_range[1] >= V):
+            bad = t_range[1] if t_range[1] >= V else t_range[0]
+            msg = f"target holds {bad}, outside [0, {V}) and not ignore_index={ignore_index}"
+        elif cw_shape is not None and cw_shape != (V,):
+            msg = f"weight must have shape ({V},) (one per class of the whole vocabulary), got {cw_shape}"
+        else:
+            continue
+        problems[r] = ("ValueError", msg)
+    raise_problems(_OWNER, problems)
+    return V, starts
 
 
 def linear_cross_entropy(
@@ -224,34 +244,25 @@ def linear_cross_entropy(
     if not dist.is_initialized():
         raise RuntimeError(f"{_OWNER} needs an initialised process group (torch.distributed.init_process_group)")
     group = group if group is not None else dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     opts = LinearCrossEntropyOptions(
         reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy, None, True,
         "lean", vocab_slice,
     )  # fmt: skip
     V_r = linear_weight_shard.shape[0] if isinstance(linear_weight_shard, torch.Tensor) else -1
-    shards: list = [None] * world
-    dist.all_gather_object(shards, (V_r, vocab_start), group=group)
-    sizes = [s for s, _ in shards]
-    V = sum(sizes)
-    expected = [sum(sizes[:r]) for r in range(world)]  # the shards tile [0, V) in rank order
+    # this rank's own checks, then ONE host all-gather of the verdicts, the shard sizes and what
+    # the vocabulary-wide checks need; every rank decides those from the same gathered data
     problem = None
-    if vocab_start is None and len(set(sizes)) > 1:
-        problem = ("ValueError", f"vocab_start is None but the shards differ in size ({sizes}): give each rank's vocab_start")
-    elif vocab_start is not None and [s for _, s in shards] != expected:
-        given = [s for _, s in shards]
-        problem = ("ValueError", f"the shards must tile the vocabulary in rank order: vocab_start {given}, sizes {sizes}")
-    start = expected[rank]
     if memory not in ("default", "lean"):
-        problem = problem or ("ValueError", f"memory must be 'default' or 'lean', got {memory!r}")
-    problem = problem or _problem(input, linear_weight_shard, target, linear_bias, weight, V)
-    t = None
+        problem = ("ValueError", f"memory must be 'default' or 'lean', got {memory!r}")
+    problem = problem or problem_of(lambda: check_args(input, linear_weight_shard, target, linear_bias, None))
+    t, t_sum, t_range = None, None, None
     if problem is None:
         t = target.reshape(-1).to(torch.int64)
-        problem = _target_problem(t, V, opts.ignore_index)
+        t_sum, t_range = _target_summary(t, opts.ignore_index)
     try:
         wgrad_state = weight_state(fuse_wgrad_accumulation, wgrad_state)
-    except ValueError as e:  # agreed below, as every error here
+    except ValueError as e:
         problem = problem or ("ValueError", str(e))
     if problem is None and wgrad_state is not None and wgrad_state.fuse_wgrad_accumulation:
         if torch.is_grad_enabled() and linear_weight_shard.requires_grad:
@@ -263,14 +274,19 @@ def linear_cross_entropy(
     desc = (
         # the targets must be the same on every rank (each owns some classes of every token): a
         # position-weighted sum of them, one int (wrapping in int64: deterministic), compared
-        ("targets", None if t is None else int((t * torch.arange(1, t.numel() + 1, device=t.device)).sum())),
+        ("targets", t_sum),
         ("input shape", tuple(input.shape) if isinstance(input, torch.Tensor) else None),
         ("input dtype", str(getattr(input, "dtype", None))),
         ("input requires grad", needs_x),
         ("bias", linear_bias is not None),
         ("options", opts),
     )
-    agree(group, _OWNER, problem, desc, True)
+    cw_shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else (None if weight is None else type(weight).__name__)
+    everyone = gather_verdicts(group, problem, desc, (V_r, vocab_start, t_range, cw_shape))
+    raise_problems(_OWNER, [p for p, _, _ in everyone])
+    V, starts = _vocabulary(everyone, opts.ignore_index)
+    raise_disagreement(_OWNER, [d for _, d, _ in everyone])
+    start = starts[rank]
     x = input.reshape(-1, input.shape[-1])
     cw = None if weight is None else weight.detach().to(wide_dtype(input))
     width = opts.vocab_slice or default_slice_width(x.shape[0], V_r, x.element_size())
