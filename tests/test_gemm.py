@@ -316,6 +316,23 @@ def test_bad_input_is_named(args, kw, exc, match):
         gemm(*args, **kw)
 
 
+def test_splits_fast_path_copies_and_keeps_the_checks():
+    """A list of Python ints takes one pass and comes back as a copy (a caller reusing its list
+    cannot change what a backward saved); a bool, a NumPy or a tensor entry still goes through the
+    full checks and their errors."""
+    from truefuse.ops.gemm import check_splits
+
+    splits = [3, 0, 5]
+    out = check_splits(splits, 3, 8, "rows")
+    splits[0] = 99
+    assert out == [3, 0, 5]
+    assert check_splits([torch.tensor(2), 6], 2, 8, "rows") == [2, 6]
+    with pytest.raises(TypeError, match=r"m_splits\[0\] is True"):
+        check_splits([True, 7], 2, 8, "rows")
+    with pytest.raises(ValueError, match="sums to 9 but rows is 8"):
+        check_splits([4, 5], 2, 8, "rows")
+
+
 def test_out_aliasing_an_input_is_refused():
     buf = torch.randn(8, 8)
     with pytest.raises(ValueError, match="out shares memory with a"):

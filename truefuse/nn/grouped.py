@@ -66,13 +66,6 @@ class _GroupedWeights:
 
 
 def _splits(m_splits, groups: int, x: torch.Tensor) -> list[int]:
-    # the usual call, a list of non-negative Python ints summing to the rows, in one pass; anything
-    # else (and every error message) through check_splits. The layer runs host-bound at 128 experts:
-    # 1.79 ms of host time per forward + backward against 1.48 ms on the GPU (H200, docs/benchmarks.md),
-    # and check_splits' per-element checks were ~20% of truefuse's own Python there
-    if type(m_splits) is list and len(m_splits) == groups and all(type(v) is int and v >= 0 for v in m_splits):
-        if sum(m_splits) == x.shape[0]:
-            return m_splits
     return check_splits(m_splits, groups, x.shape[0], "the number of rows of x")
 
 
