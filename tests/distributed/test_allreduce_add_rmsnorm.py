@@ -12,8 +12,11 @@ from truefuse.verify.distributed_table import format_table, table
 #: the tables' row counts on the CPU, where only the reference path runs (the kernels' paths are
 #: the GPU's `verify --world-size N`): 2 ranks one row, the gradient-checked sizes (<= 8), odd and
 #: large counts; 4 ranks a subset (the full nine at both sizes took 84 s of the suite's CPU time)
-_ROWS_2 = (1, 4, 8, 20, 64, 1000)
-_ROWS_4 = (1, 8, 20, 130)  # 1000 rows at 2 ranks; 4 processes share the 2 CI cores
+# not the table's 1000 rows: on the CPU every row count takes the same all-gather reference path,
+# and 1000 rows of the norm under the interpreter took 30-47 s a table on the 2 CI cores; the
+# GPU's verify --world-size runs the table's full sizes
+_ROWS_2 = (1, 4, 8, 20, 64, 130)
+_ROWS_4 = (1, 8, 20, 130)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
