@@ -176,3 +176,27 @@ def assert_bounded(out: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tenso
         f"(ratio {rep.ratio:.3f})"
     )
     return rep
+
+
+def same_on_all_ranks(t: torch.Tensor, group=None) -> bool:
+    """``t`` has the same bits on every rank of ``group`` (None: the default group); call it on every rank."""
+    import torch.distributed as dist
+
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, t.contiguous(), group=group)
+    return all(bitwise_report(e, everyone[0]).equal for e in everyone)
+
+
+def error_on_every_rank(fn) -> tuple[str, str] | None:
+    """(class name, message) of the TypeError / ValueError / RuntimeError ``fn()`` raised, or None;
+    then a barrier of the default group, so a rank that hung in a collective fails the caller's run
+    instead of returning. Call it on every rank."""
+    import torch.distributed as dist
+
+    try:
+        fn()
+        err = None
+    except (TypeError, ValueError, RuntimeError) as e:
+        err = (type(e).__name__, str(e))
+    dist.barrier()
+    return err

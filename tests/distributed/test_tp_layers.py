@@ -21,17 +21,7 @@ import torch.distributed as dist
 
 from truefuse.distributed import shard_columns, shard_rows, unshard_columns, unshard_rows
 from truefuse.distributed.launch import run_local
-
-
-def _error(fn) -> tuple[str, str] | None:
-    """(class name, message) of what ``fn()`` raised, or None; then a barrier: every rank got here."""
-    try:
-        fn()
-        err = None
-    except (TypeError, ValueError, RuntimeError) as e:
-        err = (type(e).__name__, str(e))
-    dist.barrier()
-    return err
+from truefuse.testing import error_on_every_rank
 
 
 def _bad_inputs(rank: int, world: int) -> dict:
@@ -44,21 +34,21 @@ def _bad_inputs(rank: int, world: int) -> dict:
     x = torch.randn(3, 32)
     xb, rb = x.to(torch.bfloat16), torch.randn(3, 32, dtype=torch.bfloat16)
     out = {
-        "col_last_dim": _error(lambda: col(torch.randn(3, 31) if rank == 1 else x)),
-        "col_tokens": _error(lambda: col(torch.randn(4, 32) if rank == 0 else x)),
-        "col_requires_grad": _error(lambda: col(x.clone().requires_grad_(rank == last))),
-        "row_input_width": _error(
+        "col_last_dim": error_on_every_rank(lambda: col(torch.randn(3, 31) if rank == 1 else x)),
+        "col_tokens": error_on_every_rank(lambda: col(torch.randn(4, 32) if rank == 0 else x)),
+        "col_requires_grad": error_on_every_rank(lambda: col(x.clone().requires_grad_(rank == last))),
+        "row_input_width": error_on_every_rank(
             lambda: row(torch.randn(3, 48) if rank == 0 else torch.randn(3, 48 // world), torch.randn(3, 32))
         ),
-        "row_residual": _error(lambda: row(torch.randn(3, 48 // world), torch.randn(3, 31 if rank == last else 32))),
-        "row_no_residual": _error(lambda: row(torch.randn(3, 48 // world))),
-        "mlp_dtype": _error(lambda: mlp(x if rank == 0 else xb, rb)),
+        "row_residual": error_on_every_rank(lambda: row(torch.randn(3, 48 // world), torch.randn(3, 31 if rank == last else 32))),
+        "row_no_residual": error_on_every_rank(lambda: row(torch.randn(3, 48 // world))),
+        "mlp_dtype": error_on_every_rank(lambda: mlp(x if rank == 0 else xb, rb)),
     }
     fused = TensorParallelMLP(32, 16 * world, dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
     fused.fc1.weight.main_grad = torch.zeros(fused.fc1.weight.shape)
     if rank != 1:
         fused.fc2.weight.main_grad = torch.zeros(fused.fc2.weight.shape)
-    out["mlp_main_grad"] = _error(lambda: fused(xb, rb))
+    out["mlp_main_grad"] = error_on_every_rank(lambda: fused(xb, rb))
     # the group is still usable, and nothing ran: no GEMM wrote fc1's main_grad
     out["fc1_main_grad_untouched"] = bool((fused.fc1.weight.main_grad == 0).all())
     good = mlp(xb, rb)[0]
@@ -155,8 +145,7 @@ def _controls(rank: int, world: int) -> dict:
     """The checks can fail: a layer holding another rank's shard fails the bounded check, and a
     tensor that differs between ranks fails the all-ranks check."""
     from truefuse.distributed import ColumnParallelLinear
-    from truefuse.testing import bounded_report
-    from truefuse.verify.distributed_tp import _same_on_all_ranks
+    from truefuse.testing import bounded_report, same_on_all_ranks
 
     g = torch.Generator().manual_seed(0)
     W, x = torch.randn(8 * world, 32, generator=g), torch.randn(5, 32, generator=g)
@@ -167,7 +156,7 @@ def _controls(rank: int, world: int) -> dict:
     return {
         "good_passes": bounded_report(good(x.bfloat16()), ref64, base).passed,
         "wrong_shard_fails": not bounded_report(wrong(x.bfloat16()), ref64, base).passed,
-        "differing_ranks_fail": not _same_on_all_ranks(torch.full((4,), float(rank))),
+        "differing_ranks_fail": not same_on_all_ranks(torch.full((4,), float(rank))),
     }
 
 

@@ -17,19 +17,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from truefuse.distributed.launch import run_local
-
-
-def _error(fn):
-    try:
-        fn()
-        err = None
-    except (TypeError, ValueError, RuntimeError) as e:
-        err = (type(e).__name__, str(e))
-    dist.barrier()
-    return err
+from truefuse.testing import error_on_every_rank
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -69,7 +59,7 @@ def _worker(rank: int, world: int) -> dict:
         xl.grad = None
         loss.backward(up.to(loss.dtype))
         res["kept_vs_lean"][f"{dtype}/second_backward"] = torch.equal(xl.grad, first)
-    res["errors"]["memory"] = _error(lambda: vp_lce(x, W[rows], t, memory="lean" if rank else "fast"))
+    res["errors"]["memory"] = error_on_every_rank(lambda: vp_lce(x, W[rows], t, memory="lean" if rank else "fast"))
 
     # d_input's sum over the ranks: the allreduce's arithmetic (rank order, one rounding), bitwise,
     # also for a token count the ranks do not divide
@@ -99,16 +89,16 @@ def _worker(rank: int, world: int) -> dict:
     bad = t.clone()
     if rank == world - 1:
         bad[3] = V
-    res["errors"]["target"] = _error(lambda: vp_lce(x, Ws, bad))
-    res["errors"]["tiling"] = _error(lambda: vp_lce(x, Ws, t, vocab_start=0))
+    res["errors"]["target"] = error_on_every_rank(lambda: vp_lce(x, Ws, bad))
+    res["errors"]["tiling"] = error_on_every_rank(lambda: vp_lce(x, Ws, t, vocab_start=0))
     other = t.clone()
     if rank == 0:
         other[5] = (int(other[5]) + 1) % V  # a valid class, but not the other ranks' target
-    res["errors"]["targets_differ"] = _error(lambda: vp_lce(x, Ws, other))
+    res["errors"]["targets_differ"] = error_on_every_rank(lambda: vp_lce(x, Ws, other))
     Wm = Ws.float().clone().requires_grad_()
     if rank != 0:
         Wm.main_grad = torch.zeros(Wm.shape)
-    res["errors"]["main_grad"] = _error(lambda: vp_lce(x.float(), Wm, t, fuse_wgrad_accumulation=True))
+    res["errors"]["main_grad"] = error_on_every_rank(lambda: vp_lce(x.float(), Wm, t, fuse_wgrad_accumulation=True))
     res["after"] = bool(torch.isfinite(vp_lce(x, Ws, t)).all())
     return res
 

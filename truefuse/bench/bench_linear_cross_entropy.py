@@ -59,7 +59,8 @@ def _grads(loss_fn, main_grad: bool, p: dict, device) -> tuple[torch.Tensor, tor
 
 def _reference(p: dict, device, rows: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy's d_input and d_weight in float64 on the bench's bf16 inputs, ``rows``
-    tokens at a time (the whole float64 logits would take 40 GB at 32768 x 152064)."""
+    tokens at a time: ``linear_cross_entropy_ref`` under autograd would hold the whole float64
+    logits and their gradient (80 GB at 32768 x 152064)."""
     x, W, t = _inputs(p, device)
     x64, W64 = x.detach().double(), W.detach().double()
     N = x64.shape[0]
@@ -74,7 +75,8 @@ def _reference(p: dict, device, rows: int = 2048) -> tuple[torch.Tensor, torch.T
 
 
 def _rel_error(out: torch.Tensor, ref: torch.Tensor, rows: int = 8192) -> float:
-    """``‖out − ref‖ / ‖ref‖`` in float64 on the device, ``rows`` rows at a time."""
+    """``‖out − ref‖ / ‖ref‖`` in float64 on the device, ``rows`` rows at a time: ``testing.rel_error``
+    copies both to the CPU in float64 (12 GB and minutes for a 152064 × 5120 d_weight)."""
     num = sum(float(torch.linalg.vector_norm(out[i : i + rows].double() - ref[i : i + rows]) ** 2)
               for i in range(0, len(ref), rows))  # fmt: skip
     return (num / float(torch.linalg.vector_norm(ref) ** 2)) ** 0.5

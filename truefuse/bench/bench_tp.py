@@ -177,8 +177,12 @@ def _worker(rank: int, world: int, shape: dict, device: str) -> list[dict]:
              "rel_diff_vs_torch": agree if n == "truefuse" else None} for n in steps]  # fmt: skip
 
 
-def run(world_size: int, out_dir: str, quick: bool = False) -> int:
-    from truefuse.bench.harness import environment
+def launch(world_size: int, quick: bool, worker, shapes: tuple[dict, dict, dict], rank0_only=()) -> tuple | None:
+    """``worker(rank, world_size, shape, device)`` on ``world_size`` local processes (NCCL on as many
+    GPUs; without them, with ``quick``, a gloo smoke run on the CPU). ``shapes``: (full, quick, CPU
+    smoke). Returns (rank 0's rows, each with ``ms`` the slowest rank's (rank 0's for the providers
+    in ``rank0_only``) and ``ms_rank0``; the shape; whether on GPUs), or None after printing why
+    not (fewer GPUs than ranks and no ``quick``)."""
     from truefuse.distributed.launch import run_local
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # docs/design.md §8: never NVLink multicast
@@ -186,23 +190,41 @@ def run(world_size: int, out_dir: str, quick: bool = False) -> int:
     if not on_gpu and not quick:
         print(f"bench: --world-size {world_size} needs {world_size} GPUs, found {torch.cuda.device_count()} "
               "(--quick runs a CPU smoke run over gloo)")  # fmt: skip
-        return 2
-    shape = (QUICK if quick else FULL) if on_gpu else CPU_SMOKE
+        return None
+    full, small, cpu = shapes
+    shape = (small if quick else full) if on_gpu else cpu
     if not on_gpu:
         print("bench: no GPUs here; a CPU smoke run over gloo, not a measurement")
-    per_rank = run_local(world_size, _worker, shape, "cuda" if on_gpu else "cpu", backend="nccl" if on_gpu else "gloo")
+    per_rank = run_local(world_size, worker, shape, "cuda" if on_gpu else "cpu", backend="nccl" if on_gpu else "gloo")
     rows = per_rank[0]
-    for i, r in enumerate(rows):  # the step is as slow as its slowest rank
+    for i, r in enumerate(rows):  # a step is as slow as its slowest rank
         r["ms_rank0"] = r["ms"]
-        r["ms"] = max(pr[i]["ms"] for pr in per_rank)
+        if r["provider"] not in rank0_only:
+            r["ms"] = max(pr[i]["ms"] for pr in per_rank)
+    return rows, shape, on_gpu
+
+
+def save(out_dir: str, stem: str, rows: list[dict], **meta) -> Path:
+    """``<out_dir>/<stem>.json``: the environment, ``meta`` and the rows."""
+    from truefuse.bench.harness import environment
+
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    out = path / f"{stem}.json"
+    out.write_text(json.dumps({"meta": {**environment(), **meta}, "rows": rows}, indent=1))
+    return out
+
+
+def run(world_size: int, out_dir: str, quick: bool = False) -> int:
+    launched = launch(world_size, quick, _worker, (FULL, QUICK, CPU_SMOKE))
+    if launched is None:
+        return 2
+    rows, shape, on_gpu = launched
     ref = next(r["ms"] for r in rows if r["provider"] == "torch")
     for r in rows:
         r["ratio"] = r["ms"] / ref
-    path = Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    meta = {**environment(), "world_size": world_size, "dtype": "bfloat16", "activation": "swiglu", "on_gpu": on_gpu}
-    out = path / f"tp_mlp_w{world_size}.json"
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out = save(out_dir, f"tp_mlp_w{world_size}", rows, world_size=world_size, dtype="bfloat16", activation="swiglu",
+               on_gpu=on_gpu)  # fmt: skip
     s = shape
     print(f"TensorParallelMLP fwd+bwd, bf16, {s['tokens']} tokens, hidden {s['hidden']}, ffn {s['ffn']}, "
           f"{world_size} {'GPUs (NCCL)' if on_gpu else 'CPU processes (gloo)'}; "

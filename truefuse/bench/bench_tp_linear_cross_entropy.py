@@ -22,16 +22,13 @@ above what the inputs hold, returned gradients included (rank 0's).
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from truefuse.bench.bench_tp import measure
+from truefuse.bench.bench_tp import launch, measure, save
 
 FULL = {"tokens": 8192, "vocab": 128256, "hidden": 4096}
 QUICK = {"tokens": 1024, "vocab": 32000, "hidden": 1024}
@@ -150,38 +147,21 @@ def _worker(rank: int, world: int, shape: dict, device: str) -> list[dict]:
 def run(world_size: int, out_dir: str, quick: bool = False, shards: int | None = None) -> int:
     """The table; ``shards`` > ``world_size`` runs one rank's share of a ``shards``-way split on each
     of ``world_size`` ranks (with 1: a rank's compute and memory on one GPU, no communication)."""
-    from truefuse.bench.harness import environment
-    from truefuse.distributed.launch import run_local
-
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # docs/design.md §8: never NVLink multicast
-    on_gpu = torch.cuda.device_count() >= world_size
-    if not on_gpu and not quick:
-        print(f"bench: --world-size {world_size} needs {world_size} GPUs, found {torch.cuda.device_count()} "
-              "(--quick runs a CPU smoke run over gloo)")  # fmt: skip
+    n = shards or world_size
+    shapes = tuple(dict(s, shards=n) for s in (FULL, QUICK, CPU_SMOKE))
+    launched = launch(world_size, quick, _worker, shapes, rank0_only=("single",))  # single: rank 0 alone
+    if launched is None:
         return 2
-    shape = dict((QUICK if quick else FULL) if on_gpu else CPU_SMOKE, shards=shards or world_size)
-    if not on_gpu:
-        print("bench: no GPUs here; a CPU smoke run over gloo (fp32), not a measurement")
-    per_rank = run_local(world_size, _worker, shape, "cuda" if on_gpu else "cpu", backend="nccl" if on_gpu else "gloo")
-    rows = per_rank[0]
-    for i, r in enumerate(rows):  # a step is as slow as its slowest rank; single runs on rank 0 alone
-        r["ms_rank0"] = r["ms"]
-        if r["provider"] != "single":
-            r["ms"] = max(pr[i]["ms"] for pr in per_rank)
+    rows, s, on_gpu = launched
     single = next(r for r in rows if r["provider"] == "single")
     for r in rows:
         r["ratio_to_single"] = r["ms"] / single["ms"]
         r["peak_ratio_to_single"] = None if r["peak_mb"] is None or not single["peak_mb"] else r["peak_mb"] / single["peak_mb"]
-    path = Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    meta = {**environment(), "world_size": world_size, "dtype": "bfloat16" if on_gpu else "float32", "on_gpu": on_gpu}
-    tag = f"w{world_size}" + (f"_of{shape['shards']}" if shape["shards"] != world_size else "")
-    out = path / f"tp_linear_cross_entropy_{tag}.json"
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    s = shape
+    stem = f"tp_linear_cross_entropy_w{world_size}" + (f"_of{n}" if n != world_size else "")
+    out = save(out_dir, stem, rows, world_size=world_size, dtype="bfloat16" if on_gpu else "float32", on_gpu=on_gpu)
     print(f"vocab-parallel linear cross-entropy fwd+bwd, {s['tokens']} tokens, vocab {s['vocab']}, hidden {s['hidden']}, "
           f"{world_size} {'GPUs (NCCL)' if on_gpu else 'CPU processes (gloo)'}"
-          + (f", each rank one of {shape['shards']} shards (its compute alone)" if shape["shards"] != world_size else "")
+          + (f", each rank one of {n} shards (its compute alone)" if n != world_size else "")
           + "; ms per step, ratio to single")  # fmt: skip
     print(f"{'provider':>13} {'ms':>9} {'rank0 ms':>9} {'ratio':>7} {'peak MiB':>9} {'peak ratio':>10}")
     for r in rows:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from truefuse.ops.activation import activation_ref
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_activation_torch
 from truefuse.ops.norm import rms_norm_ref, rms_norm_torch
-from truefuse.testing import bitwise_report, bounded_report, rel_error
+from truefuse.testing import bitwise_report, bounded_report, rel_error, same_on_all_ranks
 
 #: The layers the table checks; ``verify --world-size N --op NAME`` selects among them.
 OPS = ("ColumnParallelLinear", "RowParallelLinear", "TensorParallelMLP")
@@ -270,12 +270,6 @@ def _torch_rms_norm(x, w):
     return rms_norm_torch(x, w, _EPS)
 
 
-def _same_on_all_ranks(t: torch.Tensor) -> bool:
-    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, t.contiguous())
-    return all(bitwise_report(e, everyone[0]).equal for e in everyone)
-
-
 def _row(spec, dtype_name, path, check, tensor, contract, passed, **info) -> dict:
     return {"op": spec.op, "case": spec.name, "dtype": dtype_name, "path": path, "check": check, "tensor": tensor,
             "contract": contract, "passed": bool(passed), **info}  # fmt: skip
@@ -294,7 +288,7 @@ def _fwd_bwd_rows(spec: Spec, dtype_name: str, device, workspace, path: str, ref
     rows = []
     for k in sorted(got):
         rep = bounded_report(got[k], ref64[k], base[k])
-        all_ranks = _same_on_all_ranks(got[k]) if k in spec.replicated else None
+        all_ranks = same_on_all_ranks(got[k]) if k in spec.replicated else None
         same_ref = None if reference is None else bitwise_report(got[k], reference[k]).equal
         passed = rep.passed and all_ranks is not False and same_ref is not False
         rows.append(_row(spec, dtype_name, path, "fwd_bwd", k, "bounded", passed, error=rep.error,

@@ -20,9 +20,8 @@ Every case is drawn from one set of unsharded values (the same on every rank); r
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from truefuse.testing import bitwise_report, bounded_report
+from truefuse.testing import bitwise_report, bounded_report, same_on_all_ranks
 
 OP = "vocab_parallel_linear_cross_entropy"
 #: The options' cases: the issue's list (ignore_index, label smoothing, z-loss, softcap, class
@@ -64,13 +63,6 @@ def run_loss(fn, x, W, t, b, up, reduction: str, **kw) -> dict:
     out.loss.backward(up.to(out.loss.dtype) if reduction == "none" else None)
     return {"loss": out.loss.detach(), "z_loss": out.z_loss, "acc": out.token_accuracy, "dx": xl.grad, "dW": Wl.grad,
             "db": None if bl is None else bl.grad}  # fmt: skip
-
-
-def same_on_all_ranks(t: torch.Tensor, group=None) -> bool:
-    """``t`` has the same bits on every rank of ``group``."""
-    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, t.contiguous(), group=group)
-    return all(bitwise_report(e, everyone[0]).equal for e in everyone)
 
 
 def _row(case, dtype_name, check, tensor, contract, passed, **info) -> dict:
