@@ -357,3 +357,85 @@ def test_backend_option_reaches_the_kernel(monkeypatch):
     assert not any(type(e).__name__.startswith("Truefuse") for _, e in find_experts(model))  # nothing patched
     apply_truefuse(model, experts_backend="per_group")
     assert all(e._truefuse_backend == "per_group" for _, e in find_experts(model))
+
+
+def test_device_splits_same_bits_as_host_splits(monkeypatch):
+    """``backend='triton'`` keeps the per-expert counts on the device (no ``.tolist()``: no host sync,
+    CUDA graphs); a module marked expert-parallel takes them to the host to drop its sentinels by
+    count. Without sentinels both give the same bits; an unmarked module given a sentinel raises."""
+    from truefuse.ops.grouped_gemm import grouped_gemm_available
+
+    if not grouped_gemm_available(torch.device("cpu"), torch.float32):
+        pytest.skip("the Triton grouped GEMM runs on the CPU only under TRITON_INTERPRET=1")
+    made = []
+    real = moe.split_offsets
+    monkeypatch.setattr(moe, "split_offsets", lambda s, *a, **k: made.append(type(s)) or real(s, *a, **k))
+    _, ours = _experts("qwen3_moe")
+    assert patch_experts(ours, backend="triton")
+    idx, w = _routing(24, 2, E, torch.float32)
+    x = torch.randn(24, H, generator=torch.Generator().manual_seed(3))
+    dy = torch.randn(24, H, generator=torch.Generator().manual_seed(4))
+    on_device = _run(ours, x, idx, w, dy)
+    assert made == [torch.Tensor]  # the offsets made from the device counts
+    ours._is_expert_parallel = True
+    on_host = _run(ours, x, idx, w, dy)
+    assert made == [torch.Tensor]  # not again: the host list path
+    for name, a, b in zip(("y", "dx", "dw_route", "dgate_up", "ddown"), on_device, on_host, strict=True):
+        assert torch.equal(a, b), name
+    idx[3, 1] = E
+    assert torch.count_nonzero(ours(x, idx, w)[3]) > 0  # marked: the sentinel dropped, the other slot kept
+    ours._is_expert_parallel = False
+    with pytest.raises(RuntimeError, match="not marked expert-parallel"):
+        ours(x, idx, w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_experts_no_host_sync_and_graph_replay():
+    """On CUDA the default backend runs the MoE experts forward + backward without a host sync
+    (``set_sync_debug_mode('error')`` raises on one), gives the host-splits path's bits, and a CUDA
+    graph of forward + backward replayed on a new routing gives eager's bits."""
+    _, ours = _experts("qwen3_moe", dtype=torch.bfloat16)
+    ours = ours.cuda()
+    T, bf16 = 256, torch.bfloat16
+
+    def inputs(seed):
+        idx, w = _routing(T, 2, E, bf16, seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        return [t.cuda() for t in (torch.randn(T, H, generator=g).to(bf16), idx, w, torch.randn(T, H, generator=g).to(bf16))]
+
+    x, idx, w, dy = inputs(2)
+    _run(ours, x, idx, w, dy)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_device = _run(ours, x, idx, w, dy)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ours._is_expert_parallel = True
+    on_host = _run(ours, x, idx, w, dy)
+    ours._is_expert_parallel = False
+    for name, a, b in zip(("y", "dx", "dw_route", "dgate_up", "ddown"), on_device, on_host, strict=True):
+        assert torch.equal(a, b), name
+
+    sx, sidx, sw, sdy = x.clone().requires_grad_(), idx.clone(), w.clone().requires_grad_(), dy.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph asks
+        ours(sx, sidx, sw).backward(sdy)
+    torch.cuda.current_stream().wait_stream(side)
+    ours.zero_grad(set_to_none=True)
+    sx.grad = sw.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sy = ours(sx, sidx, sw)
+        sy.backward(sdy)
+    captured = (sy, sx.grad, sw.grad, ours.gate_up_proj.grad, ours.down_proj.grad)
+    x2, idx2, w2, dy2 = inputs(7)
+    with torch.no_grad():
+        for dst, src in zip((sx, sidx, sw, sdy), (x2, idx2, w2, dy2), strict=True):
+            dst.copy_(src)
+    graph.replay()
+    replayed = [t.detach().clone() for t in captured]
+    eager = _run(ours, x2, idx2, w2, dy2)
+    for name, a, b in zip(("y", "dx", "dw_route", "dgate_up", "ddown"), replayed, eager, strict=True):
+        assert torch.equal(a, b), name

@@ -16,8 +16,10 @@ That is exactly the packed layout of ``truefuse.GroupedMLP(single_grouped_weight
 this module so that a patched model still pickles) whose ``forward(hidden_states, top_k_index,
 top_k_weights)`` runs:
 
-1. the (token, slot) pairs sorted by expert (stable sort of ``top_k_index``), per-expert counts
-   (``m_splits``) taken to the host (one sync, see :func:`_experts_forward`);
+1. the (token, slot) pairs sorted by expert (stable sort of ``top_k_index``) and the per-expert
+   counts (``m_splits``), kept on the device for the ``triton`` backend (no host sync: the layer can
+   be captured in a CUDA graph), taken to the host otherwise and for expert-parallel modules, whose
+   sentinels are dropped by count (see :func:`_route`);
 2. ``GroupedMLPFunction``: grouped GEMM with ``gate_up_proj``, the gated activation, grouped GEMM
    with ``down_proj``, on the backend ``patch_experts(backend=...)`` names, as
    ``truefuse.GroupedMLP(single_grouped_weight=True, backend=...)``: by default (None) the
@@ -52,7 +54,9 @@ Rounding, against the stock module in the same dtype:
   same bits (one rounding of a two-term sum); Mixtral's fp32 weights in a bf16 model do not.
 
 * Expert-parallel sentinels (an index equal to ``num_experts``, which stock skips) are dropped: they
-  get no GEMM row and contribute exactly 0.
+  get no GEMM row and contribute exactly 0. Only a module marked expert-parallel (transformers sets
+  ``_is_expert_parallel`` when it shards the experts) may hold them on the ``triton`` backend; an
+  unmarked one raises :data:`SENTINEL_MESSAGE` (a device-side assert on CUDA).
 * ``torch.autocast``: as the configured stock forward. ``eager`` (``F.linear``) and ``batched_mm``
   (``bmm``) are autocast ops: the input and both weights are cast to the autocast dtype
   (differentiable ``.to``, so the weight gradients are the autocast-dtype GEMM's result brought back
@@ -87,6 +91,7 @@ from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
 from truefuse.integrations.huggingface.modules import gated_for, truefuse_subclass
 from truefuse.nn.grouped import check_backend, resolve_backend
+from truefuse.ops.grouped_gemm import split_offsets
 
 #: The transformers experts classes :func:`patch_experts` takes (matched by class name, the module's
 #: own class or a stock base of it).
@@ -184,6 +189,34 @@ def _eager_rule(module: torch.nn.Module) -> bool:
     return _experts_implementation(module) in (None, "eager")
 
 
+#: Raised (on CUDA as a device-side assert) when a module not marked expert-parallel is routed to
+#: the sentinel expert ``num_experts``: the device-splits path has no host count to drop it by.
+SENTINEL_MESSAGE = (
+    "top_k_index holds the expert-parallel sentinel (== num_experts) but this experts module is not marked "
+    "expert-parallel (module._is_expert_parallel, set by transformers when it shards the experts)"
+)
+
+
+def _route(module: torch.nn.Module, backend: str, counts: torch.Tensor, order: torch.Tensor):
+    """``(splits, rows, extra)`` for ``GroupedMLPFunction``: the group sizes for the host (None: on
+    the device), the (token, slot) pairs that get a GEMM row, in expert order, and the device offsets
+    to pass after the weights (``()``: made from ``splits``).
+
+    ``triton`` on a module not marked expert-parallel (``_is_expert_parallel``, transformers 5's flag;
+    absent: not) keeps the sizes on the device: no host sync, so the layer (router included) can be
+    captured in a CUDA graph. Such a module has no sentinels; one would make the offsets sum short
+    of the rows, so it is asserted on the device (:data:`SENTINEL_MESSAGE`). Otherwise the sizes come
+    to the host (one sync per forward: ~10-50 us per MoE layer on a GPU and the launch-ahead lost) and
+    the sentinels' pairs, sorted last, are dropped exactly (no row, no contribution)."""
+    E = counts.numel() - 1
+    if backend == "triton" and not getattr(module, "_is_expert_parallel", False):
+        torch._assert_async(counts[E] == 0, SENTINEL_MESSAGE)
+        return None, order, (split_offsets(counts[:E], E, order.numel(), counts.device, check=False),)
+    splits = counts[:E].tolist()
+    n = sum(splits)
+    return tuple(splits), (order[:n] if n < order.numel() else order), ()
+
+
 def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """Stock's ``forward`` on truefuse's grouped MLP.
 
@@ -203,15 +236,8 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     # (token, slot) pairs in expert order; stable, so within an expert by token, then slot
     order = torch.sort(ids, stable=True).indices
     # Per-expert counts without a sync (scatter_add, not bincount, which syncs for its length);
-    # sentinels (>= E) counted in the last bin and dropped.
+    # sentinels (>= E) counted in the last bin.
     counts = torch.zeros(E + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, ids.clamp(max=E), torch.ones_like(ids))
-    # The one host sync of this forward: m_splits to the host (E ints). On a GPU it waits for every
-    # kernel queued before it (the router's) and stalls the CPU's launch-ahead: ~10-50 us per MoE
-    # layer plus the lost overlap, and no CUDA graph capture. Stock eager syncs too (nonzero and its
-    # per-expert loop). Device-side splits would remove it (a later issue).
-    splits = counts[:E].tolist()
-    n = sum(splits)
-    rows = order[:n] if n < order.numel() else order
 
     eager = _eager_rule(self)
     # torch.autocast as the configured stock forward: F.linear (eager) and bmm (batched_mm) are cast
@@ -219,13 +245,14 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     autocast = autocast_dtype(x_all.device)
     dt = autocast if _experts_implementation(self) != "grouped_mm" else None
     w1, w2 = cast(self.gate_up_proj, dt), cast(self.down_proj, dt)
+    backend = resolve_backend(getattr(self, "_truefuse_backend", None), x_all.device, dt or w1.dtype, True)
+    splits, rows, extra = _route(self, backend, counts, order)
     x = x_all[rows // K]
     x = cast(x, dt) if dt is not None else x.to(w1.dtype)  # stock's grouped_mm casts to the weights' dtype
-    backend = resolve_backend(getattr(self, "_truefuse_backend", None), x.device, x.dtype, True)
-    spec1 = GroupSpec(tuple(splits), True, False, ("gate_up_proj",), backend=backend)
-    spec2 = GroupSpec(tuple(splits), True, False, ("down_proj",), backend=backend)
+    spec1 = GroupSpec(splits, True, False, ("gate_up_proj",), backend=backend)
+    spec2 = GroupSpec(splits, True, False, ("down_proj",), backend=backend)
     with torch.autocast(x.device.type, enabled=False) if autocast is not None else contextlib.nullcontext():
-        y = GroupedMLPFunction.apply(x, spec1, spec2, self._truefuse_activation, self._truefuse_wgrad, w1, w2)  # (n, H)
+        y = GroupedMLPFunction.apply(x, spec1, spec2, self._truefuse_activation, self._truefuse_wgrad, w1, w2, *extra)
 
     out_dtype = hidden_states.dtype
     prod = y * top_k_weights.reshape(-1)[rows].unsqueeze(-1)  # torch's promotion, as stock
