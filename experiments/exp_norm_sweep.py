@@ -127,7 +127,7 @@ def launch_sum(cfg, part, out, P):
 
     bp, bn, warps = cfg
     N = part.shape[1]
-    _sum_partials_kernel[(-(-N // bn),)](part, out, P, N, BLOCK_P=bp, BLOCK_N=bn, num_warps=warps)
+    _sum_partials_kernel[(-(-N // bn),)](part, out, part, out, P, N, BLOCK_P=bp, BLOCK_N=bn, num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -91,13 +91,13 @@ def launch_fwd(kind, cfg, x, w, b, y, mean, rstd, sms, pdl=False):
     from truefuse.kernels.norm import _norm_fwd_kernel
 
     M, N = x.shape
-    warps, k, _ = cfg
+    warps, k, wb = cfg  # wb: the kernel's WB (exp_norm_sums.py), or 0 for its default
     grid = min(M, k * sms) if k else M
     kw = {"launch_pdl": True} if pdl else {}
     _norm_fwd_kernel[(grid,)](
         x, w, b if kind == "ln" else x, y, mean if kind == "ln" else rstd, rstd, x.stride(0), y.stride(0), N, 1e-5,
         IS_RMS=kind == "rms", HAS_W=True, HAS_B=kind == "ln", ZERO_CENTERED=False, BLOCK_N=npow2(N),
-        M=M, PERSISTENT=bool(k), PDL=pdl, num_warps=warps, **kw,
+        M=M, PERSISTENT=bool(k), PDL=pdl, WB=wb or "reg", num_warps=warps, **kw,
     )  # fmt: skip
 
 
@@ -120,44 +120,54 @@ def launch_bwd(kind, cfg, dy, x, w, mean, rstd, dx, dw_part, db_part, sms, pdl=F
     return programs
 
 
-def launch_sum(cfg, part, out, P, pdl=False):
+def launch_sum(cfg, part, out, P, pdl=False, part2=None, out2=None):
+    """out = the column sums of part (and out2 of part2, in the same launch)."""
     from truefuse.kernels.norm import _sum_partials_kernel
 
     bp, bn, warps = cfg
     N = part.shape[1]
     kw = {"launch_pdl": True} if pdl else {}
-    _sum_partials_kernel[(-(-N // bn),)](part, out, P, N, BLOCK_P=bp, BLOCK_N=bn, PDL=pdl, num_warps=warps, **kw)
+    two = part2 is not None
+    _sum_partials_kernel[(-(-N // bn),)](
+        part, out, part2 if two else part, out2 if two else out, P, N, BLOCK_P=bp, BLOCK_N=bn, TWO=two, PDL=pdl,
+        num_warps=warps, **kw,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
 # compile workers (the same launches as the timed runs: the same cache keys)
 
 
+def add_jobs(jobs, op, kind, h, cfgs, pdls):
+    """Append a compile job per distinct kernel and PDL flag (configurations that differ only in
+    programs per SM, a launch argument, share one)."""
+    seen = set()
+    for c in cfgs:
+        key = (c[0], bool(c[1]), c[2]) if op == "fwd" else c[:3] + c[4:]
+        if key not in seen:
+            seen.add(key)
+            jobs.extend((op, kind, h, c, pdl) for pdl in pdls)
+
+
 def _jobs(hs):
     jobs = []
     for h in hs:
         for kind in ("rms", "ln"):
-            for pdl in (False, True):
-                fcs = [old_fwd(h)]
-                seen = set()
-                for c in fcs:
-                    key = (c[0], bool(c[1]), c[2])
-                    if key not in seen:
-                        seen.add(key)
-                        jobs.append(("fwd", kind, h, c, pdl))
-                seen = set()
-                for c in bwd_cfgs(h, kind):
-                    key = c[:3] + c[4:]
-                    if key not in seen:
-                        seen.add(key)
-                        jobs.append(("bwd", kind, h, c, pdl))
+            add_jobs(jobs, "fwd", kind, h, [old_fwd(h)], (False, True))
+            add_jobs(jobs, "bwd", kind, h, bwd_cfgs(h, kind), (False, True))
             for sc in SUM_OLD.values():
                 jobs.append(("sum", "-", h, sc, False))
                 jobs.append(("sum", "-", h, sc, True))
     return jobs
 
 
-def _worker(jobs):
+def _worker(jobs, module="exp_norm_variants"):
+    """Compile (by running at 64 rows) each job with ``module``'s launch_fwd / launch_bwd /
+    launch_sum (this file's, or another experiment's with the same signatures; a sum job of kind
+    "ln" sums two partials in one launch)."""
+    import importlib
+
+    mod = importlib.import_module(module)
     dev = torch.device("cuda")
     errs = []
     for op, kind, h, cfg, pdl in jobs:
@@ -167,38 +177,29 @@ def _worker(jobs):
             w = torch.randn(h, device=dev, dtype=torch.bfloat16)
             f32 = lambda *s: torch.empty(*s, device=dev, dtype=torch.float32)
             if op == "fwd":
-                launch_fwd(kind, cfg, x, w, w.clone(), torch.empty_like(x), f32(M), f32(M), 2, pdl)
+                mod.launch_fwd(kind, cfg, x, w, w.clone(), torch.empty_like(x), f32(M), f32(M), 2, pdl)
             elif op == "bwd":
-                launch_bwd(
-                    kind,
-                    cfg,
-                    x.clone(),
-                    x,
-                    w,
-                    f32(M).zero_(),
-                    f32(M).fill_(1),
-                    torch.empty_like(x),
-                    f32(64, h),
-                    f32(64, h),
-                    2,
-                    pdl,
-                )
+                mod.launch_bwd(kind, cfg, x.clone(), x, w, f32(M).zero_(), f32(M).fill_(1), torch.empty_like(x),
+                               f32(64, h), f32(64, h), 2, pdl)  # fmt: skip
             else:
-                launch_sum(cfg, f32(64, h).zero_(), torch.empty(h, device=dev, dtype=torch.bfloat16), 64, pdl)
+                part, out = f32(64, h).zero_(), torch.empty(h, device=dev, dtype=torch.bfloat16)
+                mod.launch_sum(cfg, part, out, 64, pdl, *((part, out.clone()) if kind == "ln" else ()))
         except Exception as e:  # noqa: BLE001  (reported; the main process tries again)
             errs.append(f"{op} {kind} {h} {cfg} pdl={pdl}: {type(e).__name__}: {str(e)[:300]}")
     torch.cuda.synchronize()
     return len(jobs), errs
 
 
-def precompile(hs, workers, say):
+def precompile(hs, workers, say, jobs=None, module="exp_norm_variants"):
+    """Compile ``jobs`` (default: this file's, for ``hs``) in ``workers`` spawned processes."""
     import concurrent.futures as cf
+    import functools
     import multiprocessing as mp
 
-    jobs = _jobs(hs)
+    jobs = _jobs(hs) if jobs is None else jobs
     t0 = time.time()
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        res = list(ex.map(_worker, [jobs[i::workers] for i in range(workers)]))
+        res = list(ex.map(functools.partial(_worker, module=module), [jobs[i::workers] for i in range(workers)]))
     errs = [e for r in res for e in r[1]]
     say(f"precompiled {len(jobs)} kernels in {time.time() - t0:.1f} s ({len(errs)} errors)")
     for e in errs[:12]:
@@ -206,6 +207,27 @@ def precompile(hs, workers, say):
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def close_out(say, bad, passed, payload, path, t_start):
+    """The run's last lines: the failed checks (or ``passed``: what all checks held), the JSON of
+    ``payload`` at ``path``, the total time."""
+    say("\n" + ("FAILED CHECKS:\n  " + "\n  ".join(bad) if bad else "all checks passed (" + passed + ")"))
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=0)
+    say(f"total {time.time() - t_start:.0f} s")
+
+
+def floor_inputs(h, m):
+    """x and dy (bf16, (m, h), seeded by the shape), their generator (for w and b), and the floor's
+    µs: (copy_ of x, add of x and dy, both in one graph)."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(h + m)
+    x = torch.randn(m, h, device=dev, dtype=torch.bfloat16, generator=g)
+    dy = torch.randn(m, h, device=dev, dtype=torch.bfloat16, generator=g)
+    z1, z2 = torch.empty_like(x), torch.empty_like(x)
+    tc, ta = gtime(lambda: z1.copy_(x)), gtime(lambda: torch.add(x, dy, out=z2))
+    return x, dy, g, (tc, ta, gtime(lambda: (z1.copy_(x), torch.add(x, dy, out=z2))))
 
 
 def main():
@@ -226,13 +248,8 @@ def main():
     rows, bad, res, floor = [], [], {}, {}
     for h in hs:
         for m in ms:
-            g = torch.Generator(device=dev).manual_seed(h + m)
-            x = torch.randn(m, h, device=dev, dtype=bf16, generator=g)
-            dy = torch.randn(m, h, device=dev, dtype=bf16, generator=g)
-            z1, z2 = torch.empty_like(x), torch.empty_like(x)
-            tc, ta = gtime(lambda: z1.copy_(x)), gtime(lambda: torch.add(x, dy, out=z2))
-            floor[(h, m)] = (tc, ta, gtime(lambda: (z1.copy_(x), torch.add(x, dy, out=z2))))
-            rows.append(dict(op="floor", H=h, M=m, copy_us=tc, add_us=ta, seq_us=floor[(h, m)][2]))
+            x, dy, g, floor[(h, m)] = floor_inputs(h, m)
+            rows.append(dict(op="floor", H=h, M=m, copy_us=floor[(h, m)][0], add_us=floor[(h, m)][1], seq_us=floor[(h, m)][2]))
             for kind in ("rms", "ln"):
                 w = (torch.rand(h, device=dev, generator=g) + 0.5).to(bf16)
                 b = torch.randn(h, device=dev, generator=g).to(bf16)
@@ -316,20 +333,9 @@ def main():
                     f"{kind:4} {h:>5} {m:>5} | {fl:6.1f} {t_old:6.1f} {t_new:6.1f} {t_pdl:6.1f} | {100 * fl / t_old:5.1f} {100 * fl / t_new:5.1f} {100 * fl / t_pdl:5.1f} | {fc} | {bc} | "
                     + "+".join(f"{t:.1f}" for t in t_parts)
                 )
-    say(
-        "\n"
-        + (
-            "FAILED CHECKS:\n  " + "\n  ".join(bad)
-            if bad
-            else "all checks passed (errors < 1e-2 vs fp32; backward batch invariant)"
-        )
-    )
-    json.dump(
-        {"rows": rows, "choice": {f"{k[0]} {k[1]}": v for k, v in choice.items()}},
-        open(os.path.join(args.out, "norm_variants.json"), "w"),
-        indent=0,
-    )
-    say(f"total {time.time() - t_start:.0f} s")
+    close_out(say, bad, "errors < 1e-2 vs fp32; backward batch invariant",
+              {"rows": rows, "choice": {f"{k[0]} {k[1]}": v for k, v in choice.items()}},
+              os.path.join(args.out, "norm_variants.json"), t_start)  # fmt: skip
 
 
 def _sequence(kind, h, m, old, new, sms):

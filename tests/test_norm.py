@@ -7,7 +7,7 @@ import torch
 
 import truefuse
 from truefuse.config import get_tuning
-from truefuse.ops.norm import bwd_config, layer_norm_ref, rms_norm_ref, rms_norm_torch, use_kernel
+from truefuse.ops.norm import bwd_config, layer_norm_ref, ln_fwd_config, rms_norm_ref, rms_norm_torch, use_kernel
 from truefuse.testing import assert_bitwise, assert_bounded
 from truefuse.verify.registry import all_cases
 
@@ -60,6 +60,22 @@ def test_two_part_backward(fn, device):
         torch.testing.assert_close(g, r.float(), rtol=1e-4, atol=1e-4)
     x1 = x[1:2].detach().requires_grad_()
     assert_bitwise(torch.autograd.grad(f(x1, *params), x1, dy[1:2])[0], got[0][1:2], "row 1 alone")
+
+
+@pytest.mark.parametrize("n", [2048, 5120])
+def test_layer_norm_forward_narrow_weights(n, device):
+    """LayerNorm's forward with w and b held in their own dtype between rows (ops.norm.ln_fwd_config;
+    one program per row at 2048, persistent at 5120 on the GPU): the reference's values, and a
+    row's bits independent of the rows beside it."""
+    assert ln_fwd_config(n)[2] == "narrow"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = (torch.randn(5, n, device=device) * 2 + 1).to(dtype)
+    w, b = (torch.rand(n, device=device) + 0.5).to(dtype), torch.randn(n, device=device).to(dtype)
+    y = truefuse.layer_norm(x, w, b)
+    want = layer_norm_ref(x.double(), w.double(), b.double())
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
+    assert_bitwise(truefuse.layer_norm(x[3:4], w, b), y[3:4], "row 3 alone")
 
 
 def test_rounding_rule_single_rounding(device):

@@ -60,12 +60,33 @@ def rms_norm_row(x, w, N, eps, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr)
 
 
 @triton.jit
+def _fwd_wb(w_ptr, b_ptr, cols, mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr, FP32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The forward's weight and bias rows (fp32 with FP32, else their own dtype); zeros (a
+    placeholder) where there is none."""
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    else:
+        w = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_B:
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0)
+    else:
+        b = tl.zeros((BLOCK_N,), dtype=w.dtype)
+    if FP32:
+        w = w.to(tl.float32)
+        b = b.to(tl.float32)
+    return w, b
+
+
+@triton.jit
 def _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
              IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
              RSTD_IN: tl.constexpr, ROUND_NORMED: tl.constexpr, DT: tl.constexpr):  # fmt: skip
-    """One row of the forward: ``x`` the row in fp32 (masked lanes 0), ``w`` / ``b`` fp32 rows
-    (placeholders without HAS_W / HAS_B), ``row`` int64. LayerNorm's two reductions (mean, then
-    variance) stay two: one pass (Chan's combine) measured 2-20% slower (experiments/exp_norm_variants.py)."""
+    """One row of the forward: ``x`` the row in fp32 (masked lanes 0), ``w`` / ``b`` the weight and
+    bias rows in fp32 or their own dtype (upcast here: the same values; placeholders without HAS_W /
+    HAS_B), ``row`` int64. LayerNorm's two reductions (mean, then variance) stay two: one pass
+    (Chan's combine) measured 2-20% slower (experiments/exp_norm_variants.py)."""
+    w = w.to(tl.float32)
+    b = b.to(tl.float32)
     if IS_RMS:
         xc = x
     else:
@@ -116,22 +137,19 @@ def _norm_fwd_kernel(
     PERSISTENT: tl.constexpr = False,
     EVICT: tl.constexpr = "",
     PDL: tl.constexpr = False,
+    WB: tl.constexpr = "reg",
 ):
     """PERSISTENT: ``num_programs`` programs, program p norms rows p, p + P, ... (M rows), the next
     row's load issued before this row's math; else one program per row. Each row is normed by the
-    same code in the same layout either way (same bits: only the schedule differs)."""
+    same code in the same layout either way (same bits: only the schedule differs). WB: where the
+    weight and bias rows live between rows: "reg" in fp32 registers, "narrow" in registers in their
+    own dtype (half the registers), "row" loaded again for each row (L1 hits); the same values, the
+    same bits."""
     _pdl_enter(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    if HAS_W:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    else:
-        w = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_B:
-        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    else:
-        b = w
+    w, b = _fwd_wb(w_ptr, b_ptr, cols, mask, HAS_W, HAS_B, WB == "reg", BLOCK_N)
     if PERSISTENT:
         pid = tl.program_id(0)
         P = tl.num_programs(0)
@@ -144,7 +162,11 @@ def _norm_fwd_kernel(
             nxt = row + P
             x_nxt = tl.load(x_ptr + nxt * stride_x + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0,
                             eviction_policy=EVICT)  # fmt: skip
-            _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
+            if WB == "row":  # (new names: a value assigned in the loop would be carried across rows)
+                wr, br = _fwd_wb(w_ptr, b_ptr, cols, mask, HAS_W, HAS_B, False, BLOCK_N)
+            else:
+                wr, br = w, b
+            _fwd_row(x, wr, br, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
                      IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT)  # fmt: skip
     else:
         row = tl.program_id(0).to(tl.int64)
@@ -357,15 +379,22 @@ def _norm_bwd_split_kernel(
 
 
 @triton.jit(do_not_specialize=["P"])
-def _sum_partials_kernel(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
-    """``out[n] = Σ_p part[p, n]`` in fp32, rounded once to out's dtype. Tiles of BLOCK_P partial
-    rows are loaded at once (many loads in flight); the order is fixed by P alone (deterministic)."""
+def _sum_partials_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                         TWO: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
+    """``out[n] = Σ_p part[p, n]`` in fp32, rounded once to out's dtype (and with TWO the same of
+    ``part2`` into ``out2``: LayerNorm's weight and bias gradients in one launch). Tiles of BLOCK_P
+    partial rows are loaded at once (many loads in flight); the order is fixed by P alone (deterministic)."""
     _pdl_enter(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_P)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
         r = p0 + rows
         mask = (r[:, None] < P) & (cols[None, :] < N)
         acc += tl.load(part_ptr + r[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        if TWO:
+            acc2 += tl.load(part2_ptr + r[:, None] * N + cols[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < N)
+    if TWO:
+        tl.store(out2_ptr + cols, tl.sum(acc2, axis=0).to(out2_ptr.dtype.element_ty), mask=cols < N)

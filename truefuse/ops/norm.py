@@ -123,14 +123,30 @@ def fwd_programs_per_sm(n: int) -> int:
     """Persistent forward programs per SM (0: one program per row), from the hidden size only.
     Either schedule norms each row with the same code and layout (BLOCK_N and num_warps of
     :func:`block_and_warps`): the same bits. Measured on an H200 (experiments/exp_norm_sweep.py,
-    docs/benchmarks.md): persistent is 1.1-1.35x faster from 5120 up and at 1024 and 2880."""
+    docs/benchmarks.md): persistent is 1.1-1.35x faster from 5120 up and at 1024 and 2880; at 1024
+    32 programs per SM beat 16 by 0.6 µs of the 8192-row forward + backward (exp_norm_sums.py)."""
     if n <= 1024:
-        return 16
+        return 32
     if n <= 2048 or 2880 < n <= 4096:
         return 0
     if n <= 4096:
         return 4
     return 2 if n < 8192 else 4
+
+
+def ln_fwd_config(n: int) -> tuple[int, int, str]:
+    """LayerNorm forward's (num_warps, programs per SM (0: one per row), WB: where the weight and
+    bias rows live between rows, ``kernels/norm.py::_norm_fwd_kernel``), from the hidden size only.
+    Not coupled to the allreduce (only RMSNorm's forward is): its own choice. Measured on an H200
+    (experiments/exp_norm_sums.py): w and b held in bf16 ("narrow") are 3-7% faster than in fp32 at
+    2048, 2880, 7168 and 16384, a tie elsewhere; loading them per row from L1 is never faster."""
+    if n <= 1024:
+        return block_and_warps(n)[1], 16, "reg"
+    if n <= 2880:
+        return 4, 0, "narrow"
+    if n <= 4096:
+        return 8, 0, "reg"
+    return 16, (2 if n < 16384 else 4), "narrow"
 
 
 class BwdConfig(NamedTuple):
@@ -174,9 +190,13 @@ def _pdl_kw(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
-def sum_config(n: int) -> tuple[int, int, int]:
-    """``_sum_partials_kernel``'s (BLOCK_P, BLOCK_N, num_warps): tall thin tiles, few serial loads."""
-    return (256, 16, 8) if n <= 4096 else (128, 16, 4)
+def sum_config(n: int, two: bool = False) -> tuple[int, int, int]:
+    """``_sum_partials_kernel``'s (BLOCK_P, BLOCK_N, num_warps): tall thin tiles, few serial loads;
+    up to 4096 the backward's 264-528 partial rows in one round where that measured faster (1024,
+    and LayerNorm's two sums in one launch: 4.5 -> 3.2 µs at 1024; experiments/exp_norm_sums.py)."""
+    if n <= 4096:
+        return (512 if n <= 1024 or two else 256), 16, 8
+    return 128, 16, 4
 
 
 def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: bool, rstd=None, round_normed=False, out_dtype=None):
@@ -200,7 +220,10 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
     if M == 0:
         return y, mean, rstd
     block, warps = block_and_warps(N)
-    per_sm = fwd_programs_per_sm(N) if x.is_cuda else 0
+    per_sm, wb = fwd_programs_per_sm(N), "reg"
+    if not rms:
+        warps, per_sm, wb = ln_fwd_config(N)
+    per_sm = per_sm if x.is_cuda else 0
     programs = min(M, per_sm * sm_count(x.device.index or 0)) if per_sm else M
     pdl = use_pdl(x)
     _norm_fwd_kernel[(programs,)](
@@ -208,7 +231,7 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
         mean if mean is not None else rstd, rstd, x.stride(0), y.stride(0), N, float(eps),
         IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ZERO_CENTERED=zero_centered_gamma,
         BLOCK_N=block, RSTD_IN=rstd_in, ROUND_NORMED=bool(round_normed), M=M, PERSISTENT=bool(per_sm),
-        PDL=pdl, num_warps=warps, **_pdl_kw(pdl),
+        PDL=pdl, WB=wb, num_warps=warps, **_pdl_kw(pdl),
     )  # fmt: skip
     return y, mean, rstd
 
@@ -249,22 +272,29 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
         _norm_bwd_split_kernel[(programs,)](
             *args, **flags, BLOCK_A=a, BLOCK_B=b, RELOAD=cfg.reload, num_warps=cfg.warps, **_pdl_kw(pdl)
         )
-    dw = _sum_partials(dw_part, weight.dtype, pdl) if has_w else None
-    db = _sum_partials(db_part, bias.dtype, pdl) if has_bias else None
+    if has_w and has_bias:
+        dw, db = _sum_partials(dw_part, weight.dtype, pdl, db_part, bias.dtype)
+    else:
+        dw = _sum_partials(dw_part, weight.dtype, pdl)[0] if has_w else None
+        db = _sum_partials(db_part, bias.dtype, pdl)[0] if has_bias else None
     return dx, dw, db
 
 
-def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
-    """Column sums of the (programs, N) fp32 partials, in program order, rounded once to ``dtype``."""
+def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, part2=None, dtype2=None) -> tuple:
+    """Column sums of the (programs, N) fp32 partials, in program order, rounded once to ``dtype``;
+    with ``part2`` (the same shape) its sums too, in the same launch (one kernel boundary fewer):
+    ``(out, out2 or None)``."""
     from truefuse.kernels.norm import _sum_partials_kernel
 
     P, N = part.shape
     out = torch.empty(N, dtype=dtype, device=part.device)
-    block_p, block, warps = sum_config(N)
+    out2 = None if part2 is None else torch.empty(N, dtype=dtype2, device=part.device)
+    block_p, block, warps = sum_config(N, part2 is not None)
     _sum_partials_kernel[(-(-N // block),)](
-        part, out, P, N, BLOCK_P=block_p, BLOCK_N=block, PDL=pdl, num_warps=warps, **_pdl_kw(pdl)
-    )
-    return out
+        part, out, part if part2 is None else part2, out if out2 is None else out2, P, N,
+        BLOCK_P=block_p, BLOCK_N=block, TWO=part2 is not None, PDL=pdl, num_warps=warps, **_pdl_kw(pdl),
+    )  # fmt: skip
+    return out, out2
 
 
 # ---------------------------------------------------------------------------------------------
