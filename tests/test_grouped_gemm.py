@@ -228,7 +228,8 @@ def test_main_grad_accumulation(dev):
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_tma_epilogue_equals_the_pointer_epilogue(accumulate, dev):
     """The Hopper weight-gradient kernel's output through a TMA descriptor (whole tile, halves,
-    quarters) writes, or adds into main_grad, the pointer epilogue's bits; an empty group's
+    quarters; on CUDA also with the programs' starts staggered; N and K tails, several tiles per
+    program) writes, or adds into main_grad, the pointer epilogue's bits; an empty group's
     main_grad is left alone (signs included). The CPU: the interpreter, fp16 operands."""
     from truefuse.ops import grouped_gemm as gg
 
@@ -236,7 +237,7 @@ def test_tma_epilogue_equals_the_pointer_epilogue(accumulate, dev):
         pytest.skip("TMA descriptors need sm_90")
     cuda = dev.type == "cuda"
     dt = torch.bfloat16 if cuda else torch.float16
-    splits, n, k = ([130, 0, 1, 257, 3], 200, 320) if cuda else ([5, 0, 19, 33, 3], 40, 96)
+    splits, n, k = ([130, 0, 1, 257, 3], 200, 328) if cuda else ([5, 0, 19, 33, 3], 40, 96)
     G, M = len(splits), sum(splits)
     dy, x = _rand(M, n, seed=1, device=dev, dtype=dt), _rand(M, k, seed=2, device=dev, dtype=dt)
     off = split_offsets(splits, G, M, dev)
@@ -244,14 +245,17 @@ def test_tma_epilogue_equals_the_pointer_epilogue(accumulate, dev):
     start = _rand(G, n, k, seed=3, device=dev, dtype=odt)
     start[1] = -0.0
     got = []
-    for epi, split in ((False, 1), (True, 1), (True, 2), (True, 4)):
-        blocks = (64, 64, 64, 4, 2) if cuda else (16, 16, 32, 4, 1)
-        cfg = gg.TileConfig(*blocks, programs_per_sm=0, tma=True, tma_epilogue=epi, epilogue_split=split)
+    variants = [(False, 1, (0, 0)), (True, 1, (0, 0)), (True, 2, (0, 0)), (True, 4, (0, 0))]
+    if cuda:  # the stagger reads the GPU's timer (inline PTX): CUDA only (the launcher drops it elsewhere)
+        variants += [(False, 1, (4, 2000)), (True, 2, (3, 1000))]
+    for epi, split, stagger in variants:
+        blocks = (64, 32, 32, 4, 2) if cuda else (16, 16, 32, 4, 1)  # CUDA: 385 tiles, 2-3 per program
+        cfg = gg.TileConfig(*blocks, programs_per_sm=1, tma=True, tma_epilogue=epi, epilogue_split=split, stagger=stagger)
         out = start.clone() if accumulate else torch.full_like(start, float("nan"))
         gg._launch_wgrad(dy, x, off, out, accumulate, cfg)
         got.append(out)
-    for out, split in zip(got[1:], (1, 2, 4), strict=True):
-        assert_bitwise(out, got[0], f"TMA epilogue in {split} part(s)")
+    for out, (_, split, stagger) in zip(got[1:], variants[1:], strict=True):
+        assert_bitwise(out, got[0], f"TMA epilogue in {split} part(s), stagger {stagger}")
     assert torch.signbit(got[1][1]).all() if accumulate else not got[1][1].any()
 
 

@@ -59,6 +59,9 @@ class TileConfig:
         tma_epilogue: (``wgrad`` with ``tma``) dW written, or added into ``main_grad``, through a
             descriptor of the output (where its rows are 16-byte aligned; else pointers), in
             ``epilogue_split`` column parts (1, 2 or 4) of the tile. Neither changes the bits.
+        stagger: (``wgrad`` with ``tma``, CUDA) (phases, ns): program ``pid`` starts
+            ``(pid % phases) * ns`` late, so that equal tiles' epilogues do not all meet at once;
+            (0, 0): none. Only when a program starts: no bits change.
     """
 
     block_m: int
@@ -70,6 +73,7 @@ class TileConfig:
     tma: bool = False
     tma_epilogue: bool = False
     epilogue_split: int = 1
+    stagger: tuple[int, int] = (0, 0)
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -456,7 +460,9 @@ def _launch_rows(x, w, offsets, bias, transpose_w: bool, out, cfg: TileConfig) -
     )  # fmt: skip
 
 
-def _launch_wgrad(dy, x, offsets, out, accumulate: bool, cfg: TileConfig) -> None:
+def _launch_wgrad(dy, x, offsets, out, accumulate: bool, cfg: TileConfig):
+    """One weight-gradient launch under ``cfg``; returns the compiled kernel (its registers and
+    shared memory, for the experiments)."""
     from truefuse.kernels.grouped_gemm import _grouped_gemm_wgrad_kernel, _grouped_gemm_wgrad_tma_kernel
 
     G, N, K = out.shape
@@ -473,15 +479,15 @@ def _launch_wgrad(dy, x, offsets, out, accumulate: bool, cfg: TileConfig) -> Non
         c_desc = None
         if cfg.tma_epilogue and _tma_rows_ok(out):
             c_desc = TensorDescriptor(out, [G, N, K], list(out.stride()), [1, cfg.block_n, cfg.block_k // cfg.epilogue_split])
-        _grouped_gemm_wgrad_tma_kernel[grid](
+        return _grouped_gemm_wgrad_tma_kernel[grid](
             dy_desc, x_desc, c_desc, out, offsets,
             G, M, N, K, out.stride(0), out.stride(1), out.stride(2),
             ACCUMULATE=bool(accumulate), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=cfg.block_m,
             TMA_EPI=c_desc is not None, EPI_SPLIT=cfg.epilogue_split,
+            STAGGER_PHASES=cfg.stagger[0] if out.is_cuda else 0, STAGGER_NS=cfg.stagger[1],
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-        return
-    _grouped_gemm_wgrad_kernel[grid](
+    return _grouped_gemm_wgrad_kernel[grid](
         dy, x, out, offsets,
         G, M, N, K,
         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1), out.stride(2),
