@@ -43,47 +43,45 @@ from exp_grouped_gemm_tune import CASES  # noqa: E402
 BF = torch.bfloat16
 
 
-def _t(bm, bn, bk, warps, stages, per_sm, split, stagger=(0, 0), epi=True):
-    return gg.TileConfig(bm, bn, bk, warps, stages, per_sm, tma=True, tma_epilogue=epi, epilogue_split=split, stagger=stagger)
+def _t(bm, bn, bk, warps, stages, per_sm, split, epi=True):
+    return gg.TileConfig(bm, bn, bk, warps, stages, per_sm, tma=True, tma_epilogue=epi, epilogue_split=split)
 
 
 #: Candidates per size class (the code's own first), adding into main_grad (``acc``: the
 #: ``wgrad_acc`` / ``wgrad_large_acc`` entry) or writing bf16 dW (``plain``: ``wgrad`` /
-#: ``wgrad_large``). ``stP×T``: program ``pid`` starts ``(pid % P) * T`` µs late (the tile's period:
-#: ~35 µs at 8 × 2048, ~10 µs at 64 × 256 and 128 × 128 per program). ``64x128 w4 pN``: smaller
-#: tiles, 4 warps, N programs per SM (~160 registers: three fit), more epilogues overlapping
-#: other programs' mainloops.
-#: Measured in the first call and dropped: main_grad prefetched into L2 by bulk prefetches (the
-#: tile's own or 1-2 tiles ahead: 5-35% slower everywhere), 128×128 tiles at two programs per SM for
-#: the large layer (1.27-1.40× cuBLAS adding into main_grad, against 1.14×), halves/quarters for
-#: the small one (slower).
+#: ``wgrad_large``): two or three programs per SM, so that one program's memory-bound epilogue
+#: overlaps another's mainloop (``sN``: stages, ``eN``: epilogue parts, ``pN``: programs per SM;
+#: shared memory from the compiled kernel: the epilogue's buffer reuses the pipeline's on triton 3.6).
+#:
+#: Measured on an H200 (2026-11-23, docs/benchmarks.md; none beat the code's own table):
+#:
+#: * these: the large layer at 128×128 two per SM 1.27-1.40× cuBLAS adding into main_grad against
+#:   1.07-1.17× (its mainloop is slower); the small layers at 64×128, 4 warps, three per SM:
+#:   ±4% per GEMM, up to 8% slower in the layer;
+#: * main_grad prefetched into L2 (``cp.async.bulk.prefetch.L2.global`` per tile row, at the tile's
+#:   start or one or two tiles ahead; never committed): 5-35% slower everywhere;
+#: * the programs' starts staggered (``(pid % P) * T`` ns on the GPU timer, P = 2 … 264, up to one
+#:   tile period; commit ee22b62 has the knob and its candidates): −1 … +9% per GEMM at 8 × 2048,
+#:   ±2% at the small layers: the equal tiles of a uniform batch do not lose their time by meeting
+#:   in the epilogue all at once.
 CANDS = {
     ("large", "acc"): {
         "128x256 s3 e2": _t(64, 128, 256, 8, 3, 1, 2),
-        "128x256 s3 e2 st2x16": _t(64, 128, 256, 8, 3, 1, 2, (2, 16000)),
-        "128x256 s3 e2 st4x8": _t(64, 128, 256, 8, 3, 1, 2, (4, 8000)),
-        "128x256 s3 e2 st4x4": _t(64, 128, 256, 8, 3, 1, 2, (4, 4000)),
-        "128x256 s3 e2 st8x4": _t(64, 128, 256, 8, 3, 1, 2, (8, 4000)),
-        "128x256 s3 e2 st16x2": _t(64, 128, 256, 8, 3, 1, 2, (16, 2000)),
-        "128x256 s3 e2 st132x0.25": _t(64, 128, 256, 8, 3, 1, 2, (132, 250)),
+        "128x128 s2 e2 p2": _t(64, 128, 128, 8, 2, 2, 2),
+        "128x128 s3 e4 p2": _t(64, 128, 128, 8, 3, 2, 4),
     },
     ("large", "plain"): {
         "128x256 s3": _t(64, 128, 256, 8, 3, 1, 1, epi=False),
-        "128x256 s3 st4x8": _t(64, 128, 256, 8, 3, 1, 1, (4, 8000), epi=False),
     },
     ("small", "acc"): {
         "128x128 s3 e1 p2": _t(64, 128, 128, 8, 3, 2, 1),
-        "128x128 s3 e1 p2 st2x5": _t(64, 128, 128, 8, 3, 2, 1, (2, 5000)),
-        "128x128 s3 e1 p2 st4x2.5": _t(64, 128, 128, 8, 3, 2, 1, (4, 2500)),
-        "128x128 s3 e1 p2 st8x1.25": _t(64, 128, 128, 8, 3, 2, 1, (8, 1250)),
-        "128x128 s3 e1 p2 st264x0.04": _t(64, 128, 128, 8, 3, 2, 1, (264, 40)),
+        "128x128 s2 e2 p2": _t(64, 128, 128, 8, 2, 2, 2),
         "64x128 w4 s3 e1 p3": _t(64, 64, 128, 4, 3, 3, 1),
         "64x128 w4 s2 e1 p3": _t(64, 64, 128, 4, 2, 3, 1),
-        "64x128 w4 s3 e1 p3 st4x2.5": _t(64, 64, 128, 4, 3, 3, 1, (4, 2500)),
     },
     ("small", "plain"): {
         "128x128 s3 e1 p2": _t(64, 128, 128, 8, 3, 2, 1),
-        "128x128 s3 e1 p2 st4x2.5": _t(64, 128, 128, 8, 3, 2, 1, (4, 2500)),
+        "128x128 s3 e2 p2": _t(64, 128, 128, 8, 3, 2, 2),
         "64x128 w4 s3 e1 p3": _t(64, 64, 128, 4, 3, 3, 1),
     },
 }

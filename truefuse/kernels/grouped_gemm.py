@@ -384,22 +384,6 @@ def _epilogue_tma(
 
 
 @triton.jit
-def _globaltimer():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
-def _stagger(pid, PHASES: tl.constexpr, STEP_NS: tl.constexpr):
-    """Program ``pid`` waits ``(pid % PHASES) * STEP_NS`` ns before its first tile. Every tile of a
-    uniform batch takes the same time, so the programs stay in step and all their main_grad
-    epilogues (memory-bound) meet at once while no mainloop runs; phase-shifted programs spread
-    them over the tile's period. Only when a program starts: no bits change."""
-    t_end = _globaltimer() + (pid % PHASES).to(tl.int64) * STEP_NS
-    while _globaltimer() < t_end:
-        pid += 0
-
-
-@triton.jit
 def _grouped_gemm_wgrad_tma_kernel(
     dy_desc,
     x_desc,
@@ -419,8 +403,6 @@ def _grouped_gemm_wgrad_tma_kernel(
     BLOCK_M: tl.constexpr,
     TMA_EPI: tl.constexpr,  # the epilogue through c_desc (else masked pointer loads/stores)
     EPI_SPLIT: tl.constexpr,
-    STAGGER_PHASES: tl.constexpr,  # program pid starts (pid % STAGGER_PHASES) * STAGGER_NS ns late
-    STAGGER_NS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -431,8 +413,6 @@ def _grouped_gemm_wgrad_tma_kernel(
     rm_tile = tl.arange(0, BLOCK_M)
     rn_tile = tl.arange(0, BLOCK_N)
     rk_tile = tl.arange(0, BLOCK_K)
-    if STAGGER_PHASES > 1:
-        _stagger(pid, STAGGER_PHASES, STAGGER_NS)
     tile = pid
     while tile < total:
         g = tile // per_group

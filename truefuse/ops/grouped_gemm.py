@@ -59,9 +59,6 @@ class TileConfig:
         tma_epilogue: (``wgrad`` with ``tma``) dW written, or added into ``main_grad``, through a
             descriptor of the output (where its rows are 16-byte aligned; else pointers), in
             ``epilogue_split`` column parts (1, 2 or 4) of the tile. Neither changes the bits.
-        stagger: (``wgrad`` with ``tma``, CUDA) (phases, ns): program ``pid`` starts
-            ``(pid % phases) * ns`` late, so that equal tiles' epilogues do not all meet at once;
-            (0, 0): none. Only when a program starts: no bits change.
     """
 
     block_m: int
@@ -73,7 +70,6 @@ class TileConfig:
     tma: bool = False
     tma_epilogue: bool = False
     epilogue_split: int = 1
-    stagger: tuple[int, int] = (0, 0)
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -484,7 +480,6 @@ def _launch_wgrad(dy, x, offsets, out, accumulate: bool, cfg: TileConfig):
             G, M, N, K, out.stride(0), out.stride(1), out.stride(2),
             ACCUMULATE=bool(accumulate), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=cfg.block_m,
             TMA_EPI=c_desc is not None, EPI_SPLIT=cfg.epilogue_split,
-            STAGGER_PHASES=cfg.stagger[0] if out.is_cuda else 0, STAGGER_NS=cfg.stagger[1],
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return _grouped_gemm_wgrad_kernel[grid](
