@@ -7,7 +7,17 @@ import torch
 
 import truefuse
 from truefuse.config import get_tuning
-from truefuse.ops.norm import bwd_config, layer_norm_ref, ln_fwd_config, rms_norm_ref, rms_norm_torch, use_kernel
+from truefuse.ops.norm import (
+    bwd_config,
+    layer_norm_ref,
+    ln_fwd_config,
+    ln_fwd_staged,
+    ln_fwd_staged_config,
+    rms_norm_ref,
+    rms_norm_torch,
+    use_kernel,
+    use_tma,
+)
 from truefuse.testing import assert_bitwise, assert_bounded
 from truefuse.verify.registry import all_cases
 
@@ -62,11 +72,12 @@ def test_two_part_backward(fn, device):
     assert_bitwise(torch.autograd.grad(f(x1, *params), x1, dy[1:2])[0], got[0][1:2], "row 1 alone")
 
 
-@pytest.mark.parametrize("n", [2048, 5120])
+@pytest.mark.parametrize("n", [2044, 5116])
 def test_layer_norm_forward_narrow_weights(n, device):
-    """LayerNorm's forward with w and b held in their own dtype between rows (ops.norm.ln_fwd_config;
-    one program per row at 2048, persistent at 5120 on the GPU): the reference's values, and a
-    row's bits independent of the rows beside it."""
+    """LayerNorm's pointer forward with w and b held in their own dtype between rows
+    (ops.norm.ln_fwd_config; one program per row at 2044, persistent at 5116 on the GPU; H % 8 != 0
+    keeps bf16 off the TMA-staged kernel): the reference's values, and a row's bits independent of
+    the rows beside it."""
     assert ln_fwd_config(n)[2] == "narrow"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = (torch.randn(5, n, device=device) * 2 + 1).to(dtype)
@@ -76,6 +87,32 @@ def test_layer_norm_forward_narrow_weights(n, device):
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
     assert_bitwise(truefuse.layer_norm(x[3:4], w, b), y[3:4], "row 3 alone")
+
+
+@pytest.mark.parametrize("n", [2880, 5120])
+def test_layer_norm_staged_forward(n, device):
+    """The TMA-staged LayerNorm forward (ops.norm.ln_fwd_staged; bf16 on a Hopper GPU through
+    truefuse.layer_norm, fp32 under the CPU interpreter launched directly): the reference's
+    values, and a row's bits independent of the rows beside it."""
+    if device.type == "cuda" and not use_tma(torch.empty(0, device=device)):
+        pytest.skip("TMA needs compute capability 9+")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = ln_fwd_staged_config(n, torch.bfloat16)
+    assert cfg is not None and ln_fwd_staged_config(n + 4, torch.bfloat16) is None
+    x = (torch.randn(5, n, device=device) * 2 + 1).to(dtype)
+    w, b = (torch.rand(n, device=device) + 0.5).to(dtype), torch.randn(n, device=device).to(dtype)
+
+    def run(xs):
+        y, stats = torch.empty_like(xs), torch.empty(2, xs.shape[0], device=device)
+        ln_fwd_staged(xs, w, b, 1e-5, False, y, stats[0], stats[1], cfg)
+        return y
+
+    y = run(x)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.double(), layer_norm_ref(x.double(), w.double(), b.double()), rtol=tol, atol=tol)
+    assert_bitwise(run(x[3:4]), y[3:4], "row 3 alone")
+    if device.type == "cuda":
+        assert_bitwise(truefuse.layer_norm(x, w, b), y, "truefuse.layer_norm takes the staged kernel")
 
 
 def test_rounding_rule_single_rounding(device):
