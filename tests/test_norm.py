@@ -115,6 +115,44 @@ def test_layer_norm_staged_forward(n, device):
         assert_bitwise(truefuse.layer_norm(x, w, b), y, "truefuse.layer_norm takes the staged kernel")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fn", ["rms_norm", "layer_norm"])
+def test_chained_launches_read_the_previous_output(fn):
+    """Each norm kernel starts early under programmatic dependent launch (the previous kernel lets
+    it) and must wait before its first load, pipelined TMA loads included: a chain of norms queued
+    back to back (each reading the last one's output, forward and backward) gives the bits of the
+    same chain with a device sync between the steps."""
+    f = getattr(truefuse, fn)
+    n = 5120
+    x = torch.randn(8192, n, device="cuda").bfloat16().requires_grad_()
+    w = (torch.rand(n, device="cuda") + 0.5).bfloat16().requires_grad_()
+
+    def queued():  # every launch queued back to back
+        h = x
+        for _ in range(4):
+            h = f(h, w)
+        (gx,) = torch.autograd.grad(h, x, torch.ones_like(h))
+        return h.detach(), gx
+
+    def stepwise():  # each step's input a leaf, a device sync after every step, forward and backward
+        h, steps = x, []
+        for _ in range(4):
+            inp = h if h is x else h.detach().requires_grad_()
+            h = f(inp, w)
+            steps.append((inp, h))
+            torch.cuda.synchronize()
+        g = torch.ones_like(h)
+        for inp, out in reversed(steps):
+            (g,) = torch.autograd.grad(out, inp, g)
+            torch.cuda.synchronize()
+        return h.detach(), g
+
+    want = stepwise()
+    for _ in range(3):
+        for got, ref, name in zip(queued(), want, ("y", "dx"), strict=True):
+            assert_bitwise(got, ref, name)
+
+
 def test_rounding_rule_single_rounding(device):
     """The kernel path and the reference follow one rule: fp32 math, one rounding at the end; the
     result differs from torch's twice-rounded bf16 path (so the test can tell the two apart)."""
