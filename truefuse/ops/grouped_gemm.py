@@ -93,7 +93,9 @@ _TUNED_CONFIGS: dict[tuple[str, torch.dtype, tuple[int, int]], TileConfig] = {
     # Hopper (H100/H200), measured on an H200 (experiments/exp_grouped_gemm_tune.py, docs/design.md
     # "Grouped GEMM"): the TMA kernels. Forward/dgrad: 128×256 tiles, 64-deep K steps, 4 stages.
     **{("rows", dt, (9, 0)): TileConfig(128, 256, 64, num_warps=8, num_stages=4, programs_per_sm=1, tma=True) for dt in _HALF},
-    # wgrad: 128×128 dW tiles in 64-row steps, two programs per SM (123 registers: both resident),
+    # wgrad: 128×128 dW tiles in 64-row steps, two programs per SM (123 registers, 96 KiB of shared
+    # memory on triton 3.6: both resident; a triton 3.9 compile for sm_90 keeps a separate epilogue
+    # buffer, 160 KiB: one per SM, so recheck on an upgrade),
     # written (or added into main_grad) through a TMA descriptor: the same bits, main_grad 0.77× /
     # 0.83× the pointer epilogue's layer time at 128 × 128 / 64 × 256 (H200, docs/benchmarks.md);
     # "wgrad_large" (a layer of >= _LARGE_LAYER weights per group): 128×256 tiles, one program per SM.
@@ -105,9 +107,12 @@ _TUNED_CONFIGS: dict[tuple[str, torch.dtype, tuple[int, int]], TileConfig] = {
         ("wgrad_large", dt, (9, 0)): TileConfig(64, 128, 256, num_warps=8, num_stages=3, programs_per_sm=1, tma=True)
         for dt in _HALF
     },
-    # ... adding into an fp32 main_grad: the same tiles (so the same bits), the epilogue through a TMA
-    # descriptor in two 128×128 parts; through pointers the whole 128×256 fp32 tile spilled 424 bytes
-    # of stack. H200, 8 × 2048 layer with main_grad: 29.9 ms against 31.8 (four parts: 30.4)
+    # ... adding into an fp32 main_grad: the same tiles, the epilogue through a TMA descriptor in two
+    # 128×128 parts; through pointers the whole 128×256 fp32 tile spilled 424 bytes of stack. H200,
+    # 8 × 2048 layer with main_grad: 29.9 ms against 31.8 (four parts: 30.4). An _acc entry must keep
+    # the plain entry's fp32 sums (test_main_grad_accumulation: main_grad += dW is start + the plain
+    # fp32 dW, bitwise): other N×K tiles, warps, stages or programs per SM with the same 64-row steps
+    # did (exp_grouped_gemm_acc.py, every candidate bitwise), but none was faster (docs/benchmarks.md)
     **{
         ("wgrad_large_acc", dt, (9, 0)): TileConfig(
             64, 128, 256, num_warps=8, num_stages=3, programs_per_sm=1, tma=True, tma_epilogue=True, epilogue_split=2
