@@ -1,5 +1,9 @@
 """Issue 16, fused ``main_grad``: a warp-specialised weight gradient (Triton's Hopper autoWS) that could
-overlap the main_grad epilogue with the next tile's loads. Not run on a GPU yet.
+overlap the main_grad epilogue with the next tile's loads. Run once on an H200 (2026-11-23, triton 3.6.0, the lead's call at cc532a9): the warp-specialisation
+pass fails there for every candidate (``PassManager::run failed`` in ``NVGPUWarpSpecialization``); the
+control without it is bitwise equal to the committed kernel (host list and device splits) and
+1.25-1.71x slower (8 x 2048 fc2 5.149 vs 4.062 ms, 64 x 256 fc1 1.525 vs 0.950, 128 x 128 fc1 1.570
+vs 0.918). So on triton 3.6 this route is closed; with triton >= 3.9 it is to be tried.
 
 ``PYTHONPATH=. python experiments/exp_grouped_gemm_ws.py --compile`` (no GPU needed): compiles the
 kernel for sm_90 and says whether the warp-specialisation pass applied (a ``ttg.warp_specialize``
