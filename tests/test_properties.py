@@ -552,33 +552,37 @@ def test_linear_cross_entropy_extras(c):
 # (bounded: output, input gradient, every parameter gradient; the fp32 main_grad when fused)
 
 
-#: Known divergence (reproducer: test_fp64_module_fused_main_grad): an fp64 module fused into its
-#: (necessarily fp32) main_grad fails in the backward. While True, fp64 modules are drawn unfused.
-_FP64_FUSED_MAIN_GRAD_BUG = True
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="truefuse.Linear(4, 3, dtype=torch.float64, fuse_wgrad_accumulation=True) with the fp32 "
-    "weight.main_grad that check_main_grad demands: the forward accepts it, then the backward raises "
-    "'TypeError: out has dtype torch.float32, expected torch.float64' from gemm's validation (fp64 inputs "
-    "take only an fp64 out), naming an argument the user never passed. Either accumulate into the fp32 "
-    "main_grad or refuse the configuration before anything runs. When fixed, drop this mark and set "
-    "_FP64_FUSED_MAIN_GRAD_BUG = False.",
-)
 def test_fp64_module_fused_main_grad():
+    """An fp64 module fused into its fp32 main_grad: the fp64 gradient added with one rounding
+    (no GEMM takes an fp64 product into an fp32 out; before, the backward raised from gemm's
+    validation, naming an ``out`` the user never passed)."""
     m = truefuse.Linear(4, 3, bias=False, dtype=F64, fuse_wgrad_accumulation=True)
-    m.weight.main_grad = torch.zeros(3, 4)
-    x = torch.randn(2, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
-    try:
-        y = m(x)
-    except (TypeError, ValueError) as e:  # a clear refusal up front is a fix too
-        assert "main_grad" in str(e) or "float64" in str(e), e
-        return
-    y.backward(torch.ones_like(y))
-    expected = torch.ones(3, 2, dtype=F64) @ x  # d(sum y)/dW
-    _assert_passed({"main_grad": bounded_report(m.weight.main_grad, expected, expected.float())}, "fp64 main_grad")
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(3, 4, generator=g)
+    m.weight.main_grad = start.clone()
+    x = torch.randn(2, 4, dtype=F64, generator=g)
+    m(x).backward(torch.ones(2, 3, dtype=F64))
+    assert m.weight.grad is None  # fused: the gradient went to main_grad only
+    want = start.double() + torch.ones(3, 2, dtype=F64) @ x  # main_grad + d(sum y)/dW
+    _assert_passed({"main_grad": bounded_report(m.weight.main_grad, want, want.float())}, "fp64 main_grad")
+
+
+@pytest.mark.parametrize("memory", ["default", "lean"])
+def test_fp64_loss_fused_main_grad(memory):
+    """The chunked head's fused pass (lean: d_weight GEMMs write main_grad beside d_input) with an
+    fp64 weight: the fp64 gradient added into the fp32 main_grad with one rounding, as a module's."""
+    g = torch.Generator().manual_seed(1)
+    W = torch.nn.Parameter(torch.randn(10, 4, dtype=F64, generator=g))
+    start = torch.randn(10, 4, generator=g)
+    W.main_grad = start.clone()
+    x = torch.randn(6, 4, dtype=F64, generator=g)
+    t = torch.randint(0, 10, (6,), generator=g)
+    truefuse.linear_cross_entropy(x, W, t, fuse_wgrad_accumulation=True, memory=memory).backward()
+    assert W.grad is None
+    ref = W.detach().clone().requires_grad_()
+    torch.nn.functional.cross_entropy(x @ ref.T, t).backward()
+    want = start.double() + ref.grad
+    _assert_passed({"main_grad": bounded_report(W.main_grad, want, want.float())}, f"fp64 {memory} main_grad")
 
 
 @pytest.mark.xfail(
@@ -641,7 +645,7 @@ def module_cases(draw):
 
 
 def _fused(draw, dtype) -> bool:
-    return draw(st.booleans()) and not (dtype == F64 and _FP64_FUSED_MAIN_GRAD_BUG)
+    return draw(st.booleans())
 
 
 def _build_module(c):

@@ -155,7 +155,14 @@ def main_grad_written(param: torch.Tensor, state: WgradState) -> torch.Tensor | 
 
 
 def _to_main_grad(param: torch.Tensor, compute: WgradCompute) -> None:
-    compute(param.main_grad, not getattr(param, "overwrite_main_grad", False))
+    add = not getattr(param, "overwrite_main_grad", False)
+    if param.dtype == torch.float64:
+        # no GEMM writes fp64 products into an fp32 out: the fp64 gradient, then one rounding into
+        # the fp32 main_grad (add_ computes in fp64 and rounds once on the store)
+        g = compute(None, False)
+        param.main_grad.add_(g) if add else param.main_grad.copy_(g)
+        return
+    compute(param.main_grad, add)
 
 
 def _fire(state: WgradState, param: torch.Tensor) -> None:
