@@ -1,5 +1,7 @@
 """Issue 16, fused ``main_grad``: a warp-specialised weight gradient (Triton's Hopper autoWS) that could
-overlap the main_grad epilogue with the next tile's loads. Run once on an H200 (2026-11-23, triton 3.6.0, the lead's call at cc532a9): the warp-specialisation
+overlap the main_grad epilogue with the next tile's loads.
+
+Run once on an H200 (2026-11-23, triton 3.6.0, the lead's call at cc532a9): the warp-specialisation
 pass fails there for every candidate (``PassManager::run failed`` in ``NVGPUWarpSpecialization``); the
 control without it is bitwise equal to the committed kernel (host list and device splits) and
 1.25-1.71x slower (8 x 2048 fc2 5.149 vs 4.062 ms, 64 x 256 fc1 1.525 vs 0.950, 128 x 128 fc1 1.570

@@ -88,7 +88,7 @@ def ln_fwd_cfgs(h):
         if not 4 <= block // (32 * w) <= 64:
             continue
         for k in sorted({0, max(1, 32 // w), max(1, 64 // w)}):
-            for wb in ("reg", "narrow", "row") if k else ("reg", "narrow"):
+            for wb in ("reg", "narrow"):  # ("row", reloading w and b per row, measured never faster: gone)
                 if (w, k, wb) not in out:
                     out.append((w, k, wb))
     return out

@@ -7,6 +7,7 @@ import torch
 
 import truefuse
 from truefuse.config import get_tuning
+from truefuse.ops._triton import hopper
 from truefuse.ops.norm import (
     bwd_config,
     layer_norm_ref,
@@ -16,7 +17,6 @@ from truefuse.ops.norm import (
     rms_norm_ref,
     rms_norm_torch,
     use_kernel,
-    use_tma,
 )
 from truefuse.testing import assert_bitwise, assert_bounded
 from truefuse.verify.registry import all_cases
@@ -94,7 +94,7 @@ def test_layer_norm_staged_forward(n, device):
     """The TMA-staged LayerNorm forward (ops.norm.ln_fwd_staged; bf16 on a Hopper GPU through
     truefuse.layer_norm, fp32 under the CPU interpreter launched directly): the reference's
     values, and a row's bits independent of the rows beside it."""
-    if device.type == "cuda" and not use_tma(torch.empty(0, device=device)):
+    if device.type == "cuda" and not hopper(torch.empty(0, device=device)):
         pytest.skip("TMA needs compute capability 9+")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = ln_fwd_staged_config(n, torch.bfloat16)

@@ -49,12 +49,11 @@ def recompute_backward(
     if not gw or wstate is None or wstate.plain:
         dx, dW, db, _ = in_dtypes(run(needs), Wp.dtype, b_dtype)
         return dx, dW, db
-    # fp64: no GEMM adds fp64 products into the fp32 main_grad, so the weight's own pass (§2's
-    # deliver_weight_grad rounds its fp64 result into main_grad once)
-    if wstate.delay_wgrad_compute or Wp.dtype == torch.float64:
+    target = None if wstate.delay_wgrad_compute else main_grad_target(Wp, name)
+    if target is None:  # delayed, or main_grad the GEMMs cannot write: the weight's own pass
         dx, _, db, _ = in_dtypes(run((gx, False, gb)), Wp.dtype, b_dtype)
         return dx, deliver_weight_grad(Wp, name, functools.partial(_weight_pass, run, Wp.dtype), wstate), db
-    main_grad, accumulate = main_grad_target(Wp, name)
+    main_grad, accumulate = target
     dx, _, db, _ = in_dtypes(run(needs, main_grad=main_grad, accumulate=accumulate), Wp.dtype, b_dtype)
     return dx, main_grad_written(Wp, wstate), db
 

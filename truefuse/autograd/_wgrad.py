@@ -136,11 +136,22 @@ def _cached_zeros(param: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def main_grad_target(param: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
+def _gemm_writes_main_grad(param: torch.Tensor) -> bool:
+    """Whether the weight-gradient GEMMs can add into ``param.main_grad`` themselves. Not for an fp64
+    parameter: no GEMM takes fp64 products into an fp32 out, so its gradient is computed in fp64
+    and added with one rounding (:func:`_to_main_grad`)."""
+    return param.dtype != torch.float64
+
+
+def main_grad_target(param: torch.Tensor, name: str) -> tuple[torch.Tensor, bool] | None:
     """Fused and not delayed, for a backward whose weight-gradient GEMMs share a pass with other
     work (the chunked head's: d_input rides with them): where they write and whether they add
-    (``overwrite_main_grad`` false). Call :func:`main_grad_written` after them."""
+    (``overwrite_main_grad`` false); call :func:`main_grad_written` after them. None where the GEMMs
+    cannot write it (an fp64 parameter): the caller hands the weight's own pass to
+    :func:`deliver_weight_grad` instead."""
     check_main_grad(param, name)
+    if not _gemm_writes_main_grad(param):
+        return None
     return param.main_grad, not getattr(param, "overwrite_main_grad", False)
 
 
@@ -156,9 +167,9 @@ def main_grad_written(param: torch.Tensor, state: WgradState) -> torch.Tensor | 
 
 def _to_main_grad(param: torch.Tensor, compute: WgradCompute) -> None:
     add = not getattr(param, "overwrite_main_grad", False)
-    if param.dtype == torch.float64:
-        # no GEMM writes fp64 products into an fp32 out: the fp64 gradient, then one rounding into
-        # the fp32 main_grad (add_ computes in fp64 and rounds once on the store)
+    if not _gemm_writes_main_grad(param):
+        # the gradient in the parameter's dtype, then one rounding into the fp32 main_grad (add_
+        # computes in the wider dtype and rounds once on the store)
         g = compute(None, False)
         param.main_grad.add_(g) if add else param.main_grad.copy_(g)
         return

@@ -55,6 +55,15 @@ def _outputs(opts, ce, zl, correct, n, s_ce, s_z, wide):
     return total, n.view(()) if z_part is None else z_part, acc
 
 
+def _upstream(g_loss, reduction: str, x: torch.Tensor) -> torch.Tensor:
+    """The loss's upstream gradient, or zeros where autograd passed None (the Functions do not
+    materialize gradients, for the z part's and the accuracy's sake: None means nothing flowed
+    into the loss)."""
+    if g_loss is not None:
+        return g_loss
+    return torch.zeros(x.shape[0] if reduction == "none" else (), dtype=wide_dtype(x), device=x.device)
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Inputs: x (N, H), W (V, H), bias (V,) or None, target (N,), class weight (V,) wide or None,
     the options, the chunk size, the weight's docs/design.md §2 state (None: plain), and the
@@ -117,10 +126,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @autocast_disabled
     def backward(ctx, g_loss, g_z, g_acc):
-        if g_loss is None:  # not materialized: nothing flowed into the loss
-            g_loss = torch.zeros((), dtype=wide_dtype(ctx.saved_tensors[0]), device=ctx.saved_tensors[0].device)
-            if ctx.opts.reduction == "none":
-                g_loss = g_loss.expand(ctx.saved_tensors[0].shape[0])
+        g_loss = _upstream(g_loss, ctx.opts.reduction, ctx.saved_tensors[0])
         dx, dW, db = _backward_kept(ctx, g_loss) if ctx.now else _backward_recompute(ctx, g_loss)
         return dx, dW, db, None, None, None, None, None, None
 
@@ -205,8 +211,7 @@ class LinearCrossEntropyLeanFunction(torch.autograd.Function):
     @autocast_disabled
     def backward(ctx, g_loss, g_z, g_acc):
         x, W, b, t, cw, s_ce, s_z, lse, Wp = ctx.saved_tensors
-        if g_loss is None:  # not materialized: nothing flowed into the loss
-            g_loss = torch.zeros(x.shape[0] if ctx.opts.reduction == "none" else (), dtype=wide_dtype(x), device=x.device)
+        g_loss = _upstream(g_loss, ctx.opts.reduction, x)
         # delayed: copied, since backward_dw() reads it after this backward returned
         delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
         s_ce, s_z = upstream_scales(ctx.opts.reduction, g_loss, s_ce, s_z, x, delayed)

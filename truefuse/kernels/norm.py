@@ -143,8 +143,8 @@ def _norm_fwd_kernel(
     row's load issued before this row's math; else one program per row. Each row is normed by the
     same code in the same layout either way (same bits: only the schedule differs). WB: where the
     weight and bias rows live between rows: "reg" in fp32 registers, "narrow" in registers in their
-    own dtype (half the registers), "row" loaded again for each row (L1 hits); the same values, the
-    same bits."""
+    own dtype (half the registers; upcast per row: the same values, the same bits). Reloading them
+    per row from L1 was never faster (experiments/exp_norm_sums.py)."""
     _pdl_enter(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_N)
@@ -162,11 +162,7 @@ def _norm_fwd_kernel(
             nxt = row + P
             x_nxt = tl.load(x_ptr + nxt * stride_x + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0,
                             eviction_policy=EVICT)  # fmt: skip
-            if WB == "row":  # (new names: a value assigned in the loop would be carried across rows)
-                wr, br = _fwd_wb(w_ptr, b_ptr, cols, mask, HAS_W, HAS_B, False, BLOCK_N)
-            else:
-                wr, br = w, b
-            _fwd_row(x, wr, br, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
+            _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
                      IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT)  # fmt: skip
     else:
         row = tl.program_id(0).to(tl.int64)
@@ -185,8 +181,11 @@ def _ln_fwd_staged_kernel(x_desc, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, strid
     flight per program in shared memory, where ``_norm_fwd_kernel`` holds one prefetched row in
     registers (an H200, M = 8192: 66-76% -> 72-93% of the copy rate from 1024 to 16384,
     experiments/exp_norm_tma.py). Persistent: program p norms rows p, p + P, ... The same rounding
-    rule; each row reduced in a (1, BLOCK_N) layout, an order fixed by BLOCK_N and num_warps
-    alone (batch invariance). Not for RMSNorm: its forward's layout is the fused allreduce's."""
+    rule as ``_fwd_row``'s LayerNorm, written for the (1, BLOCK_N) block the descriptor gives:
+    reshaped to 1-D and handed to ``_fwd_row``, the 4096-wide forward + backward lost 6-7 points of
+    the copy floor (likely a layout conversion; H200, 2026-11-23). Each row reduced in an order fixed by
+    BLOCK_N and num_warps alone (batch invariance). Not for RMSNorm: its forward's layout is the
+    fused allreduce's."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)[None, :]

@@ -21,3 +21,17 @@ def triton_runs(x: torch.Tensor) -> bool:
 def sm_count(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (persistent kernels size their grids from it)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def capability(device_index: int) -> tuple[int, int]:
+    """A CUDA device's compute capability (cached: the launchers ask at every call)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
+def hopper(x: torch.Tensor) -> bool:
+    """Whether ``x``'s device has Hopper's launch and copy features (TMA tensor descriptors,
+    programmatic dependent launch): CUDA, not ROCm, compute capability 9+."""
+    if not x.is_cuda or torch.version.hip is not None:
+        return False
+    return capability(x.device.index if x.device.index is not None else torch.cuda.current_device())[0] >= 9

@@ -23,7 +23,6 @@ and the kernels clamp the offsets to ``[0, M]``, so wrong sizes never read or wr
 
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ import torch
 
 from truefuse.config import get_config
 from truefuse.ops._custom_op import custom_op, launch
-from truefuse.ops._triton import sm_count
+from truefuse.ops._triton import capability, sm_count
 from truefuse.ops.gemm import check_splits
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -139,18 +138,13 @@ def tile_config(
     (a ``<kind>_acc`` entry where one exists: the option, never the batch)."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    cap = capability(device.index if device.index is not None else torch.cuda.current_device())
     if kind in ("rows", "wgrad"):
         size = f"{kind}_large" if weights_per_group >= _LARGE_LAYER else kind
         for key in (f"{size}_acc", size) if accumulate else (size,):
             if (key, dtype, cap) in _TUNED_CONFIGS:
                 return _TUNED_CONFIGS[(key, dtype, cap)]
     return _TUNED_CONFIGS.get((kind, dtype, cap)) or _CUDA_CONFIGS[(kind, dtype)]
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _programs(device: torch.device, cfg: TileConfig, tiles: int) -> int:

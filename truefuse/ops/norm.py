@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from truefuse.config import get_tuning
 from truefuse.ops._custom_op import register_backward
-from truefuse.ops._triton import sm_count, triton_runs
+from truefuse.ops._triton import hopper, sm_count, triton_runs
 from truefuse.ops.gemm_exec import wide_dtype
 
 
@@ -158,13 +158,7 @@ def ln_fwd_staged_config(n: int, dtype: torch.dtype) -> tuple[int, int, int] | N
     1.1-3x slower)."""
     if dtype.itemsize != 2 or n % 8:
         return None
-    block = max(16, 1 << (n - 1).bit_length())
-    return ln_fwd_config(n)[0], max(1, min(32, 16384 // block)), 3
-
-
-def use_tma(x: torch.Tensor) -> bool:
-    """TMA tensor descriptors: CUDA (not ROCm) on compute capability 9+."""
-    return x.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return ln_fwd_config(n)[0], max(1, min(32, 16384 // block_and_warps(n)[0])), 3
 
 
 class BwdConfig(NamedTuple):
@@ -197,11 +191,9 @@ def bwd_config(n: int, rms: bool = True) -> BwdConfig:
     return BwdConfig(32, 1, 1, True, (8192, 8192), True) if rms else BwdConfig(16, 1, 1, False, (8192, 8192), True)
 
 
-def use_pdl(x: torch.Tensor) -> bool:
-    """Programmatic dependent launch for the norm's kernels: CUDA (not ROCm) on compute capability
-    9+. Each kernel waits for the previous one before its first load and store, so any neighbour is
-    safe; it hides a kernel boundary (0.3-2 µs of fwd + bwd, experiments/exp_norm_variants.py)."""
-    return x.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(x.device)[0] >= 9
+# Programmatic dependent launch for the norm's kernels where ``_triton.hopper``: each kernel waits for
+# the previous one before its first load and store, so any neighbour is safe; it hides a kernel
+# boundary (0.3-2 µs of fwd + bwd, experiments/exp_norm_variants.py).
 
 
 def _pdl_kw(pdl: bool) -> dict:
@@ -237,8 +229,8 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
     mean = None if rms else torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0:
         return y, mean, rstd
-    pdl = use_pdl(x)
-    staged = None if rms or not use_tma(x) else ln_fwd_staged_config(N, x.dtype)
+    pdl = hopper(x)
+    staged = None if rms or not hopper(x) else ln_fwd_staged_config(N, x.dtype)
     if staged is not None:
         ln_fwd_staged(x, weight, bias, eps, zero_centered_gamma, y, mean, rstd, staged, pdl)
         return y, mean, rstd
@@ -268,7 +260,7 @@ def ln_fwd_staged(x, weight, bias, eps: float, zero_centered_gamma: bool, y, mea
 
     M, N = x.shape
     warps, per_sm, stages = cfg
-    block = max(16, 1 << (N - 1).bit_length())
+    block = block_and_warps(N)[0]
     if x.data_ptr() % 16:
         x = x.clone()
     programs = min(M, per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4)
@@ -302,7 +294,7 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_bias else None
     if M == 0:
         return dx, (torch.zeros_like(weight) if has_w else None), (torch.zeros_like(bias) if has_bias else None)
-    pdl = use_pdl(x)
+    pdl = hopper(x)
     args = (
         dy, x, weight if has_w else x, mean if mean is not None else rstd, rstd, dx,
         dw_part if has_w else rstd, db_part if has_bias else rstd,
