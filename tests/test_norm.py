@@ -228,3 +228,123 @@ def test_rmsnorm_module_is_torch_rmsnorm(device):
         zc(x)
     with pytest.raises(ValueError, match="zero_centered_gamma=True needs elementwise_affine"):
         truefuse.RMSNorm(8, elementwise_affine=False, zero_centered_gamma=True)
+
+
+def _fused_sum_gpu():
+    if not torch.cuda.is_available() or not hopper(torch.empty(0, device="cuda")):
+        pytest.skip("the fused weight-gradient sum runs on a Hopper GPU only (a cooperative launch)")
+
+
+@pytest.mark.parametrize("n", [1024, 2880, 16384])
+@pytest.mark.parametrize("params", ["w", "b", "wb"])
+@pytest.mark.parametrize("rms", [True, False])
+def test_fused_sum_gives_the_two_kernel_bits(rms, params, n):
+    """The backward summing its weight / bias partials in its own epilogue after a grid barrier
+    (kernels/norm_sums.py) gives the bits of the same backward followed by the sum kernel (both at
+    the fused tile, ops.norm.fused_sum_config), the reference's values, at 1 row, fewer rows than
+    programs and more; a weight alone, a bias alone (LayerNorm), both."""
+    _fused_sum_gpu()
+    from truefuse.ops.norm import fused_sum_launches, layer_norm_ref, norm_bwd, norm_fwd
+
+    if rms and params != "w":
+        pytest.skip("RMSNorm has no bias")
+    for m in (1, 37, 4099):
+        x = (torch.randn(m, n, device="cuda") * 2 + 1).bfloat16()
+        dy = torch.randn_like(x)
+        w = (torch.rand(n, device="cuda") + 0.5).bfloat16() if "w" in params else None
+        b = torch.randn(n, device="cuda").bfloat16() if "b" in params else None
+        y, mean, rstd = norm_fwd(x, w, b, 1e-5, rms=rms, zero_centered_gamma=False)
+        runs = {}
+        for fused in (True, False):
+            before = fused_sum_launches[0]
+            runs[fused] = norm_bwd(dy, x, w, b, mean, rstd, rms=rms, zero_centered_gamma=False, fused_sum=fused)
+            assert fused_sum_launches[0] - before == int(fused), f"fused={fused}: the fused path ran or not"
+        for got, want, name in zip(runs[True], runs[False], ("dx", "dw", "db"), strict=True):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert_bitwise(got, want, f"m={m} {name}")
+        x64 = x.double().requires_grad_()
+        p64 = [t.double().requires_grad_() if t is not None else None for t in (w, b)]
+        ref = rms_norm_ref(x64, p64[0], 1e-5) if rms else layer_norm_ref(x64, p64[0], p64[1], 1e-5)
+        leaves = [t for t in p64 if t is not None]
+        want = torch.autograd.grad(ref, leaves, dy.double())
+        for got, r in zip([g for g in runs[True][1:] if g is not None], want, strict=True):
+            torch.testing.assert_close(got.double(), r, rtol=2e-2, atol=2e-2 * r.abs().max().item())
+
+
+def test_fused_sum_graphs_streams_and_retained_graphs(monkeypatch):
+    """The fused sum (switched on: ops.norm.fused_sum_ok) and its barrier workspace (one per device
+    and stream, ops.norm._barrier_slot): a CUDA graph of forward + backward replays the eager bits;
+    two streams running backwards at once give each one's eager bits; a backward run twice
+    (retain_graph) accumulates twice the bits."""
+    _fused_sum_gpu()
+    import truefuse.ops.norm as on
+    from truefuse.ops.norm import fused_sum_launches
+
+    monkeypatch.setattr(on, "fused_sum_ok", lambda n, rms: True)
+
+    def step(x, w, b, dy):
+        xs = x.detach().requires_grad_()
+        ws, bs = w.detach().requires_grad_(), b.detach().requires_grad_()
+        return torch.autograd.grad(truefuse.layer_norm(xs, ws, bs), (xs, ws, bs), dy)
+
+    shapes = [(8192, 2048), (3000, 5120)]
+    data = []
+    for m, n in shapes:
+        x = torch.randn(m, n, device="cuda").bfloat16()
+        w, b = (torch.rand(n, device="cuda") + 0.5).bfloat16(), torch.randn(n, device="cuda").bfloat16()
+        data.append((x, w, b, torch.randn_like(x)))
+    before = fused_sum_launches[0]
+    eager = [step(*d) for d in data]
+    assert fused_sum_launches[0] - before == len(data)
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(*data[0])  # warm-up on a side stream, as graph capture wants
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g):
+        captured = step(*data[0])
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        for got, want, name in zip(captured, eager[0], ("dx", "dw", "db"), strict=True):
+            assert_bitwise(got, want, f"graph {name}")
+    streams = [torch.cuda.Stream() for _ in data]
+    torch.cuda.synchronize()
+    for _ in range(3):
+        outs = [None] * len(data)
+        for i, (s, d) in enumerate(zip(streams, data, strict=True)):
+            with torch.cuda.stream(s):
+                outs[i] = [step(*d) for _ in range(4)]
+        torch.cuda.synchronize()
+        for i, runs in enumerate(outs):
+            for r in runs:
+                for got, want, name in zip(r, eager[i], ("dx", "dw", "db"), strict=True):
+                    assert_bitwise(got, want, f"stream {i} {name}")
+    x, w, b, dy = data[1]
+    xs, ws, bs = x.detach().requires_grad_(), w.detach().requires_grad_(), b.detach().requires_grad_()
+    y = truefuse.layer_norm(xs, ws, bs)
+    y.backward(dy, retain_graph=True)
+    y.backward(dy)
+    assert_bitwise(ws.grad, eager[1][1] + eager[1][1], "dw twice")
+    assert_bitwise(bs.grad, eager[1][2] + eager[1][2], "db twice")
+
+
+def test_fused_order_partial_sums(device):
+    """The weight-gradient partials' sum in the fused epilogue's order (ops.norm._sum_partials with a
+    tile, kernels/norm_sums.py::_tree_rows): row p into accumulator row p % BLOCK_P in turn, then
+    rows i and i + BLOCK_P / 2 paired down to one: the bits of that order written in torch (on the
+    GPU: whatever register layout Triton picks), rounded once (the interpreter truncates bf16: fp32 there)."""
+    from truefuse.ops.norm import _sum_partials
+
+    part = torch.randn(37, 20, device=device) * torch.logspace(0, 6, 20, device=device)
+    acc = torch.zeros(16, 20, device=device)
+    for p0 in range(0, 37, 16):
+        blk = part[p0 : p0 + 16]
+        acc[: len(blk)] += blk
+    while len(acc) > 1:
+        acc = acc[: len(acc) // 2] + acc[len(acc) // 2 :]
+    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):  # §8: bf16 casts
+        got, _ = _sum_partials(part, dtype, tile=(16, 8), warps=2)
+        assert_bitwise(got, acc[0].to(dtype), f"{dtype}")
