@@ -14,14 +14,11 @@ and ``+ b`` before the rounding.
 
 The backward runs ``grid`` persistent programs; each walks a contiguous block of rows, writes each
 row's input gradient and accumulates ``Σ dy·x̂`` (and ``Σ dy`` for LayerNorm's bias) in fp32
-registers, stored as one partial row per program; the partials' column sums (fp32, one rounding)
-run in a second kernel or, launched cooperatively, in the backward's own epilogue (``norm_sums``).
+registers, stored as one partial row per program. The host sums the partials in fp32.
 """
 
 import triton
 import triton.language as tl
-
-from truefuse.kernels.norm_sums import _col_sums, fused_col_sums
 
 try:  # programmatic dependent launch (Hopper+); the kernels use it only where ops.norm asks
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -239,20 +236,11 @@ def _norm_bwd_kernel(
     PREFETCH: tl.constexpr = True,
     EVICT: tl.constexpr = "",
     PDL: tl.constexpr = False,
-    dw_ptr=None,
-    db_ptr=None,
-    bar_ptr=None,
-    FUSED_SUM: tl.constexpr = False,
-    SUM_P: tl.constexpr = 1,
-    SUM_N: tl.constexpr = 16,
 ):
     """Program p takes rows [p·rows_per_program, (p+1)·rows_per_program) ∩ [0, M) in tiles of ROWS
     rows (a (ROWS, BLOCK_N) block; each row reduced alone along its columns, in an order fixed by
     BLOCK_N, ROWS and num_warps: the same for every row whatever its place in the tile). PREFETCH:
-    the next tile's loads are issued before this tile's math (two tiles in flight per program).
-    FUSED_SUM: the partials' column sums into ``dw`` / ``db`` here, after a grid barrier
-    (``norm_sums.fused_col_sums``: a cooperative launch, ``bar_ptr`` its workspace, tiles of
-    (SUM_P, SUM_N)); else the host sums them (``_sum_partials_kernel``)."""
+    the next tile's loads are issued before this tile's math (two tiles in flight per program)."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -312,8 +300,6 @@ def _norm_bwd_kernel(
         tl.store(dw_part_ptr + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
     if HAS_B:
         tl.store(db_part_ptr + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
-    if FUSED_SUM:
-        fused_col_sums(dw_part_ptr, db_part_ptr, dw_ptr, db_ptr, bar_ptr, N, HAS_W, HAS_B, SUM_P, SUM_N)
 
 
 @triton.jit
@@ -369,8 +355,7 @@ def _norm_bwd_split_kernel(
     stride_dy, stride_x, stride_dx, M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, RELOAD: tl.constexpr = False, PREFETCH: tl.constexpr = True,
-    PDL: tl.constexpr = False, dw_ptr=None, db_ptr=None, bar_ptr=None, FUSED_SUM: tl.constexpr = False,
-    SUM_P: tl.constexpr = 1, SUM_N: tl.constexpr = 16,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """The backward of ``_norm_bwd_kernel`` (one row at a time) with the row in two column parts,
     A = [0, BLOCK_A) and B = [BLOCK_A, BLOCK_A + BLOCK_B): a hidden size that is not a power of two
@@ -378,7 +363,7 @@ def _norm_bwd_split_kernel(
     second pass (dx, the weight-gradient terms) loads x and dy again (L1 / L2 hits) instead of
     holding the row in registers through the reductions (16384: x, dy, w and the dw accumulator in
     fp32 are the SM's whole register file). Each row reduced in an order fixed by the blocks and
-    num_warps (batch invariance). FUSED_SUM and its arguments: as ``_norm_bwd_kernel``'s."""
+    num_warps (batch invariance)."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)
     ca = tl.arange(0, BLOCK_A)
@@ -426,20 +411,25 @@ def _norm_bwd_split_kernel(
     if HAS_B:
         tl.store(db_part_ptr + pid * N + ca, dba, mask=ma)
         tl.store(db_part_ptr + pid * N + cb, dbb, mask=mb)
-    if FUSED_SUM:
-        fused_col_sums(dw_part_ptr, db_part_ptr, dw_ptr, db_ptr, bar_ptr, N, HAS_W, HAS_B, SUM_P, SUM_N)
 
 
 @triton.jit(do_not_specialize=["P"])
 def _sum_partials_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                         TWO: tl.constexpr = False, PDL: tl.constexpr = False, TREE: tl.constexpr = False):  # fmt: skip
+                         TWO: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
     """``out[n] = Σ_p part[p, n]`` in fp32, rounded once to out's dtype (and with TWO the same of
-    ``part2`` into ``out2``: LayerNorm's weight and bias gradients in one launch). Program t sums
-    column tile t by ``norm_sums._col_sums`` (BLOCK_P partial rows loaded at once): the order is
-    fixed by P and the tile (deterministic); with TREE the fused epilogue's order (its bits)."""
+    ``part2`` into ``out2``: LayerNorm's weight and bias gradients in one launch). Tiles of BLOCK_P
+    partial rows are loaded at once (many loads in flight); the order is fixed by P alone (deterministic)."""
     _pdl_enter(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    s, s2 = _col_sums(part_ptr, part2_ptr, P, N, cols, TWO, BLOCK_P, BLOCK_N, TREE)
-    tl.store(out_ptr + cols, s.to(out_ptr.dtype.element_ty), mask=cols < N)
+    rows = tl.arange(0, BLOCK_P)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        r = p0 + rows
+        mask = (r[:, None] < P) & (cols[None, :] < N)
+        acc += tl.load(part_ptr + r[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        if TWO:
+            acc2 += tl.load(part2_ptr + r[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < N)
     if TWO:
-        tl.store(out2_ptr + cols, s2.to(out2_ptr.dtype.element_ty), mask=cols < N)
+        tl.store(out2_ptr + cols, tl.sum(acc2, axis=0).to(out2_ptr.dtype.element_ty), mask=cols < N)

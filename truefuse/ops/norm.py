@@ -10,7 +10,6 @@ normalization and after the weight).
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -273,177 +272,63 @@ def ln_fwd_staged(x, weight, bias, eps: float, zero_centered_gamma: bool, y, mea
     )  # fmt: skip
 
 
-def fused_sum_ok(n: int, rms: bool) -> bool:
-    """Whether the backward sums its partials in its own epilogue (``kernels/norm_sums.py``) by
-    default at hidden size ``n`` (where co-residency and a barrier workspace allow: see ``norm_bwd``).
-    Nowhere: measured on an H200 (experiments/exp_norm_fused_sum.py, 2026-11-23) the fused forward +
-    backward was 1.2-4.5 µs slower than the second kernel under PDL from 1024 to 8192 (the barrier
-    and the epilogue cost what the PDL'd kernel costs), 12-37 µs slower where its registers leave
-    one program per SM instead of two (LayerNorm 2048, 2880, 4096), 26-57 µs slower for RMSNorm at
-    16384; 3-5 µs (0.5%) faster for LayerNorm at 16384 alone."""
-    return False
-
-
-def fused_sum_config(n: int, warps: int, programs: int) -> tuple[int, int]:
-    """The fused epilogue's (BLOCK_P, BLOCK_N): every partial row in one round (up to 512), about
-    one column tile per program, at most 16 accumulator elements per thread. The two-kernel path
-    launches ``_sum_partials_kernel`` with these (TREE) where the fused one may run: the same
-    reduction order, the same bits. ``programs``: the most the backward launches on this device
-    (per SM x SMs), not this call's (one compile per hidden size)."""
-    block_p = min(512, 1 << max(0, programs - 1).bit_length())
-    cols = 1 << max(0, -(-n // programs) - 1).bit_length()
-    return block_p, max(4, min(cols, 16 * 32 * warps // block_p))
-
-
-# The fused sum's grid barrier workspace: _BAR_SLOTS slots of two int32 words ([count, generation],
-# 128 bytes apart) per device, zeroed once; one slot per (device, stream), so grids on two streams
-# never share one. A CUDA graph keeps the slot of the stream it was captured on: two graphs captured
-# on one stream must not replay at the same time (their grids would share a barrier).
-_BAR_SLOTS, _BAR_WORDS = 256, 32
-_bar_buffers: dict[int, torch.Tensor] = {}
-_bar_slots: dict[tuple[int, int], int] = {}
-
-
-def _barrier_slot(device: torch.device) -> torch.Tensor | None:
-    """This (device, current stream)'s barrier words, or None (the two-kernel path this call): the
-    first ever on the device under graph capture (the zeroing would be captured, not run), or every
-    slot taken."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _bar_buffers.get(idx)
-    if buf is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        buf = torch.zeros(_BAR_SLOTS * _BAR_WORDS, dtype=torch.int32, device=device)
-        torch.cuda.current_stream(device).synchronize()  # zeroed before any other stream uses it
-        _bar_buffers[idx] = buf
-    key = (idx, torch.cuda.current_stream(device).cuda_stream)
-    slot = _bar_slots.get(key)
-    if slot is None:
-        slot = sum(1 for k in _bar_slots if k[0] == idx)
-        if slot >= _BAR_SLOTS:
-            return None
-        _bar_slots[key] = slot
-    return buf[slot * _BAR_WORDS : slot * _BAR_WORDS + 2]
-
-
-_fits: dict[tuple, int] = {}
-_no_coop: set = set()
-#: fused-epilogue launches so far (the tests check the fused path ran)
-fused_sum_launches = [0]
-
-
-def _blocks_per_sm(k) -> int:
-    """Programs of compiled kernel ``k`` one Hopper SM holds at once: 64 warps, 32 blocks, 228 KiB of
-    shared memory (1 KiB reserved per block), four 16K-register quadrants (allocated per warp in
-    units of 256)."""
-    k._init_handles()
-    warps = k.metadata.num_warps
-    per_warp = max(256, -(-k.n_regs * 32 // 256) * 256)
-    by_regs = 4 * (16384 // per_warp) // warps
-    return min(32, 64 // warps, by_regs, (228 * 1024) // (k.metadata.shared + 1024))
-
-
-def _fused_per_sm(kernel, args, flags, fused, pdl, key) -> int:
-    """Programs per SM of the fused backward that fit at once (compiled once per key, not launched)."""
-    fit = _fits.get(key)
-    if fit is None:
-        fit = _fits[key] = _blocks_per_sm(kernel.warmup(*args, **flags, **fused, grid=(1,), **_pdl_kw(pdl)))
-    return fit
-
-
-def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma: bool, fused_sum: bool | None = None):
+def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma: bool):
     """Launch the backward kernel; ``dy`` and ``x`` contiguous (M, N).
 
     Returns ``(dx, dweight, dbias)``: dx in ``x.dtype``; dweight / dbias (N,) summed in fp32 from
     per-program partials and rounded once to the parameter's dtype (None where there is no weight / bias).
-    ``fused_sum``: the partials summed in the backward's epilogue (True), by a second kernel
-    (False; the same bits), or as :func:`fused_sum_ok` chooses (None). The fused path runs on
-    Hopper only (a cooperative launch), with as many programs per SM as fit at once (the compiled
-    kernel's registers and shared memory; both paths then launch that many, for the same bits),
-    where the stream has a barrier slot; elsewhere the second kernel sums.
     """
     from truefuse.kernels.norm import _norm_bwd_kernel, _norm_bwd_split_kernel
 
     M, N = x.shape
     dx = torch.empty_like(x)
-    has_w, has_bias = weight is not None, bias is not None
-    if M == 0:
-        return dx, (torch.zeros_like(weight) if has_w else None), (torch.zeros_like(bias) if has_bias else None)
     block, _ = block_and_warps(N)
     cfg = bwd_config(N, rms)
-    pdl = hopper(x)
-    flags = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma, PREFETCH=cfg.prefetch, PDL=pdl)
-    if cfg.parts is None:
-        kernel = _norm_bwd_kernel
-        flags.update(BLOCK_N=block, ROWS=cfg.rows)
-    else:
-        kernel = _norm_bwd_split_kernel
-        flags.update(BLOCK_A=cfg.parts[0], BLOCK_B=cfg.parts[1], RELOAD=cfg.reload)
-    sms = sm_count(x.device.index or 0) if x.is_cuda else 0
-    per_sm = cfg.per_sm
-    # where the fused epilogue may run: its tile and its programs in both paths (the same bits)
-    sum_tile = fused = key = None
-    if (has_w or has_bias) and pdl and (fused_sum is not None or fused_sum_ok(N, rms)):
-        sum_tile = fused_sum_config(N, cfg.warps, cfg.per_sm * sms)
-        out_w, out_b = (weight if has_w else bias), (bias if has_bias else weight)
-        fused = dict(dw_ptr=out_w, db_ptr=out_b, bar_ptr=None, FUSED_SUM=True, SUM_P=sum_tile[0], SUM_N=sum_tile[1],
-                     num_warps=cfg.warps, launch_cooperative_grid=True)  # fmt: skip
-        probe = (dy, x, weight if has_w else x, rstd, rstd, dx, rstd, rstd, N, N, N, M, N, 1)
-        key = (kernel, N, tuple(sorted(flags.items())), dy.dtype, x.dtype, out_w.dtype, out_b.dtype, x.device.index)
-        per_sm = min(per_sm, _fused_per_sm(kernel, probe, flags, dict(fused, bar_ptr=rstd.view(torch.int32)), pdl, key))
-    programs = max(1, min(M, per_sm * sms if x.is_cuda else 4))
+    programs = max(1, min(M, cfg.per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4))
     # whole tiles per program; then only as many programs as that takes
     per_program = -(M // -programs)
     rows_per_program = -(per_program // -cfg.rows) * cfg.rows
-    programs = max(1, -(-M // rows_per_program))
+    programs = max(1, -(-M // rows_per_program)) if M else 1
+    has_w, has_bias = weight is not None, bias is not None
     dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_w else None
     db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_bias else None
+    if M == 0:
+        return dx, (torch.zeros_like(weight) if has_w else None), (torch.zeros_like(bias) if has_bias else None)
+    pdl = hopper(x)
     args = (
         dy, x, weight if has_w else x, mean if mean is not None else rstd, rstd, dx,
         dw_part if has_w else rstd, db_part if has_bias else rstd,
         dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program,
     )  # fmt: skip
-    run_fused = fused is not None and fused_sum is not False and key not in _no_coop
-    bar = _barrier_slot(x.device) if run_fused else None
-    if bar is not None:
-        dw = torch.empty_like(weight) if has_w else None
-        db = torch.empty_like(bias) if has_bias else None
-        fused.update(dw_ptr=dw if has_w else db, db_ptr=db if has_bias else dw, bar_ptr=bar)
-        try:
-            kernel[(programs,)](*args, **flags, **fused, **_pdl_kw(pdl))
-        except RuntimeError as e:  # the driver found the grid too large to be co-resident (a safety net)
-            if torch.cuda.is_current_stream_capturing():
-                raise
-            _no_coop.add(key)  # the second kernel from now on (the same programs and tile: the same bits)
-            warnings.warn(f"truefuse: the norm backward's cooperative launch failed ({e}); a second kernel sums", stacklevel=2)
-        else:
-            fused_sum_launches[0] += 1
-            return dx, dw, db
-    kernel[(programs,)](*args, **flags, num_warps=cfg.warps, **_pdl_kw(pdl))
-    tile = dict(tile=sum_tile, warps=cfg.warps)
-    if has_w and has_bias:
-        dw, db = _sum_partials(dw_part, weight.dtype, pdl, db_part, bias.dtype, **tile)
+    flags = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma, PREFETCH=cfg.prefetch, PDL=pdl)
+    if cfg.parts is None:
+        _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, num_warps=cfg.warps, **_pdl_kw(pdl))
     else:
-        dw = _sum_partials(dw_part, weight.dtype, pdl, **tile)[0] if has_w else None
-        db = _sum_partials(db_part, bias.dtype, pdl, **tile)[0] if has_bias else None
+        a, b = cfg.parts
+        _norm_bwd_split_kernel[(programs,)](
+            *args, **flags, BLOCK_A=a, BLOCK_B=b, RELOAD=cfg.reload, num_warps=cfg.warps, **_pdl_kw(pdl)
+        )
+    if has_w and has_bias:
+        dw, db = _sum_partials(dw_part, weight.dtype, pdl, db_part, bias.dtype)
+    else:
+        dw = _sum_partials(dw_part, weight.dtype, pdl)[0] if has_w else None
+        db = _sum_partials(db_part, bias.dtype, pdl)[0] if has_bias else None
     return dx, dw, db
 
 
-def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl=False, part2=None, dtype2=None, tile=None, warps=0) -> tuple:
+def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, part2=None, dtype2=None) -> tuple:
     """Column sums of the (programs, N) fp32 partials, in program order, rounded once to ``dtype``;
     with ``part2`` (the same shape) its sums too, in the same launch (one kernel boundary fewer):
-    ``(out, out2 or None)``. ``tile``: (BLOCK_P, BLOCK_N) in the fused epilogue's order (its bits),
-    launched at ``warps``; else :func:`sum_config`."""
+    ``(out, out2 or None)``."""
     from truefuse.kernels.norm import _sum_partials_kernel
 
     P, N = part.shape
     out = torch.empty(N, dtype=dtype, device=part.device)
     out2 = None if part2 is None else torch.empty(N, dtype=dtype2, device=part.device)
-    block_p, block, warps = (*tile, warps) if tile is not None else sum_config(N, part2 is not None)
+    block_p, block, warps = sum_config(N, part2 is not None)
     _sum_partials_kernel[(-(-N // block),)](
         part, out, part if part2 is None else part2, out if out2 is None else out2, P, N,
-        BLOCK_P=block_p, BLOCK_N=block, TWO=part2 is not None, PDL=pdl, TREE=tile is not None, num_warps=warps,
-        **_pdl_kw(pdl),
+        BLOCK_P=block_p, BLOCK_N=block, TWO=part2 is not None, PDL=pdl, num_warps=warps, **_pdl_kw(pdl),
     )  # fmt: skip
     return out, out2
 
