@@ -39,7 +39,7 @@ partial sums; batch invariant: 1374 checked backward runs).
   chunked backward alone is 1.35-2.5x today's (2880: 69.6 against 46.7 µs at 8192 rows; 5120: 156.5
   against 85.0; 16384: 564.8 against 417.9); its best tiles ran 4-8 programs per SM, whose
   partial rows (2 x 21 MB at 5120) are read and written once per group of R <= 2 rows. The chunked
-  three-pass LayerNorm forward: 1.25-1.8x slower than today's (5120: 74.5 against 55.9 µs).
+  three-pass LayerNorm forward: 1.24-1.86x slower than today's (5120: 74.5 against 55.9 µs).
 * Round 2 (``--round 2``): R up to 16 rows per group, 1-2 programs per SM: 1.4-2.2x today's time
   at every wide size, both norms (RMSNorm 5120: 118.3 against 77.3 µs; 2880: 73.7 against 43.6;
   16384: 451.9 against 272.8), 4-7x at 4096. Without the partial rows' read-modify-write (the
