@@ -36,11 +36,13 @@ except ImportError:  # pragma: no cover
 @triton.jit
 def _pdl_enter(PDL: tl.constexpr):
     """Programmatic dependent launch (``launch_pdl=True``): this grid may start while the previous
-    kernel drains; wait here, before any load (any input may be that kernel's output), then let the
-    next kernel's programs launch as ours finish. Without PDL: nothing."""
+    kernel drains; wait here, before any load (any input may be that kernel's output). PDL: 0 off;
+    1 then lets the next kernel's programs launch at once (they wait in place, holding their SM
+    slots); 2 lets them launch only as this kernel's programs exit (``ops/norm.py::PDL_TRIGGER``)."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if PDL == 1:
+            gdc_launch_dependents()
 
 
 @triton.jit
