@@ -116,14 +116,14 @@ def test_layer_norm_staged_forward(n, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [5120, 16384])  # both PDL trigger placements (ops/norm.py::pdl_trigger)
 @pytest.mark.parametrize("fn", ["rms_norm", "layer_norm"])
-def test_chained_launches_read_the_previous_output(fn):
+def test_chained_launches_read_the_previous_output(fn, n):
     """Each norm kernel starts early under programmatic dependent launch (the previous kernel lets
     it) and must wait before its first load, pipelined TMA loads included: a chain of norms queued
     back to back (each reading the last one's output, forward and backward) gives the bits of the
     same chain with a device sync between the steps."""
     f = getattr(truefuse, fn)
-    n = 5120
     x = torch.randn(8192, n, device="cuda").bfloat16().requires_grad_()
     w = (torch.rand(n, device="cuda") + 0.5).bfloat16().requires_grad_()
 
@@ -263,3 +263,27 @@ def test_backward_launches_no_zero_fills(rms, device):
     ref = torch.autograd.grad((rms_norm_ref if rms else layer_norm_ref)(x, *params), (x, *params), dy)
     for g, r in zip(grads, ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("fn", "n"), [("rms_norm", 4096), ("layer_norm", 16384)])
+def test_pdl_trigger_moves_no_bits(fn, n, monkeypatch):
+    """Where a kernel lets the next one launch (its start or its exit) is the schedule only: the
+    sizes where ``pdl_trigger`` picks the exit give the bits of every kernel triggering at its start."""
+    import truefuse.ops.norm as ops_norm
+
+    x = torch.randn(1000, n, device="cuda").bfloat16().requires_grad_()
+    params = [(torch.rand(n, device="cuda") + 0.5).bfloat16().requires_grad_()]
+    if fn == "layer_norm":
+        params.append(torch.randn(n, device="cuda").bfloat16().requires_grad_())
+    dy = torch.randn_like(x)
+
+    def run():
+        y = getattr(truefuse, fn)(x, *params)
+        return (y, *torch.autograd.grad(y, (x, *params), dy))
+
+    assert 2 in (ops_norm.pdl_trigger("fwd", n, fn == "rms_norm"), ops_norm.pdl_trigger("bwd", n, fn == "rms_norm"))
+    chosen = run()
+    monkeypatch.setattr(ops_norm, "pdl_trigger", lambda kernel, n, rms: 1)
+    for got, ref in zip(run(), chosen, strict=True):
+        assert_bitwise(got, ref, "trigger at start")

@@ -200,13 +200,17 @@ def _pdl_kw(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
-#: When each norm kernel lets the next kernel's programs launch under PDL (``kernels/norm.py::
-#: _pdl_enter``): 1 at its start, 2 as its programs exit. Never the bits, only the schedule.
-PDL_TRIGGER = {"fwd": 1, "bwd": 1, "sum": 1}
-
-
-def _pdl_mode(pdl: bool, kernel: str) -> int:
-    return PDL_TRIGGER[kernel] if pdl else 0
+def pdl_trigger(kernel: str, n: int, rms: bool) -> int:
+    """When the norm's ``kernel`` (``"fwd"``, ``"bwd"``) lets the next kernel's programs launch
+    under PDL (``kernels/norm.py::_pdl_enter``): 1 at its start (they wait in place, holding SM
+    slots), 2 as its programs exit. From the hidden size only; the schedule, never the bits.
+    Measured on an H200 at 8192 and 16384 rows (experiments/exp_norm_pdl_trigger.py): LayerNorm's
+    two-part backward (> 8192) launched beside its forward costs 43-83 µs of 0.56-1.1 ms at 16384;
+    RMSNorm's sum launched as the backward exits gains 0.5-1.4 µs from 2048 to 8192; every other
+    choice within ±0.6 µs. The sum (last of the three) triggers at its start."""
+    if kernel == "fwd":
+        return 2 if not rms and bwd_config(n, rms).parts is not None else 1
+    return 2 if kernel == "bwd" and rms and 2048 <= n <= 8192 else 1
 
 
 def sum_config(n: int, two: bool = False) -> tuple[int, int, int]:
@@ -254,7 +258,7 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
         mean if mean is not None else rstd, rstd, x.stride(0), y.stride(0), N, float(eps),
         IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ZERO_CENTERED=zero_centered_gamma,
         BLOCK_N=block, RSTD_IN=rstd_in, ROUND_NORMED=bool(round_normed), M=M, PERSISTENT=bool(per_sm),
-        PDL=_pdl_mode(pdl, "fwd"), WB=wb, num_warps=warps, **_pdl_kw(pdl),
+        PDL=pdl and pdl_trigger("fwd", N, rms), WB=wb, num_warps=warps, **_pdl_kw(pdl),
     )  # fmt: skip
     return y, mean, rstd
 
@@ -277,7 +281,7 @@ def ln_fwd_staged(x, weight, bias, eps: float, zero_centered_gamma: bool, y, mea
         TensorDescriptor.from_tensor(x, [1, block]), weight if weight is not None else x,
         bias if bias is not None else x, y, mean, rstd, y.stride(0), M, N, float(eps),
         HAS_W=weight is not None, HAS_B=bias is not None, ZERO_CENTERED=zero_centered_gamma, BLOCK_N=block,
-        STAGES=stages, PDL=_pdl_mode(pdl, "fwd"), num_warps=warps, **_pdl_kw(pdl),
+        STAGES=stages, PDL=pdl and pdl_trigger("fwd", N, False), num_warps=warps, **_pdl_kw(pdl),
     )  # fmt: skip
 
 
@@ -311,7 +315,7 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     )  # fmt: skip
     flags = dict(
         IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma, PREFETCH=cfg.prefetch,
-        PDL=_pdl_mode(pdl, "bwd"),
+        PDL=pdl and pdl_trigger("bwd", N, rms),
     )  # fmt: skip
     if cfg.parts is None:
         _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, num_warps=cfg.warps, **_pdl_kw(pdl))
@@ -340,7 +344,7 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, par
     block_p, block, warps = sum_config(N, part2 is not None)
     _sum_partials_kernel[(-(-N // block),)](
         part, out, part if part2 is None else part2, out if out2 is None else out2, P, N,
-        BLOCK_P=block_p, BLOCK_N=block, TWO=part2 is not None, PDL=_pdl_mode(pdl, "sum"), num_warps=warps, **_pdl_kw(pdl),
+        BLOCK_P=block_p, BLOCK_N=block, TWO=part2 is not None, PDL=pdl, num_warps=warps, **_pdl_kw(pdl),
     )  # fmt: skip
     return out, out2
 
