@@ -176,10 +176,11 @@ def bwd_config(n: int, rms: bool = True) -> BwdConfig:
     """The backward's configuration, from the hidden size only (never the row count: a row's dx
     reduces in an order set by the blocks, the tile and num_warps alone). Measured on an H200
     (experiments/exp_norm_sweep.py, exp_norm_variants.py): two-row tiles and more programs for
-    small rows (1024: 1.8x), one program per SM and 16-32 warps for wide rows; 16384 in two halves
-    with the second pass reloading x and dy (x, dy, w and the dw accumulator of a whole row in fp32
-    fill the register file: 65 -> 68% of the copy rate for RMSNorm, 42 -> 44% for LayerNorm). Two
-    parts with less padding (2880 = 2048 + 1024, 5120 = 4096 + 1024) measured 1-4% slower."""
+    small rows (1024: 1.8x), one program per SM and 16-32 warps for wide rows. Above 8192 the row in
+    two halves (``_norm_bwd_split_kernel``) at 16 warps, x and dy held through the reductions: in
+    the library's forward + backward at 16384 that beat the halves reloaded at 32 warps (RMSNorm)
+    or 16 (LayerNorm) by 12-14% (8192 rows: 407 -> 351 µs, 563 -> 502 µs; exp_norm_bwd_16k.py).
+    Two parts with less padding (2880 = 2048 + 1024, 5120 = 4096 + 1024) measured 1-4% slower."""
     if n <= 1024:
         return BwdConfig(4, 2, 4, True)
     if n <= 2048:
@@ -188,7 +189,7 @@ def bwd_config(n: int, rms: bool = True) -> BwdConfig:
         return BwdConfig(8, 1, 2, True)
     if n <= 8192:
         return BwdConfig(32 if rms else 16, 1, 1, True)
-    return BwdConfig(32, 1, 1, True, (8192, 8192), True) if rms else BwdConfig(16, 1, 1, False, (8192, 8192), True)
+    return BwdConfig(16, 1, 1, False, (8192, 8192))
 
 
 # Programmatic dependent launch for the norm's kernels where ``_triton.hopper``: each kernel waits for
