@@ -1,0 +1,188 @@
+# ruff: noqa: E501, B023
+"""Experiment (prepared for the next GPU session, not yet run): the norms' backward launches and
+LayerNorm's TMA-staged forward re-measured at every hidden size up to 8192 in the library's own
+forward + backward (issue #16 item 3).
+
+Why: the configurations in ``ops/norm.py`` (``bwd_config``, ``ln_fwd_staged_config``) were chosen
+from kernel-alone sweeps (exp_norm_sweep.py, exp_norm_tma.py) made while every backward still
+waited on autograd's zero-fills and every kernel triggered its dependents at its start. At 16384
+the same re-measurement in the library's sequence overturned the choice by 12-14%
+(exp_norm_bwd_16k.py). Variants per hidden size: the backward's warps / rows per tile / programs
+per SM / prefetch, the two-part kernel where the row pads (2880 = 2048 + 1024, 5120 = 4096 + 1024,
+7168 = 4096 + 4096), and LayerNorm's staged forward (warps, programs per SM, stages). Each is
+timed as ``bench rms_norm`` times it (autograd, CUDA graphs, interleaved rounds; the floor is copy +
+add in one graph) and checked against float64 (dx, dw, db relative L2 < 1e-2); kernels are
+compiled first in parallel processes.
+
+Run: ``PYTHONPATH=. python experiments/exp_norm_resweep.py [--out DIR] [--hidden 2880 5120] [--rounds 3]``
+(one H200: about 3 minutes for every size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+HIDDEN = (1024, 2048, 2880, 4096, 5120, 7168, 8192)
+ROWS = (8192, 16384)
+
+
+def _bwd_variants(h: int, rms: bool) -> dict:
+    """name -> BwdConfig (None: today's), for hidden size ``h``."""
+    from truefuse.ops.norm import BwdConfig as B
+
+    wide = 32 if rms else 16
+    table = {
+        1024: [B(4, 4, 4, True), B(4, 1, 8, True), B(8, 2, 4, True), B(4, 2, 8, True), B(4, 2, 2, True), B(4, 2, 4, False)],
+        2048: [B(8, 1, 4, True), B(4, 1, 4, True), B(8, 2, 4, True), B(16, 2, 1, True), B(8, 2, 2, False)],
+        2880: [B(8, 1, 2, True, (2048, 1024)), B(8, 1, 2, False, (2048, 1024)), B(16, 1, 1, False, (2048, 1024)),
+               B(16, 1, 1, True), B(4, 1, 4, True), B(8, 1, 2, False)],
+        4096: [B(16, 1, 1, True), B(8, 1, 1, True), B(4, 1, 4, True), B(8, 1, 2, False), B(16, 1, 2, True)],
+        5120: [B(16, 1, 1, False, (4096, 1024)), B(32, 1, 1, False, (4096, 1024)), B(16, 1, 1, True, (4096, 1024)),
+               B(16, 1, 2, True), B(wide, 1, 1, False), B(16 if rms else 32, 1, 1, True)],
+        7168: [B(16, 1, 1, False, (4096, 4096)), B(16, 1, 1, True), B(wide, 1, 1, False), B(16, 1, 2, True)],
+        8192: [B(16, 1, 1, False, (4096, 4096)), B(16 if rms else 32, 1, 1, True), B(wide, 1, 1, False), B(16, 1, 2, True)],
+    }
+    out = {"today": None}
+    for c in table.get(h, []):
+        name = f"w{c.warps}r{c.rows}x{c.per_sm}{'p' if c.prefetch else ''}" + (f"_split{c.parts[0]}" if c.parts else "")
+        out[name] = c
+    return out
+
+
+def _lnfwd_variants(h: int) -> dict:
+    """name -> (num_warps, programs per SM, stages) of the staged LayerNorm forward (None: today's)."""
+    from truefuse.ops.norm import ln_fwd_staged_config
+
+    w, k, s = ln_fwd_staged_config(h, torch.bfloat16)
+    out = {"today": None}
+    for c in {(max(1, w // 2), k, s), (min(32, 2 * w), k, s), (w, max(1, k // 2), s), (w, min(32, 2 * k), s), (w, k, 4)}:
+        if c != (w, k, s):
+            out[f"fwd_w{c[0]}x{c[1]}s{c[2]}"] = c
+    return out
+
+
+def _use(h: int, target: str, cfg) -> None:
+    """Patch ``ops.norm`` so hidden size ``h`` runs ``cfg`` for ``target`` ("bwd" or "lnfwd");
+    ``cfg`` None restores today's."""
+    from truefuse.ops import norm as ops_norm
+
+    if not hasattr(ops_norm, "_resweep_orig"):
+        ops_norm._resweep_orig = (ops_norm.bwd_config, ops_norm.ln_fwd_staged_config, ops_norm.pdl_trigger)
+    bwd, lnfwd, trig = ops_norm._resweep_orig
+    ops_norm.bwd_config, ops_norm.ln_fwd_staged_config, ops_norm.pdl_trigger = bwd, lnfwd, trig
+    if cfg is None:
+        return
+    # the PDL trigger stays today's choice for the size, whatever the variant (it reads bwd_config)
+    today = {(k, r): trig(k, h, r) for k in ("fwd", "bwd") for r in (True, False)}
+    ops_norm.pdl_trigger = lambda kernel, n, rms: today[(kernel, rms)] if n == h else trig(kernel, n, rms)
+    if target == "bwd":
+        ops_norm.bwd_config = lambda n, rms=True: cfg if n == h else bwd(n, rms)
+    else:
+        ops_norm.ln_fwd_staged_config = lambda n, dtype: cfg if n == h else lnfwd(n, dtype)
+
+
+def _case(kind: str, m: int, h: int):
+    import truefuse
+    from truefuse.ops import norm as ops_norm
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(m + h)
+    x = torch.randn(m, h, device=dev, dtype=bf, generator=g).requires_grad_()
+    dy = torch.randn(m, h, device=dev, dtype=bf, generator=g)
+    params = [(torch.rand(h, device=dev, dtype=bf, generator=g) + 0.5).requires_grad_()]
+    if kind == "ln":
+        params.append((0.1 * torch.randn(h, device=dev, dtype=bf, generator=g)).requires_grad_())
+    f = truefuse.rms_norm if kind == "rms" else truefuse.layer_norm
+    fn = lambda: torch.autograd.grad(f(x, *params, eps=1e-5), (x, *params), dy)
+    ref_fn = ops_norm.rms_norm_ref if kind == "rms" else ops_norm.layer_norm_ref
+    return fn, ref_fn, x, dy, params
+
+
+def _jobs(hs):
+    out = []
+    for h in hs:
+        for kind in ("rms", "ln"):
+            out += [(h, kind, "bwd", name, cfg) for name, cfg in _bwd_variants(h, kind == "rms").items()]
+        out += [(h, "ln", "lnfwd", name, cfg) for name, cfg in _lnfwd_variants(h).items() if cfg is not None]
+    return out
+
+
+def _compile_worker(jobs):
+    errs = []
+    for h, kind, target, name, cfg in jobs:
+        try:
+            _use(h, target, cfg)
+            fn = _case(kind, 256, h)[0]
+            fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # reported, the variant is skipped later
+            errs.append(f"{kind} {h} {name}: {type(e).__name__}: {str(e)[:160]}")
+    return errs
+
+
+def main():
+    from exp_norm_sweep import gtime
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=min(12, (os.cpu_count() or 2) - 1))
+    args = ap.parse_args()
+    t0 = time.time()
+    jobs = _jobs(args.hidden)
+    with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as ex:
+        errs = [e for r in ex.map(_compile_worker, [jobs[i :: args.workers] for i in range(args.workers)]) for e in r]
+    print(f"compiled {len(jobs)} variants in {time.time() - t0:.0f} s; errors: {errs or 'none'}", flush=True)
+    rows = []
+    for h in args.hidden:
+        for m in ROWS:
+            for kind in ("rms", "ln"):
+                fn, ref_fn, x, dy, params = _case(kind, m, h)
+                xd = x.detach().double().requires_grad_()
+                pd = [p.detach().double().requires_grad_() for p in params]
+                ref = torch.autograd.grad(ref_fn(xd, *pd, 1e-5), (xd, *pd), dy.double())
+                z1, z2 = torch.empty_like(dy), torch.empty_like(dy)
+                floor = gtime(lambda: (z1.copy_(x.detach()), torch.add(x.detach(), dy, out=z2)))
+                variants = [("bwd", n, c) for n, c in _bwd_variants(h, kind == "rms").items()]
+                if kind == "ln":
+                    variants += [("lnfwd", n, c) for n, c in _lnfwd_variants(h).items() if c is not None]
+                errs, times = {}, {}
+                for target, name, cfg in variants:
+                    _use(h, target, cfg)
+                    try:
+                        got = fn()
+                        errs[name] = max(((a.double() - r).norm() / r.norm()).item() for a, r in zip(got, ref, strict=True))
+                        times[name] = (target, cfg, [])
+                    except Exception as e:
+                        print(f"{kind} {m} x {h} {name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                for _ in range(args.rounds):
+                    for target, cfg, ts in times.values():
+                        _use(h, target, cfg)
+                        ts.append(gtime(fn))
+                _use(h, "bwd", None)
+                med = {n: statistics.median(ts) for n, (_, _, ts) in times.items()}
+                best = min(med, key=med.get)
+                rows.append({"kind": kind, "M": m, "H": h, "floor_us": floor, "us": med, "rel_err": errs,
+                             "configs": {n: (t, None if c is None else list(c)) for n, (t, c, _) in times.items()}})  # fmt: skip
+                print(f"{kind:3s} {m:5d} x {h:5d} | floor {floor:6.1f} | today {med['today']:6.1f} ({floor / med['today']:.0%}) | "
+                      f"best {best} {med[best]:6.1f} ({floor / med[best]:.0%})"
+                      + "".join(f" | BAD {n} {e:.1e}" for n, e in errs.items() if e >= 1e-2), flush=True)  # fmt: skip
+    with open(os.path.join(args.out, "norm_resweep.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    print(f"{time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
