@@ -45,11 +45,23 @@ def _bwd_variants(h: int, rms: bool) -> dict:
     table = {
         1024: [B(4, 4, 4, True), B(4, 1, 8, True), B(8, 2, 4, True), B(4, 2, 8, True), B(4, 2, 2, True), B(4, 2, 4, False)],
         2048: [B(8, 1, 4, True), B(4, 1, 4, True), B(8, 2, 4, True), B(16, 2, 1, True), B(8, 2, 2, False)],
-        2880: [B(8, 1, 2, True, (2048, 1024)), B(8, 1, 2, False, (2048, 1024)), B(16, 1, 1, False, (2048, 1024)),
-               B(16, 1, 1, True), B(4, 1, 4, True), B(8, 1, 2, False)],
+        2880: [
+            B(8, 1, 2, True, (2048, 1024)),
+            B(8, 1, 2, False, (2048, 1024)),
+            B(16, 1, 1, False, (2048, 1024)),
+            B(16, 1, 1, True),
+            B(4, 1, 4, True),
+            B(8, 1, 2, False),
+        ],
         4096: [B(16, 1, 1, True), B(8, 1, 1, True), B(4, 1, 4, True), B(8, 1, 2, False), B(16, 1, 2, True)],
-        5120: [B(16, 1, 1, False, (4096, 1024)), B(32, 1, 1, False, (4096, 1024)), B(16, 1, 1, True, (4096, 1024)),
-               B(16, 1, 2, True), B(wide, 1, 1, False), B(16 if rms else 32, 1, 1, True)],
+        5120: [
+            B(16, 1, 1, False, (4096, 1024)),
+            B(32, 1, 1, False, (4096, 1024)),
+            B(16, 1, 1, True, (4096, 1024)),
+            B(16, 1, 2, True),
+            B(wide, 1, 1, False),
+            B(16 if rms else 32, 1, 1, True),
+        ],
         7168: [B(16, 1, 1, False, (4096, 4096)), B(16, 1, 1, True), B(wide, 1, 1, False), B(16, 1, 2, True)],
         8192: [B(16, 1, 1, False, (4096, 4096)), B(16 if rms else 32, 1, 1, True), B(wide, 1, 1, False), B(16, 1, 2, True)],
     }
