@@ -7,7 +7,7 @@ Why: the configurations in ``ops/norm.py`` (``bwd_config``, ``ln_fwd_staged_conf
 from kernel-alone sweeps (exp_norm_sweep.py, exp_norm_tma.py) made while every backward still
 waited on autograd's zero-fills and every kernel triggered its dependents at its start. At 16384
 the same re-measurement in the library's sequence overturned the choice by 12-14%
-(exp_norm_bwd_16k.py). Variants per hidden size: the backward's warps / rows per tile / programs
+(below). Variants per hidden size: the backward's warps / rows per tile / programs
 per SM / prefetch, the two-part kernel where the row pads (2880 = 2048 + 1024, 5120 = 4096 + 1024,
 7168 = 4096 + 4096), and LayerNorm's staged forward (warps, programs per SM, stages). Each is
 timed as ``bench rms_norm`` times it (autograd, CUDA graphs, interleaved rounds; the floor is copy +
@@ -15,7 +15,16 @@ add in one graph) and checked against float64 (dx, dw, db relative L2 < 1e-2); k
 compiled first in parallel processes.
 
 Run: ``PYTHONPATH=. python experiments/exp_norm_resweep.py [--out DIR] [--hidden 2880 5120] [--rounds 3]``
-(one H200: about 3 minutes for every size).
+(one H200: about 3 minutes for the sizes up to 8192; 16384 on request).
+
+Result at 16384 (2026-11-23, one H200, torch 2.11.0+cu130, triton 3.6.0, at b394420, by this
+method as ``exp_norm_bwd_16k.py``, 21 s; that file is in history at cbdf501 with the kernels it
+ran): the two halves at 16 warps with x and dy held through the reductions (no prefetch) beat every
+other variant: RMSNorm 407 -> 351 µs (8192 rows), 802 -> 686 µs (16384); LayerNorm 563 -> 502 µs,
+1102 -> 987 µs, against the earlier choice (the second pass loading x and dy again, 32 warps for
+RMSNorm). Prefetch at 16-32 warps with that reload: up to 3x slower for LayerNorm (spills); the
+one-part tile kernel: 5-13% slower. ``ops/norm.py::bwd_config`` took it for both norms above 8192
+and the reload went. The sizes up to 8192: not run yet (no device time left that session).
 """
 
 from __future__ import annotations
@@ -64,6 +73,13 @@ def _bwd_variants(h: int, rms: bool) -> dict:
         ],
         7168: [B(16, 1, 1, False, (4096, 4096)), B(16, 1, 1, True), B(wide, 1, 1, False), B(16, 1, 2, True)],
         8192: [B(16, 1, 1, False, (4096, 4096)), B(16 if rms else 32, 1, 1, True), B(wide, 1, 1, False), B(16, 1, 2, True)],
+        16384: [
+            B(32, 1, 1, True, (8192, 8192)),
+            B(16, 1, 1, True, (8192, 8192)),
+            B(16, 1, 2, False, (8192, 8192)),
+            B(8, 1, 2, False, (8192, 8192)),
+            B(32, 1, 1, False),
+        ],
     }
     out = {"today": None}
     for c in table.get(h, []):

@@ -70,8 +70,8 @@ def cur_bwd(h, kind):
 
     c = bwd_config(h, kind == "rms")
     if c.parts is None:
-        return ("tile", c.warps, c.rows, c.per_sm, c.prefetch, 0, 0, False)
-    return ("split", c.warps, 1, c.per_sm, c.prefetch, *c.parts, c.reload)
+        return ("tile", c.warps, c.rows, c.per_sm, c.prefetch, 0, 0)
+    return ("split", c.warps, 1, c.per_sm, c.prefetch, *c.parts)
 
 
 def cur_sum(h):
@@ -97,7 +97,7 @@ def ln_fwd_cfgs(h):
 def bwd_cfgs(h, kind):
     out = [cur_bwd(h, kind)]
     for w, r, k in BWD_FEW.get(h, []):
-        out.append(("tile", w, r, k, True, 0, 0, False))
+        out.append(("tile", w, r, k, True, 0, 0))
     return out
 
 

@@ -3,8 +3,8 @@
 reach, at every hidden size of issue #16 item 3 (bf16, M in {8192, 16384}).
 
 * The backward with the row in two column parts (``_norm_bwd_split_kernel``): 2880 = 2048 + 1024,
-  5120 = 4096 + 1024 (less padding than 4096 / 8192), 16384 = 8192 + 8192 with the second pass
-  reloading x and dy (the row no longer held in registers through the reductions).
+  5120 = 4096 + 1024 (less padding than 4096 / 8192), 16384 = 8192 + 8192 (when measured, also
+  with the second pass reloading x and dy: see the result below).
 * Programmatic dependent launch (PDL) on the forward, backward and partial-sum kernels: each grid
   launches while the previous drains (the kernel boundaries are what small sizes lose).
 
@@ -22,8 +22,10 @@ F.layer_norm to 4 digits) but 2-20% slower at every hidden size (a tie at 8192):
 reduction is not what the LayerNorm forward waits on. Two column parts for 2880 / 5120 / 7168:
 1-8% slower than the padded tile. Two halves with the reload at 16384: RMSNorm 65 -> 68% of the
 backward's copy rate, LayerNorm 42 -> 44%. PDL: 0.3-2.3 µs per forward + backward (1024 x 8192
-RMSNorm: 79.6 -> 82.1% of the floor). ops/norm.py takes the last two. The one-pass forward was
-measured at commit 7b9ec5b (its kernel code lives there), then removed.
+RMSNorm: 79.6 -> 82.1% of the floor). ops/norm.py took the last two. The one-pass forward was
+measured at commit 7b9ec5b (its kernel code lives there), then removed; the reload likewise at
+cbdf501 (ops/norm.py no longer takes it: exp_norm_resweep.py), so the 16384 variants here are the
+two halves with and without prefetch.
 """
 
 from __future__ import annotations
@@ -60,11 +62,11 @@ def old_bwd(h, kind):
         (4, 2, 4, True) if h <= 1024 else (8, 2, 2, True) if h <= 2048 else (8, 1, 2, True) if h <= 4096
         else ((32 if kind == "rms" else 16), 1, 1, True) if h <= 8192 else (16, 1, 1, False)
     )  # fmt: skip
-    return ("tile", w, rows, k, pre, 0, 0, False)
+    return ("tile", w, rows, k, pre, 0, 0)
 
 
 def bwd_cfgs(h, kind):
-    """("tile", warps, rows, per-SM, prefetch, 0, 0, False) or ("split", warps, 1, per-SM, prefetch, A, B, reload)."""
+    """("tile", warps, rows, per-SM, prefetch, 0, 0) or ("split", warps, 1, per-SM, prefetch, A, B)."""
     out = [old_bwd(h, kind)]
     parts = {2880: (2048, 1024), 5120: (4096, 1024), 7168: (4096, 4096), 16384: (8192, 8192)}.get(h)
     if parts is None:
@@ -72,14 +74,14 @@ def bwd_cfgs(h, kind):
     if h == 16384:
         for w in (16, 32):
             for k in (1, 2):
-                for reload, pre in ((True, False), (True, True), (False, False)):
-                    out.append(("split", w, 1, k, pre, *parts, reload))
+                for pre in (False, True):
+                    out.append(("split", w, 1, k, pre, *parts))
     else:
         ws = (4, 8) if h == 2880 else (8, 16)
         ks = (2, 4) if h == 2880 else (1, 2)
         for w in ws:
             for k in ks:
-                out.append(("split", w, 1, k, True, *parts, False))
+                out.append(("split", w, 1, k, True, *parts))
     return out
 
 
@@ -105,7 +107,7 @@ def launch_bwd(kind, cfg, dy, x, w, mean, rstd, dx, dw_part, db_part, sms, pdl=F
     from truefuse.kernels.norm import _norm_bwd_kernel, _norm_bwd_split_kernel
 
     M, N = x.shape
-    which, warps, rows, k, pre, a, b, reload = cfg
+    which, warps, rows, k, pre, a, b = cfg
     programs, rpp = bwd_grid(M, rows, k, sms)
     kw = {"launch_pdl": True} if pdl else {}
     args = (dy, x, w, mean if kind == "ln" else rstd, rstd, dx, dw_part, db_part if kind == "ln" else rstd,
@@ -116,7 +118,7 @@ def launch_bwd(kind, cfg, dy, x, w, mean, rstd, dx, dw_part, db_part, sms, pdl=F
     if which == "tile":
         _norm_bwd_kernel[(programs,)](*args, BLOCK_N=npow2(N), ROWS=rows, **common)
     else:
-        _norm_bwd_split_kernel[(programs,)](*args, BLOCK_A=a, BLOCK_B=b, RELOAD=reload, **common)
+        _norm_bwd_split_kernel[(programs,)](*args, BLOCK_A=a, BLOCK_B=b, **common)
     return programs
 
 

@@ -51,8 +51,8 @@ def test_batch_invariance(fn, device):
 
 @pytest.mark.parametrize("fn", ["rms_norm", "layer_norm"])
 def test_two_part_backward(fn, device):
-    """The hidden size the backward takes in two halves, the second pass reloading the row (16384,
-    ops.norm.bwd_config): the reference's gradients, a row's dx independent of the rows beside it.
+    """The hidden size the backward takes in two halves (16384, ops.norm.bwd_config): the
+    reference's gradients, a row's dx independent of the rows beside it.
     The CPU leaves out the weight and bias (their partials' sum: 1024 interpreted programs, 10 s)."""
     n = 16384
     assert bwd_config(n).parts == bwd_config(n, rms=False).parts == (8192, 8192)

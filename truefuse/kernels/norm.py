@@ -333,15 +333,11 @@ def _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS: tl.constexpr, HAS_W: 
 
 
 @triton.jit
-def _bwd_part_dx(x, dy, x_ptr, dy_ptr, w_ptr, dx_ptr, row, stride_x, stride_dy, stride_dx, c, m, N, mean, rstd, c1, c2,
-                 dw, db, RELOAD: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                 ZERO_CENTERED: tl.constexpr):  # fmt: skip
+def _bwd_part_dx(x, dy, w_ptr, dx_ptr, row, stride_dx, c, m, mean, rstd, c1, c2, dw, db,
+                 IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr):  # fmt: skip
     """One column part's dx (stored) and weight / bias-gradient terms (added to dw / db), from the
-    row's c1, c2. RELOAD: x and dy loaded again (another cache hint than the first load, so the two
-    are not merged: the row need not stay in registers across the reductions); else the first
-    pass's x and dy (its x̂ and w·dy are recomputed from them: the same values, merged by the compiler)."""
-    if RELOAD:
-        x, dy = _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, c, N, "evict_first")
+    row's c1, c2 and the first pass's x and dy (its x̂ and w·dy recomputed from them: the same
+    values, merged by the compiler)."""
     xhat, wdy, dy = _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
     tl.store(dx_ptr + row * stride_dx + c, ((wdy - (xhat * c1 + c2)) * rstd).to(dx_ptr.dtype.element_ty), mask=m)
     dw += dy * xhat
@@ -356,16 +352,14 @@ def _norm_bwd_split_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
     stride_dy, stride_x, stride_dx, M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, RELOAD: tl.constexpr = False, PREFETCH: tl.constexpr = True,
-    PDL: tl.constexpr = False,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr = True, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """The backward of ``_norm_bwd_kernel`` (one row at a time) with the row in two column parts,
-    A = [0, BLOCK_A) and B = [BLOCK_A, BLOCK_A + BLOCK_B): a hidden size that is not a power of two
-    pads less (5120 = 4096 + 1024 instead of 8192: 37% of the lanes idle), and with RELOAD the
-    second pass (dx, the weight-gradient terms) loads x and dy again (L1 / L2 hits) instead of
-    holding the row in registers through the reductions (16384: x, dy, w and the dw accumulator in
-    fp32 are the SM's whole register file). Each row reduced in an order fixed by the blocks and
-    num_warps (batch invariance)."""
+    A = [0, BLOCK_A) and B = [BLOCK_A, BLOCK_A + BLOCK_B): the rows above 8192 (``ops/norm.py::
+    bwd_config``), and a hidden size that is not a power of two pads less (5120 = 4096 + 1024
+    instead of 8192). Each row reduced in an order fixed by the blocks and num_warps (batch
+    invariance). A second pass that loaded x and dy again instead of holding them through the
+    reductions measured 12-14% slower at 16384 (commit cbdf501 has it; exp_norm_resweep.py)."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)
     ca = tl.arange(0, BLOCK_A)
@@ -403,10 +397,10 @@ def _norm_bwd_split_kernel(
             c2 = 0.0
         else:
             c2 = (tl.sum(wdya, axis=0) + tl.sum(wdyb, axis=0)) / N
-        dwa, dba = _bwd_part_dx(xa, dya, x_ptr, dy_ptr, w_ptr, dx_ptr, row, stride_x, stride_dy, stride_dx, ca, ma, N,
-                                mean, rstd, c1, c2, dwa, dba, RELOAD, IS_RMS, HAS_W, HAS_B, ZERO_CENTERED)  # fmt: skip
-        dwb, dbb = _bwd_part_dx(xb, dyb, x_ptr, dy_ptr, w_ptr, dx_ptr, row, stride_x, stride_dy, stride_dx, cb, mb, N,
-                                mean, rstd, c1, c2, dwb, dbb, RELOAD, IS_RMS, HAS_W, HAS_B, ZERO_CENTERED)  # fmt: skip
+        dwa, dba = _bwd_part_dx(xa, dya, w_ptr, dx_ptr, row, stride_dx, ca, ma, mean, rstd, c1, c2, dwa, dba,
+                                IS_RMS, HAS_W, HAS_B, ZERO_CENTERED)  # fmt: skip
+        dwb, dbb = _bwd_part_dx(xb, dyb, w_ptr, dx_ptr, row, stride_dx, cb, mb, mean, rstd, c1, c2, dwb, dbb,
+                                IS_RMS, HAS_W, HAS_B, ZERO_CENTERED)  # fmt: skip
     if HAS_W:
         tl.store(dw_part_ptr + pid * N + ca, dwa, mask=ma)
         tl.store(dw_part_ptr + pid * N + cb, dwb, mask=mb)

@@ -169,7 +169,6 @@ class BwdConfig(NamedTuple):
     per_sm: int  # programs per SM
     prefetch: bool  # the next tile's loads issued before this tile's math
     parts: tuple[int, int] | None = None  # (BLOCK_A, BLOCK_B): ``_norm_bwd_split_kernel``
-    reload: bool = False  # parts: the second pass loads x and dy again
 
 
 def bwd_config(n: int, rms: bool = True) -> BwdConfig:
@@ -179,7 +178,7 @@ def bwd_config(n: int, rms: bool = True) -> BwdConfig:
     small rows (1024: 1.8x), one program per SM and 16-32 warps for wide rows. Above 8192 the row in
     two halves (``_norm_bwd_split_kernel``) at 16 warps, x and dy held through the reductions: in
     the library's forward + backward at 16384 that beat the halves reloaded at 32 warps (RMSNorm)
-    or 16 (LayerNorm) by 12-14% (8192 rows: 407 -> 351 µs, 563 -> 502 µs; exp_norm_bwd_16k.py).
+    or 16 (LayerNorm) by 12-14% (8192 rows: 407 -> 351 µs, 563 -> 502 µs; exp_norm_resweep.py).
     Two parts with less padding (2880 = 2048 + 1024, 5120 = 4096 + 1024) measured 1-4% slower."""
     if n <= 1024:
         return BwdConfig(4, 2, 4, True)
@@ -243,8 +242,8 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
     mean = None if rms else torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0:
         return y, mean, rstd
-    pdl = hopper(x)
-    staged = None if rms or not hopper(x) else ln_fwd_staged_config(N, x.dtype)
+    pdl = hopper(x)  # Hopper: PDL, and the TMA-staged LayerNorm forward
+    staged = None if rms or not pdl else ln_fwd_staged_config(N, x.dtype)
     if staged is not None:
         ln_fwd_staged(x, weight, bias, eps, zero_centered_gamma, y, mean, rstd, staged, pdl)
         return y, mean, rstd
@@ -322,9 +321,7 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
         _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, num_warps=cfg.warps, **_pdl_kw(pdl))
     else:
         a, b = cfg.parts
-        _norm_bwd_split_kernel[(programs,)](
-            *args, **flags, BLOCK_A=a, BLOCK_B=b, RELOAD=cfg.reload, num_warps=cfg.warps, **_pdl_kw(pdl)
-        )
+        _norm_bwd_split_kernel[(programs,)](*args, **flags, BLOCK_A=a, BLOCK_B=b, num_warps=cfg.warps, **_pdl_kw(pdl))
     if has_w and has_bias:
         dw, db = _sum_partials(dw_part, weight.dtype, pdl, db_part, bias.dtype)
     else:
