@@ -1,30 +1,30 @@
 # ruff: noqa: E501, B023
-"""Experiment (prepared for the next GPU session, not yet run): the norms' backward launches and
-LayerNorm's TMA-staged forward re-measured at every hidden size up to 8192 in the library's own
-forward + backward (issue #16 item 3).
+"""Experiment: the norms' backward launches and LayerNorm's TMA-staged forward re-measured at every
+hidden size in the library's own forward + backward (issue #16 item 3).
 
 Why: the configurations in ``ops/norm.py`` (``bwd_config``, ``ln_fwd_staged_config``) were chosen
 from kernel-alone sweeps (exp_norm_sweep.py, exp_norm_tma.py) made while every backward still
-waited on autograd's zero-fills and every kernel triggered its dependents at its start. At 16384
-the same re-measurement in the library's sequence overturned the choice by 12-14%
-(below). Variants per hidden size: the backward's warps / rows per tile / programs
-per SM / prefetch, the two-part kernel where the row pads (2880 = 2048 + 1024, 5120 = 4096 + 1024,
-7168 = 4096 + 4096), and LayerNorm's staged forward (warps, programs per SM, stages). Each is
-timed as ``bench rms_norm`` times it (autograd, CUDA graphs, interleaved rounds; the floor is copy +
-add in one graph) and checked against float64 (dx, dw, db relative L2 < 1e-2); kernels are
-compiled first in parallel processes.
+waited on autograd's zero-fills and every kernel triggered its dependents at its start. Two
+families: ``--what pointer``, the pointer backward's warps / rows per tile / programs per SM /
+prefetch and the two-part kernel where the row pads (2880 = 2048 + 1024, 5120 = 4096 + 1024), plus
+LayerNorm's staged forward (warps, programs per SM, stages); ``--what staged`` (default), the
+TMA-staged backward (``_norm_bwd_staged_kernel``: warps, programs per SM, stages) against the
+pointer kernels. Each is timed as ``bench rms_norm`` times it (autograd, CUDA graphs, interleaved
+rounds; the floor is copy + add in one graph) and checked against float64 (dx, dw, db relative L2
+< 1e-2); kernels are compiled first in parallel processes.
 
-Run: ``PYTHONPATH=. python experiments/exp_norm_resweep.py [--out DIR] [--hidden 2880 5120] [--rounds 3]``
-(one H200: about 3 minutes for the sizes up to 8192; 16384 on request).
+Run: ``PYTHONPATH=. python experiments/exp_norm_resweep.py [--out DIR] [--what staged|pointer]
+[--hidden 2880 5120] [--rounds 3]`` (one H200: under a minute each).
 
-Result at 16384 (2026-11-23, one H200, torch 2.11.0+cu130, triton 3.6.0, at b394420, by this
-method as ``exp_norm_bwd_16k.py``, 21 s; that file is in history at cbdf501 with the kernels it
-ran): the two halves at 16 warps with x and dy held through the reductions (no prefetch) beat every
-other variant: RMSNorm 407 -> 351 µs (8192 rows), 802 -> 686 µs (16384); LayerNorm 563 -> 502 µs,
-1102 -> 987 µs, against the earlier choice (the second pass loading x and dy again, 32 warps for
-RMSNorm). Prefetch at 16-32 warps with that reload: up to 3x slower for LayerNorm (spills); the
-one-part tile kernel: 5-13% slower. ``ops/norm.py::bwd_config`` took it for both norms above 8192
-and the reload went. The sizes up to 8192: not run yet (no device time left that session).
+Results (2026-11-23, one H200, torch 2.11.0+cu130, triton 3.6.0):
+
+* 16384 (``pointer``, at b394420 as ``exp_norm_bwd_16k.py``; in history at cbdf501): the two halves
+  at 16 warps with x and dy held through the reductions beat every other variant by 12-14%
+  (RMSNorm 407 -> 351 µs at 8192 rows, LayerNorm 563 -> 502 µs); ``bwd_config`` took it.
+* 1024-8192 (``pointer``, at fc610c8): no backward variant beats ``bwd_config`` by more than noise;
+  LayerNorm's staged forward at 8 warps instead of 16 is 3.6-3.9% faster at 5120 (0.2-0.8% at
+  7168 and 8192): ``ln_fwd_staged_config`` took it.
+* ``staged``: see ``STAGED`` below; ``bwd_staged_config`` took the winners.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-HIDDEN = (1024, 2048, 2880, 4096, 5120, 7168, 8192)
+HIDDEN = (1024, 2048, 2880, 4096, 5120, 7168, 8192, 16384)
 ROWS = (8192, 16384)
 
 
@@ -100,16 +100,47 @@ def _lnfwd_variants(h: int) -> dict:
     return out
 
 
+#: the TMA-staged backward's candidates per BLOCK_N: (num_warps, programs per SM, stages), at most
+#: ~192 KB of staged x and dy rows per SM. Run 1 (2026-11-23, one H200, (1, 1, BLOCK_N) boxes):
+#: 2880 -3 to -5%, 7168 -1%, ties at 2048-8192, the pointer kernels ahead at 1024 (5-9%), 5120 at
+#: 16384 rows and 16384 (40%). Run 2 added (1, BLOCK_N // 64, 64) boxes: as fast or faster (RMSNorm
+#: 5120 w16x1s4 -7%, LayerNorm 7168 w16x1s4 -5%), now the only form (ops/norm.py::STAGED_INNER);
+#: raw: docs/results/norm_staged_bwd_h200_2026-11-23.json. ops/norm.py::bwd_staged_config took
+#: the winners.
+STAGED = {
+    1024: [(4, 8, 3), (2, 16, 3)],
+    2048: [(8, 4, 3), (4, 4, 3)],
+    4096: [(4, 2, 3), (8, 2, 4), (8, 2, 3), (4, 4, 2)],
+    8192: [(8, 1, 3), (16, 1, 4), (16, 1, 3), (8, 2, 2)],
+    16384: [(16, 1, 2), (32, 1, 2)],
+}
+
+
+def _staged_variants(h: int) -> dict:
+    """name -> (num_warps, programs per SM, stages) of the staged backward ("pointer": the pointer
+    kernels of bwd_config; None: today's choice)."""
+    out = {"today": None, "pointer": "pointer"}
+    for c in STAGED[1 << (h - 1).bit_length()]:
+        out[f"tma_w{c[0]}x{c[1]}s{c[2]}"] = c
+    return out
+
+
 def _use(h: int, target: str, cfg) -> None:
-    """Patch ``ops.norm`` so hidden size ``h`` runs ``cfg`` for ``target`` ("bwd" or "lnfwd");
-    ``cfg`` None restores today's."""
+    """Patch ``ops.norm`` so hidden size ``h`` runs ``cfg`` for ``target`` ("bwd", "staged" or
+    "lnfwd"); ``cfg`` None restores today's."""
     from truefuse.ops import norm as ops_norm
 
     if not hasattr(ops_norm, "_resweep_orig"):
-        ops_norm._resweep_orig = (ops_norm.bwd_config, ops_norm.ln_fwd_staged_config, ops_norm.pdl_trigger)
-    bwd, lnfwd, trig = ops_norm._resweep_orig
+        ops_norm._resweep_orig = (ops_norm.bwd_config, ops_norm.ln_fwd_staged_config, ops_norm.pdl_trigger,
+                                  ops_norm.bwd_staged_config)  # fmt: skip
+    bwd, lnfwd, trig, staged = ops_norm._resweep_orig
     ops_norm.bwd_config, ops_norm.ln_fwd_staged_config, ops_norm.pdl_trigger = bwd, lnfwd, trig
+    ops_norm.bwd_staged_config = staged
     if cfg is None:
+        return
+    if target == "staged":
+        pick = None if cfg == "pointer" else cfg
+        ops_norm.bwd_staged_config = lambda n, dtype, rms=True: pick if n == h else staged(n, dtype, rms)
         return
     # the PDL trigger stays today's choice for the size, whatever the variant (it reads bwd_config)
     today = {(k, r): trig(k, h, r) for k in ("fwd", "bwd") for r in (True, False)}
@@ -137,13 +168,19 @@ def _case(kind: str, m: int, h: int):
     return fn, ref_fn, x, dy, params
 
 
-def _jobs(hs):
-    out = []
-    for h in hs:
-        for kind in ("rms", "ln"):
-            out += [(h, kind, "bwd", name, cfg) for name, cfg in _bwd_variants(h, kind == "rms").items()]
-        out += [(h, "ln", "lnfwd", name, cfg) for name, cfg in _lnfwd_variants(h).items() if cfg is not None]
+def _variants(h: int, kind: str, what: str) -> list:
+    """(target, name, cfg) to time at hidden size ``h``: the staged backward's candidates
+    (``what`` "staged"), or the pointer backward's and LayerNorm's staged forward's ("pointer")."""
+    if what == "staged":
+        return [("staged", n, c) for n, c in _staged_variants(h).items()]
+    out = [("bwd", n, c) for n, c in _bwd_variants(h, kind == "rms").items()]
+    if kind == "ln":
+        out += [("lnfwd", n, c) for n, c in _lnfwd_variants(h).items() if c is not None]
     return out
+
+
+def _jobs(hs, what):
+    return [(h, kind, *v) for h in hs for kind in ("rms", "ln") for v in _variants(h, kind, what)]
 
 
 def _compile_worker(jobs):
@@ -167,9 +204,10 @@ def main():
     ap.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=min(12, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--what", choices=("staged", "pointer"), default="staged")
     args = ap.parse_args()
     t0 = time.time()
-    jobs = _jobs(args.hidden)
+    jobs = _jobs(args.hidden, args.what)
     with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as ex:
         errs = [e for r in ex.map(_compile_worker, [jobs[i :: args.workers] for i in range(args.workers)]) for e in r]
     print(f"compiled {len(jobs)} variants in {time.time() - t0:.0f} s; errors: {errs or 'none'}", flush=True)
@@ -183,9 +221,7 @@ def main():
                 ref = torch.autograd.grad(ref_fn(xd, *pd, 1e-5), (xd, *pd), dy.double())
                 z1, z2 = torch.empty_like(dy), torch.empty_like(dy)
                 floor = gtime(lambda: (z1.copy_(x.detach()), torch.add(x.detach(), dy, out=z2)))
-                variants = [("bwd", n, c) for n, c in _bwd_variants(h, kind == "rms").items()]
-                if kind == "ln":
-                    variants += [("lnfwd", n, c) for n, c in _lnfwd_variants(h).items() if c is not None]
+                variants = _variants(h, kind, args.what)
                 errs, times = {}, {}
                 for target, name, cfg in variants:
                     _use(h, target, cfg)
@@ -201,13 +237,13 @@ def main():
                         ts.append(gtime(fn))
                 _use(h, "bwd", None)
                 med = {n: statistics.median(ts) for n, (_, _, ts) in times.items()}
-                best = min(med, key=med.get)
                 rows.append({"kind": kind, "M": m, "H": h, "floor_us": floor, "us": med, "rel_err": errs,
-                             "configs": {n: (t, None if c is None else list(c)) for n, (t, c, _) in times.items()}})  # fmt: skip
+                             "configs": {n: (t, c if c is None or isinstance(c, str) else list(c)) for n, (t, c, _) in times.items()}})  # fmt: skip
                 print(f"{kind:3s} {m:5d} x {h:5d} | floor {floor:6.1f} | today {med['today']:6.1f} ({floor / med['today']:.0%}) | "
-                      f"best {best} {med[best]:6.1f} ({floor / med[best]:.0%})"
+                      + "".join(f"{n} {med[n]:6.1f} ({floor / med[n]:.0%}) | " for n in ("pointer",) if n in med)
+                      + " ".join(f"{n} {med[n]:.1f}" for n in sorted(med, key=med.get)[:3])
                       + "".join(f" | BAD {n} {e:.1e}" for n, e in errs.items() if e >= 1e-2), flush=True)  # fmt: skip
-    with open(os.path.join(args.out, "norm_resweep.json"), "w") as fh:
+    with open(os.path.join(args.out, f"norm_resweep_{args.what}.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
     print(f"{time.time() - t0:.0f} s")
 

@@ -10,10 +10,13 @@ from truefuse.config import get_tuning
 from truefuse.ops._triton import hopper
 from truefuse.ops.norm import (
     bwd_config,
+    bwd_staged,
+    bwd_staged_config,
     layer_norm_ref,
     ln_fwd_config,
     ln_fwd_staged,
     ln_fwd_staged_config,
+    norm_fwd,
     rms_norm_ref,
     rms_norm_torch,
     use_kernel,
@@ -113,6 +116,46 @@ def test_layer_norm_staged_forward(n, device):
     assert_bitwise(run(x[3:4]), y[3:4], "row 3 alone")
     if device.type == "cuda":
         assert_bitwise(truefuse.layer_norm(x, w, b), y, "truefuse.layer_norm takes the staged kernel")
+
+
+@pytest.mark.parametrize(("rms", "n"), [(True, 2880), (True, 5120), (False, 2880), (False, 7168)])
+def test_staged_backward(rms, n, device):
+    """The TMA-staged backward (ops.norm.bwd_staged; bf16 on a Hopper GPU through the norms'
+    autograd, fp32 under the CPU interpreter launched directly, two rows per program): the float64
+    reference's dx, dw and db, and a row's dx bits independent of the rows beside it."""
+    if device.type == "cuda" and not hopper(torch.empty(0, device=device)):
+        pytest.skip("TMA needs compute capability 9+")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = bwd_staged_config(n, torch.bfloat16, rms)
+    assert cfg is not None and bwd_staged_config(n + 8, torch.bfloat16, rms) is None  # not whole 64-column chunks
+    assert bwd_staged_config(n, torch.float32, rms) is None
+    x = (torch.randn(5, n, device=device) * 2 + 1).to(dtype)
+    dy = torch.randn(5, n, device=device).to(dtype)
+    w = (torch.rand(n, device=device) + 0.5).to(dtype)
+    b = None if rms else torch.randn(n, device=device).to(dtype)
+
+    def run(xs, dys):
+        m = xs.shape[0]
+        programs = -(-m // 2)
+        _, mean, rstd = norm_fwd(xs, w, b, 1e-5, rms=rms, zero_centered_gamma=False)
+        dx, parts = torch.empty_like(xs), torch.empty(2, programs, n, device=device)
+        tail = (w, rstd if rms else mean, rstd, dx, parts[0], rstd if rms else parts[1])
+        flags = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, ZERO_CENTERED=False, PDL=False, num_warps=cfg[0])
+        bwd_staged(dys, xs, tail, m, n, 2, programs, cfg, flags)
+        return dx, parts[0].sum(0), parts[1].sum(0)
+
+    dx, dw, db = run(x, dy)
+    inputs = [t.double().requires_grad_() for t in (x, w) + (() if rms else (b,))]
+    ref = rms_norm_ref(*inputs, 1e-5) if rms else layer_norm_ref(*inputs, 1e-5)
+    want = torch.autograd.grad(ref, inputs, dy.double())
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for got, r, what in zip((dx, dw, db), want, ("dx", "dw", "db"), strict=False):
+        torch.testing.assert_close(got.double(), r, rtol=tol, atol=tol * r.abs().max().item(), msg=what)
+    assert_bitwise(run(x[3:4], dy[3:4])[0], dx[3:4], "row 3 alone")
+    if device.type == "cuda":
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        f = truefuse.rms_norm(xa, wa, 1e-5) if rms else truefuse.layer_norm(xa, wa, b, 1e-5)
+        assert_bitwise(torch.autograd.grad(f, xa, dy)[0], dx, "the norms' backward takes the staged kernel")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

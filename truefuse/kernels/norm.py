@@ -304,6 +304,64 @@ def _norm_bwd_kernel(
         tl.store(db_part_ptr + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
 
 
+# M, rows_per_program: not specialised (one kernel for every row count)
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
+def _norm_bwd_staged_kernel(x_desc, dy_desc, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+                            stride_dx, M, N, rows_per_program,
+                            IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                            BLOCK_N: tl.constexpr, STAGES: tl.constexpr, INNER: tl.constexpr,
+                            PDL: tl.constexpr = False):  # fmt: skip
+    """``_norm_bwd_kernel``'s rows (program p: rows [p·rows_per_program, ...) ∩ [0, M), one at a
+    time) with x and dy brought in by TMA through a software-pipelined loop: STAGES rows of both in
+    flight per program in shared memory, where the pointer kernel holds one prefetched row in
+    registers (2880 and 5120, whose rows pad most, ran at 74-76% of the copy rate there,
+    experiments/exp_norm_breakdown.py). ``x_desc`` / ``dy_desc``: (M, N // INNER, INNER) views in
+    (1, BLOCK_N // INNER, INNER) blocks (chunks past the row read as zeros). Each row reduced in an
+    order fixed by BLOCK_N, INNER and num_warps alone (batch invariance); the same formulas as
+    ``_norm_bwd_kernel``."""
+    _pdl_enter(PDL)
+    R: tl.constexpr = BLOCK_N // INNER
+    C: tl.constexpr = INNER
+    pid = tl.program_id(0)
+    cols = (tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :])[None, :, :]
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w = w + 1.0
+    dw_acc = tl.zeros((1, R, C), dtype=tl.float32)
+    db_acc = tl.zeros((1, R, C), dtype=tl.float32)
+    row_start = pid * rows_per_program  # int32: TMA coordinates (M < 2**31 rows)
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for row in tl.range(row_start, row_end, num_stages=STAGES):
+        x = x_desc.load([row, 0, 0]).to(tl.float32)
+        dy = dy_desc.load([row, 0, 0]).to(tl.float32)
+        r1 = row + tl.arange(0, 1)
+        rstd = tl.load(rstd_ptr + r1)[:, None, None]
+        if IS_RMS:
+            xhat = x * rstd
+        else:
+            mean = tl.load(mean_ptr + r1)[:, None, None]
+            xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+        if HAS_W:
+            wdy = dy * w
+        else:
+            wdy = dy
+        c1 = (tl.sum(tl.sum(xhat * wdy, axis=2), axis=1) / N)[:, None, None]
+        if IS_RMS:
+            dx = (wdy - xhat * c1) * rstd
+        else:
+            c2 = (tl.sum(tl.sum(wdy, axis=2), axis=1) / N)[:, None, None]
+            dx = (wdy - (xhat * c1 + c2)) * rstd
+        tl.store(dx_ptr + tl.cast(row, tl.int64) * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+        dw_acc += dy * xhat
+        db_acc += dy
+    if HAS_W:
+        tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=cmask)
+    if HAS_B:
+        tl.store(db_part_ptr + pid * N + cols, db_acc, mask=cmask)
+
+
 @triton.jit
 def _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, c, lim, EVICT: tl.constexpr):
     """x and dy at columns ``c < lim`` of ``row`` (lim: N, or 0 past the program's last row)."""

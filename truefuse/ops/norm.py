@@ -158,7 +158,8 @@ def ln_fwd_staged_config(n: int, dtype: torch.dtype) -> tuple[int, int, int] | N
     1.1-3x slower)."""
     if dtype.itemsize != 2 or n % 8:
         return None
-    return ln_fwd_config(n)[0], max(1, min(32, 16384 // block_and_warps(n)[0])), 3
+    warps = 8 if 4096 < n <= 8192 else ln_fwd_config(n)[0]
+    return warps, max(1, min(32, 16384 // block_and_warps(n)[0])), 3
 
 
 class BwdConfig(NamedTuple):
@@ -189,6 +190,29 @@ def bwd_config(n: int, rms: bool = True) -> BwdConfig:
     if n <= 8192:
         return BwdConfig(32 if rms else 16, 1, 1, True)
     return BwdConfig(16, 1, 1, False, (8192, 8192))
+
+
+def bwd_staged_config(n: int, dtype: torch.dtype, rms: bool = True) -> tuple[int, int, int] | None:
+    """The TMA-staged backward's (num_warps, programs per SM, stages), or None where the pointer
+    kernels of :func:`bwd_config` run: from the hidden size, dtype and norm only (a row's dx bits are
+    each kernel's own). 2-byte x and dy whose rows are whole 64-column chunks (the kernel's
+    ``STAGED_INNER``-wide TMA boxes). Measured on an H200 in the library's forward + backward
+    (experiments/exp_norm_resweep.py, 2026-11-23): where the row pads most (2880 of 4096, 5120 of
+    8192) RMSNorm gains 6-7%; LayerNorm gains 3-5% at 2880 and 7168, 1-2% at 2048 and 8192, and
+    loses 0-3% at 5120; the pointer kernels stay ahead at 1024 (5-9%) and 16384 (40%), a tie at 4096."""
+    if dtype.itemsize != 2 or n % STAGED_INNER:
+        return None
+    table = _BWD_STAGED_RMS if rms else _BWD_STAGED_LN
+    return next((cfg for lo, hi, cfg in table if lo < n <= hi), None)
+
+
+#: the TMA boxes' row chunk of the staged backward (``kernels/norm.py::_norm_bwd_staged_kernel``):
+#: (1, BLOCK_N // 64, 64) boxes measured 0-7% faster than (1, 1, BLOCK_N) ones, never slower by more than 1%
+STAGED_INNER = 64
+
+#: (lo, hi, (num_warps, programs per SM, stages)) for lo < H <= hi; elsewhere the pointer kernels
+_BWD_STAGED_RMS = ((2048, 3072, (8, 2, 4)), (4096, 6144, (16, 1, 4)))
+_BWD_STAGED_LN = ((1024, 2048, (4, 4, 3)), (2048, 3072, (4, 2, 3)), (6144, 7680, (16, 1, 4)), (7680, 8192, (8, 1, 3)))
 
 
 # Programmatic dependent launch for the norm's kernels where ``_triton.hopper``: each kernel waits for
@@ -296,38 +320,61 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     M, N = x.shape
     dx = torch.empty_like(x)
     block, _ = block_and_warps(N)
+    pdl = hopper(x)  # Hopper: PDL, and the TMA-staged backward
     cfg = bwd_config(N, rms)
-    programs = max(1, min(M, cfg.per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4))
+    staged = bwd_staged_config(N, x.dtype, rms) if pdl and dy.dtype.itemsize == 2 else None
+    warps, rows, per_sm = (cfg.warps, cfg.rows, cfg.per_sm) if staged is None else (staged[0], 1, staged[1])
+    programs = max(1, min(M, per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4))
     # whole tiles per program; then only as many programs as that takes
     per_program = -(M // -programs)
-    rows_per_program = -(per_program // -cfg.rows) * cfg.rows
+    rows_per_program = -(per_program // -rows) * rows
     programs = max(1, -(-M // rows_per_program)) if M else 1
     has_w, has_bias = weight is not None, bias is not None
     dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_w else None
     db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_bias else None
     if M == 0:
         return dx, (torch.zeros_like(weight) if has_w else None), (torch.zeros_like(bias) if has_bias else None)
-    pdl = hopper(x)
-    args = (
-        dy, x, weight if has_w else x, mean if mean is not None else rstd, rstd, dx,
+    tail = (
+        weight if has_w else x, mean if mean is not None else rstd, rstd, dx,
         dw_part if has_w else rstd, db_part if has_bias else rstd,
-        dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program,
     )  # fmt: skip
     flags = dict(
-        IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma, PREFETCH=cfg.prefetch,
-        PDL=pdl and pdl_trigger("bwd", N, rms),
+        IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma,
+        PDL=pdl and pdl_trigger("bwd", N, rms), num_warps=warps, **_pdl_kw(pdl),
     )  # fmt: skip
-    if cfg.parts is None:
-        _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, num_warps=cfg.warps, **_pdl_kw(pdl))
+    if staged is not None:
+        bwd_staged(dy, x, tail, M, N, rows_per_program, programs, staged, flags)
+    elif cfg.parts is None:
+        args = (dy, x, *tail, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program)
+        _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch)
     else:
+        args = (dy, x, *tail, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program)
         a, b = cfg.parts
-        _norm_bwd_split_kernel[(programs,)](*args, **flags, BLOCK_A=a, BLOCK_B=b, num_warps=cfg.warps, **_pdl_kw(pdl))
+        _norm_bwd_split_kernel[(programs,)](*args, **flags, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
     if has_w and has_bias:
         dw, db = _sum_partials(dw_part, weight.dtype, pdl, db_part, bias.dtype)
     else:
         dw = _sum_partials(dw_part, weight.dtype, pdl)[0] if has_w else None
         db = _sum_partials(db_part, bias.dtype, pdl)[0] if has_bias else None
     return dx, dw, db
+
+
+def bwd_staged(dy, x, tail, M: int, N: int, rows_per_program: int, programs: int, cfg, flags: dict) -> None:
+    """Launch ``_norm_bwd_staged_kernel`` (``cfg``: :func:`bwd_staged_config`) on contiguous (M, N)
+    ``dy`` and ``x`` (2-byte, H % 64 == 0); ``tail``: the pointer arguments after them (w, mean,
+    rstd, dx, dw / db partials). A base that is not 16-byte aligned (a TMA requirement) is copied
+    first: the same values, the same bits."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from truefuse.kernels.norm import _norm_bwd_staged_kernel
+
+    block, inner = block_and_warps(N)[0], STAGED_INNER
+    x, dy = (t.clone() if t.data_ptr() % 16 else t for t in (x, dy))
+    descs = [TensorDescriptor.from_tensor(t.view(M, N // inner, inner), [1, block // inner, inner]) for t in (x, dy)]
+    dx = tail[3]
+    _norm_bwd_staged_kernel[(programs,)](
+        *descs, *tail, dx.stride(0), M, N, rows_per_program, **flags, BLOCK_N=block, STAGES=cfg[2], INNER=inner
+    )
 
 
 def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, part2=None, dtype2=None) -> tuple:
