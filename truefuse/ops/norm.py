@@ -155,7 +155,8 @@ def ln_fwd_staged_config(n: int, dtype: torch.dtype) -> tuple[int, int, int] | N
     2-byte dtypes whose rows are whole 16-byte units (H % 8 == 0: a TMA row stride). Three rows in
     flight per program and 96 KB of staged rows per SM (16384 // BLOCK_N programs): measured on an
     H200 at 1024, 2880, 5120, 8192 and 16384 (experiments/exp_norm_tma.py; two stages measured
-    1.1-3x slower)."""
+    1.1-3x slower). 8 warps from 5120 to 8192 (not ``ln_fwd_config``'s 16): 3.6% of the forward +
+    backward at 5120 (experiments/exp_norm_resweep.py)."""
     if dtype.itemsize != 2 or n % 8:
         return None
     warps = 8 if 4096 < n <= 8192 else ln_fwd_config(n)[0]
