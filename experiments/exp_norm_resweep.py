@@ -105,8 +105,10 @@ def _lnfwd_variants(h: int) -> dict:
 #: 2880 -3 to -5%, 7168 -1%, ties at 2048-8192, the pointer kernels ahead at 1024 (5-9%), 5120 at
 #: 16384 rows and 16384 (40%). Run 2 added (1, BLOCK_N // 64, 64) boxes: as fast or faster (RMSNorm
 #: 5120 w16x1s4 -7%, LayerNorm 7168 w16x1s4 -5%), now the only form (ops/norm.py::STAGED_INNER);
-#: raw: docs/results/norm_staged_bwd_h200_2026-11-23.json. ops/norm.py::bwd_staged_config took
-#: the winners.
+#: raw: docs/results/norm_staged_bwd_h200_2026-11-23.json. Run 3 (``TF_STAGED_CANDS``, 2880 and
+#: 5120): four stages at fewer warps, RMSNorm 5120 (8, 1, 4) -2%, LayerNorm 2880 (4, 2, 4) -4.8%,
+#: LayerNorm 5120 (8, 1, 4) -3.5 to -4.1% against the pointer kernel (``_run3.json``).
+#: ops/norm.py::bwd_staged_config took the winners.
 STAGED = {
     1024: [(4, 8, 3), (2, 16, 3)],
     2048: [(8, 4, 3), (4, 4, 3)],
@@ -118,9 +120,12 @@ STAGED = {
 
 def _staged_variants(h: int) -> dict:
     """name -> (num_warps, programs per SM, stages) of the staged backward ("pointer": the pointer
-    kernels of bwd_config; None: today's choice)."""
+    kernels of bwd_config; None: today's choice); ``TF_STAGED_CANDS`` ("w,k,s w,k,s ...")
+    replaces ``STAGED``'s candidates (the compile workers read it too)."""
     out = {"today": None, "pointer": "pointer"}
-    for c in STAGED[1 << (h - 1).bit_length()]:
+    env = os.environ.get("TF_STAGED_CANDS")
+    cands = [tuple(int(v) for v in c.split(",")) for c in env.split()] if env else STAGED[1 << (h - 1).bit_length()]
+    for c in cands:
         out[f"tma_w{c[0]}x{c[1]}s{c[2]}"] = c
     return out
 

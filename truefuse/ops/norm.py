@@ -199,8 +199,8 @@ def bwd_staged_config(n: int, dtype: torch.dtype, rms: bool = True) -> tuple[int
     each kernel's own). 2-byte x and dy whose rows are whole 64-column chunks (the kernel's
     ``STAGED_INNER``-wide TMA boxes). Measured on an H200 in the library's forward + backward
     (experiments/exp_norm_resweep.py, 2026-11-23): where the row pads most (2880 of 4096, 5120 of
-    8192) RMSNorm gains 6-7%; LayerNorm gains 3-5% at 2880 and 7168, 1-2% at 2048 and 8192, and
-    loses 0-3% at 5120; the pointer kernels stay ahead at 1024 (5-9%) and 16384 (40%), a tie at 4096."""
+    8192) RMSNorm gains 6-9%, LayerNorm 4-8%; LayerNorm 5.5% at 7168, 1-2% at 2048 and 8192; the
+    pointer kernels stay ahead at 1024 (5-9%) and 16384 (40%), a tie at 4096."""
     if dtype.itemsize != 2 or n % STAGED_INNER:
         return None
     table = _BWD_STAGED_RMS if rms else _BWD_STAGED_LN
@@ -212,8 +212,10 @@ def bwd_staged_config(n: int, dtype: torch.dtype, rms: bool = True) -> tuple[int
 STAGED_INNER = 64
 
 #: (lo, hi, (num_warps, programs per SM, stages)) for lo < H <= hi; elsewhere the pointer kernels
-_BWD_STAGED_RMS = ((2048, 3072, (8, 2, 4)), (4096, 6144, (16, 1, 4)))
-_BWD_STAGED_LN = ((1024, 2048, (4, 4, 3)), (2048, 3072, (4, 2, 3)), (6144, 7680, (16, 1, 4)), (7680, 8192, (8, 1, 3)))
+_BWD_STAGED_RMS = ((2048, 3072, (8, 2, 4)), (4096, 6144, (8, 1, 4)))
+_BWD_STAGED_LN = (
+    (1024, 2048, (4, 4, 3)), (2048, 3072, (4, 2, 4)), (4096, 6144, (8, 1, 4)), (6144, 7680, (16, 1, 4)), (7680, 8192, (8, 1, 3)),
+)  # fmt: skip
 
 
 # Programmatic dependent launch for the norm's kernels where ``_triton.hopper``: each kernel waits for
