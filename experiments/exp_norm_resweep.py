@@ -107,7 +107,9 @@ def _lnfwd_variants(h: int) -> dict:
 #: 5120 w16x1s4 -7%, LayerNorm 7168 w16x1s4 -5%), now the only form (ops/norm.py::STAGED_INNER);
 #: raw: docs/results/norm_staged_bwd_h200_2026-11-23.json. Run 3 (``TF_STAGED_CANDS``, 2880 and
 #: 5120): four stages at fewer warps, RMSNorm 5120 (8, 1, 4) -2%, LayerNorm 2880 (4, 2, 4) -4.8%,
-#: LayerNorm 5120 (8, 1, 4) -3.5 to -4.1% against the pointer kernel (``_run3.json``).
+#: LayerNorm 5120 (8, 1, 4) -3.5 to -4.1% against the pointer kernel (``_run3.json``). Run 4
+#: (4096, 7168, 8192; four to six stages, three programs per SM): nothing better than the choice
+#: by more than 1% (``_run4.json``).
 #: ops/norm.py::bwd_staged_config took the winners.
 STAGED = {
     1024: [(4, 8, 3), (2, 16, 3)],
