@@ -321,16 +321,15 @@ def _norm_bwd_staged_kernel(x_desc, dy_desc, w_ptr, mean_ptr, rstd_ptr, dx_ptr, 
     ``_norm_bwd_kernel``."""
     _pdl_enter(PDL)
     R: tl.constexpr = BLOCK_N // INNER
-    C: tl.constexpr = INNER
     pid = tl.program_id(0)
-    cols = (tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :])[None, :, :]
+    cols = (tl.arange(0, R)[:, None] * INNER + tl.arange(0, INNER)[None, :])[None, :, :]
     cmask = cols < N
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             w = w + 1.0
-    dw_acc = tl.zeros((1, R, C), dtype=tl.float32)
-    db_acc = tl.zeros((1, R, C), dtype=tl.float32)
+    dw_acc = tl.zeros((1, R, INNER), dtype=tl.float32)
+    db_acc = tl.zeros((1, R, INNER), dtype=tl.float32)
     row_start = pid * rows_per_program  # int32: TMA coordinates (M < 2**31 rows)
     row_end = tl.minimum(row_start + rows_per_program, M)
     for row in tl.range(row_start, row_end, num_stages=STAGES):

@@ -193,6 +193,17 @@ def bwd_config(n: int, rms: bool = True) -> BwdConfig:
     return BwdConfig(16, 1, 1, False, (8192, 8192))
 
 
+#: the TMA boxes' row chunk of the staged backward (``kernels/norm.py::_norm_bwd_staged_kernel``):
+#: (1, BLOCK_N // 64, 64) boxes measured 0-7% faster than (1, 1, BLOCK_N) ones, never slower by more than 1%
+STAGED_INNER = 64
+
+#: (lo, hi, (num_warps, programs per SM, stages)) for lo < H <= hi; elsewhere the pointer kernels
+_BWD_STAGED_RMS = ((2048, 3072, (8, 2, 4)), (4096, 6144, (8, 1, 4)))
+_BWD_STAGED_LN = (
+    (1024, 2048, (4, 4, 3)), (2048, 3072, (4, 2, 4)), (4096, 6144, (8, 1, 4)), (6144, 7680, (16, 1, 4)), (7680, 8192, (8, 1, 3)),
+)  # fmt: skip
+
+
 def bwd_staged_config(n: int, dtype: torch.dtype, rms: bool = True) -> tuple[int, int, int] | None:
     """The TMA-staged backward's (num_warps, programs per SM, stages), or None where the pointer
     kernels of :func:`bwd_config` run: from the hidden size, dtype and norm only (a row's dx bits are
@@ -205,17 +216,6 @@ def bwd_staged_config(n: int, dtype: torch.dtype, rms: bool = True) -> tuple[int
         return None
     table = _BWD_STAGED_RMS if rms else _BWD_STAGED_LN
     return next((cfg for lo, hi, cfg in table if lo < n <= hi), None)
-
-
-#: the TMA boxes' row chunk of the staged backward (``kernels/norm.py::_norm_bwd_staged_kernel``):
-#: (1, BLOCK_N // 64, 64) boxes measured 0-7% faster than (1, 1, BLOCK_N) ones, never slower by more than 1%
-STAGED_INNER = 64
-
-#: (lo, hi, (num_warps, programs per SM, stages)) for lo < H <= hi; elsewhere the pointer kernels
-_BWD_STAGED_RMS = ((2048, 3072, (8, 2, 4)), (4096, 6144, (8, 1, 4)))
-_BWD_STAGED_LN = (
-    (1024, 2048, (4, 4, 3)), (2048, 3072, (4, 2, 4)), (4096, 6144, (8, 1, 4)), (6144, 7680, (16, 1, 4)), (7680, 8192, (8, 1, 3)),
-)  # fmt: skip
 
 
 # Programmatic dependent launch for the norm's kernels where ``_triton.hopper``: each kernel waits for
@@ -290,6 +290,11 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
     return y, mean, rstd
 
 
+def _tma_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy where its base is not 16-byte aligned (a TMA descriptor's requirement)."""
+    return t.clone() if t.data_ptr() % 16 else t
+
+
 def ln_fwd_staged(x, weight, bias, eps: float, zero_centered_gamma: bool, y, mean, rstd, cfg, pdl: bool = False):
     """Launch the TMA-staged LayerNorm forward (``cfg``: :func:`ln_fwd_staged_config`) on a
     contiguous (M, N) ``x``, M > 0, writing ``y``, ``mean`` and ``rstd``. A base that is not
@@ -301,8 +306,7 @@ def ln_fwd_staged(x, weight, bias, eps: float, zero_centered_gamma: bool, y, mea
     M, N = x.shape
     warps, per_sm, stages = cfg
     block = block_and_warps(N)[0]
-    if x.data_ptr() % 16:
-        x = x.clone()
+    x = _tma_aligned(x)
     programs = min(M, per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4)
     _ln_fwd_staged_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [1, block]), weight if weight is not None else x,
@@ -345,13 +349,12 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
         IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma,
         PDL=pdl and pdl_trigger("bwd", N, rms), num_warps=warps, **_pdl_kw(pdl),
     )  # fmt: skip
+    args = (dy, x, *tail, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program)
     if staged is not None:
         bwd_staged(dy, x, tail, M, N, rows_per_program, programs, staged, flags)
     elif cfg.parts is None:
-        args = (dy, x, *tail, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program)
         _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch)
     else:
-        args = (dy, x, *tail, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program)
         a, b = cfg.parts
         _norm_bwd_split_kernel[(programs,)](*args, **flags, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
     if has_w and has_bias:
@@ -372,7 +375,7 @@ def bwd_staged(dy, x, tail, M: int, N: int, rows_per_program: int, programs: int
     from truefuse.kernels.norm import _norm_bwd_staged_kernel
 
     block, inner = block_and_warps(N)[0], STAGED_INNER
-    x, dy = (t.clone() if t.data_ptr() % 16 else t for t in (x, dy))
+    x, dy = _tma_aligned(x), _tma_aligned(dy)
     descs = [TensorDescriptor.from_tensor(t.view(M, N // inner, inner), [1, block // inner, inner]) for t in (x, dy)]
     dx = tail[3]
     _norm_bwd_staged_kernel[(programs,)](
