@@ -1,8 +1,9 @@
 # ruff: noqa: E501, E731, B023
 """Experiment: the norm's row loops with the rows brought in by TMA (Hopper tensor descriptors) and
 software-pipelined (``tl.range(..., num_stages=S)``): S rows in flight per program in shared memory
-instead of one prefetched row in registers (issue #16 item 3, lead 3). The kernels live here, not in
-truefuse: nothing selects them until they measure faster.
+instead of one prefetched row in registers (issue #16 item 3, lead 3). It launches the library's
+staged kernels (``ops/norm.py::ln_fwd_staged``, ``bwd_staged``) alone, at each configuration,
+against the kernels ``ops/norm.py`` chooses today.
 
 * The backward (RMSNorm and LayerNorm): RMSNorm's backward is at 77-78% of its copy part at 2880 /
   5120 and 68% at 16384 (registers cap it at two programs of one prefetched row per SM).
@@ -29,6 +30,12 @@ Result (2026-11-23, one H200, torch 2.11, triton 3.6; 23 s after a 9 s compile; 
   programs per SM, 3 stages) and a tie for LayerNorm at 2880; 16384 (two stages only: the shared
   memory) 21-26% slower; dx stored by TMA: slower everywhere.
 * Every variant: errors < 1e-2 against fp32 and batch invariant.
+
+Those results came from this file's own kernels, since promoted: the forward as
+``_ln_fwd_staged_kernel``, the backward as ``_norm_bwd_staged_kernel`` (now in (1, BLOCK_N / 64,
+64) boxes with x̂ not masked, which changed its verdict: chosen where the row pads, measured in the
+library's forward + backward by exp_norm_resweep.py). The private kernels, with the RMSNorm TMA
+forward and the dx-by-TMA store measured above, are in git history at d27b192.
 """
 
 from __future__ import annotations
@@ -39,8 +46,8 @@ import sys
 import time
 
 import torch
-import triton
-import triton.language as tl
+
+from truefuse.ops.norm import bwd_staged, ln_fwd_staged
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exp_norm_sums import cur_bwd, cur_fwd  # noqa: E402
@@ -54,105 +61,27 @@ M0 = 8192
 SMEM = 160 * 1024  # shared memory per SM the staged rows may take
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fwd_tma_kernel(x_desc, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, stride_y, M, N, eps,
-                    IS_RMS: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_N)[None, :]
-    cmask = cols < N
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
-    if HAS_B:
-        b = tl.load(b_ptr + cols, mask=cmask, other=0.0)
-    for row in tl.range(pid, M, P, num_stages=STAGES):
-        x = x_desc.load([row, 0]).to(tl.float32)
-        r1 = row + tl.arange(0, 1)
-        if IS_RMS:
-            xc = x
-        else:
-            mean = tl.sum(x, axis=1) / N
-            xc = tl.where(cmask, x - mean[:, None], 0.0)
-            tl.store(mean_ptr + r1, mean)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(xc * xc, axis=1) / N + eps)
-        y = xc * rstd[:, None] * w.to(tl.float32)
-        if HAS_B:
-            y = y + b.to(tl.float32)
-        tl.store(y_ptr + tl.cast(row, tl.int64) * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=cmask)
-        tl.store(rstd_ptr + r1, rstd)
-
-
-@triton.jit(do_not_specialize=["M", "rows_per_program"])
-def _bwd_tma_kernel(dy_desc, x_desc, dx_desc, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr, stride_dx,
-                    M, N, rows_per_program, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                    DX_TMA: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)[None, :]
-    cmask = cols < N
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
-    dw = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-    db = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-    row_start = pid * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
-    for row in tl.range(row_start, row_end, num_stages=STAGES):
-        x = x_desc.load([row, 0]).to(tl.float32)
-        dy = dy_desc.load([row, 0]).to(tl.float32)
-        r1 = row + tl.arange(0, 1)
-        rstd = tl.load(rstd_ptr + r1)[:, None]
-        if IS_RMS:
-            xhat = x * rstd
-        else:
-            mean = tl.load(mean_ptr + r1)[:, None]
-            xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
-        wdy = dy * w.to(tl.float32)
-        c1 = (tl.sum(xhat * wdy, axis=1) / N)[:, None]
-        if IS_RMS:
-            dx = (wdy - xhat * c1) * rstd
-        else:
-            c2 = (tl.sum(wdy, axis=1) / N)[:, None]
-            dx = (wdy - (xhat * c1 + c2)) * rstd
-        if DX_TMA:
-            dx_desc.store([row, 0], dx.to(dx_ptr.dtype.element_ty))
-        else:
-            tl.store(dx_ptr + tl.cast(row, tl.int64) * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
-        dw += dy * xhat
-        db += dy
-    tl.store(dw_part_ptr + pid * N + cols, dw, mask=cmask)
-    if not IS_RMS:
-        tl.store(db_part_ptr + pid * N + cols, db, mask=cmask)
-
-
-def _desc(t, block):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, [1, block])
-
-
 def launch_fwd(kind, cfg, x, w, b, y, mean, rstd, sms, pdl=False):
-    """cfg: ("tma", warps, programs per SM, stages), else the current kernel's (warps, per-SM, WB)."""
+    """cfg: ("tma", warps, programs per SM, stages): the library's staged LayerNorm forward
+    (``ops.norm.ln_fwd_staged``); else the current kernel's (warps, per-SM, WB)."""
     if cfg[0] != "tma":
         return launch_fwd_cur(kind, cfg, x, w, b, y, mean, rstd, sms, pdl)
-    _, warps, k, stages = cfg
-    M, N = x.shape
-    block = npow2(N)
-    _fwd_tma_kernel[(min(M, k * sms),)](
-        _desc(x, block), w, b if kind == "ln" else w, y, mean if kind == "ln" else rstd, rstd, y.stride(0), M, N, 1e-5,
-        IS_RMS=kind == "rms", HAS_B=kind == "ln", BLOCK_N=block, STAGES=stages, num_warps=warps,
-    )  # fmt: skip
+    assert kind == "ln", "the staged forward is LayerNorm's"
+    ln_fwd_staged(x, w, b, 1e-5, False, y, mean, rstd, cfg[1:], pdl)
 
 
 def launch_bwd(kind, cfg, dy, x, w, mean, rstd, dx, dw_part, db_part, sms, pdl=False):
-    """cfg: ("tma", warps, 1, programs per SM, stages, dx by TMA), else exp_norm_variants' tuple."""
+    """cfg: ("tma", warps, 1, programs per SM, stages): the library's staged backward
+    (``ops.norm.bwd_staged``); else exp_norm_variants' tuple."""
     if cfg[0] != "tma":
         return launch_bwd_cur(kind, cfg, dy, x, w, mean, rstd, dx, dw_part, db_part, sms, pdl)
-    _, warps, _, k, stages, dx_tma = cfg
+    _, warps, _, k, stages = cfg
     M, N = x.shape
-    block = npow2(N)
     programs, rpp = bwd_grid(M, 1, k, sms)
-    _bwd_tma_kernel[(programs,)](
-        _desc(dy, block), _desc(x, block), _desc(dx, block), w, mean if kind == "ln" else rstd, rstd, dx, dw_part,
-        db_part if kind == "ln" else dw_part, dx.stride(0), M, N, rpp,
-        IS_RMS=kind == "rms", BLOCK_N=block, STAGES=stages, DX_TMA=dx_tma, num_warps=warps,
-    )  # fmt: skip
+    ln = kind == "ln"
+    tail = (w, mean if ln else rstd, rstd, dx, dw_part, db_part if ln else dw_part)
+    flags = dict(IS_RMS=not ln, HAS_W=True, HAS_B=ln, ZERO_CENTERED=False, PDL=pdl, num_warps=warps)
+    bwd_staged(dy, x, tail, M, N, rpp, programs, (warps, k, stages), flags | ({"launch_pdl": True} if pdl else {}))
     return programs
 
 
@@ -164,7 +93,7 @@ def fwd_cfgs(h, kind):
     block = npow2(h)
     warps = cur_fwd(h, kind)[0]
     out = [cur_fwd(h, kind)]
-    for k in (8, 16) if h <= 1024 else (1, 2, 4):
+    for k in (8, 16) if h <= 1024 and kind == "ln" else (1, 2, 4) if kind == "ln" else ():
         for s in (2, 3):
             if k * s * block * 2 <= SMEM:
                 out.append(("tma", warps, k, s))
@@ -178,9 +107,7 @@ def bwd_cfgs(h, kind):
     for k in (2, 4) if h <= 1024 else (1, 2):
         for s in (2, 3):
             if k * s * 2 * block * 2 <= SMEM:
-                out.append(("tma", cur[1], 1, k, s, False))
-    if len(out) > 1:
-        out.append(out[1][:5] + (True,))
+                out.append(("tma", cur[1], 1, k, s))
     return out
 
 
