@@ -62,7 +62,13 @@ def _bwd_variants(h: int, rms: bool) -> dict:
             B(4, 1, 4, True),
             B(8, 1, 2, False),
         ],
-        4096: [B(16, 1, 1, True), B(8, 1, 1, True), B(4, 1, 4, True), B(8, 1, 2, False), B(16, 1, 2, True)],
+        4096: [
+            B(16, 1, 1, True),
+            B(8, 1, 1, True),
+            B(4, 1, 4, True),
+            B(8, 1, 2, False),
+            B(16, 1, 2, True),
+        ],
         5120: [
             B(16, 1, 1, False, (4096, 1024)),
             B(32, 1, 1, False, (4096, 1024)),
@@ -72,7 +78,12 @@ def _bwd_variants(h: int, rms: bool) -> dict:
             B(16 if rms else 32, 1, 1, True),
         ],
         7168: [B(16, 1, 1, False, (4096, 4096)), B(16, 1, 1, True), B(wide, 1, 1, False), B(16, 1, 2, True)],
-        8192: [B(16, 1, 1, False, (4096, 4096)), B(16 if rms else 32, 1, 1, True), B(wide, 1, 1, False), B(16, 1, 2, True)],
+        8192: [
+            B(16, 1, 1, False, (4096, 4096)),
+            B(16 if rms else 32, 1, 1, True),
+            B(wide, 1, 1, False),
+            B(16, 1, 2, True),
+        ],
         16384: [
             B(32, 1, 1, True, (8192, 8192)),
             B(16, 1, 1, True, (8192, 8192)),
@@ -82,10 +93,39 @@ def _bwd_variants(h: int, rms: bool) -> dict:
         ],
     }
     out = {"today": None}
-    for c in table.get(h, []):
+    for c in table.get(h, []) + PAIR.get(h, []):
         name = f"w{c.warps}r{c.rows}x{c.per_sm}{'p' if c.prefetch else ''}" + (f"_split{c.parts[0]}" if c.parts else "")
+        name += f"_pair{c.parts[1]}s{c.stages}" if c.pair else ""
         out[name] = c
     return out
+
+
+def _pair(warps, per_sm, prefetch, parts, stages=1):
+    from truefuse.ops.norm import BwdConfig
+
+    return BwdConfig(warps, 1, per_sm, prefetch, parts, True, stages)
+
+
+#: ``_norm_bwd_pair_kernel`` (two programs per block of rows, each owning half of every row's
+#: columns, parts (A, B)): (warps, programs per SM, prefetch, parts, stages). Run 1 (2026-11-23,
+#: one H200, no prefetch, one stage): 1.2-3x slower than today's everywhere (one row's loads in
+#: flight per program, nothing overlapping them). Run 2 (the candidates below: the next row
+#: prefetched, or the loop pipelined): 1.10-1.70x slower than today's at every size (best: RMSNorm
+#: 4096 1.10x, LayerNorm 16384 1.14x; LayerNorm 1.36-1.70x elsewhere): re-reading the partner's
+#: half costs more than the halved registers give back. Not kept (history at the commit that
+#: adds docs/results/norm_pair_h200_2026-11-23_run{1,2}.json).
+PAIR = {
+    2880: [_pair(4, 4, True, (1024, 512)), _pair(8, 2, True, (1024, 512)), _pair(4, 4, False, (1024, 512), 3)],
+    4096: [_pair(4, 4, True, (2048, 0)), _pair(8, 2, True, (2048, 0)), _pair(4, 4, False, (2048, 0), 3)],
+    5120: [_pair(8, 2, True, (2048, 512)), _pair(16, 1, True, (2048, 512)), _pair(8, 2, False, (2048, 512), 3)],
+    8192: [_pair(8, 2, True, (4096, 0)), _pair(16, 1, True, (4096, 0)), _pair(8, 2, False, (4096, 0), 3)],
+    16384: [
+        _pair(16, 1, True, (8192, 0)),
+        _pair(32, 1, True, (8192, 0)),
+        _pair(16, 1, False, (8192, 0), 2),
+        _pair(32, 1, False, (8192, 0), 2),
+    ],
+}
 
 
 def _lnfwd_variants(h: int) -> dict:
@@ -180,6 +220,8 @@ def _variants(h: int, kind: str, what: str) -> list:
     (``what`` "staged"), or the pointer backward's and LayerNorm's staged forward's ("pointer")."""
     if what == "staged":
         return [("staged", n, c) for n, c in _staged_variants(h).items()]
+    if what == "pair":  # today's and the two-programs-per-row-block kernel's (_norm_bwd_pair_kernel)
+        return [("bwd", n, c) for n, c in _bwd_variants(h, kind == "rms").items() if c is None or c.pair]
     out = [("bwd", n, c) for n, c in _bwd_variants(h, kind == "rms").items()]
     if kind == "ln":
         out += [("lnfwd", n, c) for n, c in _lnfwd_variants(h).items() if c is not None]
@@ -211,7 +253,8 @@ def main():
     ap.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=min(12, (os.cpu_count() or 2) - 1))
-    ap.add_argument("--what", choices=("staged", "pointer"), default="staged")
+    ap.add_argument("--what", choices=("staged", "pointer", "pair"), default="staged")
+    ap.add_argument("--regs", action="store_true", help="print the compiled kernels' registers and spills at the end")
     args = ap.parse_args()
     t0 = time.time()
     jobs = _jobs(args.hidden, args.what)
@@ -229,12 +272,14 @@ def main():
                 z1, z2 = torch.empty_like(dy), torch.empty_like(dy)
                 floor = gtime(lambda: (z1.copy_(x.detach()), torch.add(x.detach(), dy, out=z2)))
                 variants = _variants(h, kind, args.what)
-                errs, times = {}, {}
+                errs, times, same_dx = {}, {}, {}
                 for target, name, cfg in variants:
                     _use(h, target, cfg)
                     try:
                         got = fn()
                         errs[name] = max(((a.double() - r).norm() / r.norm()).item() for a, r in zip(got, ref, strict=True))
+                        dx_first = got[0] if name == "today" else dx_first  # noqa: F821 ("today" runs first)
+                        same_dx[name] = torch.equal(got[0], dx_first)
                         times[name] = (target, cfg, [])
                     except Exception as e:
                         print(f"{kind} {m} x {h} {name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
@@ -244,15 +289,20 @@ def main():
                         ts.append(gtime(fn))
                 _use(h, "bwd", None)
                 med = {n: statistics.median(ts) for n, (_, _, ts) in times.items()}
-                rows.append({"kind": kind, "M": m, "H": h, "floor_us": floor, "us": med, "rel_err": errs,
+                rows.append({"kind": kind, "M": m, "H": h, "floor_us": floor, "us": med, "rel_err": errs, "dx_bits_as_today": same_dx,
                              "configs": {n: (t, c if c is None or isinstance(c, str) else list(c)) for n, (t, c, _) in times.items()}})  # fmt: skip
                 print(f"{kind:3s} {m:5d} x {h:5d} | floor {floor:6.1f} | today {med['today']:6.1f} ({floor / med['today']:.0%}) | "
                       + "".join(f"{n} {med[n]:6.1f} ({floor / med[n]:.0%}) | " for n in ("pointer",) if n in med)
                       + " ".join(f"{n} {med[n]:.1f}" for n in sorted(med, key=med.get)[:3])
-                      + "".join(f" | BAD {n} {e:.1e}" for n, e in errs.items() if e >= 1e-2), flush=True)  # fmt: skip
+                      + "".join(f" | BAD {n} {e:.1e}" for n, e in errs.items() if e >= 1e-2)
+                      + " | dx bits as today: " + " ".join(n for n, v in same_dx.items() if v and n != "today"), flush=True)  # fmt: skip
     with open(os.path.join(args.out, f"norm_resweep_{args.what}.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
     print(f"{time.time() - t0:.0f} s")
+    if args.regs:
+        from exp_norm_breakdown import _print_regs
+
+        _print_regs()
 
 
 if __name__ == "__main__":

@@ -468,6 +468,111 @@ def _norm_bwd_split_kernel(
         tl.store(db_part_ptr + pid * N + cb, dbb, mask=mb)
 
 
+@triton.jit
+def _pair_sums(x, dy, w_ptr, c, m, mean, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """One column part's Σ x̂·w·dy and Σ w·dy (fp32 scalars), by the same code in both programs of a
+    pair whichever owns the part: the same bits in both."""
+    xhat, wdy, _ = _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
+    return tl.sum(xhat * wdy, axis=0), tl.sum(wdy, axis=0)
+
+
+# M, rows_per_program: not specialised (one kernel for every row count)
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
+def _norm_bwd_pair_kernel(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    stride_dy, stride_x, stride_dx, M, N, rows_per_program,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """The backward with two programs per block of rows, each owning half of every row's columns.
+
+    The row is cut into four parts: A0 = [0, A), A1 = [A, 2A), B0 = [2A, 2A + B), B1 = [2A + B,
+    2A + 2B) (BLOCK_A, BLOCK_B; B may be 0; columns past N masked). Program 2b + h takes block b's
+    rows [b·rows_per_program, ...) ∩ [0, M), reads all four parts of each row for its sums
+    (c1 = ((A0 + A1) + (B0 + B1)) / N, each part summed by ``_pair_sums``: the same bits in both
+    programs) and stores dx and accumulates the weight / bias-gradient partials (row b of the
+    partials) of Ah and Bh only. Why: half the accumulators and half the live row per program.
+    LayerNorm's 16384-wide row with its two fp32 accumulators does not fit one program's
+    registers (its one-program backward ran at 50% of the add rate) and 5120 pads to 8192 there.
+    The partner's parts are read twice, the second time from L2. Each row's order is fixed by the
+    blocks and num_warps (batch invariance)."""
+    _pdl_enter(PDL)
+    pid = tl.program_id(0)
+    blk = pid // 2
+    own = pid % 2
+    ao = own * BLOCK_A + tl.arange(0, BLOCK_A)
+    at = (1 - own) * BLOCK_A + tl.arange(0, BLOCK_A)
+    mao = ao < N
+    mat = at < N
+    dwa = tl.zeros((BLOCK_A,), dtype=tl.float32)
+    dba = tl.zeros((BLOCK_A,), dtype=tl.float32)
+    if BLOCK_B > 0:
+        bo = 2 * BLOCK_A + own * BLOCK_B + tl.arange(0, BLOCK_B)
+        bt = 2 * BLOCK_A + (1 - own) * BLOCK_B + tl.arange(0, BLOCK_B)
+        mbo = bo < N
+        mbt = bt < N
+        dwb = tl.zeros((BLOCK_B,), dtype=tl.float32)
+        dbb = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    row_start = blk.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    if PREFETCH:
+        lim = tl.where(row_start < row_end, N, 0)
+        xao_n, dyao_n = _bwd_part_load(x_ptr, dy_ptr, row_start, stride_x, stride_dy, ao, lim, "")
+        xat_n, dyat_n = _bwd_part_load(x_ptr, dy_ptr, row_start, stride_x, stride_dy, at, lim, "")
+        if BLOCK_B > 0:
+            xbo_n, dybo_n = _bwd_part_load(x_ptr, dy_ptr, row_start, stride_x, stride_dy, bo, lim, "")
+            xbt_n, dybt_n = _bwd_part_load(x_ptr, dy_ptr, row_start, stride_x, stride_dy, bt, lim, "")
+    for row in tl.range(row_start, row_end, num_stages=STAGES):
+        if PREFETCH:
+            xao, dyao, xat, dyat = xao_n, dyao_n, xat_n, dyat_n
+            lim = tl.where(row + 1 < row_end, N, 0)
+            xao_n, dyao_n = _bwd_part_load(x_ptr, dy_ptr, row + 1, stride_x, stride_dy, ao, lim, "")
+            xat_n, dyat_n = _bwd_part_load(x_ptr, dy_ptr, row + 1, stride_x, stride_dy, at, lim, "")
+            if BLOCK_B > 0:
+                xbo, dybo, xbt, dybt = xbo_n, dybo_n, xbt_n, dybt_n
+                xbo_n, dybo_n = _bwd_part_load(x_ptr, dy_ptr, row + 1, stride_x, stride_dy, bo, lim, "")
+                xbt_n, dybt_n = _bwd_part_load(x_ptr, dy_ptr, row + 1, stride_x, stride_dy, bt, lim, "")
+        else:
+            xao, dyao = _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, ao, N, "")
+            xat, dyat = _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, at, N, "")
+            if BLOCK_B > 0:
+                xbo, dybo = _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, bo, N, "")
+                xbt, dybt = _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, bt, N, "")
+        rstd = tl.load(rstd_ptr + row)
+        if IS_RMS:
+            mean = 0.0
+        else:
+            mean = tl.load(mean_ptr + row)
+        s1o, s2o = _pair_sums(xao, dyao, w_ptr, ao, mao, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
+        s1t, s2t = _pair_sums(xat, dyat, w_ptr, at, mat, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
+        s1 = s1o + s1t  # a + b == b + a: the same bits in both programs
+        s2 = s2o + s2t
+        if BLOCK_B > 0:
+            s1bo, s2bo = _pair_sums(xbo, dybo, w_ptr, bo, mbo, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
+            s1bt, s2bt = _pair_sums(xbt, dybt, w_ptr, bt, mbt, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
+            s1 = s1 + (s1bo + s1bt)
+            s2 = s2 + (s2bo + s2bt)
+        c1 = s1 / N
+        if IS_RMS:
+            c2 = 0.0
+        else:
+            c2 = s2 / N
+        dwa, dba = _bwd_part_dx(xao, dyao, w_ptr, dx_ptr, row, stride_dx, ao, mao, mean, rstd, c1, c2, dwa, dba,
+                                IS_RMS, HAS_W, HAS_B, ZERO_CENTERED)  # fmt: skip
+        if BLOCK_B > 0:
+            dwb, dbb = _bwd_part_dx(xbo, dybo, w_ptr, dx_ptr, row, stride_dx, bo, mbo, mean, rstd, c1, c2, dwb, dbb,
+                                    IS_RMS, HAS_W, HAS_B, ZERO_CENTERED)  # fmt: skip
+    if HAS_W:
+        tl.store(dw_part_ptr + blk * N + ao, dwa, mask=mao)
+        if BLOCK_B > 0:
+            tl.store(dw_part_ptr + blk * N + bo, dwb, mask=mbo)
+    if HAS_B:
+        tl.store(db_part_ptr + blk * N + ao, dba, mask=mao)
+        if BLOCK_B > 0:
+            tl.store(db_part_ptr + blk * N + bo, dbb, mask=mbo)
+
+
 @triton.jit(do_not_specialize=["P"])
 def _sum_partials_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                          TWO: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip

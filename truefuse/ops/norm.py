@@ -171,6 +171,8 @@ class BwdConfig(NamedTuple):
     per_sm: int  # programs per SM
     prefetch: bool  # the next tile's loads issued before this tile's math
     parts: tuple[int, int] | None = None  # (BLOCK_A, BLOCK_B): ``_norm_bwd_split_kernel``
+    pair: bool = False  # two programs per block of rows, parts (A, B) each: ``_norm_bwd_pair_kernel``
+    stages: int = 1  # the pair kernel's software-pipelined row loop (``tl.range(num_stages=...)``)
 
 
 def bwd_config(n: int, rms: bool = True) -> BwdConfig:
@@ -322,17 +324,18 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     Returns ``(dx, dweight, dbias)``: dx in ``x.dtype``; dweight / dbias (N,) summed in fp32 from
     per-program partials and rounded once to the parameter's dtype (None where there is no weight / bias).
     """
-    from truefuse.kernels.norm import _norm_bwd_kernel, _norm_bwd_split_kernel
+    from truefuse.kernels.norm import _norm_bwd_kernel, _norm_bwd_pair_kernel, _norm_bwd_split_kernel
 
     M, N = x.shape
     dx = torch.empty_like(x)
     block, _ = block_and_warps(N)
     pdl = hopper(x)  # Hopper: PDL, and the TMA-staged backward
     cfg = bwd_config(N, rms)
-    staged = bwd_staged_config(N, x.dtype, rms) if pdl and dy.dtype.itemsize == 2 else None
+    pair = cfg.pair  # two programs (each owning half the columns) per block of rows; else staged where chosen
+    staged = bwd_staged_config(N, x.dtype, rms) if pdl and dy.dtype.itemsize == 2 and not pair else None
     warps, rows, per_sm = (cfg.warps, cfg.rows, cfg.per_sm) if staged is None else (staged[0], 1, staged[1])
-    programs = max(1, min(M, per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4))
-    # whole tiles per program; then only as many programs as that takes
+    programs = max(1, min(M, per_sm * sm_count(x.device.index or 0) // (2 if pair else 1) if x.is_cuda else 4))
+    # whole tiles per program; then only as many programs (blocks of rows) as that takes
     per_program = -(M // -programs)
     rows_per_program = -(per_program // -rows) * rows
     programs = max(1, -(-M // rows_per_program)) if M else 1
@@ -354,6 +357,10 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
         bwd_staged(dy, x, tail, M, N, rows_per_program, programs, staged, flags)
     elif cfg.parts is None:
         _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch)
+    elif pair:
+        assert N <= 2 * sum(cfg.parts), f"pair parts {cfg.parts} cover {2 * sum(cfg.parts)} < {N} columns"
+        _norm_bwd_pair_kernel[(2 * programs,)](*args, **flags, BLOCK_A=cfg.parts[0], BLOCK_B=cfg.parts[1],
+                                                 PREFETCH=cfg.prefetch, STAGES=cfg.stages)  # fmt: skip
     else:
         a, b = cfg.parts
         _norm_bwd_split_kernel[(programs,)](*args, **flags, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
