@@ -89,7 +89,6 @@ def _print_regs():
         "_ln_fwd_staged_kernel",
         "_norm_bwd_kernel",
         "_norm_bwd_split_kernel",
-        "_norm_bwd_pair_kernel",
         "_norm_bwd_staged_kernel",
     ):
         for cache in getattr(getattr(K, name), "device_caches", {}).values():

@@ -25,6 +25,11 @@ Results (2026-11-23, one H200, torch 2.11.0+cu130, triton 3.6.0):
   LayerNorm's staged forward at 8 warps instead of 16 is 3.6-3.9% faster at 5120 (0.2-0.8% at
   7168 and 8192): ``ln_fwd_staged_config`` took it.
 * ``staged``: see ``STAGED`` below; ``bwd_staged_config`` took the winners.
+* ``pair`` (at 5c7a792 only): ``_norm_bwd_pair_kernel``, two programs per block of rows, each
+  owning half of every row's columns (dx, dw, db) and reading the partner's half for the row's
+  sums, so each holds half the accumulators. 1.10-1.70x slower than today's at every size (best:
+  RMSNorm 4096 1.10x, LayerNorm 16384 1.14x, LayerNorm elsewhere 1.36-1.70x): the partner's half
+  read again costs more than the registers give back. Raw: docs/results/norm_pair_h200_2026-11-23_run{1,2}.json.
 """
 
 from __future__ import annotations
@@ -62,13 +67,7 @@ def _bwd_variants(h: int, rms: bool) -> dict:
             B(4, 1, 4, True),
             B(8, 1, 2, False),
         ],
-        4096: [
-            B(16, 1, 1, True),
-            B(8, 1, 1, True),
-            B(4, 1, 4, True),
-            B(8, 1, 2, False),
-            B(16, 1, 2, True),
-        ],
+        4096: [B(16, 1, 1, True), B(8, 1, 1, True), B(4, 1, 4, True), B(8, 1, 2, False), B(16, 1, 2, True)],
         5120: [
             B(16, 1, 1, False, (4096, 1024)),
             B(32, 1, 1, False, (4096, 1024)),
@@ -78,12 +77,7 @@ def _bwd_variants(h: int, rms: bool) -> dict:
             B(16 if rms else 32, 1, 1, True),
         ],
         7168: [B(16, 1, 1, False, (4096, 4096)), B(16, 1, 1, True), B(wide, 1, 1, False), B(16, 1, 2, True)],
-        8192: [
-            B(16, 1, 1, False, (4096, 4096)),
-            B(16 if rms else 32, 1, 1, True),
-            B(wide, 1, 1, False),
-            B(16, 1, 2, True),
-        ],
+        8192: [B(16, 1, 1, False, (4096, 4096)), B(16 if rms else 32, 1, 1, True), B(wide, 1, 1, False), B(16, 1, 2, True)],
         16384: [
             B(32, 1, 1, True, (8192, 8192)),
             B(16, 1, 1, True, (8192, 8192)),
@@ -93,39 +87,10 @@ def _bwd_variants(h: int, rms: bool) -> dict:
         ],
     }
     out = {"today": None}
-    for c in table.get(h, []) + PAIR.get(h, []):
+    for c in table.get(h, []):
         name = f"w{c.warps}r{c.rows}x{c.per_sm}{'p' if c.prefetch else ''}" + (f"_split{c.parts[0]}" if c.parts else "")
-        name += f"_pair{c.parts[1]}s{c.stages}" if c.pair else ""
         out[name] = c
     return out
-
-
-def _pair(warps, per_sm, prefetch, parts, stages=1):
-    from truefuse.ops.norm import BwdConfig
-
-    return BwdConfig(warps, 1, per_sm, prefetch, parts, True, stages)
-
-
-#: ``_norm_bwd_pair_kernel`` (two programs per block of rows, each owning half of every row's
-#: columns, parts (A, B)): (warps, programs per SM, prefetch, parts, stages). Run 1 (2026-11-23,
-#: one H200, no prefetch, one stage): 1.2-3x slower than today's everywhere (one row's loads in
-#: flight per program, nothing overlapping them). Run 2 (the candidates below: the next row
-#: prefetched, or the loop pipelined): 1.10-1.70x slower than today's at every size (best: RMSNorm
-#: 4096 1.10x, LayerNorm 16384 1.14x; LayerNorm 1.36-1.70x elsewhere): re-reading the partner's
-#: half costs more than the halved registers give back. Not kept (history at the commit that
-#: adds docs/results/norm_pair_h200_2026-11-23_run{1,2}.json).
-PAIR = {
-    2880: [_pair(4, 4, True, (1024, 512)), _pair(8, 2, True, (1024, 512)), _pair(4, 4, False, (1024, 512), 3)],
-    4096: [_pair(4, 4, True, (2048, 0)), _pair(8, 2, True, (2048, 0)), _pair(4, 4, False, (2048, 0), 3)],
-    5120: [_pair(8, 2, True, (2048, 512)), _pair(16, 1, True, (2048, 512)), _pair(8, 2, False, (2048, 512), 3)],
-    8192: [_pair(8, 2, True, (4096, 0)), _pair(16, 1, True, (4096, 0)), _pair(8, 2, False, (4096, 0), 3)],
-    16384: [
-        _pair(16, 1, True, (8192, 0)),
-        _pair(32, 1, True, (8192, 0)),
-        _pair(16, 1, False, (8192, 0), 2),
-        _pair(32, 1, False, (8192, 0), 2),
-    ],
-}
 
 
 def _lnfwd_variants(h: int) -> dict:
@@ -160,6 +125,21 @@ STAGED = {
 }
 
 
+#: ``ops/norm.py::bwd_math``'s choices (``--what math``; "today": its choice for the size):
+#: LayerNorm's two row sums in one ``tl.reduce``, x and dy held in bf16 through the sums. Runs
+#: 2026-11-23 (one H200; raw docs/results/norm_math_h200_2026-11-23_run{1,2}.json): ONE_REDUCE
+#: -2 to -3.5% at LayerNorm 5120, a tie or up to +1.7% elsewhere; at 16384 both -4.6 to -5.7%
+#: (REMAT alone +4%, ONE_REDUCE alone +27-30%). Every variant gave today's dx bits. Also tried,
+#: not kept (at the commit adding those results): dx as two fused multiply-adds (+19% at 4096,
+#: at best -0.9% elsewhere) and the weight reloaded per row (did not compile in the staged kernel).
+MATH = {
+    "none": dict(ONE_REDUCE=False, REMAT=False),
+    "one_reduce": dict(ONE_REDUCE=True, REMAT=False),
+    "remat": dict(ONE_REDUCE=False, REMAT=True),
+    "one_remat": dict(ONE_REDUCE=True, REMAT=True),
+}
+
+
 def _staged_variants(h: int) -> dict:
     """name -> (num_warps, programs per SM, stages) of the staged backward ("pointer": the pointer
     kernels of bwd_config; None: today's choice); ``TF_STAGED_CANDS`` ("w,k,s w,k,s ...")
@@ -180,10 +160,15 @@ def _use(h: int, target: str, cfg) -> None:
     if not hasattr(ops_norm, "_resweep_orig"):
         ops_norm._resweep_orig = (ops_norm.bwd_config, ops_norm.ln_fwd_staged_config, ops_norm.pdl_trigger,
                                   ops_norm.bwd_staged_config)  # fmt: skip
+        ops_norm._resweep_math = ops_norm.bwd_math
     bwd, lnfwd, trig, staged = ops_norm._resweep_orig
     ops_norm.bwd_config, ops_norm.ln_fwd_staged_config, ops_norm.pdl_trigger = bwd, lnfwd, trig
     ops_norm.bwd_staged_config = staged
+    ops_norm.bwd_math = math = ops_norm._resweep_math
     if cfg is None:
+        return
+    if target == "math":
+        ops_norm.bwd_math = lambda n, rms: dict(cfg) if n == h else math(n, rms)
         return
     if target == "staged":
         pick = None if cfg == "pointer" else cfg
@@ -220,8 +205,8 @@ def _variants(h: int, kind: str, what: str) -> list:
     (``what`` "staged"), or the pointer backward's and LayerNorm's staged forward's ("pointer")."""
     if what == "staged":
         return [("staged", n, c) for n, c in _staged_variants(h).items()]
-    if what == "pair":  # today's and the two-programs-per-row-block kernel's (_norm_bwd_pair_kernel)
-        return [("bwd", n, c) for n, c in _bwd_variants(h, kind == "rms").items() if c is None or c.pair]
+    if what == "math":  # ops/norm.py::bwd_math: today's kernels, their schedule choices
+        return [("math", "today", None)] + [("math", n, c) for n, c in MATH.items() if kind == "ln" or not c["ONE_REDUCE"]]
     out = [("bwd", n, c) for n, c in _bwd_variants(h, kind == "rms").items()]
     if kind == "ln":
         out += [("lnfwd", n, c) for n, c in _lnfwd_variants(h).items() if c is not None]
@@ -253,7 +238,7 @@ def main():
     ap.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=min(12, (os.cpu_count() or 2) - 1))
-    ap.add_argument("--what", choices=("staged", "pointer", "pair"), default="staged")
+    ap.add_argument("--what", choices=("staged", "pointer", "math"), default="staged")
     ap.add_argument("--regs", action="store_true", help="print the compiled kernels' registers and spills at the end")
     args = ap.parse_args()
     t0 = time.time()
@@ -265,6 +250,8 @@ def main():
     for h in args.hidden:
         for m in ROWS:
             for kind in ("rms", "ln"):
+                if not _variants(h, kind, args.what):
+                    continue
                 fn, ref_fn, x, dy, params = _case(kind, m, h)
                 xd = x.detach().double().requires_grad_()
                 pd = [p.detach().double().requires_grad_() for p in params]

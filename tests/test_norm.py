@@ -4,9 +4,12 @@ kernels under the interpreter; the others run the reference."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import truefuse
 from truefuse.config import get_tuning
+from truefuse.kernels.norm import _widen
 from truefuse.ops._triton import hopper
 from truefuse.ops.norm import (
     bwd_config,
@@ -156,6 +159,59 @@ def test_staged_backward(rms, n, device):
         xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
         f = truefuse.rms_norm(xa, wa, 1e-5) if rms else truefuse.layer_norm(xa, wa, b, 1e-5)
         assert_bitwise(torch.autograd.grad(f, xa, dy)[0], dx, "the norms' backward takes the staged kernel")
+
+
+@triton.jit
+def _widen_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + c, _widen(tl.load(x_ptr + c), True))
+
+
+def test_widen_is_exact(device):
+    """``kernels/norm.py::_widen``'s shift (the backward's REMAT) is bf16 -> fp32 conversion, bit for
+    bit, for all 65536 bf16 patterns (NaN payloads, infinities, -0, subnormals)."""
+    if not (device.type == "cuda" or use_kernel(torch.empty(1, 1))):
+        pytest.skip("needs Triton (CUDA or the interpreter)")
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=device).to(torch.int16).view(torch.bfloat16)
+    y = torch.empty(x.shape, dtype=torch.float32, device=device)
+    _widen_kernel[(x.numel() // 4096,)](x, y, BLOCK=4096)
+    assert torch.equal(y.view(torch.int32), x.float().view(torch.int32))
+
+
+@pytest.mark.parametrize("n", [5120, 16384])
+def test_bwd_math_keeps_bits(n, device, monkeypatch):
+    """``ops/norm.py::bwd_math``'s schedule choices for LayerNorm (one reduction for its two row
+    sums; x and dy held in bf16 through them at 16384) leave dx, dw and db bit for bit as without
+    them on the GPU (bf16); under the CPU interpreter (fp32, whose tl.reduce orders differently)
+    they are bounded against the float64 reference."""
+    from truefuse.ops import norm as ops_norm
+
+    if not use_kernel(torch.empty(1, n, device=device)):
+        pytest.skip("the reference runs here")
+    rms, chosen = False, ops_norm.bwd_math(n, False)
+    assert chosen["ONE_REDUCE"] and chosen["REMAT"] == (n > 8192), "the case exercises the choices"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    m = 40 if device.type == "cuda" else 2
+    x = (torch.randn(m, n, device=device) * 2 + 1).to(dtype)
+    dy = torch.randn(m, n, device=device).to(dtype)
+    params = [(torch.rand(n, device=device) + 0.5).to(dtype)] + ([] if rms else [torch.randn(n, device=device).to(dtype)])
+
+    def grads(math):
+        monkeypatch.setattr(ops_norm, "bwd_math", lambda _n, _rms: math)
+        xs, ps = x.clone().requires_grad_(), [p.clone().requires_grad_() for p in params]
+        y = truefuse.rms_norm(xs, *ps, eps=1e-5) if rms else truefuse.layer_norm(xs, *ps, eps=1e-5)
+        return torch.autograd.grad(y, [xs, *ps], dy)
+
+    on = grads(chosen)
+    off = grads(dict(ONE_REDUCE=False, REMAT=False)) if device.type == "cuda" else on
+    inputs = [t.double().requires_grad_() for t in (x, *params)]
+    ref = rms_norm_ref(*inputs, 1e-5) if rms else layer_norm_ref(*inputs, 1e-5)
+    want = torch.autograd.grad(ref, inputs, dy.double())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for a, b, r, what in zip(on, off, want, ("dx", "dw", "db"), strict=False):
+        torch.testing.assert_close(a.double(), r, rtol=tol, atol=tol * r.abs().max().item(), msg=what)
+        if device.type == "cuda":
+            assert_bitwise(a, b, what)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

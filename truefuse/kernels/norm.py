@@ -213,6 +213,50 @@ def _ln_fwd_staged_kernel(x_desc, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, strid
 
 
 # M, rows_per_program: not specialised (one kernel for every row count)
+@triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _ln_sums(p, q, axis: tl.constexpr, ONE: tl.constexpr):
+    """Σ p and Σ q along ``axis``: LayerNorm backward's two row sums; with ONE in one reduction
+    (one cross-warp exchange and barrier for both)."""
+    if ONE:
+        s1, s2 = tl.reduce((p, q), axis, _add2)
+    else:
+        s1 = tl.sum(p, axis=axis)
+        s2 = tl.sum(q, axis=axis)
+    return s1, s2
+
+
+@triton.jit
+def _widen(v, REMAT: tl.constexpr):
+    """``v`` in fp32. With REMAT and bf16 ``v``, by an integer shift (the same value): an op the
+    compiler does not merge with an earlier ``v.to(fp32)``, so the 2-byte ``v`` stays live through
+    the row's reductions in place of an fp32 copy (half the registers)."""
+    if REMAT and v.dtype == tl.bfloat16:
+        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _row_terms(x, dy, w, mean, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, REMAT: tl.constexpr):
+    """x̂, w·dy and dy in fp32 from a row's x and dy as loaded and its fp32 weight (mean unused for
+    RMSNorm); REMAT: widened by ``_widen``'s shift."""
+    x = _widen(x, REMAT)
+    dy = _widen(dy, REMAT)
+    if IS_RMS:
+        xhat = x * rstd
+    else:
+        xhat = (x - mean) * rstd
+    if HAS_W:
+        wdy = dy * w
+    else:
+        wdy = dy
+    return xhat, wdy, dy
+
+
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _norm_bwd_kernel(
     dy_ptr,
@@ -238,6 +282,7 @@ def _norm_bwd_kernel(
     PREFETCH: tl.constexpr = True,
     EVICT: tl.constexpr = "",
     PDL: tl.constexpr = False,
+    ONE_REDUCE: tl.constexpr = False,
 ):
     """Program p takes rows [p·rows_per_program, (p+1)·rows_per_program) ∩ [0, M) in tiles of ROWS
     rows (a (ROWS, BLOCK_N) block; each row reduced alone along its columns, in an order fixed by
@@ -289,12 +334,12 @@ def _norm_bwd_kernel(
             wdy = dy * w
         else:
             wdy = dy
-        c1 = (tl.sum(xhat * wdy, axis=1) / N)[:, None]
         if IS_RMS:
+            c1 = (tl.sum(xhat * wdy, axis=1) / N)[:, None]
             dx = (wdy - xhat * c1) * rstd
         else:
-            c2 = (tl.sum(wdy, axis=1) / N)[:, None]
-            dx = (wdy - (xhat * c1 + c2)) * rstd
+            s1, s2 = _ln_sums(xhat * wdy, wdy, 1, ONE_REDUCE)
+            dx = (wdy - (xhat * (s1 / N)[:, None] + (s2 / N)[:, None])) * rstd
         tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
         dw_acc += dy * xhat
         db_acc += dy
@@ -310,7 +355,8 @@ def _norm_bwd_staged_kernel(x_desc, dy_desc, w_ptr, mean_ptr, rstd_ptr, dx_ptr, 
                             stride_dx, M, N, rows_per_program,
                             IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                             BLOCK_N: tl.constexpr, STAGES: tl.constexpr, INNER: tl.constexpr,
-                            PDL: tl.constexpr = False):  # fmt: skip
+                            PDL: tl.constexpr = False, ONE_REDUCE: tl.constexpr = False,
+                            REMAT: tl.constexpr = False):  # fmt: skip
     """``_norm_bwd_kernel``'s rows (program p: rows [p·rows_per_program, ...) ∩ [0, M), one at a
     time) with x and dy brought in by TMA through a software-pipelined loop: STAGES rows of both in
     flight per program in shared memory, where the pointer kernel holds one prefetched row in
@@ -328,32 +374,36 @@ def _norm_bwd_staged_kernel(x_desc, dy_desc, w_ptr, mean_ptr, rstd_ptr, dx_ptr, 
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             w = w + 1.0
+    else:
+        w = 0.0
     dw_acc = tl.zeros((1, R, INNER), dtype=tl.float32)
     db_acc = tl.zeros((1, R, INNER), dtype=tl.float32)
     row_start = pid * rows_per_program  # int32: TMA coordinates (M < 2**31 rows)
     row_end = tl.minimum(row_start + rows_per_program, M)
     for row in tl.range(row_start, row_end, num_stages=STAGES):
-        x = x_desc.load([row, 0, 0]).to(tl.float32)
-        dy = dy_desc.load([row, 0, 0]).to(tl.float32)
+        x_in = x_desc.load([row, 0, 0])
+        dy_in = dy_desc.load([row, 0, 0])
         r1 = row + tl.arange(0, 1)
         rstd = tl.load(rstd_ptr + r1)[:, None, None]
         if IS_RMS:
-            xhat = x * rstd
+            mean = 0.0
         else:
-            # x̂ is not zeroed past N (the pointer kernels zero it): dy is zero there, so those
-            # columns add ±0 to every sum and their dx is not stored; 2-3% of LayerNorm's 5120 backward
             mean = tl.load(mean_ptr + r1)[:, None, None]
-            xhat = (x - mean) * rstd
-        if HAS_W:
-            wdy = dy * w
-        else:
-            wdy = dy
-        c1 = (tl.sum(tl.sum(xhat * wdy, axis=2), axis=1) / N)[:, None, None]
+        # x̂ is not zeroed past N (the pointer kernels zero it): dy is zero there, so those
+        # columns add ±0 to every sum and their dx is not stored; 2-3% of LayerNorm's 5120 backward
+        xhat, wdy, dy = _row_terms(x_in, dy_in, w, mean, rstd, IS_RMS, HAS_W, False)
         if IS_RMS:
+            c1 = (tl.sum(tl.sum(xhat * wdy, axis=2), axis=1) / N)[:, None, None]
+        else:
+            s1, s2 = _ln_sums(xhat * wdy, wdy, 2, ONE_REDUCE)
+            s1, s2 = _ln_sums(s1, s2, 1, ONE_REDUCE)
+        if REMAT:
+            xhat, wdy, dy = _row_terms(x_in, dy_in, w, mean, rstd, IS_RMS, HAS_W, True)
+        if IS_RMS:
+            c1 = (tl.sum(tl.sum(xhat * wdy, axis=2), axis=1) / N)[:, None, None]
             dx = (wdy - xhat * c1) * rstd
         else:
-            c2 = (tl.sum(tl.sum(wdy, axis=2), axis=1) / N)[:, None, None]
-            dx = (wdy - (xhat * c1 + c2)) * rstd
+            dx = (wdy - (xhat * (s1 / N)[:, None, None] + (s2 / N)[:, None, None])) * rstd
         tl.store(dx_ptr + tl.cast(row, tl.int64) * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
         dw_acc += dy * xhat
         db_acc += dy
@@ -373,16 +423,17 @@ def _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, c, lim, EVICT: tl.co
 
 
 @triton.jit
-def _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+def _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                   REMAT: tl.constexpr = False):  # fmt: skip
     """x̂ and w·dy of one column part of a row (fp32); w loaded here (an L1 hit after the first row)."""
-    x = x.to(tl.float32)
-    dy = dy.to(tl.float32)
+    x = _widen(x, REMAT)
+    dy = _widen(dy, REMAT)
     if IS_RMS:
         xhat = x * rstd
     else:
         xhat = tl.where(m, (x - mean) * rstd, 0.0)
     if HAS_W:
-        w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        w = _widen(tl.load(w_ptr + c, mask=m, other=0.0), REMAT)
         if ZERO_CENTERED:
             w = w + 1.0
         wdy = dy * w
@@ -393,11 +444,12 @@ def _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS: tl.constexpr, HAS_W: 
 
 @triton.jit
 def _bwd_part_dx(x, dy, w_ptr, dx_ptr, row, stride_dx, c, m, mean, rstd, c1, c2, dw, db,
-                 IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr):  # fmt: skip
+                 IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                 REMAT: tl.constexpr = False):  # fmt: skip
     """One column part's dx (stored) and weight / bias-gradient terms (added to dw / db), from the
     row's c1, c2 and the first pass's x and dy (its x̂ and w·dy recomputed from them: the same
     values, merged by the compiler)."""
-    xhat, wdy, dy = _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
+    xhat, wdy, dy = _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED, REMAT)
     tl.store(dx_ptr + row * stride_dx + c, ((wdy - (xhat * c1 + c2)) * rstd).to(dx_ptr.dtype.element_ty), mask=m)
     dw += dy * xhat
     if HAS_B:
@@ -412,6 +464,7 @@ def _norm_bwd_split_kernel(
     stride_dy, stride_x, stride_dx, M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr = True, PDL: tl.constexpr = False,
+    ONE_REDUCE: tl.constexpr = False, REMAT: tl.constexpr = False,
 ):  # fmt: skip
     """The backward of ``_norm_bwd_kernel`` (one row at a time) with the row in two column parts,
     A = [0, BLOCK_A) and B = [BLOCK_A, BLOCK_A + BLOCK_B): the rows above 8192 (``ops/norm.py::
@@ -451,126 +504,24 @@ def _norm_bwd_split_kernel(
             mean = tl.load(mean_ptr + row)
         xha, wdya, _ = _bwd_part_math(xa, dya, w_ptr, ca, ma, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
         xhb, wdyb, _ = _bwd_part_math(xb, dyb, w_ptr, cb, mb, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
-        c1 = (tl.sum(xha * wdya, axis=0) + tl.sum(xhb * wdyb, axis=0)) / N
         if IS_RMS:
+            c1 = (tl.sum(xha * wdya, axis=0) + tl.sum(xhb * wdyb, axis=0)) / N
             c2 = 0.0
         else:
-            c2 = (tl.sum(wdya, axis=0) + tl.sum(wdyb, axis=0)) / N
+            s1a, s2a = _ln_sums(xha * wdya, wdya, 0, ONE_REDUCE)
+            s1b, s2b = _ln_sums(xhb * wdyb, wdyb, 0, ONE_REDUCE)
+            c1 = (s1a + s1b) / N
+            c2 = (s2a + s2b) / N
         dwa, dba = _bwd_part_dx(xa, dya, w_ptr, dx_ptr, row, stride_dx, ca, ma, mean, rstd, c1, c2, dwa, dba,
-                                IS_RMS, HAS_W, HAS_B, ZERO_CENTERED)  # fmt: skip
+                                IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, REMAT)  # fmt: skip
         dwb, dbb = _bwd_part_dx(xb, dyb, w_ptr, dx_ptr, row, stride_dx, cb, mb, mean, rstd, c1, c2, dwb, dbb,
-                                IS_RMS, HAS_W, HAS_B, ZERO_CENTERED)  # fmt: skip
+                                IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, REMAT)  # fmt: skip
     if HAS_W:
         tl.store(dw_part_ptr + pid * N + ca, dwa, mask=ma)
         tl.store(dw_part_ptr + pid * N + cb, dwb, mask=mb)
     if HAS_B:
         tl.store(db_part_ptr + pid * N + ca, dba, mask=ma)
         tl.store(db_part_ptr + pid * N + cb, dbb, mask=mb)
-
-
-@triton.jit
-def _pair_sums(x, dy, w_ptr, c, m, mean, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """One column part's Σ x̂·w·dy and Σ w·dy (fp32 scalars), by the same code in both programs of a
-    pair whichever owns the part: the same bits in both."""
-    xhat, wdy, _ = _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
-    return tl.sum(xhat * wdy, axis=0), tl.sum(wdy, axis=0)
-
-
-# M, rows_per_program: not specialised (one kernel for every row count)
-@triton.jit(do_not_specialize=["M", "rows_per_program"])
-def _norm_bwd_pair_kernel(
-    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
-    stride_dy, stride_x, stride_dx, M, N, rows_per_program,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
-):  # fmt: skip
-    """The backward with two programs per block of rows, each owning half of every row's columns.
-
-    The row is cut into four parts: A0 = [0, A), A1 = [A, 2A), B0 = [2A, 2A + B), B1 = [2A + B,
-    2A + 2B) (BLOCK_A, BLOCK_B; B may be 0; columns past N masked). Program 2b + h takes block b's
-    rows [b·rows_per_program, ...) ∩ [0, M), reads all four parts of each row for its sums
-    (c1 = ((A0 + A1) + (B0 + B1)) / N, each part summed by ``_pair_sums``: the same bits in both
-    programs) and stores dx and accumulates the weight / bias-gradient partials (row b of the
-    partials) of Ah and Bh only. Why: half the accumulators and half the live row per program.
-    LayerNorm's 16384-wide row with its two fp32 accumulators does not fit one program's
-    registers (its one-program backward ran at 50% of the add rate) and 5120 pads to 8192 there.
-    The partner's parts are read twice, the second time from L2. Each row's order is fixed by the
-    blocks and num_warps (batch invariance)."""
-    _pdl_enter(PDL)
-    pid = tl.program_id(0)
-    blk = pid // 2
-    own = pid % 2
-    ao = own * BLOCK_A + tl.arange(0, BLOCK_A)
-    at = (1 - own) * BLOCK_A + tl.arange(0, BLOCK_A)
-    mao = ao < N
-    mat = at < N
-    dwa = tl.zeros((BLOCK_A,), dtype=tl.float32)
-    dba = tl.zeros((BLOCK_A,), dtype=tl.float32)
-    if BLOCK_B > 0:
-        bo = 2 * BLOCK_A + own * BLOCK_B + tl.arange(0, BLOCK_B)
-        bt = 2 * BLOCK_A + (1 - own) * BLOCK_B + tl.arange(0, BLOCK_B)
-        mbo = bo < N
-        mbt = bt < N
-        dwb = tl.zeros((BLOCK_B,), dtype=tl.float32)
-        dbb = tl.zeros((BLOCK_B,), dtype=tl.float32)
-    row_start = blk.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
-    if PREFETCH:
-        lim = tl.where(row_start < row_end, N, 0)
-        xao_n, dyao_n = _bwd_part_load(x_ptr, dy_ptr, row_start, stride_x, stride_dy, ao, lim, "")
-        xat_n, dyat_n = _bwd_part_load(x_ptr, dy_ptr, row_start, stride_x, stride_dy, at, lim, "")
-        if BLOCK_B > 0:
-            xbo_n, dybo_n = _bwd_part_load(x_ptr, dy_ptr, row_start, stride_x, stride_dy, bo, lim, "")
-            xbt_n, dybt_n = _bwd_part_load(x_ptr, dy_ptr, row_start, stride_x, stride_dy, bt, lim, "")
-    for row in tl.range(row_start, row_end, num_stages=STAGES):
-        if PREFETCH:
-            xao, dyao, xat, dyat = xao_n, dyao_n, xat_n, dyat_n
-            lim = tl.where(row + 1 < row_end, N, 0)
-            xao_n, dyao_n = _bwd_part_load(x_ptr, dy_ptr, row + 1, stride_x, stride_dy, ao, lim, "")
-            xat_n, dyat_n = _bwd_part_load(x_ptr, dy_ptr, row + 1, stride_x, stride_dy, at, lim, "")
-            if BLOCK_B > 0:
-                xbo, dybo, xbt, dybt = xbo_n, dybo_n, xbt_n, dybt_n
-                xbo_n, dybo_n = _bwd_part_load(x_ptr, dy_ptr, row + 1, stride_x, stride_dy, bo, lim, "")
-                xbt_n, dybt_n = _bwd_part_load(x_ptr, dy_ptr, row + 1, stride_x, stride_dy, bt, lim, "")
-        else:
-            xao, dyao = _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, ao, N, "")
-            xat, dyat = _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, at, N, "")
-            if BLOCK_B > 0:
-                xbo, dybo = _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, bo, N, "")
-                xbt, dybt = _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, bt, N, "")
-        rstd = tl.load(rstd_ptr + row)
-        if IS_RMS:
-            mean = 0.0
-        else:
-            mean = tl.load(mean_ptr + row)
-        s1o, s2o = _pair_sums(xao, dyao, w_ptr, ao, mao, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
-        s1t, s2t = _pair_sums(xat, dyat, w_ptr, at, mat, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
-        s1 = s1o + s1t  # a + b == b + a: the same bits in both programs
-        s2 = s2o + s2t
-        if BLOCK_B > 0:
-            s1bo, s2bo = _pair_sums(xbo, dybo, w_ptr, bo, mbo, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
-            s1bt, s2bt = _pair_sums(xbt, dybt, w_ptr, bt, mbt, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED)
-            s1 = s1 + (s1bo + s1bt)
-            s2 = s2 + (s2bo + s2bt)
-        c1 = s1 / N
-        if IS_RMS:
-            c2 = 0.0
-        else:
-            c2 = s2 / N
-        dwa, dba = _bwd_part_dx(xao, dyao, w_ptr, dx_ptr, row, stride_dx, ao, mao, mean, rstd, c1, c2, dwa, dba,
-                                IS_RMS, HAS_W, HAS_B, ZERO_CENTERED)  # fmt: skip
-        if BLOCK_B > 0:
-            dwb, dbb = _bwd_part_dx(xbo, dybo, w_ptr, dx_ptr, row, stride_dx, bo, mbo, mean, rstd, c1, c2, dwb, dbb,
-                                    IS_RMS, HAS_W, HAS_B, ZERO_CENTERED)  # fmt: skip
-    if HAS_W:
-        tl.store(dw_part_ptr + blk * N + ao, dwa, mask=mao)
-        if BLOCK_B > 0:
-            tl.store(dw_part_ptr + blk * N + bo, dwb, mask=mbo)
-    if HAS_B:
-        tl.store(db_part_ptr + blk * N + ao, dba, mask=mao)
-        if BLOCK_B > 0:
-            tl.store(db_part_ptr + blk * N + bo, dbb, mask=mbo)
 
 
 @triton.jit(do_not_specialize=["P"])

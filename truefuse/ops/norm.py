@@ -171,8 +171,6 @@ class BwdConfig(NamedTuple):
     per_sm: int  # programs per SM
     prefetch: bool  # the next tile's loads issued before this tile's math
     parts: tuple[int, int] | None = None  # (BLOCK_A, BLOCK_B): ``_norm_bwd_split_kernel``
-    pair: bool = False  # two programs per block of rows, parts (A, B) each: ``_norm_bwd_pair_kernel``
-    stages: int = 1  # the pair kernel's software-pipelined row loop (``tl.range(num_stages=...)``)
 
 
 def bwd_config(n: int, rms: bool = True) -> BwdConfig:
@@ -318,24 +316,36 @@ def ln_fwd_staged(x, weight, bias, eps: float, zero_centered_gamma: bool, y, mea
     )  # fmt: skip
 
 
+def bwd_math(n: int, rms: bool) -> dict:
+    """Two schedule choices of the staged and two-part backward kernels that leave every bit as it
+    is (dx, dw and db checked equal on an H200), from the hidden size and norm only. ONE_REDUCE:
+    LayerNorm's two row sums in one ``tl.reduce`` (one cross-warp exchange per row). REMAT: x and
+    dy held in bf16 through the row's sums and widened again after (``kernels/norm.py::_widen``),
+    not held in fp32. Measured in the library's forward + backward (experiments/exp_norm_resweep.py
+    --what math, two runs): LayerNorm 5120 -2 to -3.5% with ONE_REDUCE (a tie or up to +1.7%
+    elsewhere); LayerNorm 16384 -4.6 to -5.7% with both (38 -> 14 spilled registers), +4% with
+    REMAT alone, +27-30% with ONE_REDUCE alone; REMAT costs RMSNorm 2% at 16384."""
+    ln = not rms
+    return {"ONE_REDUCE": ln and (4096 < n <= 6144 or n > 8192), "REMAT": ln and n > 8192}
+
+
 def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma: bool):
     """Launch the backward kernel; ``dy`` and ``x`` contiguous (M, N).
 
     Returns ``(dx, dweight, dbias)``: dx in ``x.dtype``; dweight / dbias (N,) summed in fp32 from
     per-program partials and rounded once to the parameter's dtype (None where there is no weight / bias).
     """
-    from truefuse.kernels.norm import _norm_bwd_kernel, _norm_bwd_pair_kernel, _norm_bwd_split_kernel
+    from truefuse.kernels.norm import _norm_bwd_kernel, _norm_bwd_split_kernel
 
     M, N = x.shape
     dx = torch.empty_like(x)
     block, _ = block_and_warps(N)
     pdl = hopper(x)  # Hopper: PDL, and the TMA-staged backward
     cfg = bwd_config(N, rms)
-    pair = cfg.pair  # two programs (each owning half the columns) per block of rows; else staged where chosen
-    staged = bwd_staged_config(N, x.dtype, rms) if pdl and dy.dtype.itemsize == 2 and not pair else None
+    staged = bwd_staged_config(N, x.dtype, rms) if pdl and dy.dtype.itemsize == 2 else None
     warps, rows, per_sm = (cfg.warps, cfg.rows, cfg.per_sm) if staged is None else (staged[0], 1, staged[1])
-    programs = max(1, min(M, per_sm * sm_count(x.device.index or 0) // (2 if pair else 1) if x.is_cuda else 4))
-    # whole tiles per program; then only as many programs (blocks of rows) as that takes
+    programs = max(1, min(M, per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4))
+    # whole tiles per program; then only as many programs as that takes
     per_program = -(M // -programs)
     rows_per_program = -(per_program // -rows) * rows
     programs = max(1, -(-M // rows_per_program)) if M else 1
@@ -352,18 +362,16 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
         IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma,
         PDL=pdl and pdl_trigger("bwd", N, rms), num_warps=warps, **_pdl_kw(pdl),
     )  # fmt: skip
+    math = bwd_math(N, rms)
     args = (dy, x, *tail, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program)
     if staged is not None:
-        bwd_staged(dy, x, tail, M, N, rows_per_program, programs, staged, flags)
+        bwd_staged(dy, x, tail, M, N, rows_per_program, programs, staged, {**flags, **math})
     elif cfg.parts is None:
-        _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch)
-    elif pair:
-        assert N <= 2 * sum(cfg.parts), f"pair parts {cfg.parts} cover {2 * sum(cfg.parts)} < {N} columns"
-        _norm_bwd_pair_kernel[(2 * programs,)](*args, **flags, BLOCK_A=cfg.parts[0], BLOCK_B=cfg.parts[1],
-                                                 PREFETCH=cfg.prefetch, STAGES=cfg.stages)  # fmt: skip
+        _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch,
+                                      ONE_REDUCE=math["ONE_REDUCE"])  # fmt: skip
     else:
         a, b = cfg.parts
-        _norm_bwd_split_kernel[(programs,)](*args, **flags, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
+        _norm_bwd_split_kernel[(programs,)](*args, **flags, **math, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
     if has_w and has_bias:
         dw, db = _sum_partials(dw_part, weight.dtype, pdl, db_part, bias.dtype)
     else:
