@@ -25,6 +25,11 @@ Results (2026-11-23, one H200, torch 2.11.0+cu130, triton 3.6.0):
   LayerNorm's staged forward at 8 warps instead of 16 is 3.6-3.9% faster at 5120 (0.2-0.8% at
   7168 and 8192): ``ln_fwd_staged_config`` took it.
 * ``staged``: see ``STAGED`` below; ``bwd_staged_config`` took the winners.
+* 16384 again (``pointer``, with ``bwd_math``'s one reduction and bf16 x / dy, 2026-11-23):
+  LayerNorm's halves at 8 warps, one program per SM, 8.6-9.2% faster than today's 16 warps (469.9
+  -> 429.4 µs at 8192 rows, 923.9 -> 839.1 at 16384; 255 registers, 2 spilled); 2-4 programs per
+  SM -2 to -7%, 4 warps or prefetching far slower; RMSNorm's 16 warps stay the fastest.
+  ``bwd_config`` took it. Raw: docs/results/norm_resweep_16k_h200_2026-11-23.json.
 * ``pair`` (at 5c7a792 only): ``_norm_bwd_pair_kernel``, two programs per block of rows, each
   owning half of every row's columns (dx, dw, db) and reading the partner's half for the row's
   sums, so each holds half the accumulators. 1.10-1.70x slower than today's at every size (best:
@@ -83,7 +88,13 @@ def _bwd_variants(h: int, rms: bool) -> dict:
             B(16, 1, 1, True, (8192, 8192)),
             B(16, 1, 2, False, (8192, 8192)),
             B(8, 1, 2, False, (8192, 8192)),
+            B(32, 1, 1, False, (8192, 8192)),
             B(32, 1, 1, False),
+            B(8, 1, 1, False, (8192, 8192)),
+            B(8, 1, 3, False, (8192, 8192)),
+            B(8, 1, 4, False, (8192, 8192)),
+            B(4, 1, 4, False, (8192, 8192)),
+            B(8, 1, 2, True, (8192, 8192)),
         ],
     }
     out = {"today": None}

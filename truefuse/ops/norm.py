@@ -181,7 +181,9 @@ def bwd_config(n: int, rms: bool = True) -> BwdConfig:
     two halves (``_norm_bwd_split_kernel``) at 16 warps, x and dy held through the reductions: in
     the library's forward + backward at 16384 that beat the halves reloaded at 32 warps (RMSNorm)
     or 16 (LayerNorm) by 12-14% (8192 rows: 407 -> 351 µs, 563 -> 502 µs; exp_norm_resweep.py).
-    Two parts with less padding (2880 = 2048 + 1024, 5120 = 4096 + 1024) measured 1-4% slower."""
+    Two parts with less padding (2880 = 2048 + 1024, 5120 = 4096 + 1024) measured 1-4% slower.
+    LayerNorm's halves at 8 warps (with ``bwd_math``'s choices): 8.6-9.2% faster than at 16, the
+    fastest of 8-32 warps and 1-4 programs per SM (16384: 469 -> 429 µs at 8192 rows)."""
     if n <= 1024:
         return BwdConfig(4, 2, 4, True)
     if n <= 2048:
@@ -190,7 +192,7 @@ def bwd_config(n: int, rms: bool = True) -> BwdConfig:
         return BwdConfig(8, 1, 2, True)
     if n <= 8192:
         return BwdConfig(32 if rms else 16, 1, 1, True)
-    return BwdConfig(16, 1, 1, False, (8192, 8192))
+    return BwdConfig(16 if rms else 8, 1, 1, False, (8192, 8192))
 
 
 #: the TMA boxes' row chunk of the staged backward (``kernels/norm.py::_norm_bwd_staged_kernel``):
