@@ -140,9 +140,9 @@ STAGED = {
 #: LayerNorm's two row sums in one ``tl.reduce``, x and dy held in bf16 through the sums. Runs
 #: 2026-11-23 (one H200; raw docs/results/norm_math_h200_2026-11-23_run{1,2}.json): ONE_REDUCE
 #: -2 to -3.5% at LayerNorm 5120, a tie or up to +1.7% elsewhere; at 16384 both -4.6 to -5.7%
-#: (REMAT alone +4%, ONE_REDUCE alone +27-30%). Every variant gave today's dx bits. Also tried,
-#: not kept (at the commit adding those results): dx as two fused multiply-adds (+19% at 4096,
-#: at best -0.9% elsewhere) and the weight reloaded per row (did not compile in the staged kernel).
+#: (REMAT alone +4%, ONE_REDUCE alone +27-30%). Every variant gave today's dx bits. Also tried
+#: (run 1's "fma_dx"; its code not kept): dx as two fused multiply-adds, +19% at 4096, at best
+#: -0.9% elsewhere.
 MATH = {
     "none": dict(ONE_REDUCE=False, REMAT=False),
     "one_reduce": dict(ONE_REDUCE=True, REMAT=False),
