@@ -188,6 +188,8 @@ def test_bwd_math_keeps_bits(n, device, monkeypatch):
 
     if not use_kernel(torch.empty(1, n, device=device)):
         pytest.skip("the reference runs here")
+    if device.type == "cpu" and n > 8192:  # test_two_part_backward runs this path there (5 s a case)
+        pytest.skip("interpreted above 8192 by test_two_part_backward")
     rms, chosen = False, ops_norm.bwd_math(n, False)
     assert chosen["ONE_REDUCE"] and chosen["REMAT"] == (n > 8192), "the case exercises the choices"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
