@@ -164,8 +164,8 @@ def _staged_variants(h: int) -> dict:
 
 
 def _use(h: int, target: str, cfg) -> None:
-    """Patch ``ops.norm`` so hidden size ``h`` runs ``cfg`` for ``target`` ("bwd", "staged" or
-    "lnfwd"); ``cfg`` None restores today's."""
+    """Patch ``ops.norm`` so hidden size ``h`` runs ``cfg`` for ``target`` ("bwd", "staged",
+    "lnfwd" or "math"); ``cfg`` None restores today's."""
     from truefuse.ops import norm as ops_norm
 
     if not hasattr(ops_norm, "_resweep_orig"):
@@ -270,13 +270,13 @@ def main():
                 z1, z2 = torch.empty_like(dy), torch.empty_like(dy)
                 floor = gtime(lambda: (z1.copy_(x.detach()), torch.add(x.detach(), dy, out=z2)))
                 variants = _variants(h, kind, args.what)
-                errs, times, same_dx = {}, {}, {}
+                errs, times, same_dx, dx_first = {}, {}, {}, None
                 for target, name, cfg in variants:
                     _use(h, target, cfg)
                     try:
                         got = fn()
                         errs[name] = max(((a.double() - r).norm() / r.norm()).item() for a, r in zip(got, ref, strict=True))
-                        dx_first = got[0] if name == "today" else dx_first  # noqa: F821 ("today" runs first)
+                        dx_first = got[0] if dx_first is None else dx_first  # "today" runs first
                         same_dx[name] = torch.equal(got[0], dx_first)
                         times[name] = (target, cfg, [])
                     except Exception as e:

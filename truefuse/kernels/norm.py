@@ -212,7 +212,6 @@ def _ln_fwd_staged_kernel(x_desc, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, strid
         tl.store(rstd_ptr + r1, rstd)
 
 
-# M, rows_per_program: not specialised (one kernel for every row count)
 @triton.jit
 def _add2(a0, b0, a1, b1):
     return a0 + a1, b0 + b1
@@ -257,6 +256,7 @@ def _row_terms(x, dy, w, mean, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, 
     return xhat, wdy, dy
 
 
+# M, rows_per_program: not specialised (one kernel for every row count)
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _norm_bwd_kernel(
     dy_ptr,
@@ -282,7 +282,6 @@ def _norm_bwd_kernel(
     PREFETCH: tl.constexpr = True,
     EVICT: tl.constexpr = "",
     PDL: tl.constexpr = False,
-    ONE_REDUCE: tl.constexpr = False,
 ):
     """Program p takes rows [p·rows_per_program, (p+1)·rows_per_program) ∩ [0, M) in tiles of ROWS
     rows (a (ROWS, BLOCK_N) block; each row reduced alone along its columns, in an order fixed by
@@ -334,12 +333,12 @@ def _norm_bwd_kernel(
             wdy = dy * w
         else:
             wdy = dy
+        c1 = (tl.sum(xhat * wdy, axis=1) / N)[:, None]
         if IS_RMS:
-            c1 = (tl.sum(xhat * wdy, axis=1) / N)[:, None]
             dx = (wdy - xhat * c1) * rstd
         else:
-            s1, s2 = _ln_sums(xhat * wdy, wdy, 1, ONE_REDUCE)
-            dx = (wdy - (xhat * (s1 / N)[:, None] + (s2 / N)[:, None])) * rstd
+            c2 = (tl.sum(wdy, axis=1) / N)[:, None]
+            dx = (wdy - (xhat * c1 + c2)) * rstd
         tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
         dw_acc += dy * xhat
         db_acc += dy
@@ -394,16 +393,18 @@ def _norm_bwd_staged_kernel(x_desc, dy_desc, w_ptr, mean_ptr, rstd_ptr, dx_ptr, 
         xhat, wdy, dy = _row_terms(x_in, dy_in, w, mean, rstd, IS_RMS, HAS_W, False)
         if IS_RMS:
             c1 = (tl.sum(tl.sum(xhat * wdy, axis=2), axis=1) / N)[:, None, None]
+            c2 = 0.0
         else:
             s1, s2 = _ln_sums(xhat * wdy, wdy, 2, ONE_REDUCE)
             s1, s2 = _ln_sums(s1, s2, 1, ONE_REDUCE)
+            c1 = (s1 / N)[:, None, None]
+            c2 = (s2 / N)[:, None, None]
         if REMAT:
             xhat, wdy, dy = _row_terms(x_in, dy_in, w, mean, rstd, IS_RMS, HAS_W, True)
         if IS_RMS:
-            c1 = (tl.sum(tl.sum(xhat * wdy, axis=2), axis=1) / N)[:, None, None]
             dx = (wdy - xhat * c1) * rstd
         else:
-            dx = (wdy - (xhat * (s1 / N)[:, None, None] + (s2 / N)[:, None, None])) * rstd
+            dx = (wdy - (xhat * c1 + c2)) * rstd
         tl.store(dx_ptr + tl.cast(row, tl.int64) * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
         dw_acc += dy * xhat
         db_acc += dy
@@ -425,20 +426,16 @@ def _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, c, lim, EVICT: tl.co
 @triton.jit
 def _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                    REMAT: tl.constexpr = False):  # fmt: skip
-    """x̂ and w·dy of one column part of a row (fp32); w loaded here (an L1 hit after the first row)."""
-    x = _widen(x, REMAT)
-    dy = _widen(dy, REMAT)
-    if IS_RMS:
-        xhat = x * rstd
-    else:
-        xhat = tl.where(m, (x - mean) * rstd, 0.0)
+    """``_row_terms`` of one column part of a row, x̂ zeroed past N (LayerNorm); w loaded here (an
+    L1 hit after the first row)."""
+    w = 0.0
     if HAS_W:
         w = _widen(tl.load(w_ptr + c, mask=m, other=0.0), REMAT)
         if ZERO_CENTERED:
             w = w + 1.0
-        wdy = dy * w
-    else:
-        wdy = dy
+    xhat, wdy, dy = _row_terms(x, dy, w, mean, rstd, IS_RMS, HAS_W, REMAT)
+    if not IS_RMS:
+        xhat = tl.where(m, xhat, 0.0)
     return xhat, wdy, dy
 
 

@@ -326,7 +326,8 @@ def bwd_math(n: int, rms: bool) -> dict:
     not held in fp32. Measured in the library's forward + backward (experiments/exp_norm_resweep.py
     --what math, two runs): LayerNorm 5120 -2 to -3.5% with ONE_REDUCE (a tie or up to +1.7%
     elsewhere); LayerNorm 16384 -4.6 to -5.7% with both (38 -> 14 spilled registers), +4% with
-    REMAT alone, +27-30% with ONE_REDUCE alone; REMAT costs RMSNorm 2% at 16384."""
+    REMAT alone, +27-30% with ONE_REDUCE alone; REMAT costs RMSNorm 2% at 16384 and 45% in the
+    staged kernel at 5120."""
     ln = not rms
     return {"ONE_REDUCE": ln and (4096 < n <= 6144 or n > 8192), "REMAT": ln and n > 8192}
 
@@ -364,13 +365,12 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
         IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma,
         PDL=pdl and pdl_trigger("bwd", N, rms), num_warps=warps, **_pdl_kw(pdl),
     )  # fmt: skip
-    math = bwd_math(N, rms)
+    math = bwd_math(N, rms)  # the staged and two-part kernels' (the pointer kernel has neither choice)
     args = (dy, x, *tail, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program)
     if staged is not None:
         bwd_staged(dy, x, tail, M, N, rows_per_program, programs, staged, {**flags, **math})
     elif cfg.parts is None:
-        _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch,
-                                      ONE_REDUCE=math["ONE_REDUCE"])  # fmt: skip
+        _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch)
     else:
         a, b = cfg.parts
         _norm_bwd_split_kernel[(programs,)](*args, **flags, **math, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
