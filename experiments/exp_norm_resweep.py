@@ -149,6 +149,11 @@ MATH = {
     "remat": dict(ONE_REDUCE=False, REMAT=True),
     "one_remat": dict(ONE_REDUCE=True, REMAT=True),
 }
+#: Also tried at 16384 (session 9; its code not kept; raw docs/results/norm_even_h200_2026-11-23.json, where
+#: "today" is the tried kernel and "masked" / "one_remat_masked" the library's): the two-part kernel
+#: with no column masks where N fills the parts (no zero-fill before the loads, no select of x̂: 11% fewer
+#: instructions, the same bits). Slower: LayerNorm +4.5% / +6.7% at 8192 / 16384 rows (spills 10 -> 22),
+#: RMSNorm +0.8-1.3%.
 
 
 def _staged_variants(h: int) -> dict:
