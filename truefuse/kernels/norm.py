@@ -297,6 +297,8 @@ def _norm_bwd_kernel(
         if ZERO_CENTERED:
             w = w + 1.0
         w = w[None, :]
+    else:
+        w = 0.0
     dw_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     db_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 bounds: the loop index and offsets are int64
@@ -325,14 +327,12 @@ def _norm_bwd_kernel(
             dy = dy.to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=valid, other=0.0)[:, None]
         if IS_RMS:
-            xhat = x * rstd
+            mean = 0.0
         else:
             mean = tl.load(mean_ptr + rows, mask=valid, other=0.0)[:, None]
-            xhat = tl.where(m2, (x - mean) * rstd, 0.0)
-        if HAS_W:
-            wdy = dy * w
-        else:
-            wdy = dy
+        xhat, wdy, dy = _row_terms(x, dy, w, mean, rstd, IS_RMS, HAS_W, False)
+        if not IS_RMS:
+            xhat = tl.where(m2, xhat, 0.0)
         c1 = (tl.sum(xhat * wdy, axis=1) / N)[:, None]
         if IS_RMS:
             dx = (wdy - xhat * c1) * rstd
