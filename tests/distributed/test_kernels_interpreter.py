@@ -28,45 +28,50 @@ _VARIANTS = {  # name: (LL, TWO_STAGE, PUSH)
 }
 
 
-def _rank(r, W, M, N, programs, variant, bufs, sigs, xs, res, w, outs, normed, queue, rstds=None):
+def _rank(r, W, cases, queue):
+    """Rank r's kernel calls for every case of ``cases`` in turn (one spawn for all of them: a spawn
+    costs ~2.7 s of the CI's 2 cores, the calls ~1-2 s); each case's buffers and pads are its own."""
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported in this process
     import triton
 
     from truefuse.kernels.allreduce import _allreduce_add_rmsnorm_kernel
     from truefuse.ops.norm import block_and_warps
 
+    epochs = []
     try:
-        half, ll_offset, _ = layout(W, _MAX_BYTES)
-        buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)  # this process's mappings
-        sig_ptrs = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64)
-        epoch, done = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-        block, warps = block_and_warps(N)
-        ll, two_stage, push = _VARIANTS[variant]
-        for c in range(_CALLS):
-            # a different rank starts late each call: a reader that does not wait for its peers
-            # (a broken barrier or flag) would read their rows before they are written
-            time.sleep(0.3 * ((r + c) % W))
-            _allreduce_add_rmsnorm_kernel[(programs,)](
-                xs[r][c], res[r], w, outs[r][c], normed[r][c], buf_ptrs, sig_ptrs, epoch, done,
-                half // xs[r].element_size(), half // 8, ll_offset // 8, M, N, -(-M // W), 1e-6, r,
-                W=W, WP=triton.next_power_of_2(W), MAXP=512, HAS_RES=True, HAS_NORM=True, TWO_STAGE=two_stage,
-                PUSH=push, LL=ll, BLOCK_N=block, INTERPRETED=True, num_warps=warps,
-                # rstd on calls 0 and 2, none on call 1 (the launcher's choice: only when a gradient is wanted)
-                rstd_ptr=rstds[r][c] if rstds is not None and c != 1 else None,
-            )  # fmt: skip
-        queue.put((r, None, int(epoch.item())))
+        for (M, N, programs, variant, _), (bufs, sigs, xs, res, w, outs, normed, rstds) in cases:
+            half, ll_offset, _ = layout(W, _MAX_BYTES)
+            buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)  # this process's mappings
+            sig_ptrs = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64)
+            epoch, done = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+            block, warps = block_and_warps(N)
+            ll, two_stage, push = _VARIANTS[variant]
+            for c in range(_CALLS):
+                # a different rank starts late each call: a reader that does not wait for its peers
+                # (a broken barrier or flag) would read their rows before they are written
+                time.sleep(0.3 * ((r + c) % W))
+                _allreduce_add_rmsnorm_kernel[(programs,)](
+                    xs[r][c], res[r], w, outs[r][c], normed[r][c], buf_ptrs, sig_ptrs, epoch, done,
+                    half // xs[r].element_size(), half // 8, ll_offset // 8, M, N, -(-M // W), 1e-6, r,
+                    W=W, WP=triton.next_power_of_2(W), MAXP=512, HAS_RES=True, HAS_NORM=True, TWO_STAGE=two_stage,
+                    PUSH=push, LL=ll, BLOCK_N=block, INTERPRETED=True, num_warps=warps,
+                    # rstd on calls 0 and 2, none on call 1 (the launcher's choice: only when a gradient is wanted)
+                    rstd_ptr=rstds[r][c] if rstds is not None and c != 1 else None,
+                )  # fmt: skip
+            epochs.append(int(epoch.item()))
+        queue.put((r, None, epochs))
     except Exception:  # noqa: BLE001  (reported to the parent)
         import traceback
 
-        queue.put((r, traceback.format_exc(), -1))
+        queue.put((r, traceback.format_exc(), epochs))
 
 
 def _bits(t):
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
-def _run(W, M, N, programs, variant, dtype, with_rstd=False):
-    """Every rank's _CALLS kernel calls, ranks as spawned processes: (xs, res, w, outs, normed, rstds, results)."""
+def _inputs(W, M, N, dtype, with_rstd):
+    """One case's shared tensors: (bufs, sigs, xs, res, w, outs, normed, rstds)."""
     half, _, _ = layout(W, _MAX_BYTES)
     g = torch.Generator().manual_seed(W * 100 + M)
     shared = lambda t: t.share_memory_()  # noqa: E731
@@ -81,20 +86,30 @@ def _run(W, M, N, programs, variant, dtype, with_rstd=False):
     outs = [shared(torch.zeros(_CALLS, M, N, dtype=dtype)) for _ in range(W)]
     normed = [shared(torch.zeros(_CALLS, M, N, dtype=dtype)) for _ in range(W)]
     rstds = [shared(torch.full((_CALLS, M), -1.0)) for _ in range(W)] if with_rstd else None
+    return bufs, sigs, xs, res, w, outs, normed, rstds
+
+
+def _run(W, cases, with_rstd=False):
+    """Every rank's _CALLS kernel calls for each case (M, N, programs, variant, dtype), ranks as W
+    spawned processes: per case (xs, res, w, outs, normed, rstds), and the ranks' epochs per case."""
+    data = [(case, _inputs(W, case[0], case[1], case[4], with_rstd)) for case in cases]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    args = (W, M, N, programs, variant, bufs, sigs, xs, res, w, outs, normed, queue, rstds)
-    procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(W)]
+    procs = [ctx.Process(target=_rank, args=(r, W, data, queue)) for r in range(W)]
     for p in procs:
         p.start()
     try:
-        results = [queue.get(timeout=120) for _ in procs]
+        results = [queue.get(timeout=120 * len(cases)) for _ in procs]
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
-    return xs, res, w, outs, normed, rstds, results
+    failures = [err for _, err, _ in results if err]
+    assert not failures, failures[0]
+    for _, _, epochs in results:
+        assert epochs == [_CALLS] * len(cases), epochs  # every call moved each case's epoch on once
+    return [d[2:] for _, d in data]
 
 
 _INTERPRETER_ONLY = pytest.mark.skipif(
@@ -104,55 +119,61 @@ _INTERPRETER_ONLY = pytest.mark.skipif(
 
 #: every variant in fp32 on the 3-rank shape; the 2-rank shape with a row width no block divides
 #: (41) for one variant of each stage count; fp16 (its own loads, stores and LL word packing) on the
-#: 3-rank shape for one variant of each kind: 20 spawned runs took 100 s of the suite's CPU time
-_CASES = [
-    *[(v, 3, 7, 64, 2, torch.float32) for v in _VARIANTS],
-    *[(v, 2, 5, 41, 2, torch.float32) for v in ("ll", "1stage_pull", "2stage_push")],
-    *[(v, 3, 7, 64, 2, torch.float16) for v in ("ll", "1stage_push", "2stage_pull")],
+#: 3-rank shape for one variant of each kind. One spawn per world size: the 14 cases as 14 spawns
+#: took 85 s of the CI's CPU time, 38 of them starting processes. (variant, M, N, programs, dtype)
+_CASES = {
+    3: [
+        *[(v, 7, 64, 2, torch.float32) for v in _VARIANTS],
+        *[(v, 7, 64, 2, torch.float16) for v in ("ll", "1stage_push", "2stage_pull")],
+    ],
+    2: [(v, 5, 41, 2, torch.float32) for v in ("ll", "1stage_pull", "2stage_push")],
+}
+
+
+def _as_run(cases):
+    return [(M, N, programs, v, dtype) for v, M, N, programs, dtype in cases]
+
+
+@_INTERPRETER_ONLY
+@pytest.mark.parametrize("W", sorted(_CASES), ids=lambda w: f"{w}ranks")
+def test_kernels_across_processes(W):
+    from truefuse.autograd.norm import rms_norm
+
+    for case, (xs, res, w, outs, normed, _) in zip(_CASES[W], _run(W, _as_run(_CASES[W])), strict=True):
+        dtype = case[-1]
+        for c in range(_CALLS):
+            total = ordered_sum([x[c] for x in xs])
+            for r in range(W):
+                assert torch.equal(_bits(outs[r][c]), _bits(total + res[r])), (case, c, r)  # bits: -0 is not +0
+                want = rms_norm(outs[r][c], w, 1e-6)
+                if dtype == torch.float32:  # truefuse.rms_norm runs the same Triton row code here: bitwise
+                    assert torch.equal(normed[r][c], want), (case, c, r)
+                else:  # the fp16 reference runs in PyTorch on the CPU: another summation order
+                    torch.testing.assert_close(normed[r][c], want, rtol=1e-3, atol=1e-3, msg=str((case, c, r)))
+
+
+_RSTD_CASES = [
+    ("ll", 5, 41, 2, torch.float32),
+    ("2stage_push", 5, 41, 2, torch.float32),
+    ("1stage_pull", 5, 41, 2, torch.float16),
 ]
 
 
 @_INTERPRETER_ONLY
-@pytest.mark.parametrize("variant, W, M, N, programs, dtype", _CASES, ids=lambda v: str(v))
-def test_kernels_across_processes(variant, W, M, N, programs, dtype):
-    from truefuse.autograd.norm import rms_norm
-
-    xs, res, w, outs, normed, _, results = _run(W, M, N, programs, variant, dtype)
-    failures = [err for _, err, _ in results if err]
-    assert not failures, failures[0]
-    assert all(ep == _CALLS for _, _, ep in results)  # every call moved the epoch on once
-
-    for c in range(_CALLS):
-        total = ordered_sum([x[c] for x in xs])
-        for r in range(W):
-            assert torch.equal(_bits(outs[r][c]), _bits(total + res[r])), (c, r)  # bits: -0 is not +0
-            want = rms_norm(outs[r][c], w, 1e-6)
-            if dtype == torch.float32:  # truefuse.rms_norm runs the same Triton row code here: bitwise
-                assert torch.equal(normed[r][c], want), (c, r)
-            else:  # the fp16 reference runs in PyTorch on the CPU: another summation order
-                torch.testing.assert_close(normed[r][c], want, rtol=1e-3, atol=1e-3)
-
-
-@_INTERPRETER_ONLY
-@pytest.mark.parametrize(
-    "variant, dtype", [("ll", torch.float32), ("2stage_push", torch.float32), ("1stage_pull", torch.float16)], ids=str
-)
-def test_kernel_rstd_is_the_norm_forwards(variant, dtype):
+def test_kernel_rstd_is_the_norm_forwards():
     """With ``rstd_ptr`` every rank stores each row's rstd: bitwise what the norm's own forward
     kernel (``ops.norm.norm_fwd``, what ``truefuse.rms_norm`` saves for its backward) gives on
     that rank's residual_out; without it (call 1) nothing is written and the outputs are unchanged."""
     from truefuse.ops.norm import norm_fwd
 
-    W, M, N, programs = 2, 5, 41, 2
-    xs, res, w, outs, normed, rstds, results = _run(W, M, N, programs, variant, dtype, with_rstd=True)
-    failures = [err for _, err, _ in results if err]
-    assert not failures, failures[0]
-    for c in range(_CALLS):
-        for r in range(W):
-            want_normed, _, want_rstd = norm_fwd(outs[r][c], w, None, 1e-6, rms=True, zero_centered_gamma=False)
-            assert torch.equal(_bits(outs[r][c]), _bits(ordered_sum([x[c] for x in xs]) + res[r])), (c, r)
-            assert torch.equal(_bits(normed[r][c]), _bits(want_normed)), (c, r)
-            if c == 1:
-                assert torch.all(rstds[r][c] == -1.0), (c, r)  # not written
-            else:
-                assert torch.equal(_bits(rstds[r][c]), _bits(want_rstd)), (c, r)
+    W = 2
+    for case, (xs, res, w, outs, normed, rstds) in zip(_RSTD_CASES, _run(W, _as_run(_RSTD_CASES), True), strict=True):
+        for c in range(_CALLS):
+            for r in range(W):
+                want_normed, _, want_rstd = norm_fwd(outs[r][c], w, None, 1e-6, rms=True, zero_centered_gamma=False)
+                assert torch.equal(_bits(outs[r][c]), _bits(ordered_sum([x[c] for x in xs]) + res[r])), (case, c, r)
+                assert torch.equal(_bits(normed[r][c]), _bits(want_normed)), (case, c, r)
+                if c == 1:
+                    assert torch.all(rstds[r][c] == -1.0), (case, c, r)  # not written
+                else:
+                    assert torch.equal(_bits(rstds[r][c]), _bits(want_rstd)), (case, c, r)
