@@ -156,6 +156,22 @@ MATH = {
 #: RMSNorm +0.8-1.3%.
 
 
+#: ``--what lnfwd``: LayerNorm's staged forward, today's choice against the winners of the forward
+#: alone (``exp_norm_tma.py --fwd-only``; (num_warps, programs per SM, stages)). Run 1 (2026-11-23,
+#: session 10, one H200, 5 rounds; raw docs/results/norm_lnfwd_h200_2026-11-23_run1.json): the
+#: forward alone's wins do not carry at 4096 and 8192 (four stages: +6-10% forward + backward) nor
+#: 2048 / 2880 / 7168 (±0.5%); 5120 (4, 2, 4) -2.4% / -1.3% at 8192 / 16384 rows, which
+#: ``ln_fwd_staged_config`` took; 5120's entry is now the choice before it.
+LNFWD = {
+    2048: [(2, 8, 3)],
+    2880: [(2, 4, 3)],
+    4096: [(4, 2, 4), (2, 2, 4), (8, 2, 4)],
+    5120: [(8, 2, 3), (8, 2, 4)],
+    7168: [(4, 2, 3), (8, 2, 4)],
+    8192: [(8, 1, 4), (4, 1, 4)],
+}
+
+
 def _staged_variants(h: int) -> dict:
     """name -> (num_warps, programs per SM, stages) of the staged backward ("pointer": the pointer
     kernels of bwd_config; None: today's choice); ``TF_STAGED_CANDS`` ("w,k,s w,k,s ...")
@@ -221,6 +237,9 @@ def _variants(h: int, kind: str, what: str) -> list:
     (``what`` "staged"), or the pointer backward's and LayerNorm's staged forward's ("pointer")."""
     if what == "staged":
         return [("staged", n, c) for n, c in _staged_variants(h).items()]
+    if what == "lnfwd":
+        cands = LNFWD.get(h, []) if kind == "ln" else []
+        return [("lnfwd", "today", None)] + [("lnfwd", f"fwd_w{c[0]}x{c[1]}s{c[2]}", c) for c in cands] if cands else []
     if what == "math":  # ops/norm.py::bwd_math: today's kernels, their schedule choices
         return [("math", "today", None)] + [("math", n, c) for n, c in MATH.items() if kind == "ln" or not c["ONE_REDUCE"]]
     out = [("bwd", n, c) for n, c in _bwd_variants(h, kind == "rms").items()]
@@ -254,7 +273,7 @@ def main():
     ap.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=min(12, (os.cpu_count() or 2) - 1))
-    ap.add_argument("--what", choices=("staged", "pointer", "math"), default="staged")
+    ap.add_argument("--what", choices=("staged", "pointer", "math", "lnfwd"), default="staged")
     ap.add_argument("--regs", action="store_true", help="print the compiled kernels' registers and spills at the end")
     args = ap.parse_args()
     t0 = time.time()

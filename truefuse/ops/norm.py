@@ -156,11 +156,16 @@ def ln_fwd_staged_config(n: int, dtype: torch.dtype) -> tuple[int, int, int] | N
     flight per program and 96 KB of staged rows per SM (16384 // BLOCK_N programs): measured on an
     H200 at 1024, 2880, 5120, 8192 and 16384 (experiments/exp_norm_tma.py; two stages measured
     1.1-3x slower). 8 warps from 5120 to 8192 (not ``ln_fwd_config``'s 16): 3.6% of the forward +
-    backward at 5120 (experiments/exp_norm_resweep.py)."""
+    backward at 5120 (experiments/exp_norm_resweep.py). Where the row pads most (5120 of 8192
+    lanes), 4 warps and four rows in flight (128 KB per SM): 1.3-2.4% of the forward + backward
+    (``--what lnfwd``); four stages at 4096 and 8192, faster alone, cost the forward + backward
+    6-10% there."""
     if dtype.itemsize != 2 or n % 8:
         return None
-    warps = 8 if 4096 < n <= 8192 else ln_fwd_config(n)[0]
-    return warps, max(1, min(32, 16384 // block_and_warps(n)[0])), 3
+    per_sm = max(1, min(32, 16384 // block_and_warps(n)[0]))
+    if 4096 < n <= 6144:
+        return 4, per_sm, 4
+    return (8 if 4096 < n <= 8192 else ln_fwd_config(n)[0]), per_sm, 3
 
 
 class BwdConfig(NamedTuple):
