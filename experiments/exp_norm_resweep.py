@@ -161,14 +161,16 @@ MATH = {
 #: session 10, one H200, 5 rounds; raw docs/results/norm_lnfwd_h200_2026-11-23_run1.json): the
 #: forward alone's wins do not carry at 4096 and 8192 (four stages: +6-10% forward + backward) nor
 #: 2048 / 2880 / 7168 (±0.5%); 5120 (4, 2, 4) -2.4% / -1.3% at 8192 / 16384 rows, which
-#: ``ln_fwd_staged_config`` took; 5120's entry is now the choice before it.
+#: ``ln_fwd_staged_config`` took; 5120's entry is now the choice before it (run 2, 7 rounds: -2.3% at
+#: both row counts). Run 3 (the forward alone's three-stage runners-up at 4096 and 8192): 4096
+#: (4, 4, 3) -1.1% / -0.7%, 8192 (4, 2, 3) -0.2%: within two runs' spread of today, not taken.
 LNFWD = {
     2048: [(2, 8, 3)],
     2880: [(2, 4, 3)],
-    4096: [(4, 2, 4), (2, 2, 4), (8, 2, 4)],
+    4096: [(4, 2, 4), (2, 2, 4), (8, 2, 4), (4, 4, 3), (2, 4, 3)],
     5120: [(8, 2, 3), (8, 2, 4)],
     7168: [(4, 2, 3), (8, 2, 4)],
-    8192: [(8, 1, 4), (4, 1, 4)],
+    8192: [(8, 1, 4), (4, 1, 4), (4, 2, 3), (16, 2, 3)],
 }
 
 
