@@ -119,8 +119,9 @@ _INTERPRETER_ONLY = pytest.mark.skipif(
 
 #: every variant in fp32 on the 3-rank shape; the 2-rank shape with a row width no block divides
 #: (41) for one variant of each stage count; fp16 (its own loads, stores and LL word packing) on the
-#: 3-rank shape for one variant of each kind. One spawn per world size: the 14 cases as 14 spawns
-#: took 85 s of the CI's CPU time, 38 of them starting processes. (variant, M, N, programs, dtype)
+#: 3-rank shape for one variant of each kind. One spawn per world size: with a spawn per case (these
+#: 11 and the rstd test's 3) the file took 78 s alone on the 2-core box, in three spawns 37 s
+#: (a spawn of 3 ranks costs ~2.7 s). (variant, M, N, programs, dtype)
 _CASES = {
     3: [
         *[(v, 7, 64, 2, torch.float32) for v in _VARIANTS],
