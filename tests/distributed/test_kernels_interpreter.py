@@ -39,7 +39,7 @@ def _rank(r, W, cases, queue):
 
     epochs = []
     try:
-        for (M, N, programs, variant, _), (bufs, sigs, xs, res, w, outs, normed, rstds) in cases:
+        for (variant, M, N, programs, _), (bufs, sigs, xs, res, w, outs, normed, rstds) in cases:
             half, ll_offset, _ = layout(W, _MAX_BYTES)
             buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)  # this process's mappings
             sig_ptrs = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64)
@@ -90,9 +90,9 @@ def _inputs(W, M, N, dtype, with_rstd):
 
 
 def _run(W, cases, with_rstd=False):
-    """Every rank's _CALLS kernel calls for each case (M, N, programs, variant, dtype), ranks as W
+    """Every rank's _CALLS kernel calls for each case (variant, M, N, programs, dtype), ranks as W
     spawned processes: per case (xs, res, w, outs, normed, rstds), and the ranks' epochs per case."""
-    data = [(case, _inputs(W, case[0], case[1], case[4], with_rstd)) for case in cases]
+    data = [(case, _inputs(W, case[1], case[2], case[4], with_rstd)) for case in cases]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, W, data, queue)) for r in range(W)]
@@ -131,16 +131,12 @@ _CASES = {
 }
 
 
-def _as_run(cases):
-    return [(M, N, programs, v, dtype) for v, M, N, programs, dtype in cases]
-
-
 @_INTERPRETER_ONLY
 @pytest.mark.parametrize("W", sorted(_CASES), ids=lambda w: f"{w}ranks")
 def test_kernels_across_processes(W):
     from truefuse.autograd.norm import rms_norm
 
-    for case, (xs, res, w, outs, normed, _) in zip(_CASES[W], _run(W, _as_run(_CASES[W])), strict=True):
+    for case, (xs, res, w, outs, normed, _) in zip(_CASES[W], _run(W, _CASES[W]), strict=True):
         dtype = case[-1]
         for c in range(_CALLS):
             total = ordered_sum([x[c] for x in xs])
@@ -168,7 +164,7 @@ def test_kernel_rstd_is_the_norm_forwards():
     from truefuse.ops.norm import norm_fwd
 
     W = 2
-    for case, (xs, res, w, outs, normed, rstds) in zip(_RSTD_CASES, _run(W, _as_run(_RSTD_CASES), True), strict=True):
+    for case, (xs, res, w, outs, normed, rstds) in zip(_RSTD_CASES, _run(W, _RSTD_CASES, True), strict=True):
         for c in range(_CALLS):
             for r in range(W):
                 want_normed, _, want_rstd = norm_fwd(outs[r][c], w, None, 1e-6, rms=True, zero_centered_gamma=False)
