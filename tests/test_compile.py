@@ -14,10 +14,10 @@ import torch
 import truefuse
 from truefuse.ops.gated_activation import gated2_bwd_op, gated2_fwd_op, gated_bwd_op, gated_fwd_op, use_kernel
 from truefuse.ops.gemm import gemm_op, gemm_out_op
-from truefuse.ops.linear_cross_entropy import lce_targets_op
-from truefuse.ops.linear_cross_entropy_chunk import lce_chunk_op
-from truefuse.ops.linear_cross_entropy_slices import lce_slice_grad_op, lce_slice_stats_op
-from truefuse.ops.linear_log_probs import log_probs_chunk_op
+from truefuse.ops.lm_head.linear_cross_entropy import lce_targets_op
+from truefuse.ops.lm_head.linear_cross_entropy_chunk import lce_chunk_op
+from truefuse.ops.lm_head.linear_cross_entropy_slices import lce_slice_grad_op, lce_slice_stats_op
+from truefuse.ops.lm_head.linear_log_probs import log_probs_chunk_op
 from truefuse.ops.norm import hf_rstd, norm_bwd_op, norm_fwd_op, rms_norm_hf_fwd_op
 from truefuse.ops.rope import rope_bwd_op, rope_fwd_op
 from truefuse.ops.scale import scale_op

@@ -8,7 +8,7 @@ from conftest import requires_cuda
 import truefuse
 from truefuse.config import get_tuning, tuning
 from truefuse.ops._triton import triton_runs
-from truefuse.ops.linear_cross_entropy import linear_cross_entropy_ref
+from truefuse.ops.lm_head.linear_cross_entropy import linear_cross_entropy_ref
 from truefuse.verify.cases_linear_cross_entropy import check_lce, make_inputs
 from truefuse.verify.registry import all_cases
 
@@ -132,8 +132,8 @@ def test_padded_rows_and_split_vocabulary_agree_with_one_gemm(device, monkeypatc
     split at 192 classes (``chunked_head_gemms``). Loss and every gradient agree with the
     unpadded, unsplit run: through one chunk, the one-chunk d_logits kept for a delayed weight
     gradient (sliced back to V columns), several chunks with the fp32 accumulator, and main_grad."""
-    import truefuse.ops.chunked_head as head_mod
-    import truefuse.ops.chunked_head_gemms as gemms_mod
+    import truefuse.ops.lm_head.chunked_head as head_mod
+    import truefuse.ops.lm_head.chunked_head_gemms as gemms_mod
 
     x, W, t, b = make_inputs(torch.float32, device, bias=True)
     if not triton_runs(x):
@@ -168,7 +168,7 @@ def test_padded_rows_and_split_vocabulary_agree_with_one_gemm(device, monkeypatc
 def test_odd_vocabulary_at_scale_is_bounded(monkeypatch):
     """GPT-2's V = 50257 at a size where the GEMMs are split (the ``min_macs`` tuning knob): per-token losses under
     a random upstream gradient and every gradient within the bounded contract, bf16 on the GPU."""
-    import truefuse.ops.chunked_head as head_mod
+    import truefuse.ops.lm_head.chunked_head as head_mod
 
     dev = torch.device("cuda")
     x, W, t, b = make_inputs(torch.bfloat16, dev, N=1024, H=128, V=50257, bias=True)
@@ -230,7 +230,7 @@ def test_default_chunk_takes_all_tokens_only_within_the_chunked_memory():
     tuning knob, or the fp32 weight-gradient accumulator's V·H·4 bytes when that is wanted), or,
     with the accumulator, when one chunk's peak is at most 1/8 above the chunks'; else the largest
     power of two that fits there."""
-    from truefuse.ops.chunked_head import default_chunk as _default_chunk
+    from truefuse.ops.lm_head.chunked_head import default_chunk as _default_chunk
 
     assert get_tuning().chunk_bytes == 512 << 20
     assert _default_chunk(8192, 128256, 4096, 2, True) == 8192  # 2.10 GB of logits == the fp32 accumulator
@@ -249,7 +249,7 @@ def test_default_chunk_takes_all_tokens_only_within_the_chunked_memory():
 def test_target_prologue_is_the_torch_ops_bits(reduction, device):
     """One kernel for the count of the valid tokens, mean's scales and the target check (where
     the Triton kernels run): the bits of valid_count / reduction_scales, and the same errors."""
-    from truefuse.ops.linear_cross_entropy import reduction_scales, target_prologue, valid_count
+    from truefuse.ops.lm_head.linear_cross_entropy import reduction_scales, target_prologue, valid_count
 
     x = torch.empty(0, 8, device=device)
     for t in (
@@ -363,8 +363,8 @@ def test_chunk_kernel_ties_and_infinities(device):
     """The loss kernel's per-lane online softmax against ``chunk_math`` on rows built to break it:
     the maximum tied across lanes and blocks (the first one wins, as torch.argmax), -inf logits
     (first in a lane, and a whole row), +inf, every logit equal, and V not a multiple of the block."""
-    from truefuse.ops.linear_cross_entropy import LinearCrossEntropyOptions
-    from truefuse.ops.linear_cross_entropy_chunk import CrossEntropyChunks
+    from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOptions
+    from truefuse.ops.lm_head.linear_cross_entropy_chunk import CrossEntropyChunks
 
     if not triton_runs(torch.empty(0, device=device)):
         pytest.skip("the Triton kernel runs on CUDA, or on the CPU under TRITON_INTERPRET=1")

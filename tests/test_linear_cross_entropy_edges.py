@@ -13,7 +13,7 @@ from conftest import requires_cuda
 
 import truefuse
 from truefuse.ops._triton import triton_runs
-from truefuse.ops.linear_cross_entropy import _from_logits, linear_cross_entropy_ref
+from truefuse.ops.lm_head.linear_cross_entropy import _from_logits, linear_cross_entropy_ref
 
 NAN, INF = float("nan"), float("inf")
 
@@ -220,8 +220,8 @@ def _nonfinite_rows(V, block, seed=0):
 
 
 def _chunk_vs_reference(dtype, device, V, block, softcap, smoothing, class_weight, path):
-    from truefuse.ops.linear_cross_entropy import LinearCrossEntropyOptions
-    from truefuse.ops.linear_cross_entropy_chunk import CrossEntropyChunks
+    from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOptions
+    from truefuse.ops.lm_head.linear_cross_entropy_chunk import CrossEntropyChunks
 
     z64, t = _nonfinite_rows(V, block)
     z, t = z64.to(device, dtype), t.to(device)

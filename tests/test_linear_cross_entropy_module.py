@@ -72,9 +72,9 @@ def test_main_grad_chunks_stay_within_chunk_bytes(monkeypatch):
     """Into main_grad there is no fp32 accumulator to match: the default chunks stay within the
     chunk_bytes budget, where a returned weight gradient takes chunks up to the accumulator's
     V·H·4 bytes (64 KiB here against a 16 KiB budget). Both give the plain gradient, bounded."""
-    import truefuse.ops.chunked_head as head_mod
+    import truefuse.ops.lm_head.chunked_head as head_mod
     from truefuse.config import tuning
-    from truefuse.ops.chunked_head_gemms import vocab_split
+    from truefuse.ops.lm_head.chunked_head_gemms import vocab_split
 
     rows = []
     monkeypatch.setattr(head_mod, "vocab_split", lambda xc, v: rows.append(xc.shape[0]) or vocab_split(xc, v))

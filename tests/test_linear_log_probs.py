@@ -7,8 +7,8 @@ import torch
 
 import truefuse
 from truefuse.ops._triton import triton_runs
-from truefuse.ops.chunked_head import head_chunks
-from truefuse.ops.linear_log_probs import LinearLogProbsOptions, LogProbChunks, linear_log_probs_ref
+from truefuse.ops.lm_head.chunked_head import head_chunks
+from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOptions, LogProbChunks, linear_log_probs_ref
 from truefuse.testing import bounded_report
 from truefuse.verify.cases_linear_cross_entropy import make_inputs
 from truefuse.verify.cases_linear_log_probs import check_log_probs, run_log_probs
@@ -111,7 +111,7 @@ def test_main_grad_over_four_micro_batches(config, device):
         out = truefuse.linear_log_probs(x, Wl, t, chunk_size=5, wgrad_state=state)
         (out.log_probs * up[0].to(device).float() + out.entropy * up[1].to(device).float()).sum().backward()
         ref += run_log_probs(linear_log_probs_ref, x.double().cpu(), W.double().cpu(), t.cpu(), upstream=up)["dlinear_weight"]
-        base += run_log_probs(truefuse.ops.linear_log_probs.linear_log_probs_plain, x, W, t, upstream=up)["dlinear_weight"]
+        base += run_log_probs(truefuse.ops.lm_head.linear_log_probs.linear_log_probs_plain, x, W, t, upstream=up)["dlinear_weight"]
     if delayed:
         assert (Wl.main_grad if fused else Wl.grad) is None or not (Wl.main_grad if fused else Wl.grad).any()
         with torch.no_grad():
@@ -206,7 +206,7 @@ def test_log_prob_chunks_kernel_matches_torch_math(device):
 def test_one_chunk_keeps_its_logits(config, monkeypatch, device):
     """With one chunk the backward reuses the forward's logits (no second logits GEMM), delayed and
     fused included; a second backward (retain_graph) recomputes them and gives the same bits."""
-    import truefuse.ops.chunked_head as head_mod
+    import truefuse.ops.lm_head.chunked_head as head_mod
 
     calls = []
     real = head_mod.logits_gemm

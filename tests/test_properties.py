@@ -29,7 +29,7 @@ from truefuse.ops.activation import ACTIVATIONS
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_torch
 from truefuse.ops.gemm_plan import Capability, override_capabilities
 from truefuse.ops.linear import MLP_ACTIVATIONS, NORMALIZATIONS
-from truefuse.ops.linear_cross_entropy import linear_cross_entropy_plain
+from truefuse.ops.lm_head.linear_cross_entropy import linear_cross_entropy_plain
 from truefuse.ops.norm import layer_norm_torch, rms_norm_torch
 from truefuse.ops.scale import scale_, scale_ref
 from truefuse.testing import bitwise_report, bounded_report, fwd_bwd_reports

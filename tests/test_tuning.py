@@ -9,7 +9,7 @@ import torch
 
 import truefuse
 from truefuse.config import Tuning, get_tuning, knob_docs, tuning
-from truefuse.ops.chunked_head_gemms import vocab_split
+from truefuse.ops.lm_head.chunked_head_gemms import vocab_split
 from truefuse.ops.norm import use_kernel
 from truefuse.verify.cases_linear_cross_entropy import make_inputs
 
@@ -22,7 +22,7 @@ KNOBS = (
 def _chunks(monkeypatch, N, V, H, **kw) -> list[int]:
     """Rows of each chunk the public ``truefuse.linear_cross_entropy`` runs (default chunk_size) on
     an fp32 (N, H) input and a (V, H) weight: the forward's per-chunk ``vocab_split`` calls, spied."""
-    import truefuse.ops.chunked_head as head_mod
+    import truefuse.ops.lm_head.chunked_head as head_mod
 
     rows = []
     monkeypatch.setattr(head_mod, "vocab_split", lambda xc, v: rows.append(xc.shape[0]) or vocab_split(xc, v))

@@ -24,7 +24,7 @@ from truefuse.testing import error_on_every_rank
 
 def _worker(rank: int, world: int) -> dict:
     from truefuse.distributed import linear_cross_entropy as vp_lce
-    from truefuse.ops.linear_cross_entropy import linear_cross_entropy_ref
+    from truefuse.ops.lm_head.linear_cross_entropy import linear_cross_entropy_ref
     from truefuse.testing import bounded_report
     from truefuse.verify.distributed_vocab import inputs, run_loss, vocab_table
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad, main_grad_target, main_grad_written
-from truefuse.ops.chunked_head import HeadGrads, default_chunk
+from truefuse.ops.lm_head.chunked_head import HeadGrads, default_chunk
 
 #: ``run(want, **head_chunks_keywords) -> HeadGrads``: one pass of a loss over the head's chunks,
 #: everything but what to compute and where d_weight goes bound (its ``w_dtype`` included).

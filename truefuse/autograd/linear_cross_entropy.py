@@ -1,8 +1,8 @@
 """``truefuse.linear_cross_entropy``: the LM head and its cross-entropy without materializing the
 (tokens, V) logits: the autograd Function and the functional API.
 
-The work runs on the chunked LM head (``ops/chunked_head.py``) with the cross-entropy as its
-per-chunk loss (``ops/linear_cross_entropy_chunk.py``). For ``mean`` and ``sum`` the gradients are
+The work runs on the chunked LM head (``ops/lm_head/chunked_head.py``) with the cross-entropy as its
+per-chunk loss (``ops/lm_head/linear_cross_entropy_chunk.py``). For ``mean`` and ``sum`` the gradients are
 computed in the forward (when grad is enabled) and the first backward scales them in place by
 ``grad_output`` and hands them over (a later backward, under ``retain_graph``, recomputes them
 from the saved inputs); ``none`` (a per-token upstream gradient) recomputes the chunks in the
@@ -19,8 +19,8 @@ from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dty
 from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_backward, weight_state
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops.chunked_head import HeadGrads, head_chunks, kept_weight_grad
-from truefuse.ops.linear_cross_entropy import (
+from truefuse.ops.lm_head.chunked_head import HeadGrads, head_chunks, kept_weight_grad
+from truefuse.ops.lm_head.linear_cross_entropy import (
     LinearCrossEntropyOptions,
     LinearCrossEntropyOutput,
     check_args,
@@ -29,8 +29,8 @@ from truefuse.ops.linear_cross_entropy import (
     token_accuracy,
     upstream_scales,
 )
-from truefuse.ops.linear_cross_entropy_chunk import CrossEntropyChunks
-from truefuse.ops.linear_cross_entropy_slices import (
+from truefuse.ops.lm_head.linear_cross_entropy_chunk import CrossEntropyChunks
+from truefuse.ops.lm_head.linear_cross_entropy_slices import (
     class_weight_sum,
     default_slice_width,
     finish_stats,
@@ -172,7 +172,7 @@ def _backward_recompute(ctx, g_loss):
 
 
 class LinearCrossEntropyLeanFunction(torch.autograd.Function):
-    """``memory="lean"``: two passes over slices of the vocabulary (``ops/linear_cross_entropy_slices.py``),
+    """``memory="lean"``: two passes over slices of the vocabulary (``ops/lm_head/linear_cross_entropy_slices.py``),
     exact gradients without the V×H fp32 accumulator. Inputs as :class:`LinearCrossEntropyFunction`,
     with the slice width in place of the chunk size.
 
@@ -257,7 +257,7 @@ def linear_cross_entropy(
         target: (...) int64/int32 class indices; ``ignore_index`` marks tokens that do not count.
         weight: (V,) per-class weights (any float dtype; used in fp32), or None.
         reduction: ``mean`` | ``sum`` | ``none`` (per token, shaped like ``target``).
-        label_smoothing, z_loss, softcap: as in :func:`truefuse.ops.linear_cross_entropy.linear_cross_entropy_ref`.
+        label_smoothing, z_loss, softcap: as in :func:`truefuse.ops.lm_head.linear_cross_entropy.linear_cross_entropy_ref`.
         return_z_loss, return_token_accuracy: also return those (not differentiable).
         chunk_size: tokens per chunk. Default: all tokens in one chunk when their logits take no
             more memory than chunking would (the ``chunk_bytes`` tuning knob, 512 MiB, or the fp32 weight-gradient

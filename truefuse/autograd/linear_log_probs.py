@@ -1,7 +1,7 @@
 """``truefuse.linear_log_probs``: per-token log-probabilities of the targets and entropies from the
 LM head, without materializing the (tokens, V) logits: the autograd Function and the functional
-API. The work runs on the chunked LM head (``ops/chunked_head.py``) with ``LogProbChunks`` as its
-per-chunk math (``ops/linear_log_probs.py``). The forward computes the two outputs only: the
+API. The work runs on the chunked LM head (``ops/lm_head/chunked_head.py``) with ``LogProbChunks`` as its
+per-chunk math (``ops/lm_head/linear_log_probs.py``). The forward computes the two outputs only: the
 backward's upstream gradients are per token and unknown until then. With one chunk the forward
 keeps its logits for the backward (the backward's own chunk would take the same memory, so the
 peak is unchanged): three GEMMs in all. With several, the backward runs the chunks again (one more
@@ -21,9 +21,9 @@ from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dty
 from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_backward, weight_state
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops.chunked_head import head_chunks, kept_weight_grad
-from truefuse.ops.linear_cross_entropy import check_args, target_prologue
-from truefuse.ops.linear_log_probs import LinearLogProbsOptions, LinearLogProbsOutput, LogProbChunks
+from truefuse.ops.lm_head.chunked_head import head_chunks, kept_weight_grad
+from truefuse.ops.lm_head.linear_cross_entropy import check_args, target_prologue
+from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOptions, LinearLogProbsOutput, LogProbChunks
 
 
 class LinearLogProbsFunction(torch.autograd.Function):
@@ -128,7 +128,7 @@ def linear_log_probs(
         :class:`LinearLogProbsOutput` ``(log_probs, entropy)``, each shaped like ``target``, fp32
         (fp64 on fp64 inputs), both differentiable in ``input``, ``linear_weight`` and
         ``linear_bias`` (any per-token upstream gradients; the backward runs the chunks again).
-        Semantics and non-finite values: ``truefuse.ops.linear_log_probs.linear_log_probs_ref``.
+        Semantics and non-finite values: ``truefuse.ops.lm_head.linear_log_probs.linear_log_probs_ref``.
 
     Autocast: as ``F.linear`` under ``torch.autocast``: the GEMMs in its dtype, the rest in fp32.
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
 from truefuse.bench.harness import Sweep
-from truefuse.ops.linear_cross_entropy import linear_cross_entropy_ref
+from truefuse.ops.lm_head.linear_cross_entropy import linear_cross_entropy_ref
 
 #: provider -> (loss(x, W, t), weight gradient into main_grad): what the accuracy columns run
 _LOSSES: dict = {}

@@ -18,7 +18,7 @@ import torch
 from truefuse.autograd.linear_log_probs import linear_log_probs
 from truefuse.bench.bench_linear_cross_entropy import _compiled_step, _gemms, _inputs
 from truefuse.bench.harness import Sweep
-from truefuse.ops.linear_log_probs import linear_log_probs_plain
+from truefuse.ops.lm_head.linear_log_probs import linear_log_probs_plain
 
 
 def _step(fn, main_grad=False):

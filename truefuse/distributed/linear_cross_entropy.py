@@ -3,7 +3,7 @@
 Each rank holds a contiguous slice of the vocabulary's rows of the LM head (Megatron's layout:
 rank r holds [vocab_start_r, vocab_start_r + V_r), the shards in rank order tiling [0, V)) and
 the same input and targets. It is ``memory="lean"``'s sliced machinery
-(``ops/linear_cross_entropy_slices.py``) with one slice per rank:
+(``ops/lm_head/linear_cross_entropy_slices.py``) with one slice per rank:
 
 * pass 1, local: the shard's per-token statistics (max, sum of exponentials, Σ w_c·z_c, first
   argmax, the target's logit where the rank owns the target), over sub-slices of the shard;
@@ -30,8 +30,8 @@ from truefuse.autograd._chunked_head import recompute_backward, weight_state
 from truefuse.autograd._wgrad import WgradState, check_main_grad
 from truefuse.distributed._agree import gather_verdicts, problem_of, raise_disagreement, raise_problems
 from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops.chunked_head import HeadGrads
-from truefuse.ops.linear_cross_entropy import (
+from truefuse.ops.lm_head.chunked_head import HeadGrads
+from truefuse.ops.lm_head.linear_cross_entropy import (
     LinearCrossEntropyOptions,
     LinearCrossEntropyOutput,
     check_args,
@@ -41,7 +41,7 @@ from truefuse.ops.linear_cross_entropy import (
     upstream_scales,
     valid_count,
 )
-from truefuse.ops.linear_cross_entropy_slices import (
+from truefuse.ops.lm_head.linear_cross_entropy_slices import (
     SliceStats,
     class_weight_sum,
     default_slice_width,

@@ -21,7 +21,7 @@ first NaN (found by a second pass over that row alone). Ignored rows: loss terms
 multiplied by 0), d_logits 0·p_j (torch's 0 − exp(log_softmax)·0: NaN only where that is NaN).
 
 ``HAS_BIAS``: the logits were written without the bias and the kernel adds it in fp32 as it reads
-them (the vocabulary-split GEMMs of ``ops/chunked_head_gemms.py``, where cuBLAS would
+them (the vocabulary-split GEMMs of ``ops/lm_head/chunked_head_gemms.py``, where cuBLAS would
 add it after rounding the product). ``stride`` may exceed V (rows padded to 16-byte multiples).
 """
 

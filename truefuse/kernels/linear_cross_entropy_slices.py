@@ -8,7 +8,7 @@ first maximum, Σ w_c·z_c) and writes the slice's statistics: its max ``m``, it
 exponentials relative to ``m`` (NaN once a NaN was met), the index of its first maximum (of its
 first NaN when the sum is NaN: a second pass over that row only), Σ w_c·z_c (0 without label
 smoothing), the target's logit when the target falls in the slice (else 0) and whether it does.
-The host merges the slices' statistics in slice order (``ops/linear_cross_entropy_slices.py``), as
+The host merges the slices' statistics in slice order (``ops/lm_head/linear_cross_entropy_slices.py``), as
 the whole-row kernel reduces its lanes.
 
 ``_lce_slice_grad_kernel`` (pass 2) reads the merged lse of each row and writes the slice's

@@ -11,7 +11,7 @@ import torch
 
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
 from truefuse.nn.linear_cross_entropy import LinearCrossEntropyLoss
-from truefuse.ops.linear_cross_entropy import linear_cross_entropy_plain, linear_cross_entropy_ref
+from truefuse.ops.lm_head.linear_cross_entropy import linear_cross_entropy_plain, linear_cross_entropy_ref
 from truefuse.testing import bitwise_report, bounded_report
 from truefuse.verify.registry import register
 

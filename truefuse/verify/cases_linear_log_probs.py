@@ -10,7 +10,7 @@ import torch
 
 from truefuse.autograd._wgrad import WgradState, run_pending
 from truefuse.autograd.linear_log_probs import linear_log_probs
-from truefuse.ops.linear_log_probs import linear_log_probs_plain, linear_log_probs_ref
+from truefuse.ops.lm_head.linear_log_probs import linear_log_probs_plain, linear_log_probs_ref
 from truefuse.testing import bitwise_report, bounded_report
 from truefuse.verify.cases_linear_cross_entropy import make_inputs
 from truefuse.verify.registry import register

@@ -73,7 +73,7 @@ def _row(case, dtype_name, check, tensor, contract, passed, **info) -> dict:
 def _fwd_bwd_rows(name: str, dtype_name: str, rank: int, world: int, N: int, device) -> list[dict]:
     import truefuse
     from truefuse.distributed import linear_cross_entropy as vocab_parallel
-    from truefuse.ops.linear_cross_entropy import linear_cross_entropy_ref
+    from truefuse.ops.lm_head.linear_cross_entropy import linear_cross_entropy_ref
 
     spec = dict(OPTIONS[name])
     V, rows_r = _V_RANK * world, slice(rank * _V_RANK, (rank + 1) * _V_RANK)
@@ -105,7 +105,7 @@ def _fwd_bwd_rows(name: str, dtype_name: str, rank: int, world: int, N: int, dev
 def _wgrad_rows(dtype_name: str, rank: int, world: int, N: int, device) -> list[dict]:
     from truefuse.autograd._wgrad import WgradState, run_pending
     from truefuse.distributed import linear_cross_entropy as vocab_parallel
-    from truefuse.ops.linear_cross_entropy import linear_cross_entropy_ref
+    from truefuse.ops.lm_head.linear_cross_entropy import linear_cross_entropy_ref
 
     dtype = DTYPES[dtype_name]
     V, rows_r = _V_RANK * world, slice(rank * _V_RANK, (rank + 1) * _V_RANK)

@@ -17,7 +17,7 @@ and d_logits are NaN; an ignored token's d_logits are 0 − exp(log_softmax)·0 
 the first NaN, else the first maximum.
 
 :class:`LinearCrossEntropyOptions` holds the options once (checked when built); the per-chunk math
-over the chunked LM head is ``ops/linear_cross_entropy_chunk.py``.
+over the chunked LM head is ``ops/lm_head/linear_cross_entropy_chunk.py``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class LinearCrossEntropyOptions:
         fp32_weight_grad: accumulate the weight gradient across chunks in fp32 (round once).
         memory: ``default`` (token chunks, the fp32 V×H weight-gradient accumulator when
             chunked) | ``lean`` (two passes over slices of the vocabulary, no V×H buffer, one
-            more logits GEMM; ``ops/linear_cross_entropy_slices.py``). Both bounded, not bitwise
+            more logits GEMM; ``ops/lm_head/linear_cross_entropy_slices.py``). Both bounded, not bitwise
             equal to each other.
         vocab_slice: classes per vocabulary slice under ``lean`` (a positive int), or None for
             ``linear_cross_entropy_slices.default_slice_width``; ignored by ``default``.

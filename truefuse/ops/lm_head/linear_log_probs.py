@@ -1,5 +1,5 @@
 """Linear log-probabilities and entropy: the reference, the options, and the per-chunk math over
-the chunked LM head (``ops/chunked_head.py``), the second loss on it after the cross-entropy.
+the chunked LM head (``ops/lm_head/chunked_head.py``), the second loss on it after the cross-entropy.
 
 What RL trainers (GRPO, PPO) compute from the LM head for each token: the log-probability of the
 token taken and the entropy of the distribution it was drawn from. Semantics

@@ -1,4 +1,4 @@
-"""The cross-entropy as the chunked head's per-chunk loss (``ops/chunked_head.py``).
+"""The cross-entropy as the chunked head's per-chunk loss (``ops/lm_head/chunked_head.py``).
 
 :class:`CrossEntropyChunks` holds one pass's per-token outputs (cross-entropy, z-loss, argmax ==
 target) and the gradient scales. Each chunk runs in one Triton kernel (``kernels/
@@ -14,7 +14,7 @@ import torch
 from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops._triton import triton_runs
-from truefuse.ops.linear_cross_entropy import LinearCrossEntropyOptions
+from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOptions
 
 
 class CrossEntropyChunks:

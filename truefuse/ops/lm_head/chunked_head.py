@@ -6,8 +6,8 @@ outputs and, when gradients are asked for, d_logits in the logits' dtype, writte
 d_input by a GEMM into the chunk's rows, d_bias summed in fp32, and d_weight accumulated across
 chunks inside the GEMM (beta=1): in fp32, in the weight's dtype, or straight into an fp32
 ``main_grad``. The GEMMs split the vocabulary where cuBLAS needs it (``chunked_head_gemms.py``).
-The losses over it: ``linear_cross_entropy`` (``ops/linear_cross_entropy_chunk.py``) and
-``linear_log_probs`` (``ops/linear_log_probs.py``). :func:`default_chunk` is the chunk-size policy.
+The losses over it: ``linear_cross_entropy`` (``ops/lm_head/linear_cross_entropy_chunk.py``) and
+``linear_log_probs`` (``ops/lm_head/linear_log_probs.py``). :func:`default_chunk` is the chunk-size policy.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from truefuse.config import get_tuning
 from truefuse.ops._dtypes import wgrad_dtype, wide_dtype
-from truefuse.ops.chunked_head_gemms import input_grad_gemm, logits_buffer, logits_gemm, vocab_split, weight_grad_gemm
+from truefuse.ops.lm_head.chunked_head_gemms import input_grad_gemm, logits_buffer, logits_gemm, vocab_split, weight_grad_gemm
 
 
 class ChunkLoss(Protocol):

@@ -12,7 +12,7 @@ Two passes, every token at once, one vocabulary slice [v0, v1) at a time:
   in PyTorch, the same operations as the whole-row kernel's reduction across its lanes.
   :func:`finish_stats` turns the merged statistics into lse, the per-token loss terms and the
   argmax test: the semantics of ``linear_cross_entropy_ref`` (softcap, bias, class weights,
-  z-loss, label smoothing, ignore_index, NaN / ±inf as ``ops/linear_cross_entropy.py`` says).
+  z-loss, label smoothing, ignore_index, NaN / ±inf as ``ops/lm_head/linear_cross_entropy.py`` says).
 * pass 2 (:func:`grad_pass`): per slice the logits again, d_logits given the merged lse and the
   per-token scales (written over the logits, in their dtype), then d_weight's rows [v0, v1) by ONE
   GEMM over all tokens (fp32 inside, written once in the weight's dtype, or added into an fp32
@@ -44,7 +44,7 @@ from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops._dtypes import wgrad_dtype, wide_dtype
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.gemm import gemm
-from truefuse.ops.linear_cross_entropy import LinearCrossEntropyOptions
+from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOptions
 
 #: Slices are multiples of this many classes (but for an odd vocabulary's last < ALIGN classes).
 ALIGN = 64
