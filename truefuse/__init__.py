@@ -17,6 +17,7 @@ Public API (see README.md and docs/design.md):
 """
 
 from truefuse.autograd.gated_activation import gated_activation
+from truefuse.config import batch_invariant, is_batch_invariant
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
 from truefuse.autograd.linear_log_probs import linear_log_probs
 from truefuse.autograd.norm import layer_norm, rms_norm, rms_norm_hf
@@ -39,6 +40,8 @@ __version__ = "0.2.0"
 
 __all__ = [
     "apply_rotary_pos_emb",
+    "batch_invariant",
+    "is_batch_invariant",
     "rms_norm_hf",
     "Capability",
     "GemmOutput",

@@ -248,3 +248,37 @@ def _override(overrides: dict[str, object]) -> Iterator[Tuning]:
         yield _tuning
     finally:
         _tuning = previous
+
+
+# The batch-invariant switch (docs/design.md §1, "Batch invariance"; issue 34). Process-wide like
+# the tuning knobs, not a ContextVar: autograd runs CUDA backwards on its own threads, which a
+# ContextVar would not reach. Ops read it in their forward and keep the answer on the autograd ctx,
+# so a backward run after the ``with`` block still takes the forward's path.
+_batch_invariant: bool = _flag("TRUEFUSE_BATCH_INVARIANT")
+
+
+def is_batch_invariant() -> bool:
+    """Whether batch-invariant mode is on: every truefuse op then gives each row (token) a result
+    bitwise independent of the other rows in the call. Default off, or ``TRUEFUSE_BATCH_INVARIANT=1``;
+    :func:`batch_invariant` turns it on or off for a block."""
+    return _batch_invariant
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[bool]:
+    """``with truefuse.batch_invariant(): ...`` runs the block in batch-invariant mode (or, with
+    ``enabled=False``, out of it); the previous mode comes back on exit, also on an exception.
+    Blocks nest. Process-wide, like :func:`tuning`: use it from one thread.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+    """
+    global _batch_invariant
+    if not isinstance(enabled, bool):
+        raise TypeError(f"batch_invariant(enabled={enabled!r}): enabled must be a bool")
+    previous = _batch_invariant
+    _batch_invariant = enabled
+    try:
+        yield enabled
+    finally:
+        _batch_invariant = previous
