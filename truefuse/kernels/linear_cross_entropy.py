@@ -23,138 +23,13 @@ multiplied by 0), d_logits 0·p_j (torch's 0 − exp(log_softmax)·0: NaN only w
 ``HAS_BIAS``: the logits were written without the bias and the kernel adds it in fp32 as it reads
 them (the vocabulary-split GEMMs of ``ops/lm_head/chunked_head_gemms.py``, where cuBLAS would
 add it after rounding the product). ``stride`` may exceed V (rows padded to 16-byte multiples).
+The passes over a row are the jit helpers of ``kernels/_rows.py`` (shared with the slice kernels).
 """
 
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _tanh(y):
-    """tanh in fp32 without the cancellation of 2σ(2y) − 1 near 0: an odd Taylor polynomial for
-    |y| < 0.1 (truncation < 1e-10), (1 − e^{−2|y|}) / (1 + e^{−2|y|}) with the sign above."""
-    a = tl.abs(y)
-    y2 = y * y
-    small = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0))))
-    e = tl.exp(-2.0 * a)
-    big = (1.0 - e) / (1.0 + e)
-    return tl.where(a < 0.1, small, tl.where(y < 0, -big, big))
-
-
-@triton.jit
-def _softcap(x, cap, SOFTCAP: tl.constexpr):
-    if SOFTCAP:
-        x = cap * _tanh(x / cap)
-    return x
-
-
-@triton.jit
-def _load_block(base, cols, mask, MASKED: tl.constexpr):
-    """A block of a row: unmasked (16-byte vectors) but for a row's last, partial block."""
-    if MASKED:
-        return tl.load(base + cols, mask=mask, other=0.0)
-    return tl.load(base + cols)
-
-
-@triton.jit
-def _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
-    """A block of a row's logits in fp32: plus the bias when the GEMM left it out, then softcap."""
-    z = _load_block(base, cols, mask, MASKED).to(tl.float32)
-    if HAS_BIAS:
-        z += _load_block(bias_ptr, cols, mask, MASKED).to(tl.float32)
-    return _softcap(z, cap, SOFTCAP)
-
-
-@triton.jit
-def _stats_block(base, bias_ptr, cw_ptr, cols, V, cap, m, s, arg, wz, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):
-    """Pass 1 over one block of a row: each lane's running max ``m``, sum of exponentials ``s``
-    (relative to ``m``), index of its first maximum ``arg`` and Σ w_c·z_c ``wz``. Only the last
-    block of a row is ``MASKED``: the others load without a mask, in 16-byte vectors."""
-    mask = cols < V
-    z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
-    if MASKED:
-        z = tl.where(mask, z, float("-inf"))
-    up = z > m  # strictly greater: a lane keeps its first maximum, as torch.argmax
-    e = tl.exp(tl.where(up, m - z, z - m))  # one exp: the sum is rescaled only when the max moves
-    # equal infinities would give NaN: e^0 = 1 for z == m (+inf included), e^-inf = 0
-    e = tl.where(z == float("-inf"), 0.0, tl.where(z == m, 1.0, e))
-    s = tl.where(up, s * e + 1.0, s + e)
-    m = tl.where(up, z, m)
-    arg = tl.where(up, cols, arg)
-    if SMOOTH:
-        if HAS_CW:
-            zw = z * tl.load(cw_ptr + cols, mask=mask, other=0.0)
-        else:
-            zw = z
-        if MASKED:
-            zw = tl.where(mask, zw, 0.0)
-        wz += zw
-    return m, s, arg, wz
-
-
-@triton.jit
-def _row_stats(base, bias_ptr, cw_ptr, V, cap, HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, SMOOTH: tl.constexpr,
-               SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
-    """Pass 1 over a row of V logits: (max, Σ e^(z − max), index of the first maximum, Σ w_c·z_c).
-
-    One running state per lane, reduced across lanes once after the loop: no reduction (and so no
-    barrier between warps) per block. A lane whose max stayed -inf holds s = 0, or NaN if it met a
-    NaN (NaN > m is never true, so a NaN moves no max but makes the lane's sum NaN for good): its s
-    is its share as it stands. With a NaN in the row the index is its first NaN (torch.argmax's
-    answer), found by a second pass over this row only, off the common path."""
-    cols0 = tl.arange(0, BLOCK_V)
-    n_full = V // BLOCK_V
-    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_V,), tl.float32)
-    arg = tl.zeros((BLOCK_V,), tl.int32)
-    wz = tl.zeros((BLOCK_V,), tl.float32)
-    for i in range(0, n_full):
-        m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, cap, m, s, arg, wz,
-                                     HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
-    if V % BLOCK_V != 0:
-        m, s, arg, wz = _stats_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, cap, m, s, arg, wz,
-                                     HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
-    mx = tl.max(m, axis=0)
-    scaled = tl.where(m == mx, s, tl.where(m == float("-inf"), s, s * tl.exp(m - mx)))
-    total = tl.sum(scaled, axis=0)
-    best_i = tl.min(tl.where(m == mx, arg, V), axis=0).to(tl.int64)  # the first maximum overall
-    if total != total:
-        first = tl.zeros((BLOCK_V,), tl.int32) + V
-        for i in range(0, tl.cdiv(V, BLOCK_V)):
-            cols = i * BLOCK_V + cols0
-            mask = cols < V
-            z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, True)
-            first = tl.minimum(first, tl.where(mask & (z != z), cols, V))
-        best_i = tl.min(first, axis=0).to(tl.int64)
-    return mx, total, best_i, tl.sum(wz, axis=0)
-
-
-@triton.jit
-def _grad_block(base, bias_ptr, cw_ptr, cols, V, t_col, a, shift, log_s, lse, s_ce, s_z, w_sum, eps_v, z_loss, cap,
-                HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):  # fmt: skip
-    """Pass 2 over one block of a row of V columns (a whole row, or a vocabulary slice): the
-    logits' gradient, written over them. p = e^((z − shift) − log S): the whole row passes its max
-    and log S, relative to the max as log_softmax (e^(z − lse) has ulp(lse) of error); a slice its
-    merged lse and 0. ``t_col``: the target's column, outside [0, V) when it is not in the block's
-    row; ``eps_v``: ε / V of the whole vocabulary."""
-    mask = cols < V
-    z = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
-    p = tl.exp((z - shift) - log_s)
-    g = a * p - tl.where(cols == t_col, a, 0.0)
-    if SMOOTH:
-        if HAS_CW:
-            w_c = _load_block(cw_ptr, cols, mask, MASKED).to(tl.float32)
-        else:
-            w_c = 1.0
-        g += eps_v * (p * w_sum - w_c) * s_ce
-    g += 2.0 * z_loss * lse * s_z * p
-    if SOFTCAP:
-        g = g * (1.0 - (z / cap) * (z / cap))
-    g = g.to(base.dtype.element_ty)
-    if MASKED:
-        tl.store(base + cols, g, mask=mask)
-    else:
-        tl.store(base + cols, g)
+from truefuse.kernels._rows import ce_grad_block, ce_row_stats, softcap
 
 
 @triton.jit(do_not_specialize=["ignore_index"])
@@ -193,7 +68,7 @@ def _linear_cross_entropy_chunk_kernel(
     cols0 = tl.arange(0, BLOCK_V)
     n_full = V // BLOCK_V
     tail = V % BLOCK_V != 0
-    mx, total, best_i, wz_sum = _row_stats(base, bias_ptr, cw_ptr, V, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, BLOCK_V)
+    mx, total, best_i, wz_sum = ce_row_stats(base, bias_ptr, cw_ptr, V, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, BLOCK_V)
     # torch.logsumexp: +inf with a +inf logit, -inf when every logit is -inf, NaN with a NaN
     log_s = tl.log(total)
     lse = mx + log_s
@@ -205,7 +80,7 @@ def _linear_cross_entropy_chunk_kernel(
     z_t = tl.load(base + t_safe).to(tl.float32)
     if HAS_BIAS:
         z_t += tl.load(bias_ptr + t_safe).to(tl.float32)
-    z_t = _softcap(z_t, cap, SOFTCAP)
+    z_t = softcap(z_t, cap, SOFTCAP)
     if HAS_CW:
         w_t = tl.load(cw_ptr + t_safe)
     else:
@@ -235,11 +110,11 @@ def _linear_cross_entropy_chunk_kernel(
         s_z = tl.where(valid, s_z, 0.0)
         a = (1.0 - smoothing) * w_t * s_ce
         for i in range(0, n_full):
-            _grad_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, t_safe, a, mx, log_s, lse_ce, s_ce, s_z, w_sum,
-                        smoothing / V, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+            ce_grad_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, t_safe, a, mx, log_s, lse_ce, s_ce, s_z, w_sum,
+                          smoothing / V, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
         if tail:
-            _grad_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, t_safe, a, mx, log_s, lse_ce, s_ce, s_z,
-                        w_sum, smoothing / V, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+            ce_grad_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, t_safe, a, mx, log_s, lse_ce, s_ce, s_z,
+                          w_sum, smoothing / V, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["N", "ignore_index"])

@@ -3,7 +3,7 @@ and one slice per rank in ``truefuse.distributed.linear_cross_entropy``): one pr
 row of one slice's logits (tokens, Vs), columns [v0, v0 + Vs) of the vocabulary.
 
 ``_lce_slice_stats_kernel`` (pass 1) streams the slice's row once with the whole-row kernel's
-``_stats_block`` (``kernels/linear_cross_entropy.py``: online max and sum of exponentials per lane,
+``ce_row_stats`` (``kernels/_rows.py``: online max and sum of exponentials per lane,
 first maximum, Σ w_c·z_c) and writes the slice's statistics: its max ``m``, its sum of
 exponentials relative to ``m`` (NaN once a NaN was met), the index of its first maximum (of its
 first NaN when the sum is NaN: a second pass over that row only), Σ w_c·z_c (0 without label
@@ -12,19 +12,19 @@ The host merges the slices' statistics in slice order (``ops/lm_head/linear_cros
 the whole-row kernel reduces its lanes.
 
 ``_lce_slice_grad_kernel`` (pass 2) reads the merged lse of each row and writes the slice's
-d_logits over its logits by the whole-row kernel's ``_grad_block`` (the target may lie outside the
+d_logits over its logits by the whole-row kernel's ``ce_grad_block`` (the target may lie outside the
 slice):
 
     g_j = s_ce·[(1-ε)·w_t·(p_j − δ_jt) + ε/V·(p_j·Σw − w_j)] + s_z·2·z_loss·lse·p_j
 
 times softcap's derivative, rounded once to the logits' dtype. The whole-row kernel's default path
-is untouched: these kernels import its jit helpers only.
+is untouched: both share the jit helpers of ``kernels/_rows.py``.
 """
 
 import triton
 import triton.language as tl
 
-from truefuse.kernels.linear_cross_entropy import _grad_block, _row_stats, _softcap
+from truefuse.kernels._rows import ce_grad_block, ce_row_stats, softcap
 
 
 @triton.jit(do_not_specialize=["v0"])
@@ -53,7 +53,7 @@ def _lce_slice_stats_kernel(
     base = logits_ptr + row * stride
     # the whole-row kernel's pass 1 over the slice (its first NaN when it holds one: torch.argmax's
     # answer when it is the row's first)
-    mx, total, best_i, wz_sum = _row_stats(base, bias_ptr, cw_ptr, Vs, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, BLOCK_V)
+    mx, total, best_i, wz_sum = ce_row_stats(base, bias_ptr, cw_ptr, Vs, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, BLOCK_V)
     tl.store(m_ptr + row, mx)
     tl.store(s_ptr + row, total)
     tl.store(arg_ptr + row, best_i + v0)
@@ -66,7 +66,7 @@ def _lce_slice_stats_kernel(
     z_t = tl.load(base + t_loc).to(tl.float32)
     if HAS_BIAS:
         z_t += tl.load(bias_ptr + t_loc).to(tl.float32)
-    z_t = _softcap(z_t, cap, SOFTCAP)
+    z_t = softcap(z_t, cap, SOFTCAP)
     tl.store(zt_ptr + row, tl.where(here, z_t, 0.0))
     tl.store(has_t_ptr + row, here)
 
@@ -123,8 +123,8 @@ def _lce_slice_grad_kernel(
     cols0 = tl.arange(0, BLOCK_V)
     n_full = Vs // BLOCK_V
     for i in range(0, n_full):
-        _grad_block(base, bias_ptr, cw_slice, i * BLOCK_V + cols0, Vs, t_loc, a, lse_ce, 0.0, lse_ce, s_ce, s_z, w_sum,
-                    eps_v, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+        ce_grad_block(base, bias_ptr, cw_slice, i * BLOCK_V + cols0, Vs, t_loc, a, lse_ce, 0.0, lse_ce, s_ce, s_z, w_sum,
+                      eps_v, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
     if Vs % BLOCK_V != 0:
-        _grad_block(base, bias_ptr, cw_slice, n_full * BLOCK_V + cols0, Vs, t_loc, a, lse_ce, 0.0, lse_ce, s_ce, s_z,
-                    w_sum, eps_v, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+        ce_grad_block(base, bias_ptr, cw_slice, n_full * BLOCK_V + cols0, Vs, t_loc, a, lse_ce, 0.0, lse_ce, s_ce, s_z,
+                      w_sum, eps_v, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip

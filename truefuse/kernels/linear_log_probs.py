@@ -22,7 +22,7 @@ reference). Ignored rows: both outputs 0 (selected, never multiplied by 0), d_lo
 import triton
 import triton.language as tl
 
-from truefuse.kernels.linear_cross_entropy import _logits_block
+from truefuse.kernels._rows import logits_block
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _stats_block(base, bias_ptr, cols, V, cap, temp, m, s, r, HAS_BIAS, SOFTCAP,
     Σ e^(u−m)·(u−m) ``r`` (relative to the max: the entropy is log S − R/S, no cancellation
     against |max|). Only a row's last block is ``MASKED`` (its lanes past V add nothing)."""
     mask = cols < V
-    u = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED) / temp
+    u = logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED) / temp
     if MASKED:
         u = tl.where(mask, u, float("-inf"))
     up = u > m
@@ -53,7 +53,7 @@ def _stats_block(base, bias_ptr, cols, V, cap, temp, m, s, r, HAS_BIAS, SOFTCAP,
 def _grad_block(base, bias_ptr, cols, V, t_safe, a, c, mx, log_s, ent, cap, temp, HAS_BIAS, SOFTCAP, MASKED: tl.constexpr):
     """Pass 2 over one block of a row: the logits' gradient, written over them."""
     mask = cols < V
-    zc = _logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
+    zc = logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
     lp = (zc / temp - mx) - log_s  # divided, as the reference: no rounding of 1/temperature
     p = tl.exp(lp)
     g = tl.where(cols == t_safe, a, 0.0) - a * p - c * p * (lp + ent)
@@ -117,7 +117,7 @@ def _linear_log_probs_chunk_kernel(
     lse = mx + log_s
     log_s = tl.where(tl.abs(lse) < float("inf"), log_s, float("nan"))
     ent = log_s - R / S
-    z_t = _logits_block(base + t_safe, bias_ptr + t_safe, 0, True, cap, HAS_BIAS, SOFTCAP, False)
+    z_t = logits_block(base + t_safe, bias_ptr + t_safe, 0, True, cap, HAS_BIAS, SOFTCAP, False)
     lp = (z_t / temp - mx) - log_s
     # selected, not multiplied by 0: an ignored row never reaches the outputs
     tl.store(lp_ptr + row, tl.where(valid, lp, 0.0))
