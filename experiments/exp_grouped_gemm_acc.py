@@ -34,6 +34,7 @@ import torch
 from truefuse.bench import bench_grouped as bg
 from truefuse.bench.harness import measure
 from truefuse.ops import grouped_gemm as gg
+from truefuse.ops import grouped_gemm_config as ggc
 from truefuse.ops.gemm import gemm
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -44,7 +45,7 @@ BF = torch.bfloat16
 
 
 def _t(bm, bn, bk, warps, stages, per_sm, split, epi=True):
-    return gg.TileConfig(bm, bn, bk, warps, stages, per_sm, tma=True, tma_epilogue=epi, epilogue_split=split)
+    return ggc.TileConfig(bm, bn, bk, warps, stages, per_sm, tma=True, tma_epilogue=epi, epilogue_split=split)
 
 
 #: Candidates per size class (the code's own first), adding into main_grad (``acc``: the
@@ -133,8 +134,8 @@ def gemm_rows(name: str, p: dict, dev, log) -> list[dict]:
     off_rd = gg.split_offsets(torch.tensor(rag, device=dev), E, M, dev)
     cls = "large" if name in LARGE else "small"
     big = 1 << 30 if cls == "large" else 1
-    own_acc = gg.tile_config("wgrad", BF, dev, big, True)
-    own_plain = gg.tile_config("wgrad", BF, dev, big, False)
+    own_acc = ggc.tile_config("wgrad", BF, dev, big, True)
+    own_plain = ggc.tile_config("wgrad", BF, dev, big, False)
     rows = []
     for label, A, B in (("wgrad fc2", dy, a), ("wgrad fc1", h, x)):
         shape = (E, A.shape[1], B.shape[1])
@@ -259,8 +260,8 @@ def warm(cases: list[str], procs: int) -> None:
         large = name in LARGE
         G = CASES[name]["E"]
         big = 1 << 30 if large else 1
-        tasks.append(("rows", G, gg.tile_config("rows", BF, dev, big), False, large))
-        tasks.append(("wgrad", G, gg.tile_config("wgrad", BF, dev, big), False, large))
+        tasks.append(("rows", G, ggc.tile_config("rows", BF, dev, big), False, large))
+        tasks.append(("wgrad", G, ggc.tile_config("wgrad", BF, dev, big), False, large))
         cls = "large" if large else "small"
         tasks += [("wgrad", G, c, True, large) for c in CANDS[(cls, "acc")].values()]
         tasks += [("wgrad", G, c, False, large) for c in CANDS[(cls, "plain")].values()]
@@ -313,7 +314,7 @@ def bench_picked(acc_json: str, providers: list[str], out: str) -> int:
 
     chosen = picks(json.load(open(acc_json)))
     dev = torch.device("cuda")
-    own = {k: gg.tile_config("wgrad", BF, dev, 1 << 30 if "large" in k else 1, k.endswith("_acc")) for k in chosen}
+    own = {k: ggc.tile_config("wgrad", BF, dev, 1 << 30 if "large" in k else 1, k.endswith("_acc")) for k in chosen}
     if all(c == own[k] for k, (_, c) in chosen.items()):
         print("bench-picked: the picks are the code's own table; not run again")
         return 0

@@ -29,7 +29,7 @@ import torch
 from truefuse.bench import bench_grouped as bg
 from truefuse.bench.harness import measure
 from truefuse.nn.grouped import GroupedMLP
-from truefuse.ops import grouped_gemm as gg
+from truefuse.ops import grouped_gemm_config as ggc
 
 sys.path.insert(0, os.path.dirname(__file__))
 from exp_grouped_gemm_tune import CASES, ROWS_MINI, WGRAD_MINI  # noqa: E402
@@ -39,7 +39,7 @@ LARGE = {"8x2048"}  # the cases whose layers are >= 2^24 weights per group (wgra
 
 
 def _t(*a, **k):
-    return gg.TileConfig(*a, tma=True, **k)
+    return ggc.TileConfig(*a, tma=True, **k)
 
 
 #: Named sets of configuration entries ({kind: TileConfig, or None: no such entry}) tried against the
@@ -58,18 +58,18 @@ LARGE_ONLY = {"large_acc_epi4"}
 @contextlib.contextmanager
 def configs(entries: dict):
     """``_TUNED_CONFIGS`` with ``entries`` ({kind: TileConfig or None}, fp16/bf16 on sm_90) for a while."""
-    saved = dict(gg._TUNED_CONFIGS)
+    saved = dict(ggc._TUNED_CONFIGS)
     for kind, cfg in entries.items():
         for dt in (torch.float16, torch.bfloat16):
             if cfg is None:
-                gg._TUNED_CONFIGS.pop((kind, dt, (9, 0)), None)
+                ggc._TUNED_CONFIGS.pop((kind, dt, (9, 0)), None)
             else:
-                gg._TUNED_CONFIGS[(kind, dt, (9, 0))] = cfg
+                ggc._TUNED_CONFIGS[(kind, dt, (9, 0))] = cfg
     try:
         yield
     finally:
-        gg._TUNED_CONFIGS.clear()
-        gg._TUNED_CONFIGS.update(saved)
+        ggc._TUNED_CONFIGS.clear()
+        ggc._TUNED_CONFIGS.update(saved)
 
 
 def pick(tune_path: str) -> dict:

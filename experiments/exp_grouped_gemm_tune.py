@@ -25,9 +25,10 @@ import time
 import torch
 
 from truefuse.ops import grouped_gemm as gg
+from truefuse.ops import grouped_gemm_config as ggc
 from truefuse.ops.gemm import gemm
 
-T = gg.TileConfig
+T = ggc.TileConfig
 
 ROWS = {
     "ptr128x128x64w8s3p2": T(128, 128, 64, 8, 3, 2, tma=False),

@@ -158,6 +158,7 @@ def gpu_run() -> None:
     import triton.testing
 
     from truefuse.ops import grouped_gemm as gg
+    from truefuse.ops import grouped_gemm_config as ggc
     from truefuse.ops.gemm import gemm
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -180,7 +181,7 @@ def gpu_run() -> None:
         s, rag = [tok] * E, _ragged(E, M)
         off, off_r = gg.split_offsets(s, E, M, dev), gg.split_offsets(rag, E, M, dev)
         off_rd = gg.split_offsets(torch.tensor(rag, device=dev), E, M, dev)
-        own = gg.tile_config("wgrad", torch.bfloat16, dev, 1 << 30 if name in LARGE else 1, True)
+        own = ggc.tile_config("wgrad", torch.bfloat16, dev, 1 << 30 if name in LARGE else 1, True)
         for label, A, B in (("fc2", dy, a), ("fc1", h, x)):
             shape = (E, A.shape[1], B.shape[1])
             start = torch.randn(shape, generator=torch.Generator(device=dev).manual_seed(3), device=dev)

@@ -1,6 +1,6 @@
 # ruff: noqa: E501, B023
 """Experiment: when each norm kernel should let the next one's programs launch under programmatic
-dependent launch (issue #16 item 3; ``ops/norm.py::pdl_trigger``).
+dependent launch (issue #16 item 3; ``ops/norm_config.py::pdl_trigger``).
 
 Since the backward no longer waits on autograd's zero-fills of mean and rstd (commit c2810a5), the
 backward is PDL-launched straight after the forward. With the trigger at the forward's start, the
@@ -9,7 +9,7 @@ runs; LayerNorm at 16384 measured 8% slower in the bench after that change, ever
 1-6 µs faster. Variants, timed side by side (interleaved rounds, CUDA graphs as in ``bench
 rms_norm``): ``start`` (today: every kernel triggers at its start), ``fwd_exit`` (the forward
 lets the backward launch only as its programs exit), ``bwd_exit`` (the same for the backward ->
-the sum), and ``chosen`` (``ops.norm.pdl_trigger`` as committed). Each variant's dx / dw / db
+the sum), and ``chosen`` (``ops.norm_config.pdl_trigger`` as committed). Each variant's dx / dw / db
 must be the bits of ``start`` (the trigger moves the schedule, never the math).
 
 Result (2026-11-23, one H200, torch 2.11.0+cu130, triton 3.6.0, 3 interleaved rounds, 27 s; the

@@ -60,13 +60,13 @@ RMS_FWD_K = {1024: (8, 24, 32), 2048: (8, 16)}
 
 
 def cur_fwd(h, kind):
-    from truefuse.ops.norm import block_and_warps, fwd_programs_per_sm, ln_fwd_config
+    from truefuse.ops.norm_config import block_and_warps, fwd_programs_per_sm, ln_fwd_config
 
     return (block_and_warps(h)[1], fwd_programs_per_sm(h), "reg") if kind == "rms" else ln_fwd_config(h)
 
 
 def cur_bwd(h, kind):
-    from truefuse.ops.norm import bwd_config
+    from truefuse.ops.norm_config import bwd_config
 
     c = bwd_config(h, kind == "rms")
     if c.parts is None:
@@ -75,7 +75,7 @@ def cur_bwd(h, kind):
 
 
 def cur_sum(h):
-    from truefuse.ops.norm import sum_config
+    from truefuse.ops.norm_config import sum_config
 
     return sum_config(h)
 

@@ -91,7 +91,7 @@ def launch_sum(*a, **k):  # the compile worker's interface; no sum jobs here
 
 def lib_fwd(h, kind):
     """The forward ``ops/norm.py::norm_fwd`` launches on an H200 for bf16 rows of width h."""
-    from truefuse.ops.norm import ln_fwd_staged_config
+    from truefuse.ops.norm_config import ln_fwd_staged_config
 
     staged = ln_fwd_staged_config(h, torch.bfloat16) if kind == "ln" else None
     return ("tma", *staged) if staged else cur_fwd(h, kind)

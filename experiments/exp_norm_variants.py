@@ -51,13 +51,13 @@ SUM_OLD = {True: (256, 16, 8), False: (128, 16, 4)}  # sum_config: n <= 4096, el
 
 
 def old_fwd(h):
-    from truefuse.ops.norm import block_and_warps, fwd_programs_per_sm
+    from truefuse.ops.norm_config import block_and_warps, fwd_programs_per_sm
 
     return (block_and_warps(h)[1], fwd_programs_per_sm(h), 0)
 
 
 def old_bwd(h, kind):
-    """ops.norm.bwd_config before this experiment (exp_norm_sweep.py's choice): the tile kernel."""
+    """ops.norm_config.bwd_config before this experiment (exp_norm_sweep.py's choice): the tile kernel."""
     w, rows, k, pre = (
         (4, 2, 4, True) if h <= 1024 else (8, 2, 2, True) if h <= 2048 else (8, 1, 2, True) if h <= 4096
         else ((32 if kind == "rms" else 16), 1, 1, True) if h <= 8192 else (16, 1, 1, False)

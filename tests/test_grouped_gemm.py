@@ -232,6 +232,7 @@ def test_tma_epilogue_equals_the_pointer_epilogue(accumulate, dev):
     epilogue's bits; an empty group's main_grad is left alone (signs included). The CPU: the
     interpreter, fp16 operands."""
     from truefuse.ops import grouped_gemm as gg
+    from truefuse.ops import grouped_gemm_config as ggc
 
     if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (9, 0):
         pytest.skip("TMA descriptors need sm_90")
@@ -247,7 +248,7 @@ def test_tma_epilogue_equals_the_pointer_epilogue(accumulate, dev):
     got = []
     for epi, split in ((False, 1), (True, 1), (True, 2), (True, 4)):
         blocks = (64, 32, 32, 4, 2) if cuda else (16, 16, 32, 4, 1)  # CUDA: 385 tiles, 2-3 per program
-        cfg = gg.TileConfig(*blocks, programs_per_sm=1, tma=True, tma_epilogue=epi, epilogue_split=split)
+        cfg = ggc.TileConfig(*blocks, programs_per_sm=1, tma=True, tma_epilogue=epi, epilogue_split=split)
         out = start.clone() if accumulate else torch.full_like(start, float("nan"))
         gg._launch_wgrad(dy, x, off, out, accumulate, cfg)
         got.append(out)

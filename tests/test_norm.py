@@ -11,19 +11,8 @@ import truefuse
 from truefuse.config import get_tuning
 from truefuse.kernels.norm import _widen
 from truefuse.ops._triton import hopper
-from truefuse.ops.norm import (
-    bwd_config,
-    bwd_staged,
-    bwd_staged_config,
-    layer_norm_ref,
-    ln_fwd_config,
-    ln_fwd_staged,
-    ln_fwd_staged_config,
-    norm_fwd,
-    rms_norm_ref,
-    rms_norm_torch,
-    use_kernel,
-)
+from truefuse.ops.norm import bwd_staged, layer_norm_ref, ln_fwd_staged, norm_fwd, rms_norm_ref, rms_norm_torch, use_kernel
+from truefuse.ops.norm_config import bwd_config, bwd_staged_config, ln_fwd_config, ln_fwd_staged_config
 from truefuse.testing import assert_bitwise, assert_bounded
 from truefuse.verify.registry import all_cases
 
@@ -57,7 +46,7 @@ def test_batch_invariance(fn, device):
 
 @pytest.mark.parametrize("fn", ["rms_norm", "layer_norm"])
 def test_two_part_backward(fn, device):
-    """The hidden size the backward takes in two halves (16384, ops.norm.bwd_config): the
+    """The hidden size the backward takes in two halves (16384, ops.norm_config.bwd_config): the
     reference's gradients, a row's dx independent of the rows beside it.
     The CPU leaves out the weight and bias (their partials' sum: 1024 interpreted programs, 10 s)."""
     n = 16384
@@ -81,7 +70,7 @@ def test_two_part_backward(fn, device):
 @pytest.mark.parametrize("n", [2044, 5116])
 def test_layer_norm_forward_narrow_weights(n, device):
     """LayerNorm's pointer forward with w and b held in their own dtype between rows
-    (ops.norm.ln_fwd_config; one program per row at 2044, persistent at 5116 on the GPU; H % 8 != 0
+    (ops.norm_config.ln_fwd_config; one program per row at 2044, persistent at 5116 on the GPU; H % 8 != 0
     keeps bf16 off the TMA-staged kernel): the reference's values, and a row's bits independent of
     the rows beside it."""
     assert ln_fwd_config(n)[2] == "narrow"
@@ -187,7 +176,7 @@ def test_widen_is_exact(device):
 )
 @pytest.mark.parametrize("n", [5120, 16384])
 def test_bwd_math_keeps_bits(n, monkeypatch):
-    """``ops/norm.py::bwd_math``'s schedule choices for LayerNorm where it makes them (one reduction
+    """``ops/norm_config.py::bwd_math``'s schedule choices for LayerNorm where it makes them (one reduction
     for its two row sums; x and dy held in bf16 through them at 16384) give the float64
     reference's dx, dw and db within bf16's bound, bit for bit as without them."""
     from truefuse.ops import norm as ops_norm
@@ -212,7 +201,7 @@ def test_bwd_math_keeps_bits(n, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n", [5120, 16384])  # both PDL trigger placements (ops/norm.py::pdl_trigger)
+@pytest.mark.parametrize("n", [5120, 16384])  # both PDL trigger placements (ops/norm_config.py::pdl_trigger)
 @pytest.mark.parametrize("fn", ["rms_norm", "layer_norm"])
 def test_chained_launches_read_the_previous_output(fn, n):
     """Each norm kernel starts early under programmatic dependent launch (the previous kernel lets

@@ -35,7 +35,7 @@ def _rank(r, W, cases, queue):
     import triton
 
     from truefuse.kernels.allreduce import _allreduce_add_rmsnorm_kernel
-    from truefuse.ops.norm import block_and_warps
+    from truefuse.ops.norm_config import block_and_warps
 
     epochs = []
     try:

@@ -38,7 +38,7 @@ def _pdl_enter(PDL: tl.constexpr):
     """Programmatic dependent launch (``launch_pdl=True``): this grid may start while the previous
     kernel drains; wait here, before any load (any input may be that kernel's output). PDL: 0 off;
     1 then lets the next kernel's programs launch at once (they wait in place, holding their SM
-    slots); 2 lets them launch only as this kernel's programs exit (``ops/norm.py::pdl_trigger``)."""
+    slots); 2 lets them launch only as this kernel's programs exit (``ops/norm_config.py::pdl_trigger``)."""
     if PDL:
         gdc_wait()
         if PDL == 1:

@@ -5,7 +5,7 @@ tuning knobs (``truefuse.config.Tuning``: ``ll_max_bytes``, ``push_max_bytes``, 
 
 The kernel norms each row with ``kernels/norm.py::rms_norm_row`` and must give the bits of
 ``truefuse.rms_norm``: it is launched with the norm launcher's own choice of BLOCK_N and num_warps
-(``ops.norm.block_and_warps``, called here, not copied). The symmetric buffers themselves (one
+(``ops.norm_config.block_and_warps``, called here, not copied). The symmetric buffers themselves (one
 ``SymmetricState`` per ``truefuse.distributed.Workspace``) are allocated in ``truefuse/distributed/``.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from truefuse.config import get_config, get_tuning
 from truefuse.ops._custom_op import custom_op, launch
-from truefuse.ops.norm import block_and_warps
+from truefuse.ops.norm_config import block_and_warps
 
 
 def default_two_stage_bytes(world_size: int) -> int:
