@@ -107,6 +107,16 @@ def test_bench_unknown_provider(tmp_path, capsys):
     assert "unknown ['cublas9000']" in capsys.readouterr().err
 
 
+def test_bench_alias_runs_its_benchmark(tmp_path, capsys):
+    """``bench rms_norm`` (docs, scripts/gpu_check.sh) is the norm benchmark (``bench_norm.py``)."""
+    from truefuse import bench
+
+    assert set(bench.ALIASES.values()) <= set(bench.BENCHES) and not set(bench.ALIASES) & set(bench.BENCHES)
+    assert main(["bench", "rms_norm", "--quick", "--out", str(tmp_path), "--providers", "cublas9000"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown ['cublas9000']" in err and "unknown benchmark" not in err
+
+
 # verify's output in a pipe, a log and a narrow terminal --------------------------------------
 
 _LONG = "a_case_name_as_long_as_the_real_grouped_ones_" + "x" * 40  # the table needs > 150 columns

@@ -27,7 +27,7 @@ from truefuse.nn.layernorm_linear import LayerNormLinear
 from truefuse.nn.layernorm_mlp import LayerNormMLP
 from truefuse.nn.linear import Linear
 from truefuse.nn.linear_cross_entropy import LinearCrossEntropyLoss
-from truefuse.nn.rms_norm import RMSNorm
+from truefuse.nn.norm import RMSNorm
 from truefuse.ops.gated_activation import gated_activation_ref
 from truefuse.ops.gemm import GemmOutput, gemm, gemm_plan_for, gemm_ref
 from truefuse.ops.gemm_plan import Capability, GemmPlan, override_capabilities

@@ -11,12 +11,15 @@ import torch
 BENCHES = {
     "gemm": "truefuse.bench.bench_gemm",
     "linear": "truefuse.bench.bench_linear",
-    "rms_norm": "truefuse.bench.bench_rms_norm",
+    "norm": "truefuse.bench.bench_norm",
     "grouped": "truefuse.bench.bench_grouped",
     "linear_cross_entropy": "truefuse.bench.bench_linear_cross_entropy",
     "linear_log_probs": "truefuse.bench.bench_linear_log_probs",
 }
 
+
+#: older names still accepted (docs, scripts/gpu_check.sh): name -> the benchmark it runs
+ALIASES = {"rms_norm": "norm"}
 
 #: distributed benchmarks: name -> module defining ``run(world_size, out_dir, quick) -> int``
 DISTRIBUTED_BENCHES = {
@@ -29,6 +32,7 @@ DISTRIBUTED_BENCHES = {
 def run_bench(name: str, providers: list[str] | None, out_dir: str, quick: bool, world_size: int = 0) -> int:
     from truefuse.bench.harness import environment
 
+    name = ALIASES.get(name, name)
     if name in DISTRIBUTED_BENCHES:
         if not world_size:
             print(f"bench: {name} runs on several GPUs: pass --world-size N", file=sys.stderr)
