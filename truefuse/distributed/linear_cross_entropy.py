@@ -202,8 +202,8 @@ def linear_cross_entropy(
     softcap: float | None = None,
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
-    vocab_slice: int | None = None,
     memory: str = "default",
+    vocab_slice: int | None = None,
     fuse_wgrad_accumulation: bool = False,
     wgrad_state: WgradState | None = None,
 ):
@@ -221,13 +221,13 @@ def linear_cross_entropy(
         weight: (V,) class weights of the whole vocabulary (the same on every rank), or None.
         reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss,
         return_token_accuracy: as :func:`truefuse.linear_cross_entropy`.
-        vocab_slice: classes per sub-slice of this rank's shard (default: the largest multiple of
-            64 whose logits over all tokens take at most 256 MiB).
         memory: ``"default"``: the forward keeps the shard's logits for the backward, up to the
             V_r·H·4 bytes the one-GPU loss's fp32 weight-gradient accumulator would take (all of
             them at 8192 tokens × 64128 × 4096 in bf16): three GEMMs per rank. ``"lean"``: none
             kept, the backward computes them again (four GEMMs, one slice's logits alive at a
             time). The same bits either way.
+        vocab_slice: classes per sub-slice of this rank's shard (default: the largest multiple of
+            64 whose logits over all tokens take at most 256 MiB).
         fuse_wgrad_accumulation, wgrad_state: the shard's weight gradient under docs/design.md §2
             (``main_grad`` is the shard's, (V_r, H) fp32).
 
