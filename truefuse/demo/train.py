@@ -306,24 +306,6 @@ def _set_rng_state(device: torch.device, state) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def train_run(
-    name: str,
-    cfg: DemoConfig,
-    model_config,
-    state: dict[str, torch.Tensor],
-    batches: torch.Tensor,
-    patch: Patch | None = None,
-    on_step: Callable[[str, int, float], None] | None = None,
-) -> RunResult:
-    """One run on its own: build, patch, train ``len(batches)`` steps, free."""
-    trainer = Trainer(name, cfg, model_config, state, patch)
-    for i in range(batches.shape[0]):
-        loss = trainer.step(batches[i])
-        if on_step is not None:
-            on_step(name, i, loss)
-    return trainer.close()
-
-
 def environment(device: torch.device) -> dict:
     import platform
 
@@ -346,7 +328,7 @@ def environment(device: torch.device) -> dict:
 @contextlib.contextmanager
 def progress_bar(total: int, quiet: bool = False):
     """A rich progress bar on stderr (nothing when ``quiet`` or stderr is not a terminal); yields the
-    ``on_step`` callback for :func:`train_run`."""
+    ``on_step(name, step, loss)`` callback :func:`run_demo` calls after each step."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
