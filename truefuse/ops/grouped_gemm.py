@@ -326,22 +326,56 @@ def _launch_rows(x, w, offsets, bias, transpose_w: bool, out, cfg: TileConfig) -
         inner = [cfg.block_n, cfg.block_k] if transpose_w else [cfg.block_k, cfg.block_n]
         b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, *inner])
         _grouped_gemm_rows_tma_kernel[grid](
-            a_desc, b_desc, out, bias if bias is not None else out, offsets,
-            G, M, N, K, out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
-            HAS_BIAS=bias is not None, B_NK=bool(transpose_w),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, GCHUNK=_GCHUNK,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+            a_desc,
+            b_desc,
+            out,
+            bias if bias is not None else out,
+            offsets,
+            G,
+            M,
+            N,
+            K,
+            out.stride(0),
+            out.stride(1),
+            bias.stride(0) if bias is not None else 0,
+            HAS_BIAS=bias is not None,
+            B_NK=bool(transpose_w),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=8,
+            GCHUNK=_GCHUNK,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
         return
     _grouped_gemm_rows_kernel[grid](
-        x, b, out, bias if bias is not None else out, offsets,
-        G, M, N, K,
-        x.stride(0), x.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        x,
+        b,
+        out,
+        bias if bias is not None else out,
+        offsets,
+        G,
+        M,
+        N,
+        K,
+        x.stride(0),
+        x.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        out.stride(0),
+        out.stride(1),
         bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+        HAS_BIAS=bias is not None,
+        IEEE=x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=8,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 def _launch_wgrad(dy, x, offsets, out, accumulate: bool, cfg: TileConfig):
@@ -364,20 +398,51 @@ def _launch_wgrad(dy, x, offsets, out, accumulate: bool, cfg: TileConfig):
         if cfg.tma_epilogue and _tma_rows_ok(out):
             c_desc = TensorDescriptor(out, [G, N, K], list(out.stride()), [1, cfg.block_n, cfg.block_k // cfg.epilogue_split])
         return _grouped_gemm_wgrad_tma_kernel[grid](
-            dy_desc, x_desc, c_desc, out, offsets,
-            G, M, N, K, out.stride(0), out.stride(1), out.stride(2),
-            ACCUMULATE=bool(accumulate), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=cfg.block_m,
-            TMA_EPI=c_desc is not None, EPI_SPLIT=cfg.epilogue_split,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+            dy_desc,
+            x_desc,
+            c_desc,
+            out,
+            offsets,
+            G,
+            M,
+            N,
+            K,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            ACCUMULATE=bool(accumulate),
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            BLOCK_M=cfg.block_m,
+            TMA_EPI=c_desc is not None,
+            EPI_SPLIT=cfg.epilogue_split,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     return _grouped_gemm_wgrad_kernel[grid](
-        dy, x, out, offsets,
-        G, M, N, K,
-        dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        ACCUMULATE=bool(accumulate), IEEE=dy.dtype == torch.float32,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=cfg.block_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+        dy,
+        x,
+        out,
+        offsets,
+        G,
+        M,
+        N,
+        K,
+        dy.stride(0),
+        dy.stride(1),
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        ACCUMULATE=bool(accumulate),
+        IEEE=dy.dtype == torch.float32,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,9 +506,18 @@ def grouped_gemm_bgrad_op(dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tens
         return out
     cfg = tile_config("bgrad", dy.dtype, dy.device)
     _grouped_gemm_bgrad_kernel[(G, -(-N // cfg.block_n))](
-        dy, out, offsets, M, N, dy.stride(0), dy.stride(1), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-    )  # fmt: skip
+        dy,
+        out,
+        offsets,
+        M,
+        N,
+        dy.stride(0),
+        dy.stride(1),
+        out.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+    )
     return out
 
 

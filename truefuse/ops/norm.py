@@ -161,12 +161,30 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
     per_sm = per_sm if x.is_cuda else 0
     programs = min(M, per_sm * sm_count(x.device.index or 0)) if per_sm else M
     _norm_fwd_kernel[(programs,)](
-        x, weight if weight is not None else x, bias if bias is not None else x, y,
-        mean if mean is not None else rstd, rstd, x.stride(0), y.stride(0), N, float(eps),
-        IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ZERO_CENTERED=zero_centered_gamma,
-        BLOCK_N=block, RSTD_IN=rstd_in, ROUND_NORMED=bool(round_normed), M=M, PERSISTENT=bool(per_sm),
-        PDL=pdl and pdl_trigger("fwd", N, rms), WB=wb, num_warps=warps, **_pdl_kw(pdl),
-    )  # fmt: skip
+        x,
+        weight if weight is not None else x,
+        bias if bias is not None else x,
+        y,
+        mean if mean is not None else rstd,
+        rstd,
+        x.stride(0),
+        y.stride(0),
+        N,
+        float(eps),
+        IS_RMS=rms,
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        ZERO_CENTERED=zero_centered_gamma,
+        BLOCK_N=block,
+        RSTD_IN=rstd_in,
+        ROUND_NORMED=bool(round_normed),
+        M=M,
+        PERSISTENT=bool(per_sm),
+        PDL=pdl and pdl_trigger("fwd", N, rms),
+        WB=wb,
+        num_warps=warps,
+        **_pdl_kw(pdl),
+    )
     return y, mean, rstd
 
 
@@ -189,11 +207,25 @@ def ln_fwd_staged(x, weight, bias, eps: float, zero_centered_gamma: bool, y, mea
     x = _tma_aligned(x)
     programs = min(M, per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4)
     _ln_fwd_staged_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x, [1, block]), weight if weight is not None else x,
-        bias if bias is not None else x, y, mean, rstd, y.stride(0), M, N, float(eps),
-        HAS_W=weight is not None, HAS_B=bias is not None, ZERO_CENTERED=zero_centered_gamma, BLOCK_N=block,
-        STAGES=stages, PDL=pdl and pdl_trigger("fwd", N, False), num_warps=warps, **_pdl_kw(pdl),
-    )  # fmt: skip
+        TensorDescriptor.from_tensor(x, [1, block]),
+        weight if weight is not None else x,
+        bias if bias is not None else x,
+        y,
+        mean,
+        rstd,
+        y.stride(0),
+        M,
+        N,
+        float(eps),
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        ZERO_CENTERED=zero_centered_gamma,
+        BLOCK_N=block,
+        STAGES=stages,
+        PDL=pdl and pdl_trigger("fwd", N, False),
+        num_warps=warps,
+        **_pdl_kw(pdl),
+    )
 
 
 def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma: bool):
@@ -222,13 +254,22 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     if M == 0:
         return dx, (torch.zeros_like(weight) if has_w else None), (torch.zeros_like(bias) if has_bias else None)
     tail = (
-        weight if has_w else x, mean if mean is not None else rstd, rstd, dx,
-        dw_part if has_w else rstd, db_part if has_bias else rstd,
-    )  # fmt: skip
+        weight if has_w else x,
+        mean if mean is not None else rstd,
+        rstd,
+        dx,
+        dw_part if has_w else rstd,
+        db_part if has_bias else rstd,
+    )
     flags = dict(
-        IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, ZERO_CENTERED=zero_centered_gamma,
-        PDL=pdl and pdl_trigger("bwd", N, rms), num_warps=warps, **_pdl_kw(pdl),
-    )  # fmt: skip
+        IS_RMS=rms,
+        HAS_W=has_w,
+        HAS_B=has_bias,
+        ZERO_CENTERED=zero_centered_gamma,
+        PDL=pdl and pdl_trigger("bwd", N, rms),
+        num_warps=warps,
+        **_pdl_kw(pdl),
+    )
     math = bwd_math(N, rms)  # the staged and two-part kernels' (the pointer kernel has neither choice)
     args = (dy, x, *tail, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_program)
     if staged is not None:
@@ -275,9 +316,19 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, par
     out2 = None if part2 is None else torch.empty(N, dtype=dtype2, device=part.device)
     block_p, block, warps = sum_config(N, part2 is not None)
     _sum_partials_kernel[(-(-N // block),)](
-        part, out, part if part2 is None else part2, out if out2 is None else out2, P, N,
-        BLOCK_P=block_p, BLOCK_N=block, TWO=part2 is not None, PDL=pdl, num_warps=warps, **_pdl_kw(pdl),
-    )  # fmt: skip
+        part,
+        out,
+        part if part2 is None else part2,
+        out if out2 is None else out2,
+        P,
+        N,
+        BLOCK_P=block_p,
+        BLOCK_N=block,
+        TWO=part2 is not None,
+        PDL=pdl,
+        num_warps=warps,
+        **_pdl_kw(pdl),
+    )
     return out, out2
 
 
@@ -360,9 +411,16 @@ register_backward(norm_fwd_op, _norm_backward, _norm_setup, bwd_ops=(norm_bwd_op
 def rms_norm_hf_fwd_op(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, style: str) -> torch.Tensor:
     """y of :func:`rms_norm_hf_ref` for a contiguous (M, N) ``x`` and its (M,) fp32 ``rstd`` (``hf_rstd``)."""
     y, _, _ = norm_fwd(
-        x, weight, None, 0.0, rms=True, zero_centered_gamma=style == "gemma",
-        rstd=rstd, round_normed=style == "llama", out_dtype=_hf_out_dtype(x, weight, style),
-    )  # fmt: skip
+        x,
+        weight,
+        None,
+        0.0,
+        rms=True,
+        zero_centered_gamma=style == "gemma",
+        rstd=rstd,
+        round_normed=style == "llama",
+        out_dtype=_hf_out_dtype(x, weight, style),
+    )
     return y
 
 
