@@ -1,6 +1,6 @@
 """``python -m truefuse bench norm`` (also by its older name, ``rms_norm``): RMSNorm and LayerNorm
-forward + backward (input, weight and bias gradients), bf16, under CUDA graphs (a ~0.1 ms op: without graphs the host's launch time is
-what gets measured).
+forward + backward (input, weight and bias gradients), bf16, under CUDA graphs (a ~0.1 ms op:
+without graphs the host's launch time is what gets measured).
 
 Providers, side by side in one run: ``floor`` (device copies moving the op's minimal bytes: read x,
 write y; read x and dy, write dx), ``truefuse`` (``truefuse.rms_norm``), ``torch``
