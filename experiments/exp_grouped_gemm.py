@@ -59,7 +59,7 @@ def cuda_graph_check(device, E, tokens, H, F, fused: bool) -> bool:
     torch.manual_seed(0)
     M = E * tokens
     m = GroupedMLP(E, H, F, device=device, dtype=torch.bfloat16, single_grouped_weight=True, fuse_wgrad_accumulation=fused)
-    assert m._resolve_backend(device, torch.bfloat16, True) == "triton"
+    assert m._resolve_path(device, torch.bfloat16, True) == "triton"
     params = list(m.parameters())
     weights = [p for _, p in m.gemm_weights()]
     if fused:

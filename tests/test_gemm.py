@@ -235,12 +235,12 @@ def test_grouped_wgrad_per_group(device):
 
 
 def test_per_group_request_loops_where_a_backend_fuses_grouped():
-    """GroupedLinear's one-GEMM-per-group is said in the request (``grouped_gemm(per_group=True)``),
+    """GroupedLinear's one-GEMM-per-group is said in the request (``gemm_groups(per_group=True)``),
     not by removing capabilities: the plan loops even where the first backend fuses ``grouped``,
     and each group is the very call a 2-D gemm on its slice makes."""
     from dataclasses import replace
 
-    from truefuse.ops.gemm import grouped_gemm
+    from truefuse.ops.gemm import gemm_groups
     from truefuse.ops.gemm_plan import GemmRequest, plan
 
     row = Capability("grouped", torch.float32, torch.float32, "cpu", "torch")
@@ -251,7 +251,7 @@ def test_per_group_request_loops_where_a_backend_fuses_grouped():
         assert plan(req).fused == ("mm", "grouped")
         assert plan(replace(req, per_group=True)) == plan(replace(req, aligned=False))
         assert str(plan(replace(req, per_group=True))) == "torch[float32]: fused mm; split grouped"
-        res = grouped_gemm(x, w, m_splits=splits, per_group=True)
+        res = gemm_groups(x, w, m_splits=splits, per_group=True)
     start = 0
     for g, m in enumerate(splits):
         assert_bitwise(res[start : start + m], gemm(x[start : start + m], w[g]), f"group {g}")

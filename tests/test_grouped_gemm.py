@@ -384,7 +384,7 @@ def test_module_backend_option_and_errors(device):
     if device.type == "cpu":
         # the default on the CPU stays one GEMM per group; float64 has no Triton path
         d = truefuse.GroupedLinear(2, 8, 4, single_grouped_weight=True, dtype=torch.float64)
-        assert d._resolve_backend(torch.device("cpu"), torch.float32, True) == "per_group"
+        assert d._resolve_path(torch.device("cpu"), torch.float32, True) == "per_group"
         t = truefuse.GroupedLinear(2, 8, 4, single_grouped_weight=True, dtype=torch.float64, backend="triton")
         with pytest.raises(ValueError, match="backend='triton' runs on CUDA"):
             t(torch.randn(3, 8, dtype=torch.float64), [1, 2])

@@ -8,12 +8,14 @@ exactly the calls ``LinearFunction`` makes for one group, so a per-group Grouped
 ``truefuse.Linear`` per group bit for bit. Every weight gradient goes through docs/design.md §2
 (``_wgrad.deliver_weight_grad``), packed or per group.
 
-Packed weights run on one of three backends (``GroupSpec.backend``, docs/design.md §1 "Grouped GEMM"):
-``triton`` (the batch-invariant grouped GEMM of ``ops/grouped_gemm.py``: the groups travel as device
-offsets, so nothing reads the sizes on the host, forward or backward), ``per_group`` (one
-``truefuse.gemm`` per group: bits equal to one Linear per group) and ``cublas_grouped`` (cuBLAS
-``grouped_mm`` where the planner offers it). The offsets tensor is passed to ``apply`` after the
-parameters (optional: made from ``splits`` when missing).
+Packed weights run on one of three *grouped paths* (``GroupSpec.path``; the modules' ``backend=``
+argument; docs/design.md §1 "Grouped GEMM", §3 for why one of them is not a planner backend):
+``triton`` (the batch-invariant grouped GEMM of ``ops/grouped_gemm.py``, outside the planner: the
+groups travel as device offsets, so nothing reads the sizes on the host, forward or backward),
+``per_group`` (one planned ``truefuse.gemm`` per group: bits equal to one Linear per group) and
+``cublas_grouped`` (the planner's fused grouped product, cuBLAS ``grouped_mm``, where it offers it).
+The offsets tensor is passed to ``apply`` after the parameters (optional: made from ``splits``
+when missing).
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_fwd_op, use_kernel
 from truefuse.ops.gated_recompute import gated_bwd_recompute_op
 from truefuse.ops.gemm import gemm as _gemm
-from truefuse.ops.gemm import grouped_gemm
+from truefuse.ops.gemm import gemm_groups
 from truefuse.ops.grouped_gemm import grouped_bias_grad, grouped_mm_rows, grouped_mm_wgrad, split_offsets
 
-#: The packed weights' backends: the batch-invariant Triton grouped GEMM, one GEMM per group (bits of
-#: one Linear per group), cuBLAS grouped_mm.
-GROUPED_BACKENDS = ("triton", "per_group", "cublas_grouped")
+#: The packed weights' grouped paths: the batch-invariant Triton grouped GEMM, one planned GEMM per
+#: group (bits of one Linear per group), the planner's fused grouped product (cuBLAS grouped_mm).
+GROUPED_PATHS = ("triton", "per_group", "cublas_grouped")
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class GroupSpec:
     """What a grouped layer's autograd Function needs besides tensors.
 
     Attributes:
-        splits: rows per group (None when they live only in a device tensor: ``triton`` backend).
+        splits: rows per group (None when they live only in a device tensor: the ``triton`` path).
         packed: one (G, N, K) weight instead of G weights.
         has_bias: biases follow the weights in the parameter list.
         names: weight names for error messages (one, or one per group).
@@ -54,7 +56,7 @@ class GroupSpec:
             the contract says GroupedLinear is.
         dtype: the autocast dtype the weights and biases are cast to for the GEMMs (None outside
             autocast; ``_autocast``); their gradients come back in the parameters' dtypes.
-        backend: one of :data:`GROUPED_BACKENDS` for packed weights; None: ``cublas_grouped`` if
+        path: one of :data:`GROUPED_PATHS` for packed weights; None: ``cublas_grouped`` if
             ``fused_grouped_gemm`` else ``per_group`` (what callers that predate it asked for).
             Per-group weights always run the per-group loop.
     """
@@ -65,36 +67,36 @@ class GroupSpec:
     names: tuple[str, ...]
     fused_grouped_gemm: bool = False
     dtype: torch.dtype | None = None
-    backend: str | None = None
+    path: str | None = None
 
     def __post_init__(self):
-        if self.backend is not None and self.backend not in GROUPED_BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is not one of {GROUPED_BACKENDS}")
-        if self.mode == "triton" and not self.packed:
-            raise ValueError("backend='triton' needs packed weights (single_grouped_weight=True)")
-        if self.splits is None and self.mode != "triton":
-            raise ValueError(f"splits=None (sizes only on the device) needs backend='triton', not {self.mode!r}")
+        if self.path is not None and self.path not in GROUPED_PATHS:
+            raise ValueError(f"path={self.path!r} is not one of {GROUPED_PATHS}")
+        if self.run_path == "triton" and not self.packed:
+            raise ValueError("path='triton' needs packed weights (single_grouped_weight=True)")
+        if self.splits is None and self.run_path != "triton":
+            raise ValueError(f"splits=None (sizes only on the device) needs path='triton', not {self.run_path!r}")
 
     @property
-    def mode(self) -> str:
-        """The backend that runs: :attr:`backend`, or the one ``fused_grouped_gemm`` names."""
+    def run_path(self) -> str:
+        """The grouped path that runs: :attr:`path`, or the one ``fused_grouped_gemm`` names."""
         if not self.packed:
             return "per_group"
-        if self.backend is not None:
-            return self.backend
+        if self.path is not None:
+            return self.path
         return "cublas_grouped" if self.fused_grouped_gemm else "per_group"
 
     @property
     def triton(self) -> bool:
-        return self.mode == "triton"
+        return self.run_path == "triton"
 
     def gemm(self, a, b, **kwargs):
-        """The packed weights' grouped ``truefuse.gemm``, asking for one GEMM per group (each exactly
-        Linear's GEMM) unless ``fused_grouped_gemm``."""
-        return grouped_gemm(a, b, per_group=self.mode != "cublas_grouped", **kwargs)
+        """The packed weights' planned grouped GEMM (``ops.gemm.gemm_groups``), asking for one GEMM
+        per group (each exactly Linear's GEMM) unless the path is ``cublas_grouped``."""
+        return gemm_groups(a, b, per_group=self.run_path != "cublas_grouped", **kwargs)
 
     def offsets_for(self, offsets, like: torch.Tensor):
-        """The device offsets the ``triton`` backend needs (given, or made from :attr:`splits`)."""
+        """The device offsets the ``triton`` path needs (given, or made from :attr:`splits`)."""
         if not self.triton:
             return None
         if offsets is not None:
@@ -201,7 +203,7 @@ def _param_grads(spec, ctx_needs, offset, dy, x, weights, biases, state, offsets
 
 def _split_offsets_arg(spec: GroupSpec, args, like: torch.Tensor, n: int):
     """(params, offsets, how many tensors follow the parameters): the optional offsets tensor after
-    the parameters, or the one the ``triton`` backend makes from ``spec.splits``."""
+    the parameters, or the one the ``triton`` path makes from ``spec.splits``."""
     params, rest = args[:n], args[n:]
     if len(rest) > 1:
         raise TypeError(f"expected {n} parameters and an optional offsets tensor, got {len(args)} tensors")
@@ -212,7 +214,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     """``apply(x, spec, state, *weights, *biases[, offsets])``: x (M, K) ordered by group -> (M, N).
 
     ``offsets`` (int64 (G + 1,) device offsets of the groups, ``ops.grouped_gemm.split_offsets``)
-    is read by the ``triton`` backend only. Under autocast (``spec.dtype``) x arrives cast; the GEMMs
+    is read by the ``triton`` path only. Under autocast (``spec.dtype``) x arrives cast; the GEMMs
     take the parameters cast likewise, and the backward hands the parameters themselves to
     docs/design.md §2."""
 

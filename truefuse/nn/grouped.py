@@ -7,7 +7,7 @@ import torch
 
 from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._wgrad import DEFAULT_MAX_PENDING_WGRAD
-from truefuse.autograd.grouped import GROUPED_BACKENDS, GroupedLinearFunction, GroupedMLPFunction, GroupSpec
+from truefuse.autograd.grouped import GROUPED_PATHS, GroupedLinearFunction, GroupedMLPFunction, GroupSpec
 from truefuse.nn._base import WgradModule, init_linear_
 from truefuse.ops.activation import activation_ref
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_torch
@@ -42,10 +42,10 @@ class _GroupedWeights:
     def params(self, module) -> list[torch.nn.Parameter]:
         return [getattr(module, n) for n in (*self.weight_names(), *self.bias_names())]
 
-    def spec(self, splits, backend: str, dtype: torch.dtype | None) -> GroupSpec:
+    def spec(self, splits, path: str, dtype: torch.dtype | None) -> GroupSpec:
         splits = None if splits is None else tuple(splits)
-        fused = backend == "cublas_grouped"
-        return GroupSpec(splits, self.packed, self.bias, tuple(self.weight_names()), fused, dtype, backend)
+        fused = path == "cublas_grouped"
+        return GroupSpec(splits, self.packed, self.bias, tuple(self.weight_names()), fused, dtype, path)
 
     def group(self, module, g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) of group ``g`` (views into the packed parameters)."""
@@ -69,39 +69,42 @@ def _splits(m_splits, groups: int, x: torch.Tensor) -> list[int]:
     return check_splits(m_splits, groups, x.shape[0], "the number of rows of x")
 
 
-def check_backend(backend, fused_grouped_gemm: bool, packed: bool, *, arg: str = "backend") -> str | None:
-    """The ``backend=`` argument (named ``arg`` in the errors) checked against ``fused_grouped_gemm``
-    (its older spelling); returns the backend asked for (None: the default)."""
-    if backend is not None and backend not in GROUPED_BACKENDS:
-        raise ValueError(f"{arg}={backend!r} is not supported; choose one of {GROUPED_BACKENDS} (or None: the default)")
+def check_grouped_path(path, fused_grouped_gemm: bool, packed: bool, *, arg: str = "backend") -> str | None:
+    """The grouped path a module's ``backend=`` argument (named ``arg`` in the errors) asks for,
+    checked against ``fused_grouped_gemm`` (its older spelling); None: the default."""
+    if path is not None and path not in GROUPED_PATHS:
+        raise ValueError(f"{arg}={path!r} is not supported; choose one of {GROUPED_PATHS} (or None: the default)")
     if fused_grouped_gemm:
-        if backend not in (None, "cublas_grouped"):
-            raise ValueError(f"fused_grouped_gemm=True means {arg}='cublas_grouped'; it conflicts with {arg}={backend!r}")
-        backend = "cublas_grouped"
-    if backend == "triton" and not packed:
+        if path not in (None, "cublas_grouped"):
+            raise ValueError(f"fused_grouped_gemm=True means {arg}='cublas_grouped'; it conflicts with {arg}={path!r}")
+        path = "cublas_grouped"
+    if path == "triton" and not packed:
         raise ValueError(f"{arg}='triton' needs packed weights: pass single_grouped_weight=True")
-    return backend
+    return path
 
 
-def resolve_backend(backend: str | None, device: torch.device, dtype: torch.dtype, packed: bool, *, arg: str = "backend") -> str:
-    """The backend a forward runs: the one asked for, else ``triton`` where it runs by default
+def resolve_grouped_path(
+    path: str | None, device: torch.device, dtype: torch.dtype, packed: bool, *, arg: str = "backend"
+) -> str:
+    """The grouped path a forward runs: the one asked for, else ``triton`` where it runs by default
     (packed weights on CUDA, fp16/bf16/fp32), else ``per_group``."""
-    if backend == "triton":
+    if path == "triton":
         if not grouped_gemm_available(device, dtype):
             raise ValueError(
                 f"{arg}='triton' runs on CUDA (fp16/bf16/fp32) or, under TRITON_INTERPRET=1, on the CPU for "
                 f"float32; got {dtype} on {device}. Pass {arg}='per_group' there"
             )
         return "triton"
-    if backend is not None:
-        return backend
+    if path is not None:
+        return path
     if packed and device.type == "cuda" and grouped_gemm_available(device, dtype):
         return "triton"
     return "per_group"
 
 
-class _GroupedBackend:
-    """``backend`` and its alias ``fused_grouped_gemm`` on the grouped modules."""
+class _GroupedPath:
+    """``backend`` (the grouped path, docs/design.md §3) and its alias ``fused_grouped_gemm`` on the
+    grouped modules."""
 
     backend: str | None
 
@@ -117,24 +120,24 @@ class _GroupedBackend:
         elif self.backend == "cublas_grouped":
             self.backend = None
 
-    def _resolve_backend(self, device: torch.device, dtype: torch.dtype, packed: bool) -> str:
-        """:func:`resolve_backend` of this module's ``backend``."""
-        return resolve_backend(self.backend, device, dtype, packed)
+    def _resolve_path(self, device: torch.device, dtype: torch.dtype, packed: bool) -> str:
+        """:func:`resolve_grouped_path` of this module's ``backend``."""
+        return resolve_grouped_path(self.backend, device, dtype, packed)
 
 
 def _check_grouped(module, x: torch.Tensor, features: int, groups: int, m_splits, packed: bool):
-    """The grouped forward's input checks; returns (backend, ``m_splits`` as a list or None when
+    """The grouped forward's input checks; returns (the grouped path, ``m_splits`` as a list or None when
     they stay on the device, the device offsets or None, the autocast dtype (None outside autocast),
     ``x`` cast to it (differentiably, as ``F.linear``'s input)).
 
-    The ``triton`` backend takes a device tensor of sizes as it is (no host sync: its sum is asserted
+    The ``triton`` path takes a device tensor of sizes as it is (no host sync: its sum is asserted
     on the device, ``ops.grouped_gemm.split_offsets``); the others read the sizes on the host."""
     module._check_input(x, features, module.gemm_weights()[0][1])
     if x.dim() != 2:
         raise ValueError(f"input must be 2-D (tokens, {features}) with rows ordered by group, got shape {tuple(x.shape)}")
     dtype = autocast_dtype(x.device)
-    backend = module._resolve_backend(x.device, dtype or x.dtype, packed)
-    if backend == "triton":
+    path = module._resolve_path(x.device, dtype or x.dtype, packed)
+    if path == "triton":
         if isinstance(m_splits, torch.Tensor):
             check_split_tensor(m_splits, groups)
             splits = None
@@ -142,18 +145,19 @@ def _check_grouped(module, x: torch.Tensor, features: int, groups: int, m_splits
             splits = _splits(m_splits, groups, x)
         # a list was checked just above: split_offsets does not check it again (check=False)
         offsets = split_offsets(m_splits if splits is None else splits, groups, x.shape[0], x.device, check=splits is None)
-        return backend, splits, offsets, dtype, cast(x, dtype)
-    return backend, _splits(m_splits, groups, x), None, dtype, cast(x, dtype)
+        return path, splits, offsets, dtype, cast(x, dtype)
+    return path, _splits(m_splits, groups, x), None, dtype, cast(x, dtype)
 
 
-class GroupedLinear(_GroupedBackend, WgradModule):
+class GroupedLinear(_GroupedPath, WgradModule):
     """``num_gemms`` linear layers over the rows of ``x`` split by ``m_splits``.
 
     Args:
         num_gemms, in_features, out_features, bias, device, dtype: the groups and each one's shape.
         single_grouped_weight: one parameter ``weight`` (G, out, in) (and ``bias`` (G, out)) instead
             of ``weight0`` ... ``weight{G-1}`` (out, in) and ``bias0`` ... (out,).
-        backend: how packed weights run (docs/design.md §1, "Grouped GEMM"); per-group weights
+        backend: the grouped path: how packed weights run (docs/design.md §1, "Grouped GEMM"; not a
+            GEMM planner backend, §3); per-group weights
             always run one GEMM per group (``per_group``).
 
             * ``"triton"``: truefuse's batch-invariant grouped GEMM, one persistent launch per GEMM:
@@ -174,7 +178,7 @@ class GroupedLinear(_GroupedBackend, WgradModule):
 
     ``forward(x, m_splits)``: x (M, in_features), rows ordered by group; ``m_splits`` a list of
     integral scalars (Python or NumPy ints), a 1-D NumPy integer array or a 1-D integer tensor (one
-    host sync on a GPU unless the backend is ``triton``, which checks its sum on the device) of
+    host sync on a GPU unless the path is ``triton``, which checks its sum on the device) of
     ``num_gemms`` sizes summing to M, zeros allowed; floats are refused.
     Returns (M, out_features).
 
@@ -199,7 +203,7 @@ class GroupedLinear(_GroupedBackend, WgradModule):
         max_pending_wgrad: int | None = DEFAULT_MAX_PENDING_WGRAD,
     ) -> None:
         super().__init__()
-        self.backend = check_backend(backend, bool(fused_grouped_gemm), single_grouped_weight)
+        self.backend = check_grouped_path(backend, bool(fused_grouped_gemm), single_grouped_weight)
         if num_gemms < 1:
             raise ValueError(f"num_gemms must be at least 1, got {num_gemms}")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
@@ -216,8 +220,8 @@ class GroupedLinear(_GroupedBackend, WgradModule):
         return [(n, getattr(self, n)) for n in self._w.weight_names()]
 
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
-        backend, splits, offsets, dtype, x = _check_grouped(self, x, self.in_features, self.num_gemms, m_splits, self._w.packed)
-        spec = self._w.spec(splits, backend, dtype)
+        path, splits, offsets, dtype, x = _check_grouped(self, x, self.in_features, self.num_gemms, m_splits, self._w.packed)
+        spec = self._w.spec(splits, path, dtype)
         extra = () if offsets is None else (offsets,)
         return GroupedLinearFunction.apply(x, spec, self._wgrad, *self._w.params(self), *extra)
 
@@ -237,7 +241,7 @@ class GroupedLinear(_GroupedBackend, WgradModule):
         )
 
 
-class GroupedMLP(_GroupedBackend, WgradModule):
+class GroupedMLP(_GroupedPath, WgradModule):
     """Experts' MLPs: grouped fc1, activation, grouped fc2, over rows ordered by expert.
 
     Args:
@@ -278,7 +282,7 @@ class GroupedMLP(_GroupedBackend, WgradModule):
         max_pending_wgrad: int | None = DEFAULT_MAX_PENDING_WGRAD,
     ) -> None:
         super().__init__()
-        self.backend = check_backend(backend, bool(fused_grouped_gemm), single_grouped_weight)
+        self.backend = check_grouped_path(backend, bool(fused_grouped_gemm), single_grouped_weight)
         if num_experts < 1:
             raise ValueError(f"num_experts must be at least 1, got {num_experts}")
         if activation not in MLP_ACTIVATIONS:
@@ -300,15 +304,18 @@ class GroupedMLP(_GroupedBackend, WgradModule):
         return [(n, getattr(self, n)) for n in (*self._fc1.weight_names(), *self._fc2.weight_names())]
 
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
-        backend, splits, offsets, dtype, x = _check_grouped(
-            self, x, self.hidden_size, self.num_experts, m_splits, self._fc1.packed
-        )
+        path, splits, offsets, dtype, x = _check_grouped(self, x, self.hidden_size, self.num_experts, m_splits, self._fc1.packed)
         extra = () if offsets is None else (offsets,)
         return GroupedMLPFunction.apply(
-            x, self._fc1.spec(splits, backend, dtype), self._fc2.spec(splits, backend, dtype),
-            self.activation, self._wgrad,
-            *self._fc1.params(self), *self._fc2.params(self), *extra,
-        )  # fmt: skip
+            x,
+            self._fc1.spec(splits, path, dtype),
+            self._fc2.spec(splits, path, dtype),
+            self.activation,
+            self._wgrad,
+            *self._fc1.params(self),
+            *self._fc2.params(self),
+            *extra,
+        )
 
     def forward_ref(self, x: torch.Tensor, m_splits) -> torch.Tensor:
         """A loop over experts of ``F.linear``, the activation in the input dtype, ``F.linear``."""

@@ -312,13 +312,23 @@ def gemm(
         (see :func:`gemm_plan_for`).
     """
     return _gemm(
-        a, b, out=out, out_dtype=out_dtype, accumulate=accumulate, bias=bias, activation=activation,
-        return_pre_activation=return_pre_activation, grad_bias=grad_bias, grad_activation=grad_activation,
-        pre_activation=pre_activation, m_splits=m_splits, per_group=False,
-    )  # fmt: skip
+        a,
+        b,
+        out=out,
+        out_dtype=out_dtype,
+        accumulate=accumulate,
+        bias=bias,
+        activation=activation,
+        return_pre_activation=return_pre_activation,
+        grad_bias=grad_bias,
+        grad_activation=grad_activation,
+        pre_activation=pre_activation,
+        m_splits=m_splits,
+        per_group=False,
+    )
 
 
-def grouped_gemm(a: torch.Tensor, b: torch.Tensor, *, m_splits, per_group: bool, **kwargs) -> torch.Tensor | GemmOutput:
+def gemm_groups(a: torch.Tensor, b: torch.Tensor, *, m_splits, per_group: bool, **kwargs) -> torch.Tensor | GemmOutput:
     """``gemm(a, b, m_splits=m_splits, **kwargs)``, saying in the request how the groups are run.
 
     ``per_group=True``: one GEMM per group, each exactly the call ``gemm`` makes on that group's
@@ -326,22 +336,22 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, *, m_splits, per_group: bool,
     4096×4096 forward and input gradient differed). ``GroupedLinear``/``GroupedMLP`` ask for this to
     equal one ``Linear`` per group bit for bit. ``per_group=False``: as ``gemm``, the planner fuses
     the grouped product where a backend offers it. The plan is otherwise the same.
+
+    Named apart from ``ops/grouped_gemm.py``, the batch-invariant Triton grouped GEMM, which the
+    planner does not choose (docs/design.md §3).
     """
     if m_splits is None:
-        raise ValueError("grouped_gemm needs m_splits")
+        raise ValueError("gemm_groups needs m_splits")
     return _gemm(a, b, m_splits=m_splits, per_group=per_group, **kwargs)
 
 
-def _gemm(
-    a, b, *, out=None, out_dtype=None, accumulate=False, bias=None, activation=None, return_pre_activation=False,
-    grad_bias=False, grad_activation=None, pre_activation=None, m_splits=None, per_group=False,
-):  # fmt: skip
-    """:func:`gemm`'s body, with the request's ``per_group`` flag (see :func:`grouped_gemm`)."""
-    _, out_shape, odt, splits, rows_mode = _validate(
-        a, b, out=out, out_dtype=out_dtype, accumulate=accumulate, bias=bias, activation=activation,
-        return_pre_activation=return_pre_activation, grad_bias=grad_bias, grad_activation=grad_activation,
-        pre_activation=pre_activation, m_splits=m_splits, per_group=per_group, want_request=False,
-    )  # fmt: skip
+def _gemm(a, b, **kw):
+    """:func:`gemm`'s body: ``kw`` holds its keywords and the request's ``per_group`` flag (see
+    :func:`gemm_groups`); every default there is None or False, so a missing one reads as its default."""
+    _, out_shape, odt, splits, rows_mode = _validate(a, b, want_request=False, **kw)
+    out, accumulate, bias, activation = kw.get("out"), bool(kw.get("accumulate")), kw.get("bias"), kw.get("activation")
+    grad_activation, pre_activation, per_group = kw.get("grad_activation"), kw.get("pre_activation"), kw.get("per_group")
+    return_pre_activation, grad_bias = kw.get("return_pre_activation"), kw.get("grad_bias")
     pre_out = torch.empty(out_shape, dtype=odt, device=a.device) if return_pre_activation else None
     gb_shape = (len(splits), a.shape[0]) if (splits is not None and not rows_mode) else (a.shape[0],)
     gb_out = torch.empty(gb_shape, dtype=a.dtype, device=a.device) if grad_bias else None
@@ -352,9 +362,19 @@ def _gemm(
     else:
         launch(
             gemm_out_op,
-            a, b, out, bool(accumulate), bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits,
+            a,
+            b,
+            out,
+            bool(accumulate),
+            bias,
+            activation,
+            pre_out,
+            grad_activation,
+            pre_activation,
+            gb_out,
+            splits,
             bool(per_group),
-        )  # fmt: skip
+        )
     if return_pre_activation or grad_bias:
         return GemmOutput(out, pre_out, gb_out)
     return out
@@ -404,9 +424,8 @@ def gemm_op(
 ) -> torch.Tensor:
     """The validated ``gemm`` without ``out=``: planned and run here; returns the new output."""
     return _execute(
-        a, b, None, out_dtype, False, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits,
-        per_group,
-    )  # fmt: skip
+        a, b, None, out_dtype, False, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits, per_group
+    )
 
 
 @gemm_op.register_fake
@@ -431,9 +450,20 @@ def gemm_out_op(
 ) -> None:
     """The validated ``gemm`` with ``out=``: planned and run here, written (or added) into ``out``."""
     _execute(
-        a, b, out, out.dtype, accumulate, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out,
-        splits, per_group,
-    )  # fmt: skip
+        a,
+        b,
+        out,
+        out.dtype,
+        accumulate,
+        bias,
+        activation,
+        pre_out,
+        grad_activation,
+        pre_activation,
+        grad_bias_out,
+        splits,
+        per_group,
+    )
 
 
 @gemm_out_op.register_fake

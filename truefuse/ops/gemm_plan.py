@@ -86,7 +86,7 @@ def override_capabilities(
 
     Overrides nest; inner blocks apply after outer ones. This is a tool for tests and for playing a
     platform; library code says what it wants in its request instead (e.g. the grouped layers'
-    ``grouped_gemm(..., per_group=True)``).
+    ``gemm_groups(..., per_group=True)``).
     """
     add, remove = tuple(add), tuple(remove)
     for cap in add:

@@ -90,7 +90,7 @@ from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
 from truefuse.integrations.huggingface.modules import gated_for, truefuse_subclass
-from truefuse.nn.grouped import check_backend, resolve_backend
+from truefuse.nn.grouped import check_grouped_path, resolve_grouped_path
 from truefuse.ops.grouped_gemm import split_offsets
 
 #: The transformers experts classes :func:`patch_experts` takes (matched by class name, the module's
@@ -245,12 +245,12 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     autocast = autocast_dtype(x_all.device)
     dt = autocast if _experts_implementation(self) != "grouped_mm" else None
     w1, w2 = cast(self.gate_up_proj, dt), cast(self.down_proj, dt)
-    backend = resolve_backend(getattr(self, "_truefuse_backend", None), x_all.device, dt or w1.dtype, True)
+    backend = resolve_grouped_path(getattr(self, "_truefuse_backend", None), x_all.device, dt or w1.dtype, True)
     splits, rows, extra = _route(self, backend, counts, order)
     x = x_all[rows // K]
     x = cast(x, dt) if dt is not None else x.to(w1.dtype)  # stock's grouped_mm casts to the weights' dtype
-    spec1 = GroupSpec(splits, True, False, ("gate_up_proj",), backend=backend)
-    spec2 = GroupSpec(splits, True, False, ("down_proj",), backend=backend)
+    spec1 = GroupSpec(splits, True, False, ("gate_up_proj",), path=backend)
+    spec2 = GroupSpec(splits, True, False, ("down_proj",), path=backend)
     with torch.autocast(x.device.type, enabled=False) if autocast is not None else contextlib.nullcontext():
         y = GroupedMLPFunction.apply(x, spec1, spec2, self._truefuse_activation, self._truefuse_wgrad, w1, w2, *extra)
 
@@ -293,10 +293,10 @@ def patch_experts(module: torch.nn.Module, *, backend: str | None = None, fused_
         except ``backend``); when falsy its ``reason`` says why and the module is untouched.
 
     Raises:
-        ValueError: ``backend`` is not one of ``truefuse.autograd.grouped.GROUPED_BACKENDS`` or None,
+        ValueError: ``backend`` is not one of ``truefuse.autograd.grouped.GROUPED_PATHS`` or None,
             or conflicts with ``fused_grouped_gemm`` (before anything is checked or patched).
     """
-    backend = check_backend(backend, bool(fused_grouped_gemm), True)
+    backend = check_grouped_path(backend, bool(fused_grouped_gemm), True)
     act, reason = _check(module)
     if act is None:
         return ExpertsPatch(False, reason)

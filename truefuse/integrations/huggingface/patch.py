@@ -59,9 +59,9 @@ def apply_truefuse(
     Raises:
         ValueError for an unknown architecture or ``experts_backend``, before anything is patched.
     """
-    from truefuse.nn.grouped import check_backend
+    from truefuse.nn.grouped import check_grouped_path
 
-    experts_backend = check_backend(experts_backend, False, True, arg="experts_backend")
+    experts_backend = check_grouped_path(experts_backend, False, True, arg="experts_backend")
     model_type = _model_type(model)
     arch = architecture_of(model_type)
     report = PatchReport(model_type)
