@@ -97,8 +97,11 @@ def test_a_wrong_result_fails_the_bound(dev):
     off = split_offsets(SPLITS, len(SPLITS), x.shape[0], x.device)
     w_shift = torch.roll(w, 1, dims=0)
     y = grouped_mm_rows(x, w_shift, off, transpose_w=True, bias=b)
-    rep = bounded_report(y, grouped_gemm_ref(x.cpu().double(), w.cpu().double(), SPLITS, bias=b.cpu().double()),
-                         grouped_gemm_ref(x, w, SPLITS, bias=b))  # fmt: skip
+    rep = bounded_report(
+        y,
+        grouped_gemm_ref(x.cpu().double(), w.cpu().double(), SPLITS, bias=b.cpu().double()),
+        grouped_gemm_ref(x, w, SPLITS, bias=b),
+    )
     assert not rep.passed
 
 

@@ -134,8 +134,9 @@ def test_staged_backward(rms, n, device):
         _, mean, rstd = norm_fwd(xs, w, b, 1e-5, rms=rms, zero_centered_gamma=False)
         dx, parts = torch.empty_like(xs), torch.empty(2, programs, n, device=device)
         tail = (w, rstd if rms else mean, rstd, dx, parts[0], rstd if rms else parts[1])
-        flags = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, ZERO_CENTERED=False, PDL=False, num_warps=cfg[0],
-                     ONE_REDUCE=True, REMAT=True)  # fmt: skip
+        flags = dict(
+            IS_RMS=rms, HAS_W=True, HAS_B=not rms, ZERO_CENTERED=False, PDL=False, num_warps=cfg[0], ONE_REDUCE=True, REMAT=True
+        )
         bwd_staged(dys, xs, tail, m, n, 2, programs, cfg, flags)
         return dx, parts[0].sum(0), parts[1].sum(0)
 
