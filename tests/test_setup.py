@@ -66,6 +66,17 @@ def test_bootstrap_falls_back_when_cpu_index_unreachable(tmp_path):
     assert installs[1].endswith("torch==2.13.0"), installs[1]
 
 
+@pytest.mark.parametrize("index_rc", [0, 1])
+def test_bootstrap_installs_numpy_before_importing_torch(tmp_path, index_rc):
+    """torch imported without NumPy warns "Failed to initialize NumPy" (torch's wheels do not require
+    it): the check of the installed build must come after NumPy is in."""
+    calls = _run_bootstrap(tmp_path, index_rc=index_rc)
+    numpy = [i for i, c in enumerate(calls) if re.search(r"-m pip install .*\bnumpy\b", c)]
+    imports = [i for i, c in enumerate(calls) if c.split(" ", 1)[1].startswith("-c import sys, torch")]
+    assert numpy and imports, calls
+    assert numpy[0] < imports[0], calls
+
+
 def _readme_python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
 
@@ -87,6 +98,17 @@ def test_readme_first_lines_are_the_two_commands():
     assert len(block) == 2
     assert block[1].split("#")[0].strip() == (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1].strip()
     assert os.access(ROOT / "scripts" / "bootstrap.sh", os.R_OK)
+
+
+def test_readme_leads_with_what_truefuse_is_and_why_the_cpu_demo_is_not_about_speed():
+    """The first screen says what truefuse is and why before any set-up (issue 31), and the README
+    says why the CPU demo's speed is not the point (its reference path runs there)."""
+    text = (ROOT / "README.md").read_text()
+    lead = " ".join(text.split("```bash", 1)[0].split())
+    assert "truefuse is a PyTorch library of fused kernels" in lead and "match the unfused computation" in lead
+    assert "bootstrap" not in lead and "pip" not in lead
+    demo = " ".join(text.split("The demo trains", 1)[1].split("\n\n", 1)[0].split())
+    assert "on the CPU it runs its reference path" in demo
 
 
 def test_design_references_resolve_inside_the_repository():
