@@ -20,7 +20,7 @@ has triton 3.6, where it is still to be tried):
 
 * the committed kernel (``_grouped_gemm_wgrad_tma_kernel``) is one program per SM at 128×256: its
   epilogue (main_grad read, add, write) runs while no mainloop does; two programs per SM, a bulk L2
-  prefetch of main_grad and staggered starts did not help (experiments/exp_grouped_gemm_acc.py);
+  prefetch of main_grad and staggered starts did not help (exp_grouped_gemm_acc.py at d49a912);
 * ``tl.range(..., warp_specialize=True)`` left that kernel unspecialised at 8 warps, and at 4
   warps too while the tail chunk was masked with ``tl.where``. It applied (12 warps: a producer and
   two consumer warpgroups splitting the tile's N rows) once (a) the operands' descriptors are made
@@ -154,6 +154,20 @@ def launch(dy, x, offsets, main_grad, cfg, ws: bool = True):
     )  # fmt: skip
 
 
+LARGE = {"8x2048"}  # the cases whose layers are >= 2^24 weights per group (wgrad_large)
+
+
+def _ragged(E: int, M: int) -> list[int]:
+    """E sizes summing to M: odd sizes (64-row tails), group 1 empty, its rows in group 0."""
+    g = torch.Generator().manual_seed(E)
+    w = torch.rand(E, generator=g) + 0.5
+    s = (w / w.sum() * M).floor().long()
+    s[-1] += M - int(s.sum())
+    s[0] += s[1]
+    s[1] = 0
+    return [int(v) for v in s]
+
+
 def gpu_run() -> None:
     import triton.testing
 
@@ -162,7 +176,6 @@ def gpu_run() -> None:
     from truefuse.ops.gemm import gemm
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from exp_grouped_gemm_acc import LARGE, _ragged  # noqa: E402
     from exp_grouped_gemm_tune import CASES  # noqa: E402
 
     dev = torch.device("cuda")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -30,9 +31,34 @@ HIDDEN = (1024, 2048, 2880, 4096, 5120, 7168, 8192, 16384)
 ROWS = (8192, 16384)
 
 
-def main():
-    from exp_norm_sweep import gtime
+def gtime(fn, n=10, reps=7):
+    """Median µs per call: a CUDA graph of n calls, replayed reps times (the other norm experiments
+    time with it too)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / n)
+    del g
+    return statistics.median(ts)
 
+
+def main():
     import truefuse
     from truefuse.ops import norm as N
 

@@ -34,7 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exp_norm_sweep import gtime  # noqa: E402
+from exp_norm_breakdown import gtime  # noqa: E402
 
 import truefuse  # noqa: E402
 from truefuse.ops import norm as ops_norm  # noqa: E402

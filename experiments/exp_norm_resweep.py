@@ -2,8 +2,8 @@
 """Experiment: the norms' backward launches and LayerNorm's TMA-staged forward re-measured at every
 hidden size in the library's own forward + backward (issue #16 item 3).
 
-Why: the configurations in ``ops/norm.py`` (``bwd_config``, ``ln_fwd_staged_config``) were chosen
-from kernel-alone sweeps (exp_norm_sweep.py, exp_norm_tma.py) made while every backward still
+Why: the configurations in ``ops/norm_config.py`` (``bwd_config``, ``ln_fwd_staged_config``) were chosen
+from kernel-alone sweeps (exp_norm_sweep.py, exp_norm_tma.py; in history at d49a912) made while every backward still
 waited on autograd's zero-fills and every kernel triggered its dependents at its start. Two
 families: ``--what pointer``, the pointer backward's warps / rows per tile / programs per SM /
 prefetch and the two-part kernel where the row pads (2880 = 2048 + 1024, 5120 = 4096 + 1024), plus
@@ -29,12 +29,12 @@ Results (2026-11-23, one H200, torch 2.11.0+cu130, triton 3.6.0):
   LayerNorm's halves at 8 warps, one program per SM, 8.6-9.2% faster than today's 16 warps (469.9
   -> 429.4 µs at 8192 rows, 923.9 -> 839.1 at 16384; 255 registers, 2 spilled); 2-4 programs per
   SM -2 to -7%, 4 warps or prefetching far slower; RMSNorm's 16 warps stay the fastest.
-  ``bwd_config`` took it. Raw: docs/results/norm_resweep_16k_h200_2026-11-23.json.
+  ``bwd_config`` took it. Raw: docs/results/norms/norm_resweep_16k_h200_2026-11-23.json.
 * ``pair`` (at 5c7a792 only): ``_norm_bwd_pair_kernel``, two programs per block of rows, each
   owning half of every row's columns (dx, dw, db) and reading the partner's half for the row's
   sums, so each holds half the accumulators. 1.10-1.70x slower than today's at every size (best:
   RMSNorm 4096 1.10x, LayerNorm 16384 1.14x, LayerNorm elsewhere 1.36-1.70x): the partner's half
-  read again costs more than the registers give back. Raw: docs/results/norm_pair_h200_2026-11-23_run{1,2}.json.
+  read again costs more than the registers give back. Raw: docs/results/norms/norm_pair_h200_2026-11-23_run{1,2}.json.
 """
 
 from __future__ import annotations
@@ -121,11 +121,11 @@ def _lnfwd_variants(h: int) -> dict:
 #: 2880 -3 to -5%, 7168 -1%, ties at 2048-8192, the pointer kernels ahead at 1024 (5-9%), 5120 at
 #: 16384 rows and 16384 (40%). Run 2 added (1, BLOCK_N // 64, 64) boxes: as fast or faster (RMSNorm
 #: 5120 w16x1s4 -7%, LayerNorm 7168 w16x1s4 -5%), now the only form (ops/norm_config.py::STAGED_INNER);
-#: raw: docs/results/norm_staged_bwd_h200_2026-11-23.json. Run 3 (``TF_STAGED_CANDS``, 2880 and
+#: raw: docs/results/norms/norm_staged_bwd_h200_2026-11-23.json. Run 3 (``TF_STAGED_CANDS``, 2880 and
 #: 5120): four stages at fewer warps, RMSNorm 5120 (8, 1, 4) -2%, LayerNorm 2880 (4, 2, 4) -4.8%,
-#: LayerNorm 5120 (8, 1, 4) -3.5 to -4.1% against the pointer kernel (``_run3.json``). Run 4
+#: LayerNorm 5120 (8, 1, 4) -3.5 to -4.1% against the pointer kernel (``norm_staged_bwd_h200_2026-11-23_run3.json``). Run 4
 #: (4096, 7168, 8192; four to six stages, three programs per SM): nothing better than the choice
-#: by more than 1% (``_run4.json``).
+#: by more than 1% (``norm_staged_bwd_h200_2026-11-23_run4.json``).
 #: ops/norm_config.py::bwd_staged_config took the winners.
 STAGED = {
     1024: [(4, 8, 3), (2, 16, 3)],
@@ -138,7 +138,7 @@ STAGED = {
 
 #: ``ops/norm_config.py::bwd_math``'s choices (``--what math``; "today": its choice for the size):
 #: LayerNorm's two row sums in one ``tl.reduce``, x and dy held in bf16 through the sums. Runs
-#: 2026-11-23 (one H200; raw docs/results/norm_math_h200_2026-11-23_run{1,2}.json): ONE_REDUCE
+#: 2026-11-23 (one H200; raw docs/results/norms/norm_math_h200_2026-11-23_run{1,2}.json): ONE_REDUCE
 #: -2 to -3.5% at LayerNorm 5120, a tie or up to +1.7% elsewhere; at 16384 both -4.6 to -5.7%
 #: (REMAT alone +4%, ONE_REDUCE alone +27-30%). Every variant gave today's dx bits. Also tried
 #: (run 1's "fma_dx"; its code not kept): dx as two fused multiply-adds, +19% at 4096, at best
@@ -149,7 +149,7 @@ MATH = {
     "remat": dict(ONE_REDUCE=False, REMAT=True),
     "one_remat": dict(ONE_REDUCE=True, REMAT=True),
 }
-#: Also tried at 16384 (session 9; its code not kept; raw docs/results/norm_even_h200_2026-11-23.json, where
+#: Also tried at 16384 (session 9; its code not kept; raw docs/results/norms/norm_even_h200_2026-11-23.json, where
 #: "today" is the tried kernel and "masked" / "one_remat_masked" the library's): the two-part kernel
 #: with no column masks where N fills the parts (no zero-fill before the loads, no select of x̂: 11% fewer
 #: instructions, the same bits). Slower: LayerNorm +4.5% / +6.7% at 8192 / 16384 rows (spills 10 -> 22),
@@ -157,8 +157,8 @@ MATH = {
 
 
 #: ``--what lnfwd``: LayerNorm's staged forward, today's choice against the winners of the forward
-#: alone (``exp_norm_tma.py --fwd-only``; (num_warps, programs per SM, stages)). Run 1 (2026-11-23,
-#: session 10, one H200, 5 rounds; raw docs/results/norm_lnfwd_h200_2026-11-23_run1.json): the
+#: alone (``exp_norm_tma.py --fwd-only``, in history at d49a912; (num_warps, programs per SM, stages)). Run 1 (2026-11-23,
+#: session 10, one H200, 5 rounds; raw docs/results/norms/norm_lnfwd_h200_2026-11-23_run1.json): the
 #: forward alone's wins do not carry at 4096 and 8192 (four stages: +6-10% forward + backward) nor
 #: 2048 / 2880 / 7168 (±0.5%); 5120 (4, 2, 4) -2.4% / -1.3% at 8192 / 16384 rows, which
 #: ``ln_fwd_staged_config`` took; 5120's entry is now the choice before it (run 2, 7 rounds: -2.3% at
@@ -268,7 +268,7 @@ def _compile_worker(jobs):
 
 
 def main():
-    from exp_norm_sweep import gtime
+    from exp_norm_breakdown import gtime
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

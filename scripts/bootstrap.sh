@@ -12,6 +12,9 @@ fi
 pip() { .venv/bin/python -m pip "$@"; }
 
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  # NumPy before torch: torch's wheels do not require it, and torch imported without it (the CUDA
+  # build check below) warns "Failed to initialize NumPy"; truefuse's extras need it anyway.
+  pip install -q numpy
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install -q "torch>=2.9"
   else

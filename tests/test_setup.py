@@ -66,6 +66,17 @@ def test_bootstrap_falls_back_when_cpu_index_unreachable(tmp_path):
     assert installs[1].endswith("torch==2.13.0"), installs[1]
 
 
+@pytest.mark.parametrize("index_rc", [0, 1])
+def test_bootstrap_installs_numpy_before_importing_torch(tmp_path, index_rc):
+    """torch imported without NumPy warns "Failed to initialize NumPy" (torch's wheels do not require
+    it): the check of the installed build must come after NumPy is in."""
+    calls = _run_bootstrap(tmp_path, index_rc=index_rc)
+    numpy = [i for i, c in enumerate(calls) if re.search(r"-m pip install .*\bnumpy\b", c)]
+    imports = [i for i, c in enumerate(calls) if c.split(" ", 1)[1].startswith("-c import sys, torch")]
+    assert numpy and imports, calls
+    assert numpy[0] < imports[0], calls
+
+
 def _readme_python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
 
@@ -87,6 +98,57 @@ def test_readme_first_lines_are_the_two_commands():
     assert len(block) == 2
     assert block[1].split("#")[0].strip() == (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1].strip()
     assert os.access(ROOT / "scripts" / "bootstrap.sh", os.R_OK)
+
+
+def test_readme_leads_with_what_truefuse_is_and_why_the_cpu_demo_is_not_about_speed():
+    """The first screen says what truefuse is and why before any set-up (issue 31), and the README
+    says why the CPU demo's speed is not the point (its reference path runs there)."""
+    text = (ROOT / "README.md").read_text()
+    lead = " ".join(text.split("```bash", 1)[0].split())
+    assert "truefuse is a PyTorch library of fused kernels" in lead and "match the unfused computation" in lead
+    assert "bootstrap" not in lead and "pip" not in lead
+    demo = " ".join(text.split("The demo trains", 1)[1].split("\n\n", 1)[0].split())
+    assert "on the CPU it runs its reference path" in demo
+
+
+def _cited_text() -> dict[str, str]:
+    """The tree's pages, code and scripts that may cite a raw result or an experiment; the dated log
+    (docs/log/) names files that git history keeps, so it is left out."""
+    paths = [*ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md"), *(ROOT / "truefuse").rglob("*.py")]
+    paths += [*(ROOT / "experiments").iterdir(), *(ROOT / "scripts").iterdir()]
+    return {str(p.relative_to(ROOT)): p.read_text() for p in paths if p.is_file()}
+
+
+def _expand_braces(text: str) -> str:
+    """`name_run{1,2}.json` written out as `name_run1.json name_run2.json` (how the docs cite runs)."""
+    pattern = re.compile(r"([\w./-]*)\{([\w,]+)\}([\w.]*)")
+    return pattern.sub(lambda m: " ".join(m[1] + v + m[3] for v in m[2].split(",")), text)
+
+
+def test_results_cited_and_citations_resolve():
+    """docs/results/ holds only what a page, the code or an experiment cites, under a family's folder
+    (issue 32), and every docs/results/ path cited resolves."""
+    texts = _cited_text()
+    kept = [p for p in (ROOT / "docs" / "results").rglob("*") if p.is_file()]
+    assert kept and all(p.parent.parent == ROOT / "docs" / "results" for p in kept), "one folder per family"
+    everything = "\n".join(_expand_braces(t) for t in texts.values())
+    uncited = [str(p.relative_to(ROOT)) for p in kept if p.name not in everything]
+    assert not uncited, f"raw results no page cites (git keeps them): {uncited}"
+    missing = []
+    for name, text in texts.items():
+        for cited in re.findall(r"docs/results/[\w./-]+", _expand_braces(text)):
+            cited = cited.rstrip(".")
+            if not cited.endswith("/") and not (ROOT / cited).exists():
+                missing.append(f"{name}: {cited}")
+    assert not missing, missing
+
+
+def test_experiments_indexed():
+    """experiments/README.md's table names every script that remains, and no script that is gone."""
+    readme = (ROOT / "experiments" / "README.md").read_text()
+    table = {m for m in re.findall(r"^\| `([\w.]+\.py)` \|", readme, flags=re.M)}
+    scripts = {p.name for p in (ROOT / "experiments").glob("*.py")}
+    assert table == scripts, f"not indexed: {sorted(scripts - table)}; indexed but gone: {sorted(table - scripts)}"
 
 
 def test_design_references_resolve_inside_the_repository():

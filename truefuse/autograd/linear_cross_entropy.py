@@ -269,7 +269,7 @@ def linear_cross_entropy(
             accumulator: 512 MiB.
         fp32_weight_grad: accumulate the weight gradient across chunks in fp32 and round once
             (default: as accurate as the plain path; V·H·4 bytes of memory), or in the weight's
-            dtype (no extra memory, one rounding per chunk; measured in docs/benchmarks.md). A
+            dtype (no extra memory, one rounding per chunk; measured in docs/log/benchmarks_2026-11.md). A
             single chunk needs neither: its one GEMM accumulates in fp32 and rounds once.
         fuse_wgrad_accumulation: the weight gradient goes to ``linear_weight.main_grad`` (fp32,
             Megatron's convention) inside the GEMMs, per docs/design.md §2 (what autograd gets: None, or

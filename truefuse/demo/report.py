@@ -8,6 +8,7 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
+from truefuse.config import get_config
 from truefuse.demo.train import DemoResult, RunResult
 
 MEMORY_NOTE_CUDA = "peak memory: torch.cuda.max_memory_allocated over the training steps (model build excluded)"
@@ -61,6 +62,20 @@ def memory_note(result: DemoResult) -> str:
     return MEMORY_NOTE_CUDA if result.config.device.startswith("cuda") else MEMORY_NOTE_CPU
 
 
+def speed_note(result: DemoResult) -> str:
+    """Why the CPU's step times say nothing of truefuse's speed: its Triton kernels run on a GPU;
+    on the CPU its ops take their reference path, the unfused PyTorch they replace (or, under
+    ``TRITON_INTERPRET=1``, Triton's interpreter, slower still). Empty on CUDA."""
+    if result.config.device.startswith("cuda"):
+        return ""
+    if get_config().triton_interpret:
+        return "speed: not the point on the CPU, where truefuse's kernels run in Triton's interpreter; the GPU run is"
+    return (
+        "speed: not the point on the CPU, where truefuse runs its reference path (the unfused PyTorch it replaces; "
+        "its Triton kernels need a GPU): the GPU run is (--size gpu)"
+    )
+
+
 def title(result: DemoResult) -> str:
     c = result.config
     return (
@@ -74,9 +89,8 @@ def print_table(result: DemoResult, rows: list[dict], console=None) -> None:
     from rich.table import Table
 
     cfg = result.config
-    t = Table(
-        title=title(result), caption=f"mean step time leaves out the first {cfg.timing_warmup} steps; {memory_note(result)}"
-    )
+    notes = [f"mean step time leaves out the first {cfg.timing_warmup} steps", memory_note(result), speed_note(result)]
+    t = Table(title=title(result), caption="; ".join(n for n in notes if n))
     for col in (
         "run",
         "final loss",
@@ -113,6 +127,7 @@ def to_json(result: DemoResult, rows: list[dict]) -> dict:
         "environment": result.environment,
         "model_config": {k: v for k, v in result.model_config.items() if isinstance(v, (int, float, str, bool, type(None)))},
         "memory_note": memory_note(result),
+        "speed_note": speed_note(result),
         "runs": [
             {**by_name[run.name], "losses": run.losses, "step_s": run.step_s, "mem_bytes": run.mem_bytes} for run in result.runs
         ],

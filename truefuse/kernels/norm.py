@@ -86,7 +86,7 @@ def _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, e
     """One row of the forward: ``x`` the row in fp32 (masked lanes 0), ``w`` / ``b`` the weight and
     bias rows in fp32 or their own dtype (upcast here: the same values; placeholders without HAS_W /
     HAS_B), ``row`` int64. LayerNorm's two reductions (mean, then variance) stay two: one pass
-    (Chan's combine) measured 2-20% slower (experiments/exp_norm_variants.py)."""
+    (Chan's combine) measured 2-20% slower (experiments/exp_norm_variants.py at d49a912)."""
     w = w.to(tl.float32)
     b = b.to(tl.float32)
     if IS_RMS:
@@ -146,7 +146,7 @@ def _norm_fwd_kernel(
     same code in the same layout either way (same bits: only the schedule differs). WB: where the
     weight and bias rows live between rows: "reg" in fp32 registers, "narrow" in registers in their
     own dtype (half the registers; upcast per row: the same values, the same bits). Reloading them
-    per row from L1 was never faster (experiments/exp_norm_sums.py)."""
+    per row from L1 was never faster (experiments/exp_norm_sums.py at d49a912)."""
     _pdl_enter(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_N)
@@ -182,7 +182,7 @@ def _ln_fwd_staged_kernel(x_desc, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, strid
     the (M, N) x; columns past N read as zeros) through a software-pipelined loop: STAGES rows in
     flight per program in shared memory, where ``_norm_fwd_kernel`` holds one prefetched row in
     registers (an H200, M = 8192: 66-76% -> 72-93% of the copy rate from 1024 to 16384,
-    experiments/exp_norm_tma.py). Persistent: program p norms rows p, p + P, ... The same rounding
+    experiments/exp_norm_tma.py at d49a912). Persistent: program p norms rows p, p + P, ... The same rounding
     rule as ``_fwd_row``'s LayerNorm, written for the (1, BLOCK_N) block the descriptor gives:
     reshaped to 1-D and handed to ``_fwd_row``, the 4096-wide forward + backward lost 6-7 points of
     the copy floor (likely a layout conversion; H200, 2026-11-23). Each row reduced in an order fixed by

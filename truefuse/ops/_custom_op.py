@@ -29,7 +29,7 @@ def launch(op, *args):
     """Run a launcher registered with :func:`custom_op`: through the dispatcher while torch.compile
     traces (the graph holds one opaque call), its body directly in eager mode, where the
     dispatcher's handling of a many-argument schema costs tens of µs a call (the 64-expert
-    GroupedMLP's fused grouped step: 2.92 ms through the ops against 2.33 ms; docs/benchmarks.md)."""
+    GroupedMLP's fused grouped step: 2.92 ms through the ops against 2.33 ms; docs/log/benchmarks_2026-11.md)."""
     if torch.compiler.is_compiling():
         return op(*args)
     return op.body(*args)

@@ -57,7 +57,7 @@ def check_splits(m_splits, n_groups: int | None, total: int, axis: str) -> list[
     """
     # the usual call first, a list of non-negative Python ints with the right count and sum, in one
     # pass: at 128 groups the general checks below cost ~25 us a call (H200 host), and a grouped
-    # layer at 128 experts is host-bound (docs/benchmarks.md, grouped GEMM follow-up). A copy: a
+    # layer at 128 experts is host-bound (docs/log/benchmarks_2026-11.md, grouped GEMM follow-up). A copy: a
     # caller reusing its list cannot change what a backward saved
     if type(m_splits) is list and (n_groups is None or len(m_splits) == n_groups):
         if all(type(v) is int and v >= 0 for v in m_splits) and sum(m_splits) == total:

@@ -68,7 +68,7 @@ _TUNED_CONFIGS: dict[tuple[str, torch.dtype, tuple[int, int]], TileConfig] = {
     # memory on triton 3.6: both resident; a triton 3.9 compile for sm_90 keeps a separate epilogue
     # buffer, 160 KiB: one per SM, so recheck on an upgrade),
     # written (or added into main_grad) through a TMA descriptor: the same bits, main_grad 0.77× /
-    # 0.83× the pointer epilogue's layer time at 128 × 128 / 64 × 256 (H200, docs/benchmarks.md);
+    # 0.83× the pointer epilogue's layer time at 128 × 128 / 64 × 256 (H200, docs/log/benchmarks_2026-11.md);
     # "wgrad_large" (a layer of >= _LARGE_LAYER weights per group): 128×256 tiles, one program per SM.
     **{
         ("wgrad", dt, (9, 0)): TileConfig(64, 128, 128, num_warps=8, num_stages=3, programs_per_sm=2, tma=True, tma_epilogue=True)
@@ -83,7 +83,7 @@ _TUNED_CONFIGS: dict[tuple[str, torch.dtype, tuple[int, int]], TileConfig] = {
     # 8 × 2048 layer with main_grad: 29.9 ms against 31.8 (four parts: 30.4). An _acc entry must keep
     # the plain entry's fp32 sums (test_main_grad_accumulation: main_grad += dW is start + the plain
     # fp32 dW, bitwise): other N×K tiles, warps, stages or programs per SM with the same 64-row steps
-    # did (exp_grouped_gemm_acc.py, every candidate bitwise), but none was faster (docs/benchmarks.md)
+    # did (exp_grouped_gemm_acc.py at d49a912, every candidate bitwise), but none was faster (docs/log/benchmarks_2026-11.md)
     **{
         ("wgrad_large_acc", dt, (9, 0)): TileConfig(
             64, 128, 256, num_warps=8, num_stages=3, programs_per_sm=1, tma=True, tma_epilogue=True, epilogue_split=2

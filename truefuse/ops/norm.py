@@ -122,7 +122,7 @@ def use_kernel(x: torch.Tensor) -> bool:
 
 # Programmatic dependent launch for the norm's kernels where ``_triton.hopper``: each kernel waits for
 # the previous one before its first load and store, so any neighbour is safe; it hides a kernel
-# boundary (0.3-2 µs of fwd + bwd, experiments/exp_norm_variants.py).
+# boundary (0.3-2 µs of fwd + bwd, experiments/exp_norm_variants.py at d49a912).
 
 
 def _pdl_kw(pdl: bool) -> dict:

@@ -25,9 +25,9 @@ def block_and_warps(n: int) -> tuple[int, int]:
 def fwd_programs_per_sm(n: int) -> int:
     """Persistent forward programs per SM (0: one program per row), from the hidden size only.
     Either schedule norms each row with the same code and layout (BLOCK_N and num_warps of
-    :func:`block_and_warps`): the same bits. Measured on an H200 (experiments/exp_norm_sweep.py,
-    docs/benchmarks.md): persistent is 1.1-1.35x faster from 5120 up and at 1024 and 2880; at 1024
-    32 programs per SM beat 16 by 0.6 µs of the 8192-row forward + backward (exp_norm_sums.py)."""
+    :func:`block_and_warps`): the same bits. Measured on an H200 (experiments/exp_norm_sweep.py at d49a912,
+    docs/log/benchmarks_2026-11.md): persistent is 1.1-1.35x faster from 5120 up and at 1024 and 2880; at 1024
+    32 programs per SM beat 16 by 0.6 µs of the 8192-row forward + backward (exp_norm_sums.py at d49a912)."""
     if n <= 1024:
         return 32
     if n <= 2048 or 2880 < n <= 4096:
@@ -41,7 +41,7 @@ def ln_fwd_config(n: int) -> tuple[int, int, str]:
     """LayerNorm forward's (num_warps, programs per SM (0: one per row), WB: where the weight and
     bias rows live between rows, ``kernels/norm.py::_norm_fwd_kernel``), from the hidden size only.
     Not coupled to the allreduce (only RMSNorm's forward is): its own choice. Measured on an H200
-    (experiments/exp_norm_sums.py): w and b held in bf16 ("narrow") are 3-7% faster than in fp32 at
+    (experiments/exp_norm_sums.py at d49a912): w and b held in bf16 ("narrow") are 3-7% faster than in fp32 at
     2048, 2880, 7168 and 16384, a tie elsewhere; loading them per row from L1 is never faster."""
     if n <= 1024:
         return block_and_warps(n)[1], 16, "reg"
@@ -57,7 +57,7 @@ def ln_fwd_staged_config(n: int, dtype: torch.dtype) -> tuple[int, int, int] | N
     pointer kernel runs: from the hidden size and dtype only (a row's bits are each kernel's own).
     2-byte dtypes whose rows are whole 16-byte units (H % 8 == 0: a TMA row stride). Three rows in
     flight per program and 96 KB of staged rows per SM (16384 // BLOCK_N programs): measured on an
-    H200 at 1024, 2880, 5120, 8192 and 16384 (experiments/exp_norm_tma.py; two stages measured
+    H200 at 1024, 2880, 5120, 8192 and 16384 (experiments/exp_norm_tma.py at d49a912; two stages measured
     1.1-3x slower). 8 warps from 5120 to 8192 (not ``ln_fwd_config``'s 16): 3.6% of the forward +
     backward at 5120 (experiments/exp_norm_resweep.py). Where the row pads most (5120 of 8192
     lanes), 4 warps and four rows in flight (128 KB per SM): 1.3-2.4% of the forward + backward
@@ -84,7 +84,7 @@ class BwdConfig(NamedTuple):
 def bwd_config(n: int, rms: bool = True) -> BwdConfig:
     """The backward's configuration, from the hidden size only (never the row count: a row's dx
     reduces in an order set by the blocks, the tile and num_warps alone). Measured on an H200
-    (experiments/exp_norm_sweep.py, exp_norm_variants.py): two-row tiles and more programs for
+    (experiments/exp_norm_sweep.py, exp_norm_variants.py at d49a912): two-row tiles and more programs for
     small rows (1024: 1.8x), one program per SM and 16-32 warps for wide rows. Above 8192 the row in
     two halves (``_norm_bwd_split_kernel``) at 16 warps, x and dy held through the reductions: in
     the library's forward + backward at 16384 that beat the halves reloaded at 32 warps (RMSNorm)
@@ -144,7 +144,7 @@ def pdl_trigger(kernel: str, n: int, rms: bool) -> int:
 def sum_config(n: int, two: bool = False) -> tuple[int, int, int]:
     """``_sum_partials_kernel``'s (BLOCK_P, BLOCK_N, num_warps): tall thin tiles, few serial loads;
     up to 4096 the backward's 264-528 partial rows in one round where that measured faster (1024,
-    and LayerNorm's two sums in one launch: 4.5 -> 3.2 µs at 1024; experiments/exp_norm_sums.py)."""
+    and LayerNorm's two sums in one launch: 4.5 -> 3.2 µs at 1024; experiments/exp_norm_sums.py at d49a912)."""
     if n <= 4096:
         return (512 if n <= 1024 or two else 256), 16, 8
     return 128, 16, 4

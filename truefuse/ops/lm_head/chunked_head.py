@@ -172,7 +172,7 @@ def default_chunk(N: int, V: int, H: int, itemsize: int, fp32_accumulator: bool)
     accumulator (8·V·H bytes) beside a weight-gradient GEMM of 2·chunk·V·H flops, so larger chunks
     cost less time: at 16384 x 128256 x 4096 (H200, bf16) chunks of 2048 / 4096 / 8192 took
     1.120 / 1.059 / 1.054x the three GEMMs, torch.compile of the plain path 1.065x (8192 is chosen
-    there, the accumulator's budget; docs/benchmarks.md).
+    there, the accumulator's budget; docs/log/benchmarks_2026-11.md).
 
     With the accumulator, one chunk is also taken when its peak (all the logits, and the weight
     gradient its one GEMM writes in the input's dtype beside them) is at most 1/8 above the
@@ -181,7 +181,7 @@ def default_chunk(N: int, V: int, H: int, itemsize: int, fp32_accumulator: bool)
     instead of a fourth GEMM. At 8192 x 152064 x 3584 (bf16) that is 3.58 against 3.43 GB (+4.5%)
     for 3 GEMMs instead of 4 (linear_log_probs 1.50x the GEMMs in two chunks); at 16384 x 128256 x
     4096 5.25 against 4.20 GB (+25%) keeps the 8192-token chunks (one chunk was no faster there:
-    1.070 against 1.054x; docs/benchmarks.md)."""
+    1.070 against 1.054x; docs/log/benchmarks_2026-11.md)."""
     chunk_bytes = get_tuning().chunk_bytes
     acc = V * H * 4 if fp32_accumulator else 0
     budget = max(chunk_bytes, acc)

@@ -202,7 +202,7 @@ def target_prologue(t: torch.Tensor, V: int, ignore_index: int, reduction: str, 
     kernel computes them all (``kernels/linear_cross_entropy.py``: ``_lce_targets_kernel``, the same
     bits) instead of ten small PyTorch kernels (the mask, the count, its clamp and cast, the
     reciprocal, the target check's four): each launch sits between the GEMMs of a step
-    (docs/benchmarks.md, 8192 × 32000 × 4096). Elsewhere: those functions."""
+    (docs/log/benchmarks_2026-11.md, 8192 × 32000 × 4096). Elsewhere: those functions."""
     wide = wide_dtype(like)
     if cw is not None or wide != torch.float32 or not triton_runs(like) or torch.compiler.is_compiling():
         valid = t != ignore_index

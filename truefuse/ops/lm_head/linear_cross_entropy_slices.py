@@ -67,7 +67,7 @@ def default_slice_width(N: int, V: int, itemsize: int, budget: int | None = None
     :data:`LEAN_PEAK` leaves beside the d_input buffer when that is more, and the slices are
     evened out (as few, each as wide): every slice adds a pass over the fp32 d_input buffer in
     its d_input GEMM (beta=1, 2·N·H·4 bytes), so fewer slices cost less time. H200, bf16, forward +
-    backward against the default (``experiments/exp_lce_rule_lean.py``, docs/benchmarks.md):
+    backward against the default (``experiments/exp_lce_rule_lean.py`` at d49a912, docs/log/benchmarks_2026-11.md):
     8192 x 128256 x 4096 in 8 slices of 16384 1.353x, in 5 of 25664 1.343x (465 MiB); 16384 x
     128256 x 4096 in 16 of 8192 1.352x, in 10 of 12864 1.337x (530 MiB)."""
     budget = get_tuning().slice_bytes if budget is None else budget
