@@ -155,3 +155,165 @@ def test_linear_family_rows(kind, torch_paths):
     for sl in (slice(0, 1), slice(0, 3), slice(9, 12), slice(0, 64)):
         ys, dxs = _fwd_bwd(m, x[sl], dy[sl])
         assert torch.equal(ys, y[sl]) and torch.equal(dxs, dx[sl]), f"{kind} rows {sl}"
+
+
+# ---------------------------------------------------------------------------------------------
+# norms, rope, activations: the reference paths the CPU runs, rows vs the whole call
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_elementwise_and_norm_ops_rows(dtype, torch_paths):
+    x = _t((70, 64), dtype, 9)
+    w = _t((64,), dtype, 10)
+    sl = [slice(0, 1), slice(0, 3), slice(20, 23), slice(0, 64)]
+    with truefuse.batch_invariant():
+        _rows_invariant(lambda t: truefuse.rms_norm_hf(t, w, 1e-6, style="llama"), x, sl)
+        _rows_invariant(lambda t: truefuse.rms_norm_hf(t, w, 1e-6, style="gemma"), x, sl)
+        _rows_invariant(lambda t: truefuse.rms_norm(t, w, 1e-6), x, sl)
+        _rows_invariant(lambda t: truefuse.layer_norm(t, w, w, 1e-5), x, sl)
+        _rows_invariant(lambda t: truefuse.gated_activation(t, "swiglu"), x, sl)
+        # rope: (batch, heads, seq, head_dim) with one token per batch entry, the tokens as rows
+        cos, sin = _t((70, 1, 16), dtype, 11), _t((70, 1, 16), dtype, 12)
+        q = _t((70, 2, 1, 16), dtype, 13)
+        full = truefuse.apply_rotary_pos_emb(q, q, cos, sin)[0]
+        for s in sl:
+            assert torch.equal(truefuse.apply_rotary_pos_emb(q[s], q[s], cos[s], sin[s])[0], full[s])
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face: apply_truefuse(model, batch_invariant=True)
+
+
+class _LoraLike(torch.nn.Module):
+    """A LoRA wrapper as PEFT builds one: the base nn.Linear kept, two adapters added on top."""
+
+    def __init__(self, base: torch.nn.Linear, r: int = 4):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = torch.nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = torch.nn.Linear(r, base.out_features, bias=False)
+        torch.nn.init.normal_(self.lora_B.weight)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * 0.5
+
+
+def test_hf_linears_and_lora_run_batch_invariant(torch_paths):
+    pytest.importorskip("transformers")
+    from tests.hf.tiny import tiny_model
+    from truefuse.integrations.huggingface import apply_truefuse, unpatch_truefuse
+    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
+
+    model = tiny_model("llama")
+    attn = model.model.layers[0].self_attn
+    attn.q_proj = _LoraLike(attn.q_proj)
+    report = apply_truefuse(model, batch_invariant=True)
+    how = "truefuse Linear on the batch-invariant GEMM"
+    assert report.batch_invariant[("nn.Linear q_proj", how)] == 1  # the other layer's; this one is wrapped
+    assert report.batch_invariant[("nn.Linear base_layer", how)] == report.batch_invariant[("nn.Linear lora_A", how)] == 1
+    assert report.batch_invariant[("nn.Linear down_proj", how)] == 2
+    assert "batch-invariant" in str(report)
+    assert type(attn.q_proj.base_layer) is torch.nn.Linear  # no class changed
+
+    # the wrapper's rows under the model's mode: forward and input gradient
+    x, dy = _t((40, 32), F32, 14), _t((40, 32), F32, 15)
+
+    def fwd_bwd(rows):
+        t = x[rows].clone().requires_grad_()
+        with running_batch_invariant() as mode:
+            y = attn.q_proj(t)
+        (dx,) = torch.autograd.grad(y, t, dy[rows])
+        return y.detach(), dx, mode.routed
+
+    y, dx, routed = fwd_bwd(slice(0, 40))
+    assert routed == 3  # base, lora_A, lora_B
+    for rows in (slice(0, 1), slice(0, 3), slice(17, 20)):
+        ys, dxs, _ = fwd_bwd(rows)
+        assert torch.equal(ys, y[rows]) and torch.equal(dxs, dx[rows]), rows
+
+    # the hooks: on inside the model's forward only, also after an exception
+    seen = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: seen.append(truefuse.is_batch_invariant()))
+    model(torch.randint(0, 100, (1, 5)))
+    assert seen == [True] and not truefuse.is_batch_invariant()
+    with pytest.raises(Exception):
+        model(torch.randint(0, 100, (1, 5)), position_ids="bad")
+    assert not truefuse.is_batch_invariant()
+    unpatch_truefuse(model)
+    seen.clear()
+    model(torch.randint(0, 100, (1, 5)))
+    assert seen == [False]
+
+
+def _train_twice(model_type):
+    from tests.hf.tiny import tiny_model
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    runs = []
+    for _ in range(2):
+        model = tiny_model(model_type)
+        apply_truefuse(model, batch_invariant=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ids = torch.randint(0, 100, (3, 9), generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(2):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs.append((torch.stack(losses), [p.detach().clone() for p in model.parameters()]))
+    return runs
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_hf_training_steps_are_bitwise_reproducible(model_type, torch_paths):
+    """Two training steps of a patched tiny model, twice from the same seed: the same bits."""
+    pytest.importorskip("transformers")
+    (l1, p1), (l2, p2) = _train_twice(model_type)
+    assert torch.equal(l1, l2)
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_hf_moe_tokens_independent_of_batch(model_type, torch_paths):
+    """The MoE block (router + experts + combine): each token's output and input gradient are the
+    same bits alone, in a slice, or in the whole batch."""
+    pytest.importorskip("transformers")
+    from tests.hf.tiny import tiny_model
+    from truefuse.integrations.huggingface import apply_truefuse
+    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
+
+    model = tiny_model(model_type)
+    apply_truefuse(model, batch_invariant=True)
+    block = model.model.layers[0].mlp
+    x, dy = _t((1, 40, 32), F32, 16), _t((1, 40, 32), F32, 17)
+
+    def fwd_bwd(rows):
+        t = x[:, rows].clone().requires_grad_()
+        with running_batch_invariant():
+            y = block(t)
+        y = y[0] if isinstance(y, tuple) else y
+        (dx,) = torch.autograd.grad(y, t, dy[:, rows])
+        return y.detach(), dx
+
+    y, dx = fwd_bwd(slice(0, 40))
+    for rows in (slice(0, 1), slice(0, 3), slice(11, 30)):
+        ys, dxs = fwd_bwd(rows)
+        assert torch.equal(ys, y[:, rows]) and torch.equal(dxs, dx[:, rows]), rows
+
+
+def test_router_ties_go_to_the_lowest_expert():
+    pytest.importorskip("transformers")
+    from tests.hf.tiny import tiny_model
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    model = tiny_model("qwen3_moe")
+    apply_truefuse(model, batch_invariant=True)
+    gate = model.model.layers[0].mlp.gate
+    with torch.no_grad():
+        gate.weight.zero_()
+        gate.weight[3, 0] = 1.0  # expert 3 first; experts 0, 1, 2 tie for second place
+    _, scores, idx = gate(torch.ones(5, 32))
+    assert idx.tolist() == [[3, 0]] * 5
+    assert scores.dtype == torch.float32  # the tiny model's hidden dtype, as stock casts
