@@ -10,6 +10,7 @@ import torch
 #: benchmark name -> module defining ``sweep(quick: bool) -> Sweep`` (and optionally CUDA_GRAPH)
 BENCHES = {
     "gemm": "truefuse.bench.bench_gemm",
+    "bi_gemm": "truefuse.bench.bench_bi_gemm",
     "linear": "truefuse.bench.bench_linear",
     "norm": "truefuse.bench.bench_norm",
     "grouped": "truefuse.bench.bench_grouped",
