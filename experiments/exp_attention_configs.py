@@ -15,8 +15,8 @@ import truefuse.ops.attention as ops_attention
 from truefuse.autograd.attention import attention
 from truefuse.ops.attention_config import AttentionConfig
 
-FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
-BWD = [(64, 64, 64, 64, 8, 2), (32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 8, 2), (32, 64, 64, 32, 4, 3)]
+FWD = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 4)]
+BWD = [(32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 8, 2), (32, 64, 64, 32, 4, 2), (32, 64, 64, 32, 2, 3)]
 
 
 def _t(fn):
@@ -46,7 +46,7 @@ def main():
     print(f"sdpa_flash: fwd {sf:.3f} fwd_bwd {sb:.3f} decode1 {sd[1]:.4f} decode32 {sd[32]:.4f} (decode incl. repeat)")
     for f in FWD:
         for bw in BWD if f == FWD[0] else BWD[:1]:
-            cfg = AttentionConfig(*f, *bw)
+            cfg = AttentionConfig(*f, *bw, 512)
             ops_attention.attention_config = lambda *a, cfg=cfg: cfg
             try:
                 tf = _t(lambda: attention(q, k, v, is_causal=True, enable_gqa=True))

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 import truefuse
+from truefuse.ops.attention_blocked import attention_blocked
+from truefuse.ops.attention_mask import first_valid_key
+from truefuse.testing import assert_bitwise
 from truefuse.verify.registry import all_cases
 
 _NAMES = [c.name for c in all_cases(["attention"], "cpu")]
@@ -67,3 +70,17 @@ def test_bad_input_is_refused_naming_the_argument(kw, match):
             args[name] = kw.pop(name)
     with pytest.raises((ValueError, TypeError), match=match):
         truefuse.attention(args["q"], args["k"], args["v"], **kw)
+
+
+def test_pytorch_path_aligns_blocks_to_the_first_valid_key():
+    """The PyTorch path (bf16 on the CPU, where bf16 rounding hides fp32 differences) in fp32: a
+    left-padded sequence's rows equal the sequence alone, decode equals prefill."""
+    L, pad = 37, 11
+    q, k, v = _qkv(1, 2, 1, L, 16, "cpu", torch.float32, seed=4)
+    mask = (torch.arange(L) >= pad)[None, None, None] & torch.ones(L, L, dtype=torch.bool).tril()
+    start = first_valid_key(mask, 1, L, q.device)
+    padded = attention_blocked(q, k, v, mask.expand(1, 2, L, L), start, 0.25, False, 0, 0.0)
+    alone = attention_blocked(q[:, :, pad:], k[:, :, pad:], v[:, :, pad:], None, start * 0, 0.25, True, 0, 0.0)
+    assert_bitwise(padded[:, :, pad:], alone, "left-padded rows")
+    step = attention_blocked(q[:, :, -1:], k, v, None, start * 0, 0.25, False, 0, 0.0)
+    assert_bitwise(step, attention_blocked(q, k, v, None, start * 0, 0.25, True, 0, 0.0)[:, :, -1:], "decode step")

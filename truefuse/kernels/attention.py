@@ -112,30 +112,39 @@ def _key_range(
 
 
 @triton.jit
-def _attention_fwd_kernel(
-    Q, K, V, Mask, KeyStart, Out, Lse,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, smb, smh, smm, smn,
-    H, GROUP, L_q, L_k, D, scale, softcap, window,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
-    bh, b, h, hk, m0 = _query_program(H, GROUP, BLOCK_M)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    in_d = offs_d < D
-    b64 = b.to(tl.int64)
-    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh
-    k_base = K + b64 * skb + hk.to(tl.int64) * skh
-    v_base = V + b64 * svb + hk.to(tl.int64) * svh
-    mask_row_ptr = Mask + b64 * smb + h.to(tl.int64) * smh
-    q = _rows(q_base, offs_m, sqm, offs_d, (offs_m[:, None] < L_q) & in_d[None, :])
-    start = tl.load(KeyStart + b)
-    lo, hi = _key_range(start, m0, L_q, L_k, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+def _row_sum(p, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Σ_n p[m, n] in an order fixed by the dot instruction: a one-hot (BLOCK_N, 16) matrix puts
+    the sum in column 0 and zeros elsewhere, so the final tl.sum adds only zeros (exact). A tl.sum
+    over p itself reduces in the order of whatever register layout the compiler gives p, which
+    changed with the mask: on an H100 a row alone and the same row in a masked batch differed by
+    1 ulp in ~20% of fp32 outputs."""
+    one_hot = (tl.arange(0, p.shape[1])[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0)
+    return tl.sum(_dot(p, one_hot.to(p.dtype), tl.zeros([p.shape[0], 16], tl.float32), PRECISION, INTERPRETED), 1)
 
+
+@triton.jit
+def _merge(m1, l1, acc1, m2, l2, acc2):
+    """Two online-softmax states (max, sum, accumulator) as one. An empty state (−inf, 0, 0) is
+    neutral on either side, bit for bit."""
+    m = tl.maximum(m1, m2)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    a1 = tl.exp2((m1 - m_safe) * LOG2E)
+    a2 = tl.exp2((m2 - m_safe) * LOG2E)
+    return m, l1 * a1 + l2 * a2, acc1 * a1[:, None] + acc2 * a2[:, None]
+
+
+@triton.jit
+def _chunk_state(
+    q, k_base, v_base, skn, svn, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start, c_lo, c_hi, L_q, L_k,
+    scale, softcap, window,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over the key blocks [c_lo, c_hi) of one chunk, from the empty state."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
+    for n0 in range(c_lo, c_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_n = offs_n < L_k
         kt = tl.load(k_base + offs_n[None, :].to(tl.int64) * skn + offs_d[:, None], mask=in_n[None, :] & in_d[:, None], other=0.0)
@@ -144,12 +153,17 @@ def _attention_fwd_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2((m_i - m_safe) * LOG2E)
-        p = tl.exp2((s - m_safe[:, None]) * LOG2E)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = _rows(v_base, offs_n, svn, offs_d, in_n[:, None] & in_d[None, :])
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, INTERPRETED)
+        p = tl.exp2((s - m_safe[:, None]) * LOG2E).to(v.dtype)
+        l_i = l_i * alpha + _row_sum(p, PRECISION, INTERPRETED)
+        acc = _dot(p, v, acc * alpha[:, None], PRECISION, INTERPRETED)
         m_i = m_new
+    return m_i, l_i, acc
 
+
+@triton.jit
+def _finish(m_i, l_i, acc, Out, Lse, b64, h, bh, offs_m, offs_d, in_d, sob, soh, som, L_q):
+    """out = acc / l (zeros where the row saw no key) and lse in base 2 (+inf there)."""
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -158,6 +172,82 @@ def _attention_fwd_kernel(
     o_ptr = Out + b64 * sob + h.to(tl.int64) * soh + offs_m[:, None].to(tl.int64) * som + offs_d[None, :]
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=in_m[:, None] & in_d[None, :])
     tl.store(Lse + bh.to(tl.int64) * L_q + offs_m, lse2, mask=in_m)
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    Q, K, V, Mask, KeyStart, Out, Lse, Part,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, smb, smh, smm, smn,
+    H, GROUP, L_q, L_k, D, scale, softcap, window, n_chunks,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """The forward. Keys go in chunks of CHUNK keys from key_start, each chunk's state from the
+    empty one, merged into the row's state in chunk order. SPLIT=False: one program takes every
+    chunk of its rows (prefill). SPLIT=True (decode: too few query programs to fill the GPU): the
+    grid's third axis is the chunk; each program writes its chunk's state to ``Part``
+    (n_chunks, B·H, L_q, BLOCK_D + 2) and ``_attention_fwd_merge_kernel`` merges them in the same
+    order with the same ``_merge``, so both give the same bits."""
+    bh, b, h, hk, m0 = _query_program(H, GROUP, BLOCK_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_d = offs_d < D
+    b64 = b.to(tl.int64)
+    k_base = K + b64 * skb + hk.to(tl.int64) * skh
+    v_base = V + b64 * svb + hk.to(tl.int64) * svh
+    mask_row_ptr = Mask + b64 * smb + h.to(tl.int64) * smh
+    q = _rows(Q + b64 * sqb + h.to(tl.int64) * sqh, offs_m, sqm, offs_d, (offs_m[:, None] < L_q) & in_d[None, :])
+    start = tl.load(KeyStart + b)
+    lo, hi = _key_range(start, m0, L_q, L_k, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    if SPLIT:
+        c0 = start + tl.program_id(2) * CHUNK
+        m_i, l_i, acc = _chunk_state(
+            q, k_base, v_base, skn, svn, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start,
+            tl.maximum(c0, lo), tl.minimum(c0 + CHUNK, hi), L_q, L_k, scale, softcap, window,
+            BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED,
+        )  # fmt: skip
+        row = ((tl.program_id(2) * tl.num_programs(1) + bh).to(tl.int64) * L_q + offs_m) * (BLOCK_D + 2)
+        in_m = offs_m < L_q
+        tl.store(Part + row[:, None] + offs_d[None, :], acc, mask=in_m[:, None])
+        tl.store(Part + row + BLOCK_D, m_i, mask=in_m)
+        tl.store(Part + row + BLOCK_D + 1, l_i, mask=in_m)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for c0 in range(start + (lo - start) // CHUNK * CHUNK, hi, CHUNK):
+            m_c, l_c, acc_c = _chunk_state(
+                q, k_base, v_base, skn, svn, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start,
+                tl.maximum(c0, lo), tl.minimum(c0 + CHUNK, hi), L_q, L_k, scale, softcap, window,
+                BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED,
+            )  # fmt: skip
+            m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c)
+        _finish(m_i, l_i, acc, Out, Lse, b64, h, bh, offs_m, offs_d, in_d, sob, soh, som, L_q)
+
+
+@triton.jit
+def _attention_fwd_merge_kernel(
+    Part, Out, Lse, sob, soh, som, H, L_q, D, n_chunks, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    """The split forward's second step: the chunks' states merged in chunk order (``_merge``, as
+    the one-program forward merges them), then ``_finish``."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_m = offs_m < L_q
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for c in range(0, n_chunks):
+        row = ((c * tl.num_programs(1) + bh).to(tl.int64) * L_q + offs_m) * (BLOCK_D + 2)
+        acc_c = tl.load(Part + row[:, None] + offs_d[None, :], mask=in_m[:, None], other=0.0)
+        m_c = tl.load(Part + row + BLOCK_D, mask=in_m, other=float("-inf"))
+        l_c = tl.load(Part + row + BLOCK_D + 1, mask=in_m, other=0.0)
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c)
+    b = bh // H
+    _finish(m_i, l_i, acc, Out, Lse, b.to(tl.int64), bh % H, bh, offs_m, offs_d, offs_d < D, sob, soh, som, L_q)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import torch
 
 from truefuse.config import get_config
 from truefuse.ops._custom_op import register_backward
-from truefuse.ops._triton import triton_runs
+from truefuse.ops._triton import sm_count, triton_runs
 from truefuse.ops.attention_blocked import score_transform
 from truefuse.ops.attention_config import attention_config
 from truefuse.ops.attention_mask import score_mask
@@ -91,8 +91,13 @@ def _common(q, k, window, softcap, is_causal, attn_mask):
 
 def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap):
     """The forward kernel: returns (B, Hq, Lq, D) output in q's dtype and (B, Hq, Lq) fp32 lse in
-    base 2 (+inf on rows that see no key)."""
-    from truefuse.kernels.attention import _attention_fwd_kernel
+    base 2 (+inf on rows that see no key).
+
+    Decode (at most one query block) on a grid too small for the GPU splits the keys' chunks
+    across programs and merges them in a second kernel. The choice follows the shapes and the
+    GPU, and may: both ways run the same arithmetic per row (``kernels/attention.py``).
+    """
+    from truefuse.kernels.attention import _attention_fwd_kernel, _attention_fwd_merge_kernel
 
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
@@ -101,11 +106,21 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
     if out.numel() == 0:
         return out, lse.fill_(float("inf"))
     cfg, mask, ms, flags = _common(q, k, window, softcap, is_causal, attn_mask)
-    _attention_fwd_kernel[(_cdiv(Lq, cfg.block_m), B * H)](
-        q, k, v, mask, key_start, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms,
-        H, H // Hk, Lq, Lk, D, scale, softcap, window,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+    n_chunks = _cdiv(Lk, cfg.chunk)
+    programs = _cdiv(Lq, cfg.block_m) * B * H
+    split = n_chunks > 1 and Lq <= cfg.block_m and (flags["INTERPRETED"] or programs < sm_count(q.device.index or 0))
+    part = q.new_empty((n_chunks, B * H, Lq, flags["BLOCK_D"] + 2) if split else (1,), dtype=torch.float32)
+    _attention_fwd_kernel[(_cdiv(Lq, cfg.block_m), B * H, n_chunks if split else 1)](
+        q, k, v, mask, key_start, out, lse, part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms,
+        H, H // Hk, Lq, Lk, D, scale, softcap, window, n_chunks,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, **flags,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
+    if split:
+        _attention_fwd_merge_kernel[(_cdiv(Lq, cfg.block_m), B * H)](
+            part, out, lse, *out.stride()[:3], H, Lq, D, n_chunks, BLOCK_M=cfg.block_m, BLOCK_D=flags["BLOCK_D"],
+            num_warps=cfg.fwd_warps,
+        )  # fmt: skip
     return out, lse
 
 
