@@ -4,7 +4,7 @@ bounded: forward, dq, dk, dv against ``attention_ref`` in float64, the same-dtyp
 baseline (the reference in the input dtype for softcap and windows, which SDPA lacks).
 bitwise: a sequence's rows alone equal its rows in a left- and a right-padded batch; decode steps
 (one query, then a chunk of three) equal one causal prefill; two backward runs are equal.
-On CUDA the shapes are larger (head dim 128, sequences across several of the kernels' tiles).
+On CUDA the shapes are larger (head dim 128, sequences across several of the kernels' chunks).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _shape(device):
-    """(B, Hq, Hk, L, D): tiny under the CPU interpreter, several tiles on a GPU."""
-    return (3, 4, 2, 300, 128) if device.type == "cuda" else (2, 2, 1, 18, 16)
+    """(B, Hq, Hk, L, D): tiny under the CPU interpreter; on a GPU several key chunks (512 keys),
+    and decode's 12 query programs split them (ops/attention.py)."""
+    return (3, 4, 2, 1100, 128) if device.type == "cuda" else (2, 2, 1, 18, 16)
 
 
 def _qkv(B, Hq, Hk, L, D, device, dtype, seed=0):
