@@ -10,7 +10,8 @@ from collections.abc import Callable
 import torch
 
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad, main_grad_target, main_grad_written
-from truefuse.ops.lm_head.chunked_head import HeadGrads, default_chunk
+from truefuse.config import is_batch_invariant
+from truefuse.ops.lm_head.chunked_head import HeadGrads, default_chunk, invariant_chunk
 
 #: ``run(want, **head_chunks_keywords) -> HeadGrads``: one pass of a loss over the head's chunks,
 #: everything but what to compute and where d_weight goes bound (its ``w_dtype`` included).
@@ -73,9 +74,12 @@ def chunk_for(chunk_size: int | None, fp32_weight_grad: bool, x: torch.Tensor, W
     (V·H·4 bytes) exists when d_weight is returned and accumulated in fp32: chunks up to its size
     cost no more memory. Into ``main_grad`` there is none, so the chunks stay within ``chunk_bytes``
     (0.53 GB at 8192 x 128256 x 4096, not 2.1) and the backward recomputes their logits (one more
-    GEMM; docs/benchmarks.md)."""
+    GEMM; docs/benchmarks.md). In batch-invariant mode: ``invariant_chunk`` (no token count read)."""
     if chunk_size:
         return chunk_size
     wgrad = torch.is_grad_enabled() and W.requires_grad
     fused = wstate is not None and wstate.fuse_wgrad_accumulation
-    return default_chunk(x.shape[0], W.shape[0], x.shape[1], x.element_size(), wgrad and fp32_weight_grad and not fused)
+    acc = wgrad and fp32_weight_grad and not fused
+    if is_batch_invariant():
+        return invariant_chunk(W.shape[0], x.shape[1], x.element_size(), acc)
+    return default_chunk(x.shape[0], W.shape[0], x.shape[1], x.element_size(), acc)
