@@ -28,7 +28,7 @@ def test_cases_tell_a_wrong_answer_apart(device, monkeypatch):
     """The bitwise case fails when the op's math is not the head's (here: the reference's)."""
     import truefuse.verify.cases_token_log_probs as cases
 
-    monkeypatch.setattr(cases, "token_log_probs", lambda z, t, temperature: truefuse.token_log_probs_ref(z, t, temperature=temperature))
+    monkeypatch.setattr(cases, "token_log_probs", lambda z, t, **kw: truefuse.token_log_probs_ref(z, t, **kw))
     (c,) = [c for c in all_cases(["token_log_probs"], device.type) if c.name == "same_as_linear_log_probs_bf16"]
     assert not all(r.passed for r in c.fn(device).values())
 

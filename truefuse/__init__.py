@@ -18,12 +18,12 @@ Public API (see README.md and docs/design.md):
 """
 
 from truefuse.autograd.gated_activation import gated_activation
-from truefuse.config import batch_invariant, is_batch_invariant
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
 from truefuse.autograd.linear_log_probs import linear_log_probs
 from truefuse.autograd.norm import layer_norm, rms_norm, rms_norm_hf
 from truefuse.autograd.rope import apply_rotary_pos_emb
 from truefuse.autograd.token_log_probs import token_log_probs
+from truefuse.config import batch_invariant, is_batch_invariant
 from truefuse.nn.grouped import GroupedLinear, GroupedMLP
 from truefuse.nn.layernorm_linear import LayerNormLinear
 from truefuse.nn.layernorm_mlp import LayerNormMLP

@@ -49,7 +49,7 @@ def _same_as_linear_log_probs(dtype):
         z, t, x, W = _logits(dtype, device)
         mine = token_log_probs(z, t, temperature=0.7)
         head = linear_log_probs(x, W, t, temperature=0.7, chunk_size=x.shape[0] * x.shape[1])
-        return {"log_probs": bitwise_report(mine.log_probs, head.log_probs), "entropy": bitwise_report(mine.entropy, head.entropy)}
+        return {k: bitwise_report(getattr(mine, k), getattr(head, k)) for k in ("log_probs", "entropy")}
 
     return case
 
