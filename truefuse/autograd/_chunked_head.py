@@ -11,7 +11,9 @@ import torch
 
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad, main_grad_target, main_grad_written
 from truefuse.config import is_batch_invariant
+from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.lm_head.chunked_head import HeadGrads, default_chunk, invariant_chunk
+from truefuse.ops.lm_head.chunked_head_gemms import input_grad_gemm, logits_gemm, weight_grad_gemm
 
 #: ``run(want, **head_chunks_keywords) -> HeadGrads``: one pass of a loss over the head's chunks,
 #: everything but what to compute and where d_weight goes bound (its ``w_dtype`` included).
@@ -83,3 +85,33 @@ def chunk_for(chunk_size: int | None, fp32_weight_grad: bool, x: torch.Tensor, W
     if is_batch_invariant():
         return invariant_chunk(W.shape[0], x.shape[1], x.element_size(), acc)
     return default_chunk(x.shape[0], W.shape[0], x.shape[1], x.element_size(), acc)
+
+
+class HeadLogitsFunction(torch.autograd.Function):
+    """``x @ Wᵀ (+ b)`` through the chunked head's logits GEMM (``chunked_head_gemms.logits_gemm``,
+    unsplit), differentiable: the logits a model returns in batch-invariant mode, the bits of the
+    head's own chunks (docs/design.md §1). x (N, H), W (V, H), b (V,) or None; logits (N, V)."""
+
+    @staticmethod
+    def forward(ctx, x, W, b):
+        ctx.save_for_backward(x, W)
+        ctx.has_b = b is not None
+        return logits_gemm(x, W, b, None, None)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        x, W = ctx.saved_tensors
+        g = g.contiguous()
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.empty(g.shape[0], W.shape[1], dtype=g.dtype, device=g.device)
+            input_grad_gemm(g, W, dx, None)
+        dW = weight_grad_gemm(g, x, None, False, None) if ctx.needs_input_grad[1] else None
+        db = split_bias_grad(g) if ctx.has_b and ctx.needs_input_grad[2] else None
+        return dx, dW, db
+
+
+def head_logits(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits (..., V) of hidden states ``x`` (..., H) by the head's GEMM (``HeadLogitsFunction``)."""
+    return HeadLogitsFunction.apply(x.reshape(-1, x.shape[-1]), W, b).view(*x.shape[:-1], W.shape[0])
