@@ -53,6 +53,8 @@ def _call_for(feature, i, o, device):
     if feature == "grouped":
         splits = [16, 0, 1, 53]
         return (_t((M, 48), i, device, 7), _t((4, 48, 40), i, device, 8, 48**-0.5)), {"m_splits": splits, "out_dtype": od}
+    if feature == "batch_invariant":
+        return (x, w.t()), {"out_dtype": od, "batch_invariant": True}
     raise AssertionError(feature)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from truefuse.autograd._autocast import autocast_disabled, cast
+from truefuse.autograd._batch_invariant import in_forward_mode, record
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops._custom_op import launch
 from truefuse.ops._dtypes import wgrad_dtype
@@ -220,6 +221,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     @autocast_disabled
     def forward(ctx, x, spec: GroupSpec, state: WgradState, *args):
         params, offsets, ctx.n_extra = _split_offsets_arg(spec, args, x, spec.n_params())
+        record(ctx)  # batch-invariant mode (the per-group GEMMs read it): the backward runs in it too
         cw, cb = spec.unpack(spec.cast(params))
         # the parameters (for §2 and their dtypes) and the cast weights (for the input gradient):
         # the same tensors twice outside autocast
@@ -231,6 +233,7 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @in_forward_mode
     def backward(ctx, dy):
         x, *saved = ctx.saved_tensors
         spec, offsets = ctx.spec, ctx.offsets
@@ -273,6 +276,7 @@ class GroupedMLPFunction(torch.autograd.Function):
     def forward(ctx, x, spec1: GroupSpec, spec2: GroupSpec, activation: str, state: WgradState, *args):
         n1 = spec1.n_params()
         params, offsets, ctx.n_extra = _split_offsets_arg(spec1, args, x, n1 + spec2.n_params())
+        record(ctx)  # as GroupedLinearFunction
         if offsets is None:
             offsets = spec2.offsets_for(None, x)
         w1, b1 = spec1.unpack(spec1.cast(params[:n1]))  # cast under autocast (x arrives cast)
@@ -288,6 +292,7 @@ class GroupedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @in_forward_mode
     def backward(ctx, dy):
         x, h, *saved = ctx.saved_tensors
         spec1, spec2, offsets = ctx.spec1, ctx.spec2, ctx.offsets

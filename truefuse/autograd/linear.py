@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._autocast import autocast_disabled, autocast_dtype, cast
+from truefuse.autograd._batch_invariant import in_forward_mode, record
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops._dtypes import wgrad_dtype
 from truefuse.ops.activation import activation_grad_ref
@@ -33,6 +34,7 @@ class LinearFunction(torch.autograd.Function):
         # under autocast (``dtype`` set) the GEMMs take the weight and bias cast as torch's autocast
         # casts F.linear's; x arrives cast (``linear``). The parameters stay for the backward (§2).
         w, b = cast(weight, dtype), cast(bias, dtype)
+        record(ctx)  # batch-invariant mode: the forward's, for the backward too (docs/design.md §1)
         pre = None
         if activation is None:
             out = gemm(x, w.t(), bias=b)
@@ -45,6 +47,7 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @in_forward_mode
     def backward(ctx, dy):
         x, w, pre, weight = ctx.saved_tensors
         d = dy if ctx.activation is None else activation_grad_ref(dy, pre, ctx.activation)
@@ -57,11 +60,16 @@ class LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
 
             def compute(out, accumulate):
+                # batch_invariant=False: a weight gradient sums over the tokens, so no row of it belongs
+                # to one token; what batch-invariant mode asks of it is the same bits run to run,
+                # which the fast plan gives (cuBLAS / CPU BLAS: one fixed algorithm per shape, no
+                # atomics; docs/design.md §1)
                 if out is None:
                     # in the parameter's dtype: an fp32 weight under autocast gets the fp32 GEMM
                     # result of the cast operands, rounded once (_autocast.wgrad_dtype)
-                    return gemm(d.t(), x, out_dtype=wgrad_dtype(x.dtype, weight.dtype)).to(weight.dtype)
-                return gemm(d.t(), x, out=out, accumulate=accumulate)
+                    odt = wgrad_dtype(x.dtype, weight.dtype)
+                    return gemm(d.t(), x, out_dtype=odt, batch_invariant=False).to(weight.dtype)
+                return gemm(d.t(), x, out=out, accumulate=accumulate, batch_invariant=False)
 
             dw = deliver_weight_grad(weight, ctx.weight_name, compute, ctx.state)
         return dx, dw, db, None, None, None, None

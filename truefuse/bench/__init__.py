@@ -10,6 +10,7 @@ import torch
 #: benchmark name -> module defining ``sweep(quick: bool) -> Sweep`` (and optionally CUDA_GRAPH)
 BENCHES = {
     "gemm": "truefuse.bench.bench_gemm",
+    "bi_gemm": "truefuse.bench.bench_bi_gemm",
     "linear": "truefuse.bench.bench_linear",
     "rms_norm": "truefuse.bench.bench_rms_norm",
     "grouped": "truefuse.bench.bench_grouped",

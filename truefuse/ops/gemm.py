@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from truefuse.config import is_batch_invariant
 from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops.activation import activation_grad_ref, activation_ref, check_activation
 from truefuse.ops.bias_grad import split_bias_grad
@@ -149,6 +150,7 @@ def _validate(
     pre_activation=None,
     m_splits=None,
     per_group=False,
+    batch_invariant=None,
     want_request=True,
 ):
     """Check every argument; return (request, out shape, out dtype, splits, rows_mode). Without
@@ -228,13 +230,26 @@ def _validate(
             "grad_bias/grad_activation belong to a weight-gradient GEMM (a = grad_output.t()); "
             "a grouped one is split along the contraction (b 2-D), not by rows of a (b 3-D)"
         )
+    if batch_invariant is not None and not isinstance(batch_invariant, bool):
+        raise TypeError(
+            f"batch_invariant must be None (the truefuse.batch_invariant() switch) or a bool, got {batch_invariant!r}"
+        )
     request = None
     if want_request:
-        request = _request(a, b, odt, accumulate, bias, activation, grad_activation, grad_bias, grouped, per_group)
+        request = _request(
+            a, b, odt, accumulate, bias, activation, grad_activation, grad_bias, grouped, per_group, _bi(batch_invariant)
+        )
     return request, out_shape, odt, splits, rows_mode
 
 
-def _request(a, b, odt, accumulate, bias, activation, grad_activation, grad_bias, grouped, per_group) -> GemmRequest:
+def _bi(batch_invariant: bool | None) -> bool:
+    """``batch_invariant`` as the call means it: None reads the switch (``truefuse.batch_invariant()``)."""
+    return is_batch_invariant() if batch_invariant is None else batch_invariant
+
+
+def _request(
+    a, b, odt, accumulate, bias, activation, grad_activation, grad_bias, grouped, per_group, batch_invariant=False
+) -> GemmRequest:
     """What the planner is asked (reads the operands' addresses: run on real tensors, not traced)."""
     return GemmRequest(
         device=a.device.type,
@@ -248,6 +263,7 @@ def _request(a, b, odt, accumulate, bias, activation, grad_activation, grad_bias
         grouped=grouped,
         aligned=(not grouped) or _aligned16(a, b),
         per_group=grouped and bool(per_group),
+        batch_invariant=bool(batch_invariant),
     )
 
 
@@ -272,6 +288,7 @@ def gemm(
     grad_activation: str | None = None,
     pre_activation: torch.Tensor | None = None,
     m_splits: Sequence[int] | torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ) -> torch.Tensor | GemmOutput:
     """``out = activation(a @ b + bias)``, or a weight-gradient GEMM, planned over the backends.
 
@@ -301,6 +318,11 @@ def gemm(
     either ``b`` is (G, K, N) and ``a``'s rows are split (``bias`` (G, N)), or ``b`` is 2-D and the
     contraction is split: ``out`` is (G, N, K_b) and ``grad_bias`` (G, N), one weight-gradient per group.
 
+    Batch invariance: ``batch_invariant=True`` (None, the default: whether
+    ``truefuse.batch_invariant()`` is on) makes each output row bitwise independent of M and of
+    the other rows of ``a`` (docs/design.md §1): the Triton GEMM with one tile configuration per
+    dtype where it runs, else the backend's product on fixed-size row blocks (docs/gemm.md).
+
     Returns:
         The output tensor, or a :class:`GemmOutput` ``(out, pre_activation, grad_bias)`` when
         ``return_pre_activation`` or ``grad_bias`` asks for more.
@@ -314,7 +336,7 @@ def gemm(
     return _gemm(
         a, b, out=out, out_dtype=out_dtype, accumulate=accumulate, bias=bias, activation=activation,
         return_pre_activation=return_pre_activation, grad_bias=grad_bias, grad_activation=grad_activation,
-        pre_activation=pre_activation, m_splits=m_splits, per_group=False,
+        pre_activation=pre_activation, m_splits=m_splits, per_group=False, batch_invariant=batch_invariant,
     )  # fmt: skip
 
 
@@ -334,26 +356,28 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, *, m_splits, per_group: bool,
 
 def _gemm(
     a, b, *, out=None, out_dtype=None, accumulate=False, bias=None, activation=None, return_pre_activation=False,
-    grad_bias=False, grad_activation=None, pre_activation=None, m_splits=None, per_group=False,
+    grad_bias=False, grad_activation=None, pre_activation=None, m_splits=None, per_group=False, batch_invariant=None,
 ):  # fmt: skip
     """:func:`gemm`'s body, with the request's ``per_group`` flag (see :func:`grouped_gemm`)."""
     _, out_shape, odt, splits, rows_mode = _validate(
         a, b, out=out, out_dtype=out_dtype, accumulate=accumulate, bias=bias, activation=activation,
         return_pre_activation=return_pre_activation, grad_bias=grad_bias, grad_activation=grad_activation,
-        pre_activation=pre_activation, m_splits=m_splits, per_group=per_group, want_request=False,
+        pre_activation=pre_activation, m_splits=m_splits, per_group=per_group, batch_invariant=batch_invariant,
+        want_request=False,
     )  # fmt: skip
+    bi = _bi(batch_invariant)
     pre_out = torch.empty(out_shape, dtype=odt, device=a.device) if return_pre_activation else None
     gb_shape = (len(splits), a.shape[0]) if (splits is not None and not rows_mode) else (a.shape[0],)
     gb_out = torch.empty(gb_shape, dtype=a.dtype, device=a.device) if grad_bias else None
     if out is None:
         out = launch(
-            gemm_op, a, b, odt, bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits, bool(per_group)
+            gemm_op, a, b, odt, bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits, bool(per_group), bi
         )
     else:
         launch(
             gemm_out_op,
             a, b, out, bool(accumulate), bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits,
-            bool(per_group),
+            bool(per_group), bi,
         )  # fmt: skip
     if return_pre_activation or grad_bias:
         return GemmOutput(out, pre_out, gb_out)
@@ -369,11 +393,13 @@ def _gemm(
 # on tensors that need no gradient.
 
 
-def _execute(a, b, out, odt, accumulate, bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits, per_group):
+def _execute(
+    a, b, out, odt, accumulate, bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits, per_group, bi
+):  # fmt: skip
     grouped = splits is not None
     if out is not None:
         _check_out_not_aliased(out, a=a, b=b, bias=bias, pre_activation=pre_activation)
-    request = _request(a, b, odt, accumulate, bias, activation, grad_activation, gb_out is not None, grouped, per_group)
+    request = _request(a, b, odt, accumulate, bias, activation, grad_activation, gb_out is not None, grouped, per_group, bi)
     chosen = plan(request)
     rows_mode = b.dim() == 3
     if out is None and "grouped" not in chosen.fused:  # a fused grouped call allocates its own
@@ -401,16 +427,20 @@ def gemm_op(
     grad_bias_out: torch.Tensor | None,
     splits: list[int] | None,
     per_group: bool,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The validated ``gemm`` without ``out=``: planned and run here; returns the new output."""
     return _execute(
         a, b, None, out_dtype, False, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits,
-        per_group,
+        per_group, batch_invariant,
     )  # fmt: skip
 
 
 @gemm_op.register_fake
-def _(a, b, out_dtype, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits, per_group):
+def _(
+    a, b, out_dtype, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits, per_group,
+    batch_invariant=False,
+):  # fmt: skip
     return a.new_empty(_out_shape(a, b, splits), dtype=out_dtype)
 
 
@@ -428,16 +458,20 @@ def gemm_out_op(
     grad_bias_out: torch.Tensor | None,
     splits: list[int] | None,
     per_group: bool,
+    batch_invariant: bool = False,
 ) -> None:
     """The validated ``gemm`` with ``out=``: planned and run here, written (or added) into ``out``."""
     _execute(
         a, b, out, out.dtype, accumulate, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out,
-        splits, per_group,
+        splits, per_group, batch_invariant,
     )  # fmt: skip
 
 
 @gemm_out_op.register_fake
-def _(a, b, out, accumulate, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits, per_group):
+def _(
+    a, b, out, accumulate, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits, per_group,
+    batch_invariant=False,
+):  # fmt: skip
     return None
 
 
@@ -463,10 +497,12 @@ def gemm_ref(
     grad_activation: str | None = None,
     pre_activation: torch.Tensor | None = None,
     m_splits: Sequence[int] | torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ) -> torch.Tensor | GemmOutput:
     """The unfused composition ``gemm`` must match, in plain PyTorch, in ``a``'s dtype.
 
-    Same arguments and results as :func:`gemm`, except that ``out`` is only read (with
+    Same arguments and results as :func:`gemm` (``batch_invariant`` is accepted and ignored: the
+    reference is the math, not a reduction order), except that ``out`` is only read (with
     ``accumulate`` the result is ``out + product``, a new tensor) and every step rounds to ``a``'s
     dtype as eager PyTorch would: the product is ``a @ b`` in ``a``'s dtype, then converted to the
     output dtype, then bias, then activation. On float64 inputs it is the float64 reference.

@@ -43,7 +43,11 @@ def _run_one(plan: GemmPlan, args: GemmArgs) -> None:
         target, beta1 = (args.pre_out if args.pre_out is not None else torch.empty_like(out)), False
     else:
         target, beta1 = out, args.accumulate
-    get_backend(plan.backend).product(args, a, b, fused, target, beta1)
+    product = get_backend(plan.backend).product
+    if "batch_invariant" in split:
+        _row_blocks(product, args, a, b, fused, target, beta1)
+    else:
+        product(args, a, b, fused, target, beta1)
 
     if args.bias is not None and "bias" in split:
         target.add_(args.bias.to(target.dtype))
@@ -51,6 +55,38 @@ def _run_one(plan: GemmPlan, args: GemmArgs) -> None:
         out.copy_(activation_ref(target, args.activation))
     if args.accumulate and "accumulate" in split:
         out.add_(target)
+
+
+#: Rows per call of the split ``batch_invariant`` path. A BLAS picks its kernel from the shape (on
+#: the CPU, MKL's fp32 rows differ between M = 1, 2, 3, 7 and M >= 16; cuBLAS likewise), so every
+#: row goes through a call of exactly this many rows (the last block zero-padded): the same kernel,
+#: and in a fixed-shape call a row's bits do not depend on its position (tests/test_batch_invariant.py).
+BI_ROWS = 16
+
+
+def _padded(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``'s rows followed by zero rows up to :data:`BI_ROWS` (a new tensor)."""
+    return None if t is None else torch.cat([t, t.new_zeros(BI_ROWS - t.shape[0], *t.shape[1:])])
+
+
+def _row_blocks(product, args: GemmArgs, a, b, fused, target, beta1: bool) -> None:
+    """``product`` on blocks of :data:`BI_ROWS` rows of ``a`` (docs/design.md §1, batch invariance),
+    each block the same shape. The row-wise operands (the pre-activation, the bias-gradient's rows)
+    are sliced with ``a``; the last block runs on zero-padded copies and only its rows are kept."""
+    M = a.shape[0]
+    for start in range(0, M, BI_ROWS):
+        n = min(BI_ROWS, M - start)
+        sl = slice(start, start + n)
+        pre = None if args.pre_activation is None else args.pre_activation[sl]
+        gb = None if args.grad_bias_out is None else args.grad_bias_out[sl]
+        if n == BI_ROWS:
+            product(replace(args, pre_activation=pre, grad_bias_out=gb), a[sl], b, fused, target[sl], beta1)
+            continue
+        tgt, gbp = _padded(target[sl]), _padded(gb)
+        product(replace(args, pre_activation=_padded(pre), grad_bias_out=gbp), _padded(a[sl]), b, fused, tgt, beta1)
+        target[sl].copy_(tgt[:n])
+        if gb is not None:
+            gb.copy_(gbp[:n])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,6 +102,7 @@ def _plain_product(plan: GemmPlan, args: GemmArgs) -> bool:
         and args.grad_activation is None
         and args.grad_bias_out is None
         and not (args.accumulate and "accumulate" in plan.split)
+        and "batch_invariant" not in plan.split
     )
 
 

@@ -166,6 +166,9 @@ class GemmRequest:
     #: the caller asks for one GEMM per group (a loop in which each group runs exactly the call a
     #: plain ``gemm`` on its slice makes), never a fused grouped product, which may round differently
     per_group: bool = False
+    #: the caller needs each output row bitwise independent of M (batch-invariant mode,
+    #: docs/design.md §1): only a backend with a ``batch_invariant`` row for these dtypes fuses it
+    batch_invariant: bool = False
 
     def features(self) -> tuple[str, ...]:
         flags = {
@@ -177,6 +180,7 @@ class GemmRequest:
             "grad_activation": self.grad_activation,
             "grad_bias": self.grad_bias,
             "grouped": self.grouped,
+            "batch_invariant": self.batch_invariant,
         }
         return tuple(f for f in FEATURES if flags[f])
 
@@ -226,7 +230,17 @@ def plan(request: GemmRequest) -> GemmPlan:
     upcast to ``out_dtype`` first (the same products, fp32 accumulation) and ``out_dtype`` is split.
     """
     feats = request.features()
-    for name in backends_in_order(request.device):
+    names = backends_in_order(request.device)
+    if request.batch_invariant:
+        # a backend that keeps rows invariant itself comes first; with none, the first backend runs
+        # the product on fixed-size row blocks (the split path of ``batch_invariant``)
+        def keeps_rows(name: str) -> bool:
+            table = capability_table(name)
+            dev, odt = request.device, request.out_dtype
+            return any(("batch_invariant", c, odt, dev) in table for c in (request.in_dtype, odt))
+
+        names.sort(key=lambda n: not keeps_rows(n))  # stable: the preference order within each kind
+    for name in names:
         table = capability_table(name)
         # try the inputs as they are, then upcast to the output dtype
         for compute in dict.fromkeys((request.in_dtype, request.out_dtype)):

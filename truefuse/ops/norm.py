@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from truefuse.config import get_tuning
+from truefuse.config import get_tuning, is_batch_invariant
 from truefuse.ops._custom_op import register_backward
 from truefuse.ops._triton import hopper, sm_count, triton_runs
 from truefuse.ops.gemm_exec import wide_dtype
@@ -70,7 +70,16 @@ HF_NORM_STYLES = ("llama", "gemma")
 
 def hf_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     """The stock modules' statistics, by their own expression (so the reduction order is torch's):
-    ``rsqrt(mean(x.float()²) + eps)``, (...) fp32 with x's leading shape."""
+    ``rsqrt(mean(x.float()²) + eps)``, (...) fp32 with x's leading shape.
+
+    In batch-invariant mode on CUDA, the norm kernel's statistics instead (``1 / sqrt_rn(Σx²/N + eps)``,
+    the same roundings in another summation order): torch's CUDA reduction takes its launch
+    configuration from the number of rows, and with few rows splits each row's sum over more threads,
+    so a row's bits changed with the batch (docs/design.md §1). On the CPU torch's row sums were the
+    same bits at every row count measured (tests/test_batch_invariant.py), so stock's stay."""
+    if x.is_cuda and is_batch_invariant() and use_kernel(x):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        return norm_fwd(x2, None, None, eps, rms=True, zero_centered_gamma=False)[2].view(x.shape[:-1])
     xf = x.to(torch.float32)
     return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps).squeeze(-1)
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.config import batch_invariant
 from truefuse.ops.gemm import GemmOutput, gemm, gemm_ref
 from truefuse.ops.gemm_plan import Capability, override_capabilities
-from truefuse.testing import bounded_report
+from truefuse.testing import bitwise_report, bounded_report
 from truefuse.verify.registry import register
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -125,3 +126,26 @@ def _grouped_wgrad(device):
     x = torch.randn(sum(splits), 128, generator=g).to(device, torch.bfloat16)
     mg = torch.randn(len(splits), 96, 128, generator=g).to(device)
     return check_gemm(dy.t(), x, out=mg, accumulate=True, grad_bias=True, m_splits=splits)
+
+
+def batch_invariant_case(dtype: torch.dtype, device: torch.device) -> dict:
+    """Batch-invariant mode (docs/design.md §1): the forward's and the input gradient's rows of
+    M = 1, 3, 64 and of a slice from mid-batch equal the same rows of the whole (M = 333) call, bit
+    for bit; the weight gradient (the mode's plain plan) and its fp32 ``main_grad`` accumulation give
+    the same bits twice."""
+    x, w, dy, _, bias, mg = _inputs(device, dtype, seed=3)
+    reports = {}
+    with batch_invariant():
+        for form, a, b, kw in (("fwd", x, w.t(), {"bias": bias}), ("dgrad", dy, w, {})):
+            whole = gemm(a, b, **kw)
+            for rows in (slice(0, 1), slice(0, 3), slice(0, 64), slice(100, 140)):
+                reports[f"{form}/rows_{rows.start}_{rows.stop}"] = bitwise_report(gemm(a[rows], b, **kw), whole[rows])
+        dw = [gemm(dy.t(), x, batch_invariant=False) for _ in range(2)]
+        acc = [gemm(dy.t(), x, out=mg.clone(), accumulate=True, batch_invariant=False) for _ in range(2)]
+    reports["wgrad/run_to_run"] = bitwise_report(dw[1], dw[0])
+    reports["wgrad_main_grad/run_to_run"] = bitwise_report(acc[1], acc[0])
+    return reports
+
+
+for _tag, _dt in _DTYPES.items():
+    register("gemm", f"batch_invariant_{_tag}", "bitwise")(lambda device, dt=_dt: batch_invariant_case(dt, device))

@@ -89,6 +89,7 @@ import torch
 from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
+from truefuse.config import is_batch_invariant
 from truefuse.integrations.huggingface.modules import gated_for, truefuse_subclass
 from truefuse.nn.grouped import check_backend, resolve_backend
 from truefuse.ops.grouped_gemm import split_offsets
@@ -267,6 +268,13 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
         out = slots[:, 0]
         for k in range(1, K):
             out = out + slots[:, k]
+    elif is_batch_invariant():
+        # the slots added in slot order in the product's dtype, rounded once: a fixed order, where
+        # .sum(dim=1)'s reduction may be split by the token count
+        out = slots[:, 0]
+        for k in range(1, K):
+            out = out + slots[:, k]
+        out = out.to(out_dtype)
     else:
         out = slots.sum(dim=1).to(out_dtype)
     return out.reshape(shape)
@@ -307,6 +315,48 @@ def patch_experts(module: torch.nn.Module, *, backend: str | None = None, fused_
         module._truefuse_wgrad = WgradState(owner=stock.__name__)
     module.__class__ = truefuse_subclass(stock, "experts", _experts_forward)
     return ExpertsPatch(True, "", act)
+
+
+#: The transformers routers :func:`patch_router` takes (by class name): ``F.linear`` logits, softmax,
+#: ``torch.topk``, then (Qwen3-MoE: if ``norm_topk_prob``; Mixtral: always) the top-k renormalized.
+ROUTER_CLASSES: tuple[str, ...] = ("Qwen3MoeTopKRouter", "MixtralTopKRouter")
+
+#: The routers' logits GEMM: truefuse's Linear in the plain §2 configuration (``.grad``).
+_ROUTER_WGRAD = WgradState(owner="router (batch-invariant)")
+
+
+def _router_forward(self, hidden_states: torch.Tensor):
+    """A top-k router whose choice for a token depends on that token alone (batch-invariant mode).
+
+    As stock, except: the logits are computed in fp32 (both operands upcast, on truefuse's Linear:
+    the batch-invariant GEMM under the switch), so no bf16 rounding of a logit decides a close
+    choice; and ties go to the lowest expert index (a stable descending sort, where ``torch.topk``
+    leaves the order of equal values unspecified). Returns stock's ``(logits, scores, indices)``:
+    logits in the hidden dtype, scores as stock (Qwen3-MoE: the hidden dtype; Mixtral: fp32).
+    """
+    from truefuse.autograd.linear import linear
+
+    x = hidden_states.reshape(-1, self.hidden_dim)
+    logits = linear(x.float(), self.weight.float(), None, state=_ROUTER_WGRAD)
+    probs = torch.softmax(logits, dim=-1)
+    values, indices = torch.sort(probs, dim=-1, descending=True, stable=True)
+    values, indices = values[:, : self.top_k], indices[:, : self.top_k]
+    if getattr(self, "norm_topk_prob", True):  # Mixtral's router always renormalizes
+        values = values / values.sum(dim=-1, keepdim=True)
+    if self._truefuse_stock.__name__ == "Qwen3MoeTopKRouter":
+        values = values.to(x.dtype)  # stock: .to(router_logits.dtype), its logits in the hidden dtype
+    return logits.to(x.dtype), values, indices
+
+
+def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every submodule of ``model`` whose (stock) class is in :data:`ROUTER_CLASSES`."""
+    return [m for m in model.modules() if getattr(type(m), "_truefuse_stock", type(m)).__name__ in ROUTER_CLASSES]
+
+
+def patch_router(module: torch.nn.Module) -> None:
+    """Give a router of :data:`ROUTER_CLASSES` :func:`_router_forward` (a ``Truefuse<Stock>`` subclass)."""
+    stock = getattr(type(module), "_truefuse_stock", type(module))
+    module.__class__ = truefuse_subclass(stock, "router_batch_invariant", _router_forward)
 
 
 def find_experts(model: torch.nn.Module):

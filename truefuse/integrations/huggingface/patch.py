@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.integrations.huggingface import batch_invariant as _bi
 from truefuse.integrations.huggingface import modules
 from truefuse.integrations.huggingface.architectures import ARCHITECTURES, Architecture, architecture_of
 from truefuse.integrations.huggingface.report import PatchReport
@@ -31,6 +32,7 @@ def apply_truefuse(
     linear_cross_entropy: bool = True,
     stock_norm_bits: bool = True,
     experts_backend: str | None = None,
+    batch_invariant: bool = False,
 ) -> PatchReport:
     """Patch an instantiated transformers model in place.
 
@@ -51,6 +53,9 @@ def apply_truefuse(
         experts_backend: the experts' grouped GEMM backend, ``truefuse.GroupedMLP``'s ``backend``
             (``moe.patch_experts``): None (default) the batch-invariant ``"triton"`` kernel on CUDA,
             ``"per_group"`` elsewhere; or ``"triton"``, ``"per_group"``, ``"cublas_grouped"``.
+        batch_invariant: the model's forward runs in ``truefuse.batch_invariant()`` mode, its
+            ``F.linear`` calls on the batch-invariant GEMM and its routers in fp32 with a fixed
+            tie-break (``batch_invariant.py``); ``report.batch_invariant`` lists them.
 
     Returns:
         A :class:`PatchReport`. Calling it again on a patched model changes nothing (an experts
@@ -105,6 +110,7 @@ def apply_truefuse(
                 report.left[(stock.__name__, "experts=False")] += 1
     expert_patch = _experts_patcher(expert_mods, report, experts_backend) if expert_mods else None
     loss_patch = _loss_patcher(model, arch, linear_cross_entropy, report)
+    bi_patch = _bi.patcher(model, report) if batch_invariant else None
     # everything is checked: now patch
     for m, cls in plan:
         m.__class__ = cls
@@ -112,6 +118,8 @@ def apply_truefuse(
         expert_patch()
     if loss_patch:
         loss_patch()
+    if bi_patch:
+        bi_patch()
     return report
 
 
@@ -154,6 +162,7 @@ def unpatch_truefuse(model: torch.nn.Module) -> None:
     for m in model.modules():
         modules.unpatch(m)
     loss.unpatch_loss(model)
+    _bi.disable(model)
 
 
 def apply_truefuse_to(

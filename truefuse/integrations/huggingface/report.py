@@ -15,6 +15,8 @@ class PatchReport:
         replaced: ``{(stock type, truefuse path): count}`` of the modules now on truefuse.
         left: ``{(stock type, reason): count}`` of the modules of a patchable kind left stock.
         loss: whether the causal-LM forward computes ``truefuse.linear_cross_entropy``.
+        batch_invariant: ``{(module, path): count}`` of what runs batch-invariant while the model's
+            forward runs (``apply_truefuse(batch_invariant=True)``; empty otherwise).
     """
 
     architecture: str
@@ -22,6 +24,7 @@ class PatchReport:
     left: Counter = field(default_factory=Counter)
     loss: bool = False
     loss_note: str = ""
+    batch_invariant: Counter = field(default_factory=Counter)
 
     def count(self, stock_type: str) -> int:
         """How many modules of ``stock_type`` were replaced."""
@@ -35,4 +38,6 @@ class PatchReport:
         lines.append(f"  loss: {loss}")
         for (t, why), n in sorted(self.left.items()):
             lines.append(f"  left     {n:4d} x {t:<24} ({why})")
+        for (t, how), n in sorted(self.batch_invariant.items()):
+            lines.append(f"  batch-invariant {n:4d} x {t:<24} ({how})")
         return "\n".join(lines)

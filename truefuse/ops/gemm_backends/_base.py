@@ -22,6 +22,9 @@ import torch
 #: * ``grad_activation``: the left operand is multiplied by ``act'(pre_activation)`` first.
 #: * ``grad_bias``: the sum of the (effective) left operand over the contraction dimension.
 #: * ``grouped``: one call over groups given by ``m_splits``.
+#: * ``batch_invariant``: each output row's bits independent of the number of rows (M) and of the
+#:   other rows: no launch parameter that orders a row's reduction is chosen from M (docs/design.md
+#:   §1). Split, it is the product run on fixed-size row blocks (``gemm_exec``).
 FEATURES: tuple[str, ...] = (
     "mm",
     "out_dtype",
@@ -31,6 +34,7 @@ FEATURES: tuple[str, ...] = (
     "grad_activation",
     "grad_bias",
     "grouped",
+    "batch_invariant",
 )
 
 #: One capability row: (feature, input dtype, output dtype, device type).

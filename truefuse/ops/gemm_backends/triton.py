@@ -14,9 +14,14 @@ from truefuse.config import get_config
 from truefuse.ops.gemm_backends._base import BF16, F16, F32, WIDEN, GemmArgs, GemmBackend, rows
 
 _FEATURES = ["mm", "accumulate", "grad_activation", "grad_bias"]
+# ``batch_invariant``: BLOCK_K fixed per dtype, no split-K, and in that mode one tile configuration
+# per dtype (``bi_config``), so a row's bits never depend on M (docs/design.md §1). Not on the CPU:
+# the interpreter's tl.dot is NumPy's matmul of the tiles, whose rows change bits with their place
+# in the tile (a row moved within a 32x16 @ 16x32 product differed), so there rows invariant to M
+# need the row-block split path
 CAPABILITIES = frozenset(
-    rows(_FEATURES, [(F16, F16), (BF16, BF16), (F32, F32)], ["cuda"])
-    | rows([*_FEATURES, "out_dtype"], WIDEN, ["cuda"])
+    rows([*_FEATURES, "batch_invariant"], [(F16, F16), (BF16, BF16), (F32, F32)], ["cuda"])
+    | rows([*_FEATURES, "out_dtype", "batch_invariant"], WIDEN, ["cuda"])
     | rows(_FEATURES, [(F32, F32)], ["cpu"])
 )
 
@@ -43,6 +48,38 @@ def _configs(dtype: torch.dtype):
 
 
 _TUNED: dict = {}
+_FIXED: dict = {}
+
+#: batch-invariant mode's tiles (BLOCK_M, BLOCK_N, warps, stages) per dtype (fp16 takes bf16's)
+BI_TILES = {torch.bfloat16: (128, 128, 8, 4), torch.float32: (64, 64, 4, 3)}
+
+
+def bi_config(dtype: torch.dtype):
+    """The one tile configuration of batch-invariant mode for ``dtype`` (never chosen from M).
+
+    Autotuning keyed on M could give a decode call (M = 1) other tiles, warps or MMA instructions
+    (wgmma needs 64-row tiles) than a prefill call, and nothing guarantees those give a row the same
+    bits; one configuration does. 128×128 tiles, 8 warps, 4 stages: a config of the autotuned set
+    above (docs/benchmarks.md, "Batch-invariant GEMM")."""
+    import triton
+
+    if get_config().triton_interpret:
+        return _configs(dtype)[0]
+    block_m, block_n, warps, stages = BI_TILES[torch.float32 if dtype == torch.float32 else torch.bfloat16]
+    block_k = 32 if dtype == torch.float32 else 64  # as the autotuned set: fixed per dtype
+    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8}
+    return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+
+def _fixed_kernel(dtype: torch.dtype):
+    """The Triton GEMM with :func:`bi_config` alone (an autotuner over one config never tunes)."""
+    if dtype not in _FIXED:
+        import triton
+
+        from truefuse.kernels.gemm import _gemm_kernel
+
+        _FIXED[dtype] = triton.autotune(configs=[bi_config(dtype)], key=[])(_gemm_kernel)
+    return _FIXED[dtype]
 
 
 def _kernel(dtype: torch.dtype):
@@ -79,7 +116,7 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
     if gb is not None and gb.dtype != torch.float32 and get_config().triton_interpret:
         # the interpreter's narrowing casts truncate (docs/design.md §8): round on the host instead
         gb_target = torch.empty(gb.shape, dtype=torch.float32, device=gb.device)
-    kernel = _kernel(a.dtype)
+    kernel = _fixed_kernel(a.dtype) if "batch_invariant" in fused else _kernel(a.dtype)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     kernel[grid](
         a,

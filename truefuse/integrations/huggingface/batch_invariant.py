@@ -1,0 +1,149 @@
+"""``apply_truefuse(model, batch_invariant=True)``: a Hugging Face model whose every token's result
+is bitwise independent of the batch it runs in (docs/design.md §1, "Batch invariance"; issue 34).
+
+While the model's forward runs (a forward pre-hook and an always-called forward hook on the model):
+
+* ``truefuse.batch_invariant()`` is on, so every truefuse op in it (the norms, the gated MLP, rope,
+  the experts' grouped GEMMs, the loss) takes its batch-invariant path and keeps it for its
+  backward;
+* ``F.linear`` runs on ``truefuse``'s Linear Function, whose GEMMs are the planner's
+  batch-invariant GEMM (forward and input gradient; the weight gradient on the plain plan, the same
+  bits run to run). Routed by a ``TorchFunctionMode``, not by changing any module's class: the
+  q/k/v/o/gate/up/down ``nn.Linear`` stay ``nn.Linear``, and a LoRA/PEFT wrapper on top (which
+  calls its base layer and its adapters' ``F.linear``) runs batch-invariant as a whole;
+* the mixture-of-experts routers (:data:`ROUTER_CLASSES`) compute their logits in fp32 and break
+  top-k ties at the lowest expert index (``moe.patch_router``).
+
+Attention stays the model's ``attn_implementation`` (its batch invariance is issue 33).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from truefuse.autograd._wgrad import WgradState
+from truefuse.autograd.linear import linear as _truefuse_linear
+from truefuse.config import batch_invariant
+
+#: What F.linear's weight gradient goes through: the plain configuration (autograd's ``.grad``).
+_PLAIN = WgradState(owner="F.linear (batch-invariant)")
+_GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _routable(x, weight, bias) -> bool:
+    """Whether truefuse's Linear computes this ``F.linear`` (plain dense tensors it takes); anything
+    else (tensor subclasses, quantized weights, other devices) runs stock."""
+    plain = all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, weight, bias))
+    return (
+        plain
+        and weight.dim() == 2
+        and x.dim() >= 1
+        and weight.dtype in _GEMM_DTYPES
+        and x.device.type in ("cpu", "cuda")
+        and x.device == weight.device
+    )
+
+
+class BatchInvariantLinear(TorchFunctionMode):
+    """Routes ``F.linear(x, weight, bias)`` to truefuse's Linear (its GEMMs batch-invariant under
+    the switch); every other function runs as called. Counts what it routed and what it left."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.routed = 0
+        self.left = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, bias = _linear_args(*args, **kwargs)
+            if _routable(x, weight, bias):
+                self.routed += 1
+                return _truefuse_linear(x, weight, bias, state=_PLAIN)
+            self.left += 1
+        return func(*args, **kwargs)
+
+
+def _linear_args(input, weight, bias=None):
+    return input, weight, bias
+
+
+@contextlib.contextmanager
+def running_batch_invariant():
+    """The mode and the routing of ``F.linear`` for a block (what the model's hooks enter)."""
+    with batch_invariant(), BatchInvariantLinear() as mode:
+        yield mode
+
+
+def _pre_hook(module, args):
+    stack = contextlib.ExitStack()
+    stack.enter_context(running_batch_invariant())
+    module._truefuse_bi_stacks.append(stack)
+
+
+def _post_hook(module, args, output):
+    # always called (also when the forward raised), so the mode never leaks out of the model
+    stacks = module._truefuse_bi_stacks
+    if stacks:
+        stacks.pop().close()
+
+
+def enable(model: torch.nn.Module) -> None:
+    """Hook ``model``'s forward to run batch-invariant (idempotent: a second call adds nothing)."""
+    if getattr(model, "_truefuse_bi_handles", None):
+        return
+    model._truefuse_bi_stacks = []
+    model._truefuse_bi_handles = (
+        model.register_forward_pre_hook(_pre_hook),
+        model.register_forward_hook(_post_hook, always_call=True),
+    )
+
+
+def disable(model: torch.nn.Module) -> None:
+    """Remove :func:`enable`'s hooks (no-op on a model without them)."""
+    for h in getattr(model, "_truefuse_bi_handles", None) or ():
+        h.remove()
+    for name in ("_truefuse_bi_handles", "_truefuse_bi_stacks"):
+        if name in vars(model):
+            delattr(model, name)
+
+
+def is_enabled(model: torch.nn.Module) -> bool:
+    return bool(getattr(model, "_truefuse_bi_handles", None))
+
+
+def count_linears(model: torch.nn.Module) -> dict[str, int]:
+    """``{leaf name: count}`` of the ``nn.Linear`` modules whose GEMMs run batch-invariant (``q_proj``,
+    ``gate_proj``, ``lm_head``, a LoRA adapter's ``lora_A``...), for the PatchReport."""
+    counts: dict[str, int] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            leaf = name.rsplit(".", 1)[-1] or type(m).__name__
+            counts[leaf] = counts.get(leaf, 0) + 1
+    return counts
+
+
+def patcher(model: torch.nn.Module, report):
+    """Fill ``report.batch_invariant`` with what will run batch-invariant and return the patch
+    (``apply_truefuse`` calls it after its other patches): the routers and the model's hooks."""
+    from truefuse.integrations.huggingface import moe
+
+    for leaf, n in sorted(count_linears(model).items()):
+        report.batch_invariant[(f"nn.Linear {leaf}", "truefuse Linear on the batch-invariant GEMM")] += n
+    routers = moe.find_routers(model)
+    for r in routers:
+        name = getattr(type(r), "_truefuse_stock", type(r)).__name__
+        report.batch_invariant[(name, "fp32 logits, ties to the lowest expert")] += 1
+    for (stock, how), n in report.replaced.items():
+        report.batch_invariant[(stock, how)] += n  # every truefuse op reads the switch
+
+    def patch() -> None:
+        for r in routers:
+            moe.patch_router(r)
+        enable(model)
+
+    return patch
