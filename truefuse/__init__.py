@@ -10,6 +10,8 @@ Public API (see README.md and docs/design.md):
 * :func:`linear_log_probs` / :func:`linear_log_probs_ref`: per-token log-probabilities and entropy
   from the LM head (what RL trainers compute), on the same chunked head; :func:`token_log_probs`
   the same from given logits (the sampler's side), :class:`LogProbs` what both return.
+* :func:`attention`: ``scaled_dot_product_attention``, batch-invariant (a row's bits alone, in a
+  padded batch and in decode are the same), deterministic backward (docs/attention.md).
 * :func:`rms_norm_hf`, :func:`apply_rotary_pos_emb`: transformers' RMSNorm and rotary embedding,
   bit for bit, fused (``truefuse.integrations.huggingface`` patches models with them).
 * :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP`, :class:`GroupedLinear`,
@@ -17,6 +19,7 @@ Public API (see README.md and docs/design.md):
   accumulation and delayed weight gradients under one weight-gradient contract (docs/design.md §2).
 """
 
+from truefuse.autograd.attention import attention
 from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
 from truefuse.autograd.linear_log_probs import linear_log_probs
@@ -43,6 +46,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "apply_rotary_pos_emb",
+    "attention",
     "batch_invariant",
     "is_batch_invariant",
     "rms_norm_hf",
