@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     for name, default, help_ in [
         ("layers", 2, "decoder layers"),
-        ("hidden", 64, "hidden size (head size 16)"),
+        ("hidden", 64, "hidden size (head size 64 from 256 on, else 16)"),
         ("vocab", 256, "vocabulary"),
         ("batch", 4, "sequences per batch (a), prompts (b)"),
         ("seq", 24, "longest sequence (a); prompts are up to half of it"),
@@ -38,15 +38,16 @@ def build(arch: str, layers: int, hidden: int, vocab: int, dtype, device, seed: 
     """A ``*ForCausalLM`` of ``arch`` with random weights (seeded), eager attention."""
     import transformers as tf
 
+    d = 64 if hidden >= 256 else 16  # head size
     kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-              num_attention_heads=hidden // 16, num_key_value_heads=max(1, hidden // 32),
+              num_attention_heads=hidden // d, num_key_value_heads=max(1, hidden // (2 * d)),
               max_position_embeddings=4096)  # fmt: skip
     if arch == "llama":
         cfg, cls = tf.LlamaConfig(**kw), tf.LlamaForCausalLM
     elif arch == "qwen3":
-        cfg, cls = tf.Qwen3Config(head_dim=16, **kw), tf.Qwen3ForCausalLM
+        cfg, cls = tf.Qwen3Config(head_dim=d, **kw), tf.Qwen3ForCausalLM
     else:
-        cfg = tf.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden, **kw)
+        cfg = tf.Qwen3MoeConfig(head_dim=d, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden, **kw)
         cls = tf.Qwen3MoeForCausalLM
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
