@@ -63,9 +63,7 @@ def model_log_probs(
     if attention_mask is not None:
         target = torch.where(attention_mask[:, 1:].bool(), target, -100)
     cap = getattr(model.config, "final_logit_softcapping", None)
-    out = linear_log_probs(
-        hidden[:, :-1], head.weight, target, linear_bias=head.bias, temperature=temperature, softcap=cap
-    )
+    out = linear_log_probs(hidden[:, :-1], head.weight, target, linear_bias=head.bias, temperature=temperature, softcap=cap)
     return LinearLogProbsOutput(*out)
 
 
