@@ -8,7 +8,8 @@ Public API (see README.md and docs/design.md):
   norms and gated activations (references in ``truefuse.ops``).
 * :func:`linear_cross_entropy` / :func:`linear_cross_entropy_ref`: the LM head's loss in chunks.
 * :func:`linear_log_probs` / :func:`linear_log_probs_ref`: per-token log-probabilities and entropy
-  from the LM head (what RL trainers compute), on the same chunked head.
+  from the LM head (what RL trainers compute), on the same chunked head; :func:`token_log_probs`
+  the same from given logits (the sampler's side), :class:`LogProbs` what both return.
 * :func:`attention`: ``scaled_dot_product_attention``, batch-invariant (a row's bits alone, in a
   padded batch and in decode are the same), deterministic backward (docs/attention.md).
 * :func:`rms_norm_hf`, :func:`apply_rotary_pos_emb`: transformers' RMSNorm and rotary embedding,
@@ -24,6 +25,7 @@ from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
 from truefuse.autograd.linear_log_probs import linear_log_probs
 from truefuse.autograd.norm import layer_norm, rms_norm, rms_norm_hf
 from truefuse.autograd.rope import apply_rotary_pos_emb
+from truefuse.autograd.token_log_probs import token_log_probs
 from truefuse.config import batch_invariant, is_batch_invariant
 from truefuse.nn.grouped import GroupedLinear, GroupedMLP
 from truefuse.nn.layernorm_linear import LayerNormLinear
@@ -38,6 +40,7 @@ from truefuse.ops.linear import layernorm_linear_ref, layernorm_mlp_ref, linear_
 from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOutput, linear_cross_entropy_ref
 from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOutput, linear_log_probs_ref
 from truefuse.ops.norm import layer_norm_ref, rms_norm_ref
+from truefuse.ops.token_log_probs import LogProbs, token_log_probs_ref
 
 __version__ = "0.2.0"
 
@@ -56,6 +59,7 @@ __all__ = [
     "LinearCrossEntropyLoss",
     "LinearCrossEntropyOutput",
     "LinearLogProbsOutput",
+    "LogProbs",
     "LayerNormMLP",
     "Linear",
     "RMSNorm",
@@ -77,4 +81,6 @@ __all__ = [
     "override_capabilities",
     "rms_norm",
     "rms_norm_ref",
+    "token_log_probs",
+    "token_log_probs_ref",
 ]

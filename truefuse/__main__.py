@@ -1,4 +1,4 @@
-"""Command line: ``python -m truefuse {verify,info,bench,demo}``."""
+"""Command line: ``python -m truefuse {verify,info,bench,demo,parity}``."""
 
 from __future__ import annotations
 
@@ -96,6 +96,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo_cli(args)
 
 
+def _cmd_parity(args: argparse.Namespace) -> int:
+    from truefuse.demo.parity_cli import main as run_parity
+
+    return run_parity(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m truefuse", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -137,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(d)
     d.set_defaults(fn=_cmd_demo)
+
+    q = sub.add_parser("parity", help="stock, truefuse, truefuse BI: alone vs batched, generate vs forward, two runs")
+    from truefuse.demo.parity_cli import add_arguments as parity_arguments
+
+    parity_arguments(q)
+    q.set_defaults(fn=_cmd_parity)
 
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -10,7 +10,10 @@ from collections.abc import Callable
 import torch
 
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad, main_grad_target, main_grad_written
-from truefuse.ops.lm_head.chunked_head import HeadGrads, default_chunk
+from truefuse.config import is_batch_invariant
+from truefuse.ops.bias_grad import split_bias_grad
+from truefuse.ops.lm_head.chunked_head import HeadGrads, default_chunk, invariant_chunk
+from truefuse.ops.lm_head.chunked_head_gemms import input_grad_gemm, logits_gemm, weight_grad_gemm
 
 #: ``run(want, **head_chunks_keywords) -> HeadGrads``: one pass of a loss over the head's chunks,
 #: everything but what to compute and where d_weight goes bound (its ``w_dtype`` included).
@@ -73,9 +76,42 @@ def chunk_for(chunk_size: int | None, fp32_weight_grad: bool, x: torch.Tensor, W
     (V·H·4 bytes) exists when d_weight is returned and accumulated in fp32: chunks up to its size
     cost no more memory. Into ``main_grad`` there is none, so the chunks stay within ``chunk_bytes``
     (0.53 GB at 8192 x 128256 x 4096, not 2.1) and the backward recomputes their logits (one more
-    GEMM; docs/benchmarks.md)."""
+    GEMM; docs/benchmarks.md). In batch-invariant mode: ``invariant_chunk`` (no token count read)."""
     if chunk_size:
         return chunk_size
     wgrad = torch.is_grad_enabled() and W.requires_grad
     fused = wstate is not None and wstate.fuse_wgrad_accumulation
-    return default_chunk(x.shape[0], W.shape[0], x.shape[1], x.element_size(), wgrad and fp32_weight_grad and not fused)
+    acc = wgrad and fp32_weight_grad and not fused
+    if is_batch_invariant():
+        return invariant_chunk(W.shape[0], x.shape[1], x.element_size(), acc)
+    return default_chunk(x.shape[0], W.shape[0], x.shape[1], x.element_size(), acc)
+
+
+class HeadLogitsFunction(torch.autograd.Function):
+    """``x @ Wᵀ (+ b)`` through the chunked head's logits GEMM (``chunked_head_gemms.logits_gemm``,
+    unsplit), differentiable: the logits a model returns in batch-invariant mode, the bits of the
+    head's own chunks (docs/design.md §1). x (N, H), W (V, H), b (V,) or None; logits (N, V)."""
+
+    @staticmethod
+    def forward(ctx, x, W, b):
+        ctx.save_for_backward(x, W)
+        ctx.has_b = b is not None
+        return logits_gemm(x, W, b, None, None)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        x, W = ctx.saved_tensors
+        g = g.contiguous()
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.empty(g.shape[0], W.shape[1], dtype=g.dtype, device=g.device)
+            input_grad_gemm(g, W, dx, None)
+        dW = weight_grad_gemm(g, x, None, False, None) if ctx.needs_input_grad[1] else None
+        db = split_bias_grad(g) if ctx.has_b and ctx.needs_input_grad[2] else None
+        return dx, dW, db
+
+
+def head_logits(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits (..., V) of hidden states ``x`` (..., H) by the head's GEMM (``HeadLogitsFunction``)."""
+    return HeadLogitsFunction.apply(x.reshape(-1, x.shape[-1]), W, b).view(*x.shape[:-1], W.shape[0])

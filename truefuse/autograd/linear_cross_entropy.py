@@ -18,6 +18,7 @@ import torch
 from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_backward, weight_state
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
+from truefuse.config import is_batch_invariant
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.lm_head.chunked_head import HeadGrads, head_chunks, kept_weight_grad
 from truefuse.ops.lm_head.linear_cross_entropy import (
@@ -105,7 +106,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         keep_d = deferred and 0 < x.shape[0] <= chunk
         now = opts.reduction != "none" and any(needs) and (not deferred or keep_d)
         want = (needs[0], needs[1] and not deferred, needs[2]) if now else (False, False, False)
-        loss, grads = _run(opts, chunk, x, W, b, t, cw, s_ce, s_z, want, check=checked, keep_d=keep_d and now, w_dtype=Wp.dtype)
+        ctx.bi = is_batch_invariant()  # the backward takes the forward's path (docs/design.md §1)
+        head = {"keep_d": keep_d and now, "w_dtype": Wp.dtype, "batch_invariant": ctx.bi}
+        loss, grads = _run(opts, chunk, x, W, b, t, cw, s_ce, s_z, want, check=checked, **head)
         total, z_part, acc = _outputs(opts, loss.ce, loss.zl, loss.correct, n, s_ce, s_z, wide)
         ctx.opts, ctx.chunk, ctx.needs, ctx.now, ctx.wstate, ctx.deferred = opts, chunk, needs, now, wstate, deferred
         ctx.want, ctx.keep_d, ctx.grads = want, keep_d, None
@@ -144,7 +147,7 @@ def _backward_kept(ctx, g_loss):
     if ctx.grads is not None:
         grads, ctx.grads = ctx.grads, None
     else:
-        head = {"keep_d": ctx.keep_d, "w_dtype": Wp.dtype}
+        head = {"keep_d": ctx.keep_d, "w_dtype": Wp.dtype, "batch_invariant": ctx.bi}
         grads = in_dtypes(_run(ctx.opts, ctx.chunk, x, W, b, t, cw, s_ce, s_z, ctx.want, **head)[1], Wp.dtype, ctx.b_dtype)
     g = g_loss.to(wide_dtype(g_loss))
     for tensor in grads:
@@ -152,7 +155,7 @@ def _backward_kept(ctx, g_loss):
             scale_(tensor, g)
     dx, dW, db, d = grads
     if ctx.deferred:  # one chunk kept its d_logits: the weight's one GEMM, now or in backward_dw()
-        compute = functools.partial(kept_weight_grad, d, x, Wp.shape[0], Wp.dtype)
+        compute = functools.partial(kept_weight_grad, d, x, Wp.shape[0], Wp.dtype, batch_invariant=ctx.bi)
         dW = deliver_weight_grad(Wp, "linear_weight", compute, ctx.wstate)
     return dx, dW, db
 
@@ -166,7 +169,7 @@ def _backward_recompute(ctx, g_loss):
     s_ce, s_z = upstream_scales(ctx.opts.reduction, g_loss, s_ce, s_z, x, delayed)
 
     def run(want, **head):
-        return _run(ctx.opts, ctx.chunk, x, W, b, t, cw, s_ce, s_z, want, w_dtype=Wp.dtype, **head)[1]
+        return _run(ctx.opts, ctx.chunk, x, W, b, t, cw, s_ce, s_z, want, w_dtype=Wp.dtype, batch_invariant=ctx.bi, **head)[1]
 
     return recompute_backward(run, ctx.needs, ctx.wstate, Wp, ctx.b_dtype)
 

@@ -20,6 +20,7 @@ import torch
 from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_backward, weight_state
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
+from truefuse.config import is_batch_invariant
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.lm_head.chunked_head import head_chunks, kept_weight_grad
 from truefuse.ops.lm_head.linear_cross_entropy import check_args, target_prologue
@@ -46,7 +47,9 @@ class LinearLogProbsFunction(torch.autograd.Function):
         check = target_prologue(t, W.shape[0], opts.ignore_index, "sum", None, x)[3]  # one kernel where it can
         loss = LogProbChunks(opts, W.shape[0], t, None, None, like=x, check=check)
         keep = any(needs) and 0 < x.shape[0] <= chunk
-        kept = head_chunks(loss, x, W, b, chunk=chunk, want=(False, False, False), keep_logits=keep).d
+        ctx.bi = is_batch_invariant()  # the backward takes the forward's path (docs/design.md §1)
+        head = {"keep_logits": keep, "batch_invariant": ctx.bi}
+        kept = head_chunks(loss, x, W, b, chunk=chunk, want=(False, False, False), **head).d
         ctx.opts, ctx.chunk, ctx.needs, ctx.wstate = opts, chunk, needs, wstate
         # a plain attribute, not a saved tensor: the first backward writes d_logits over it
         ctx.kept = kept
@@ -72,7 +75,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
             loss = LogProbChunks(ctx.opts, W.shape[0], t, a, c, like=x)
             return head_chunks(
                 loss, x, W, b, chunk=ctx.chunk, want=want, fp32_weight_grad=ctx.opts.fp32_weight_grad,
-                w_dtype=Wp.dtype, **head,
+                w_dtype=Wp.dtype, batch_invariant=ctx.bi, **head,
             )  # fmt: skip
 
         dx, dW, db = recompute_backward(run, ctx.needs, ctx.wstate, Wp, ctx.b_dtype)
@@ -88,11 +91,11 @@ def _backward_kept(ctx, logits, a, c):
     loss = LogProbChunks(ctx.opts, W.shape[0], t, a, c, like=x)
     grads = head_chunks(
         loss, x, W, b, chunk=ctx.chunk, want=(gx, gw and not deferred, gb), fp32_weight_grad=ctx.opts.fp32_weight_grad,
-        w_dtype=Wp.dtype, logits=logits, keep_d=deferred,
+        w_dtype=Wp.dtype, logits=logits, keep_d=deferred, batch_invariant=ctx.bi,
     )  # fmt: skip
     dx, dW, db, d = in_dtypes(grads, Wp.dtype, ctx.b_dtype)
     if deferred:
-        compute = functools.partial(kept_weight_grad, d, x, W.shape[0], Wp.dtype)
+        compute = functools.partial(kept_weight_grad, d, x, W.shape[0], Wp.dtype, batch_invariant=ctx.bi)
         dW = deliver_weight_grad(Wp, "linear_weight", compute, ctx.wstate)
     return dx, dW, db
 

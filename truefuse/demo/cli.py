@@ -27,6 +27,25 @@ def truefuse_patch():
     return apply_truefuse
 
 
+def truefuse_bi_patch():
+    """``apply_truefuse(model, batch_invariant=True)`` with ``truefuse.attention`` as the model's
+    attention (docs/batch_invariance.md)."""
+    from truefuse.demo.parity import register_attention
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    def patch(model):
+        report = apply_truefuse(model, batch_invariant=True)
+        model.set_attn_implementation(register_attention())
+        return report
+
+    return patch
+
+
+def stock_again(model):
+    """The yardstick run: stock again, nothing patched (how far stock is from itself)."""
+    return "nothing: stock run a second time (the yardstick of the loss columns)"
+
+
 def liger_patch():
     """Liger-Kernel's Llama patch on the given model instance. Its RoPE patch replaces transformers'
     module-level function, so the liger run goes last (after stock and truefuse)."""
@@ -68,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "after the other (each run's CUDA peak memory its own); auto (default): interleaved on cpu, sequential on cuda",
     )
     p.add_argument("--peer", choices=["liger"], help="add a third run patched by this library")
+    p.add_argument(
+        "--batch-invariant", action="store_true",
+        help="add a run of truefuse in batch-invariant mode, and stock run twice (how far stock is from itself)",
+    )  # fmt: skip
     p.add_argument("--out", default="demo_out", help="folder for results.json and demo.png (default: ./demo_out)")
     p.add_argument("--cache-dir", help="tokenizer cache (default: $TRUEFUSE_CACHE_DIR or ~/.cache/truefuse)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -98,6 +121,9 @@ def main(args: argparse.Namespace) -> int:
         peers = {"truefuse": truefuse_patch()}
     except ImportError as e:
         return _fail(f"truefuse.integrations.huggingface.apply_truefuse is not importable here ({e})")
+    if getattr(args, "batch_invariant", False):
+        peers["stock again"] = stock_again
+        peers["truefuse BI"] = truefuse_bi_patch()
     if args.peer == "liger":
         try:
             peers["liger"] = liger_patch()

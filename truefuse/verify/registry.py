@@ -28,6 +28,7 @@ CASE_MODULES: tuple[str, ...] = (
     "truefuse.verify.cases_grouped_gemm",
     "truefuse.verify.cases_linear_cross_entropy",
     "truefuse.verify.cases_linear_log_probs",
+    "truefuse.verify.cases_token_log_probs",
     "truefuse.verify.cases_scale",
     "truefuse.verify.cases_rope",
     "truefuse.verify.cases_attention",

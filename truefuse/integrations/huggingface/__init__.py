@@ -8,6 +8,7 @@ The norms give the stock module's bits; the loss never builds the logits when ``
 """
 
 from truefuse.integrations.huggingface.architectures import ARCHITECTURES
+from truefuse.integrations.huggingface.log_probs import model_log_probs
 from truefuse.integrations.huggingface.patch import (
     apply_truefuse,
     apply_truefuse_to,
@@ -36,5 +37,6 @@ __all__ = [
     "apply_truefuse_to_qwen2",
     "apply_truefuse_to_qwen3",
     "apply_truefuse_to_qwen3_moe",
+    "model_log_probs",
     "unpatch_truefuse",
 ]

@@ -147,8 +147,16 @@ def _softcap(self, traits: dict) -> float | None:
 
 
 def _stock_logits(self, hidden: torch.Tensor, traits: dict) -> torch.Tensor:
-    """The logits exactly as the stock forward computes them from the sliced hidden states."""
-    logits = self.lm_head(hidden)
+    """The logits exactly as the stock forward computes them from the sliced hidden states; in
+    batch-invariant mode by the chunked head's GEMM (``log_probs.bi_logits``, docs/design.md §1)."""
+    from truefuse.config import is_batch_invariant
+
+    if is_batch_invariant() and _fallback_reason(self) is None:
+        from truefuse.integrations.huggingface.log_probs import bi_logits
+
+        logits = bi_logits(self, hidden)
+    else:
+        logits = self.lm_head(hidden)
     cap = _softcap(self, traits)
     if cap is not None:
         logits = logits / cap

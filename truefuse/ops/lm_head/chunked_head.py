@@ -66,6 +66,7 @@ def head_chunks(
     keep_d: bool = False,
     keep_logits: bool = False,
     logits: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> HeadGrads:
     """Run ``loss`` over every chunk of ``chunk`` tokens of ``x`` (N, H) against ``W`` (V, H).
 
@@ -82,6 +83,8 @@ def head_chunks(
             whose upstream the forward does not know: it then skips the logits GEMM).
         logits: that buffer, from an earlier pass over the same ``x`` and ``W``: used instead of
             the logits GEMM (one chunk); the loss may write its d_logits over it.
+        batch_invariant: the forward's mode (docs/design.md §1): no vocabulary split, whatever the
+            chunk's token count (``chunked_head_gemms.vocab_split``).
     """
     N = x.shape[0]
     V = W.shape[0]
@@ -111,7 +114,7 @@ def head_chunks(
         logits = d = full = None
         rows = slice(start, min(start + chunk, N))
         xc = x[rows]
-        split = vocab_split(xc, V)
+        split = vocab_split(xc, V, batch_invariant)
         # a split GEMM would get the bias from cuBLAS after the product's rounding (1.41x the
         # logits' error, measured): the loss adds it in fp32 instead
         loss_bias = b if split is not None else None
@@ -146,13 +149,20 @@ def head_chunks(
 
 
 def kept_weight_grad(
-    d: torch.Tensor, x: torch.Tensor, V: int, w_dtype: torch.dtype, out: torch.Tensor | None, accumulate: bool
+    d: torch.Tensor,
+    x: torch.Tensor,
+    V: int,
+    w_dtype: torch.dtype,
+    out: torch.Tensor | None,
+    accumulate: bool,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The weight gradient ``dᵀ @ x`` (V, H) from a one-chunk :attr:`HeadGrads.d` (its first V
     columns): into ``out`` (``main_grad``; added with ``accumulate``), or a new tensor in
     ``w_dtype``, accumulated in fp32 inside the GEMM and rounded once. With ``d``, ``x``, ``V`` and
-    ``w_dtype`` bound it is a ``WgradCompute`` (``autograd/_wgrad.py``)."""
-    split = vocab_split(x, V)
+    ``w_dtype`` bound it is a ``WgradCompute`` (``autograd/_wgrad.py``); ``batch_invariant``: as
+    :func:`head_chunks`' (the forward's mode, so the split matches the chunk's)."""
+    split = vocab_split(x, V, batch_invariant)
     if out is not None:
         return weight_grad_gemm(d[:, :V], x, out, accumulate, split)
     odt = wgrad_dtype(x.dtype, w_dtype)  # autocast: fp32 out of the cast operands
@@ -191,3 +201,14 @@ def default_chunk(N: int, V: int, H: int, itemsize: int, fp32_accumulator: bool)
     chunk = max(1, min(N, 1 << (fit.bit_length() - 1)))
     one, several = (N * V + V * H) * itemsize, chunk * V * itemsize + acc
     return N if acc and 8 * one <= 9 * several else chunk
+
+
+def invariant_chunk(V: int, H: int, itemsize: int, fp32_accumulator: bool) -> int:
+    """Tokens per chunk in batch-invariant mode (docs/design.md §1): :func:`default_chunk`'s budget
+    without its reading of the token count, the largest power of two of tokens whose logits fit
+    ``chunk_bytes`` (or the fp32 accumulator's V·H·4 bytes when more; at least 1). A call with
+    fewer tokens is one chunk. With the GEMMs batch-invariant a token's bits do not depend on its
+    chunk either; this keeps the head's schedule (and its memory) a function of the shapes alone."""
+    budget = max(get_tuning().chunk_bytes, V * H * 4 if fp32_accumulator else 0)
+    fit = max(1, budget // (itemsize * max(V, 1)))
+    return 1 << (fit.bit_length() - 1)

@@ -21,6 +21,11 @@ GEMM on the H200 at cuBLAS speed, ~60 us unaligned): one GEMM each, into contigu
 logits. There the
 slow kernel costs microseconds, and the GEMMs stay the plain path's, bit for bit (a split GEMM,
 or one into padded rows, is another cuBLAS kernel: its fp32 sums run in another order).
+
+In batch-invariant mode (``batch_invariant=True``, the mode the op's forward read) ``split`` is
+always None: the rule above reads the chunk's token count, and one GEMM per product (the bias in
+its epilogue, through ``truefuse.gemm``'s batch-invariant plan) is also what a model's logits path
+runs, so a token's logits and log-prob are the same bits in both (docs/design.md §1).
 """
 
 from __future__ import annotations
@@ -33,14 +38,14 @@ from truefuse.ops._triton import triton_runs
 from truefuse.ops.gemm import gemm
 
 
-def vocab_split(x: torch.Tensor, V: int) -> int | None:
+def vocab_split(x: torch.Tensor, V: int, batch_invariant: bool = False) -> int | None:
     """Where the GEMMs of chunks like ``x`` (rows, H) split the vocabulary: V rounded down to
     the ``align`` tuning knob when V is not a multiple of it (and exceeds it), the Triton loss
     kernel runs and the GEMM reaches ``min_macs`` multiply-adds; else None, one GEMM each into
-    contiguous logits."""
+    contiguous logits. Always None with ``batch_invariant`` (the rule reads the token count)."""
     rows, H = x.shape
     t = get_tuning()
-    if not triton_runs(x) or V % t.align == 0 or V < t.align or rows * V * H < t.min_macs:
+    if batch_invariant or not triton_runs(x) or V % t.align == 0 or V < t.align or rows * V * H < t.min_macs:
         return None
     return V // t.align * t.align
 

@@ -1,0 +1,191 @@
+"""The measurements of ``python -m truefuse parity`` (docs/batch_invariance.md): does a model give a
+sequence the same answer wherever it runs?
+
+* :func:`alone_vs_batch`: each sequence alone vs inside a right- or left-padded batch (positions
+  counted over attended tokens, as ``generate`` counts them);
+* :func:`generate_vs_forward`: the logits of each step of greedy ``generate`` (KV cache,
+  left-padded prompts) vs one full forward over prompt + generated tokens;
+* :func:`training_runs`: a few AdamW steps, run twice from the same state and batches;
+* :func:`first_divergence`: the first module (forward hooks on every module) whose output for a
+  sequence differs between alone and in a batch.
+
+Log-probs are ``truefuse.token_log_probs`` of the next token from each row's logits. "Ratio out"
+is the share of tokens whose probability ratio exp(Δ log-prob) leaves [0.9, 1.1], the figure RL
+papers report for sampler/trainer mismatch.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from truefuse.autograd.attention import attention
+from truefuse.autograd.token_log_probs import token_log_probs
+from truefuse.integrations.huggingface.log_probs import positions
+
+#: The name :func:`register_attention` gives ``truefuse.attention`` in transformers' AttentionInterface.
+ATTENTION = "truefuse_bi"
+
+
+def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function signature over ``truefuse.attention`` (batch-invariant):
+    (B, H, L, D) in, (B, L, H, D) out. No mask and several queries: causal."""
+    if dropout:
+        raise ValueError("truefuse_bi attention: dropout must be 0")
+    causal = attention_mask is None and query.shape[2] > 1
+    mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[2]]
+    out = attention(query, key, value, mask, is_causal=causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+                    softcap=kwargs.get("softcap"), window=kwargs.get("sliding_window"))  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> str:
+    """Register ``truefuse.attention`` as transformers' attention ``"truefuse_bi"`` (its SDPA mask
+    interface); returns the name. A stand-in until the integration registers it itself."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(ATTENTION, _hf_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return ATTENTION
+
+
+@dataclass
+class Diff:
+    """Rows (tokens) compared, how many differ in any logit, max |Δ log-prob| and the share of
+    tokens whose probability ratio leaves [0.9, 1.1]."""
+
+    rows: int = 0
+    differing: int = 0
+    max_dlp: float = 0.0
+    ratio_out: float = 0.0
+
+    def add(self, a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> None:
+        """Compare logits ``a`` and ``b`` (n, V) whose next tokens are ``target`` (n,)."""
+        n = a.shape[0]
+        same = (a == b) | (a.isnan() & b.isnan())
+        self.differing += int((~same.all(-1)).sum())
+        d = (token_log_probs(a.float(), target).log_probs - token_log_probs(b.float(), target).log_probs).double()
+        out = (d.exp() < 0.9) | (d.exp() > 1.1)
+        self.ratio_out = (self.ratio_out * self.rows + float(out.sum())) / max(self.rows + n, 1)
+        self.rows += n
+        self.max_dlp = max(self.max_dlp, float(d.abs().max()) if n else 0.0)
+
+
+def pad(seqs: list[torch.Tensor], side: str, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention_mask) of ``seqs`` padded on ``side`` ("right" or "left") to the longest."""
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long, device=seqs[0].device)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        cols = slice(0, len(s)) if side == "right" else slice(L - len(s), L)
+        ids[i, cols], mask[i, cols] = s, 1
+    return ids, mask
+
+
+def _rows(i: int, n: int, L: int, side: str) -> slice:
+    return slice(0, n) if side == "right" else slice(L - n, L)
+
+
+def _forward(model, ids, mask=None):
+    kw = {} if mask is None else {"attention_mask": mask, "position_ids": positions(mask)}
+    return model(input_ids=ids, use_cache=False, **kw).logits
+
+
+@torch.no_grad()
+def alone_vs_batch(model, seqs: list[torch.Tensor], side: str) -> Diff:
+    """Each sequence's logits alone vs its rows inside the ``side``-padded batch of all of them."""
+    diff = Diff()
+    ids, mask = pad(seqs, side)
+    batch = _forward(model, ids, mask)
+    for i, s in enumerate(seqs):
+        alone = _forward(model, s[None])[0]
+        rows = batch[i, _rows(i, len(s), ids.shape[1], side)]
+        diff.add(alone[:-1], rows[:-1], s[1:])
+    return diff
+
+
+@torch.no_grad()
+def generate_vs_forward(model, prompts: list[torch.Tensor], new_tokens: int) -> Diff:
+    """Greedy ``generate`` (KV cache, left-padded prompts): each step's logits vs one full forward."""
+    ids, mask = pad(prompts, "left")
+    model.generation_config.eos_token_id = None  # every step of every prompt, no early stop
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+        output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+    )  # fmt: skip
+    steps = torch.stack(out.logits, 1)  # (B, n, V)
+    full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :])], 1)
+    P = ids.shape[1]
+    full = _forward(model, out.sequences, full_mask)[:, P - 1 : P - 1 + new_tokens]
+    gen = out.sequences[:, P:]
+    diff = Diff()
+    for b in range(len(prompts)):
+        diff.add(steps[b], full[b].to(steps.dtype), gen[b])
+    return diff
+
+
+def training_runs(model, batches: list[torch.Tensor], lr: float = 1e-3) -> list[float]:
+    """The losses of AdamW steps over ``batches`` (labels = ids) on a copy of ``model``."""
+    model = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return getattr(out, "last_hidden_state", None)
+
+
+def first_divergence(model, seqs: list[torch.Tensor], side: str) -> str | None:
+    """The first module (in call order) whose output differs between alone and inside the
+    ``side``-padded batch, for the first sequence where one does; None when none does."""
+    for i in range(len(seqs)):
+        name = _first_divergence(model, seqs, side, i)
+        if name is not None:
+            return f"{name} (sequence {i})"
+    return None
+
+
+@torch.no_grad()
+def _first_divergence(model, seqs: list[torch.Tensor], side: str, i: int) -> str | None:
+    records: dict[str, list] = {"alone": [], "batch": []}
+    where = ["alone"]
+    hooks = []
+    for name, mod in model.named_modules():
+
+        def hook(m, args, out, name=name):
+            t = _first_tensor(out)
+            if t is not None and t.dim() >= 2:
+                records[where[0]].append((name, t.detach().clone()))
+
+        hooks.append(mod.register_forward_hook(hook))
+    try:
+        _forward(model, seqs[i][None])
+        where[0] = "batch"
+        ids, mask = pad(seqs, side)
+        _forward(model, ids, mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    batch = dict(records["batch"])
+    n, L = len(seqs[i]), ids.shape[1]
+    for name, a in records["alone"]:
+        b = batch.get(name)
+        if b is None or b.dim() != a.dim() or b.shape[0] != len(seqs) or a.shape[1] != n or b.shape[1] != L:
+            continue  # not a (batch, tokens, ...) output
+        if not torch.equal(a[0], b[i, _rows(i, n, L, side)]):
+            return name or type(model).__name__
+    return None

@@ -1,0 +1,73 @@
+"""What a GRPO / PPO trainer asks of a causal LM: each next token's log-probability and the entropy
+of the distribution it was drawn from, without the (tokens, vocab) logits (docs/batch_invariance.md).
+
+``model_log_probs(model, input_ids, attention_mask)`` runs the model's body, then
+``truefuse.linear_log_probs`` over its last hidden states and ``lm_head``. In batch-invariant mode
+(``truefuse.batch_invariant()``) a patched model's logits (eval, ``generate``, ``return_logits=True``)
+come from the same head GEMM (:func:`bi_logits`), so for a sequence alone and the same sequence in
+any padded batch, ``truefuse.token_log_probs(model(ids).logits[:, :-1], ids[:, 1:])`` and
+``model_log_probs`` agree bit for bit (docs/design.md §1). Importable without transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.autograd._chunked_head import head_logits
+from truefuse.autograd.linear_log_probs import linear_log_probs
+from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOutput
+
+__all__ = ["bi_logits", "model_log_probs", "positions"]
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids (B, L) counting only attended tokens (0 on the left padding), as ``generate``
+    makes them: a left-padded sequence gets the positions it has alone."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def model_log_probs(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, temperature: float = 1.0
+) -> LinearLogProbsOutput:
+    """Log-probability of each next token and entropy of each prediction of a ``*ForCausalLM``.
+
+    Args:
+        model: a transformers causal LM with a plain ``nn.Linear`` ``lm_head`` (patched by
+            ``apply_truefuse`` or not; Gemma's final-logit softcap is applied).
+        input_ids: (B, L) int64 token ids. attention_mask: (B, L) 1 for tokens, 0 for padding
+            (left or right), or None (all tokens). Positions count attended tokens only.
+        temperature: > 0, the sampling temperature.
+
+    Returns:
+        :class:`truefuse.LogProbs` ``(log_probs, entropy)``, each (B, L-1) fp32: position i is the
+        prediction of token i+1 from tokens ≤ i; 0 where token i+1 is padding. Differentiable in
+        the model's parameters (the trainer's backward).
+
+    Raises:
+        TypeError / ValueError naming the argument before the model runs.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError("input_ids must be a (B, L) int64/int32 tensor of token ids")
+    if input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids has {input_ids.shape[1]} tokens a row: at least 2 are needed for a next-token log-prob")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; input_ids {tuple(input_ids.shape)}")
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"model.lm_head is {type(head).__name__}, not a torch.nn.Linear")
+    kw = {"input_ids": input_ids}
+    if attention_mask is not None:
+        kw.update(attention_mask=attention_mask, position_ids=positions(attention_mask))
+    hidden = model.base_model(**kw, use_cache=False).last_hidden_state
+    target = input_ids[:, 1:].to(torch.int64)
+    if attention_mask is not None:
+        target = torch.where(attention_mask[:, 1:].bool(), target, -100)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    out = linear_log_probs(hidden[:, :-1], head.weight, target, linear_bias=head.bias, temperature=temperature, softcap=cap)
+    return LinearLogProbsOutput(*out)
+
+
+def bi_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """``model.lm_head(hidden)`` by the head's own GEMM (the bits of ``model_log_probs``' chunks in
+    batch-invariant mode): what the patched forward returns as logits in that mode."""
+    return head_logits(hidden, model.lm_head.weight, model.lm_head.bias)
