@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from truefuse.bench.bench_allreduce_add_rmsnorm import _graph_us
+from truefuse.bench.harness import graph_us as _graph_us
 from truefuse.config import tuning  # the launcher reads its thresholds at each call
 from truefuse.distributed import Workspace, allreduce_add_rmsnorm
 from truefuse.distributed.launch import run_local
