@@ -45,6 +45,7 @@ def _cases(rank: int, world: int) -> dict:
         "allreduce_two_subs": error_on_every_rank(lambda: allreduce(x, group=two_subs)),
     }
     # the groups still work: the same group on every rank passes
+    out["names"] = (dist.group.WORLD.group_name, sub.group_name, sub2.group_name)  # torch's names, the same on every rank
     out["after"] = bool(torch.isfinite(vp_lce(xl, shard, t, group=sub)).all()) and torch.equal(allreduce(x, group=sub2), x * 2)
 
     # different members: rank 1 alone returns; rank 0 (the default group: rank 1 too) waits for it
@@ -66,13 +67,13 @@ def _cases(rank: int, world: int) -> dict:
     return out
 
 
-#: case -> (rank 0's group, rank 1's group) as the message shows them
+#: case -> (rank 0's group, rank 1's group): "world", "sub" or "sub2"
 _GROUPS = {
-    "column_world_vs_sub": ("'0' (the default group)", "'1'"),
-    "mlp_two_subs": ("'1'", "'2'"),
-    "loss_world_vs_sub": ("'0' (the default group)", "'1'"),
-    "loss_two_subs": ("'1'", "'2'"),
-    "allreduce_two_subs": ("'1'", "'2'"),
+    "column_world_vs_sub": ("world", "sub"),
+    "mlp_two_subs": ("sub", "sub2"),
+    "loss_world_vs_sub": ("world", "sub"),
+    "loss_two_subs": ("sub", "sub2"),
+    "allreduce_two_subs": ("sub", "sub2"),
 }
 _OWNERS = {"column": "ColumnParallelLinear", "mlp": "TensorParallelMLP", "loss": "distributed.linear_cross_entropy",
            "allreduce": "allreduce"}  # fmt: skip
@@ -80,7 +81,10 @@ _OWNERS = {"column": "ColumnParallelLinear", "mlp": "TensorParallelMLP", "loss":
 
 def test_mismatched_process_groups_raise_on_every_rank():
     results = run_local(2, _cases, timeout_s=120)  # a hang (each rank on its own group) fails here
-    for case, (g0, g1) in _GROUPS.items():
+    world, sub, sub2 = results[0]["names"]
+    shown = {"world": f"{world!r} (the default group)", "sub": repr(sub), "sub2": repr(sub2)}
+    for case, groups in _GROUPS.items():
+        g0, g1 = (shown[g] for g in groups)
         want = (
             f"{_OWNERS[case.split('_')[0]]}: ranks disagree on group (rank 0: group=process group {g0} over global "
             f"ranks [0, 1]; rank 1: group=process group {g1} over global ranks [0, 1]) (every rank must pass the "
