@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from truefuse.bench.bench_allreduce_add_rmsnorm import _graph_us
+from truefuse.bench.harness import graph_us
 from truefuse.config import tuning  # the launcher reads its thresholds at each call
 from truefuse.distributed import Workspace, allreduce_add_rmsnorm
 from truefuse.distributed.launch import run_local
@@ -46,7 +46,7 @@ def _worker(rank, world_size):
             with tuning(push_max_bytes=push, ll_max_bytes=ll, programs_per_sm=per_sm):
                 got = allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws)
                 same = all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
-                us = _graph_us(lambda x=x, res=res, w=w: allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws))
+                us = graph_us(lambda x=x, res=res, w=w: allreduce_add_rmsnorm(x, res, w, 1e-6, workspace=ws))
             out.append((m, name, us, same))
         dist.barrier()
     ws.close()

@@ -10,43 +10,19 @@ Providers, measured side by side in one run on every rank:
   ``F.rms_norm``, when the op exists.
 
 Each rank captures 10 calls in one CUDA graph and replays it 20 times (fixed counts: every rank runs
-the same collectives); the latency is rank 0's time per call. Ratios are against ``nccl``.
+the same collectives; ``bench/harness.py::graph_us``); the latency is rank 0's time per call.
+Ratios are against ``nccl``.
 """
 
 from __future__ import annotations
-
-import json
-import statistics
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from truefuse.bench.harness import graph_us, launch_ranks, save_rows
+
 ROWS = (1, 4, 16, 64, 256, 1024, 4096)
-_CALLS, _REPLAYS = 10, 20
-
-
-def _graph_us(fn) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(_CALLS):
-            fn()
-    times = []
-    for _ in range(5):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(_REPLAYS):
-            g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (_CALLS * _REPLAYS))
-    return statistics.median(times)
 
 
 def _measure(m, hidden, rank, dev, ws, one_shot, symm_buf) -> list[dict]:
@@ -84,17 +60,18 @@ def _measure(m, hidden, rank, dev, ws, one_shot, symm_buf) -> list[dict]:
             return F.rms_norm(r, (hidden,), w, eps), r
 
         providers["symm_one_shot"] = symm
-    us = {name: _graph_us(fn) for name, fn in providers.items()}
+    us = {name: graph_us(fn) for name, fn in providers.items()}
     for name, t in us.items():
         out.append({"rows": m, "hidden": hidden, "bytes": m * hidden * 2, "provider": name, "us": t, "ratio": t / us["nccl"]})
     return out
 
 
-def _worker(rank: int, world_size: int, hidden: int, rows: tuple[int, ...]) -> list[dict]:
+def _worker(rank: int, world_size: int, shape: dict, device: str) -> list[dict]:
     from truefuse.distributed import Workspace
 
+    hidden, rows = shape["hidden"], shape["rows"]
     torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
+    dev = torch.device(device, rank)
     ws = Workspace(max_bytes=max(rows) * hidden * 2, validate=False)
     one_shot = getattr(torch.ops.symm_mem, "one_shot_all_reduce", None)
     symm_buf = None
@@ -111,18 +88,12 @@ def _worker(rank: int, world_size: int, hidden: int, rows: tuple[int, ...]) -> l
 
 
 def run(world_size: int, out_dir: str, quick: bool = False, hidden: int = 4096) -> int:
-    from truefuse.bench.harness import environment
-    from truefuse.distributed.launch import run_local
-
-    if torch.cuda.device_count() < world_size:
-        print(f"bench: --world-size {world_size} needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    shapes = ({"hidden": hidden, "rows": ROWS}, {"hidden": hidden, "rows": (1, 16)}, None)  # GPUs only: CUDA graphs
+    launched = launch_ranks(world_size, quick, _worker, shapes)
+    if launched is None:
         return 2
-    rows = (1, 16) if quick else ROWS
-    results = run_local(world_size, _worker, hidden, rows, backend="nccl")[0]
-    path = Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    meta = {**environment(), "world_size": world_size, "cuda_graph": True}
-    (path / f"allreduce_add_rmsnorm_w{world_size}.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+    results = launched[0][0]  # rank 0's times
+    save_rows(out_dir, f"allreduce_add_rmsnorm_w{world_size}", results, world_size=world_size, cuda_graph=True)
     print(f"allreduce + add + RMSNorm, bf16, hidden {hidden}, {world_size} GPUs, CUDA graphs (us per call; ratio to nccl)")
     print(f"{'rows':>6} {'provider':>16} {'us':>9} {'ratio':>7}")
     for r in results:

@@ -13,9 +13,9 @@ Providers, measured side by side in one run on every rank, on the same shards an
 
 Each step is forward + backward with fixed upstream gradients (parameter gradients cleared, not
 accumulated). Every rank runs the same fixed counts (no adaptive repetition: each call has
-collectives): 3 warm-up steps, then 5 rounds of 10 steps per provider, providers interleaved and
-their order reversed every other round; a provider's time is the median round's per step, and the
-step time is the slowest rank's. Ratios are against ``torch``. Peak memory: one step's
+collectives; ``bench/harness.py::measure_ranks``): 3 warm-up steps, then 5 rounds of 10 steps per
+provider, providers interleaved and their order reversed every other round; a provider's time is
+the median round's per step, and the step time is the slowest rank's. Ratios are against ``torch``. Peak memory: one step's
 ``max_memory_allocated`` above what the inputs and parameters hold.
 
 Without GPUs (or fewer than N) ``--quick`` runs a small CPU smoke run over gloo (no measurement).
@@ -24,72 +24,18 @@ Then the vocab-parallel loss's table (``bench_tp_linear_cross_entropy``) in the 
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-_WARMUP, _ROUNDS, _STEPS = 3, 5, 10
+from truefuse.bench import bench_tp_linear_cross_entropy
+from truefuse.bench.harness import launch_ranks, measure_ranks, save_rows, slowest_rank
+
 FULL = {"tokens": 8192, "hidden": 4096, "ffn": 14336}
 QUICK = {"tokens": 1024, "hidden": 1024, "ffn": 2048}
 CPU_SMOKE = {"tokens": 64, "hidden": 64, "ffn": 128}
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _time_steps(step, dev: torch.device, n: int) -> float:
-    """ms per step over ``n`` steps, after a barrier (every rank starts together)."""
-    dist.barrier()
-    _sync(dev)
-    if dev.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        return (time.perf_counter() - t0) * 1e3 / n
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
-
-
-def measure(steps: dict, dev: torch.device, clear=None) -> tuple[dict, dict]:
-    """Every rank times ``steps`` (name -> step) the same way: warm-up, then interleaved rounds with
-    the order reversed every other round; and one step's peak memory above what was allocated
-    before it (after ``clear()``, which frees what a previous step left, e.g. returned gradients).
-    Returns ({name: ms per step of each round}, {name: peak MiB or None off CUDA})."""
-    for step in steps.values():
-        for _ in range(_WARMUP):
-            step()
-    names = list(steps)
-    rounds: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(_ROUNDS):
-        for n in names if r % 2 == 0 else reversed(names):
-            rounds[n].append(_time_steps(steps[n], dev, _STEPS))
-    peak: dict = {}
-    for n, step in steps.items():
-        peak[n] = None
-        if dev.type == "cuda":
-            if clear is not None:
-                clear()
-            _sync(dev)
-            base = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            step()
-            _sync(dev)
-            peak[n] = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
-        dist.barrier()
-    return rounds, peak
 
 
 def _providers(shape: dict, rank: int, world: int, dev: torch.device, ws) -> tuple[dict, dict]:
@@ -170,60 +116,23 @@ def _worker(rank: int, world: int, shape: dict, device: str) -> list[dict]:
     agree = {
         k: rel_error(a, b) for k, a, b in zip(("normed", "residual_out", "d_input"), outs["truefuse"], outs["torch"], strict=True)
     }
-    rounds, peak = measure(steps, dev)
+    rounds, peak = measure_ranks(steps, dev)
     dist.barrier()
     ws.close()
     return [{"provider": n, "ms": statistics.median(rounds[n]), "rounds_ms": rounds[n], "peak_mb": peak[n], **shape,
              "rel_diff_vs_torch": agree if n == "truefuse" else None} for n in steps]  # fmt: skip
 
 
-def launch(world_size: int, quick: bool, worker, shapes: tuple[dict, dict, dict], rank0_only=()) -> tuple | None:
-    """``worker(rank, world_size, shape, device)`` on ``world_size`` local processes (NCCL on as many
-    GPUs; without them, with ``quick``, a gloo smoke run on the CPU). ``shapes``: (full, quick, CPU
-    smoke). Returns (rank 0's rows, each with ``ms`` the slowest rank's (rank 0's for the providers
-    in ``rank0_only``) and ``ms_rank0``; the shape; whether on GPUs), or None after printing why
-    not (fewer GPUs than ranks and no ``quick``)."""
-    from truefuse.distributed.launch import run_local
-
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # docs/design.md §8: never NVLink multicast
-    on_gpu = torch.cuda.device_count() >= world_size
-    if not on_gpu and not quick:
-        print(f"bench: --world-size {world_size} needs {world_size} GPUs, found {torch.cuda.device_count()} "
-              "(--quick runs a CPU smoke run over gloo)")  # fmt: skip
-        return None
-    full, small, cpu = shapes
-    shape = (small if quick else full) if on_gpu else cpu
-    if not on_gpu:
-        print("bench: no GPUs here; a CPU smoke run over gloo, not a measurement")
-    per_rank = run_local(world_size, worker, shape, "cuda" if on_gpu else "cpu", backend="nccl" if on_gpu else "gloo")
-    rows = per_rank[0]
-    for i, r in enumerate(rows):  # a step is as slow as its slowest rank
-        r["ms_rank0"] = r["ms"]
-        if r["provider"] not in rank0_only:
-            r["ms"] = max(pr[i]["ms"] for pr in per_rank)
-    return rows, shape, on_gpu
-
-
-def save(out_dir: str, stem: str, rows: list[dict], **meta) -> Path:
-    """``<out_dir>/<stem>.json``: the environment, ``meta`` and the rows."""
-    from truefuse.bench.harness import environment
-
-    path = Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    out = path / f"{stem}.json"
-    out.write_text(json.dumps({"meta": {**environment(), **meta}, "rows": rows}, indent=1))
-    return out
-
-
 def run(world_size: int, out_dir: str, quick: bool = False) -> int:
-    launched = launch(world_size, quick, _worker, (FULL, QUICK, CPU_SMOKE))
+    launched = launch_ranks(world_size, quick, _worker, (FULL, QUICK, CPU_SMOKE))
     if launched is None:
         return 2
-    rows, shape, on_gpu = launched
+    per_rank, shape, on_gpu = launched
+    rows = slowest_rank(per_rank)
     ref = next(r["ms"] for r in rows if r["provider"] == "torch")
     for r in rows:
         r["ratio"] = r["ms"] / ref
-    out = save(out_dir, f"tp_mlp_w{world_size}", rows, world_size=world_size, dtype="bfloat16", activation="swiglu",
+    out = save_rows(out_dir, f"tp_mlp_w{world_size}", rows, world_size=world_size, dtype="bfloat16", activation="swiglu",
                on_gpu=on_gpu)  # fmt: skip
     s = shape
     print(f"TensorParallelMLP fwd+bwd, bf16, {s['tokens']} tokens, hidden {s['hidden']}, ffn {s['ffn']}, "
@@ -236,6 +145,4 @@ def run(world_size: int, out_dir: str, quick: bool = False) -> int:
     diff = next(r["rel_diff_vs_torch"] for r in rows if r["provider"] == "truefuse")
     print("truefuse vs torch, relative difference: " + ", ".join(f"{k} {v:.2e}" for k, v in diff.items()))
     print(f"wrote {out}")
-    from truefuse.bench import bench_tp_linear_cross_entropy  # the parallel loss's table after the layer's
-
-    return bench_tp_linear_cross_entropy.run(world_size, out_dir, quick)
+    return bench_tp_linear_cross_entropy.run(world_size, out_dir, quick)  # the parallel loss's table after the layer's

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from truefuse.bench.bench_tp import launch, measure, save
+from truefuse.bench.harness import launch_ranks, measure_ranks, save_rows, slowest_rank
 
 FULL = {"tokens": 8192, "vocab": 128256, "hidden": 4096}
 QUICK = {"tokens": 1024, "vocab": 32000, "hidden": 1024}
@@ -139,7 +139,7 @@ def _worker(rank: int, world: int, shape: dict, device: str) -> list[dict]:
         torch.cuda.set_device(dev)
     steps, checks, clear = _steps(shape, rank, world, dev)
     agree = {k: rel_error(a, b) for k, a, b in zip(("loss", "d_input"), checks["truefuse"], checks["megatron"], strict=True)}
-    rounds, peak = measure(steps, dev, clear)  # the returned gradients are in the peak, not in its base
+    rounds, peak = measure_ranks(steps, dev, clear)  # the returned gradients are in the peak, not in its base
     return [{"provider": n, "ms": statistics.median(rounds[n]), "rounds_ms": rounds[n], "peak_mb": peak[n], **shape,
              "rel_diff_vs_megatron": agree if n == "truefuse" else None} for n in steps]  # fmt: skip
 
@@ -149,16 +149,17 @@ def run(world_size: int, out_dir: str, quick: bool = False, shards: int | None =
     of ``world_size`` ranks (with 1: a rank's compute and memory on one GPU, no communication)."""
     n = shards or world_size
     shapes = tuple(dict(s, shards=n) for s in (FULL, QUICK, CPU_SMOKE))
-    launched = launch(world_size, quick, _worker, shapes, rank0_only=("single",))  # single: rank 0 alone
+    launched = launch_ranks(world_size, quick, _worker, shapes)
     if launched is None:
         return 2
-    rows, s, on_gpu = launched
+    per_rank, s, on_gpu = launched
+    rows = slowest_rank(per_rank, rank0_only=("single",))  # single: rank 0 alone
     single = next(r for r in rows if r["provider"] == "single")
     for r in rows:
         r["ratio_to_single"] = r["ms"] / single["ms"]
         r["peak_ratio_to_single"] = None if r["peak_mb"] is None or not single["peak_mb"] else r["peak_mb"] / single["peak_mb"]
     stem = f"tp_linear_cross_entropy_w{world_size}" + (f"_of{n}" if n != world_size else "")
-    out = save(out_dir, stem, rows, world_size=world_size, dtype="bfloat16" if on_gpu else "float32", on_gpu=on_gpu)
+    out = save_rows(out_dir, stem, rows, world_size=world_size, dtype="bfloat16" if on_gpu else "float32", on_gpu=on_gpu)
     print(f"vocab-parallel linear cross-entropy fwd+bwd, {s['tokens']} tokens, vocab {s['vocab']}, hidden {s['hidden']}, "
           f"{world_size} {'GPUs (NCCL)' if on_gpu else 'CPU processes (gloo)'}"
           + (f", each rank one of {n} shards (its compute alone)" if n != world_size else "")

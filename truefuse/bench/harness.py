@@ -1,4 +1,8 @@
-"""The one timing harness (docs/design.md §7). Every benchmark measures through :func:`measure`.
+"""The one timing harness (docs/design.md §7). Every single-process benchmark measures through
+:func:`measure` (a :class:`Sweep`); the distributed ones (``bench tp``, ``tp_linear_cross_entropy``,
+``allreduce_add_rmsnorm``) start their ranks with :func:`launch_ranks` and time with
+:func:`measure_ranks` (fixed step counts, interleaved rounds) or :func:`graph_us` (CUDA-graph
+replays), writing JSON with :func:`save_rows`.
 
 * time: ``triton.testing.do_bench`` median after warm-up on CUDA, optionally over a CUDA graph
   replay (``do_bench_cudagraph``) for microsecond ops; on the CPU a wall-clock median (a smoke
@@ -197,3 +201,138 @@ def environment() -> dict:
         meta["triton"] = None
     meta["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return meta
+
+
+# --- across ranks: ``bench tp``, ``bench tp_linear_cross_entropy``, ``bench allreduce_add_rmsnorm`` ---
+
+#: fixed counts on every rank (each call has collectives: no adaptive repetition): warm-up steps,
+#: interleaved rounds, steps per round
+RANK_WARMUP, RANK_ROUNDS, RANK_STEPS = 3, 5, 10
+#: CUDA-graph timing of microsecond collectives: calls captured in one graph, replays per timing
+GRAPH_CALLS, GRAPH_REPLAYS = 10, 20
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def time_steps(step: Callable[[], object], dev: torch.device, n: int) -> float:
+    """ms per step over ``n`` steps, after a barrier (every rank starts together)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    _sync(dev)
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        return (time.perf_counter() - t0) * 1e3 / n
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def measure_ranks(steps: dict, dev: torch.device, clear: Callable[[], None] | None = None) -> tuple[dict, dict]:
+    """Every rank times ``steps`` (name -> step) the same way: warm-up, then interleaved rounds with
+    the order reversed every other round; and one step's peak memory above what was allocated
+    before it (after ``clear()``, which frees what a previous step left, e.g. returned gradients).
+    Returns ({name: ms per step of each round}, {name: peak MiB or None off CUDA})."""
+    import torch.distributed as dist
+
+    for step in steps.values():
+        for _ in range(RANK_WARMUP):
+            step()
+    names = list(steps)
+    rounds: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(RANK_ROUNDS):
+        for n in names if r % 2 == 0 else reversed(names):
+            rounds[n].append(time_steps(steps[n], dev, RANK_STEPS))
+    peak: dict = {}
+    for n, step in steps.items():
+        peak[n] = None
+        if dev.type == "cuda":
+            if clear is not None:
+                clear()
+            _sync(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            step()
+            _sync(dev)
+            peak[n] = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
+        dist.barrier()
+    return rounds, peak
+
+
+def graph_us(fn: Callable[[], object]) -> float:
+    """µs per call of ``fn`` on this rank: ``GRAPH_CALLS`` calls captured in one CUDA graph (after 3
+    eager ones), replayed ``GRAPH_REPLAYS`` times after a barrier, the median of 5 such timings.
+    Every rank runs the same collectives."""
+    import torch.distributed as dist
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(GRAPH_REPLAYS):
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (GRAPH_CALLS * GRAPH_REPLAYS))
+    return statistics.median(times)
+
+
+def launch_ranks(world_size: int, quick: bool, worker, shapes: tuple[dict, dict, dict | None]) -> tuple | None:
+    """``worker(rank, world_size, shape, device)`` on ``world_size`` local processes: NCCL on as many
+    GPUs; without them, with ``quick`` and a CPU shape, a gloo smoke run on the CPU. ``shapes``:
+    (full, quick, CPU smoke or None: GPUs only). Returns (every rank's result in rank order, the
+    shape, whether on GPUs), or None after printing why not (fewer GPUs than ranks)."""
+    import os
+
+    from truefuse.distributed.launch import run_local
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # docs/design.md §8: never NVLink multicast
+    on_gpu = torch.cuda.device_count() >= world_size
+    full, small, cpu = shapes
+    if not on_gpu and (not quick or cpu is None):
+        hint = "" if cpu is None else " (--quick runs a CPU smoke run over gloo)"
+        print(f"bench: --world-size {world_size} needs {world_size} GPUs, found {torch.cuda.device_count()}{hint}")
+        return None
+    shape = (small if quick else full) if on_gpu else cpu
+    if not on_gpu:
+        print("bench: no GPUs here; a CPU smoke run over gloo, not a measurement")
+    per_rank = run_local(world_size, worker, shape, "cuda" if on_gpu else "cpu", backend="nccl" if on_gpu else "gloo")
+    return per_rank, shape, on_gpu
+
+
+def slowest_rank(per_rank: list[list[dict]], rank0_only=()) -> list[dict]:
+    """Rank 0's rows, each with ``ms`` the slowest rank's (a step is as slow as its slowest rank;
+    rank 0's for the providers in ``rank0_only``) and ``ms_rank0``."""
+    rows = per_rank[0]
+    for i, r in enumerate(rows):
+        r["ms_rank0"] = r["ms"]
+        if r["provider"] not in rank0_only:
+            r["ms"] = max(pr[i]["ms"] for pr in per_rank)
+    return rows
+
+
+def save_rows(out_dir: str, stem: str, rows: list[dict], **meta) -> Path:
+    """``<out_dir>/<stem>.json``: the environment, ``meta`` and the rows."""
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    out = path / f"{stem}.json"
+    out.write_text(json.dumps({"meta": {**environment(), **meta}, "rows": rows}, indent=1))
+    return out

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from truefuse.autograd.norm import rms_norm
 from truefuse.config import get_tuning
+from truefuse.distributed._agree import agree, validating
 from truefuse.distributed.workspace import Workspace
 from truefuse.ops.allreduce import allreduce_add_rmsnorm_fwd
 from truefuse.ops.norm import norm_bwd_op, norm_fwd_op, use_kernel
@@ -60,21 +61,6 @@ def _local_problem(x, residual, weight, workspace, eps=None) -> str | None:
     return None
 
 
-def agree(group, x, residual=None, weight=None, workspace: Workspace | None = None, eps=None) -> None:
-    """Every rank checks its arguments and learns the others' verdict, so bad input is the same
-    clear ``ValueError`` on every rank instead of a hang in the collective. One small all-gather."""
-    problem = _local_problem(x, residual, weight, workspace, eps)
-    desc = None if problem is not None else (tuple(x.shape), str(x.dtype), x.device.type)
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (problem, desc), group=group)
-    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(everyone) if p is not None]
-    if problems:
-        raise ValueError("allreduce: bad input on " + "; ".join(problems))
-    if len({d for _, d in everyone}) > 1:
-        listing = ", ".join(f"rank {r}: shape {d[0]} {d[1]}" for r, (_, d) in enumerate(everyone))
-        raise ValueError(f"allreduce: ranks disagree on the input's shape or dtype ({listing})")
-
-
 def ordered_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     """The allreduce's arithmetic: an fp32 sum of ``parts`` (one per rank) in rank order, rounded
     once to their dtype. ``parts`` are not modified (the sum starts from a copy, also for fp32)."""
@@ -111,13 +97,12 @@ def _kernel_path(x, workspace: Workspace | None, group) -> bool:
 
 
 def _check(group, x, residual, weight, workspace, eps=None) -> None:
-    capturing = isinstance(x, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if (workspace is not None and not workspace.validate) or capturing:
-        problem = _local_problem(x, residual, weight, workspace, eps)
-        if problem is not None:
-            raise ValueError(f"allreduce: bad input: {problem}")
-        return
-    agree(group, x, residual, weight, workspace, eps)
+    """Every rank checks its arguments and learns the others' verdicts and groups (``_agree.py``),
+    so bad input is the same clear ``ValueError`` on every rank instead of a hang in the collective;
+    local checks only under CUDA-graph capture or ``Workspace(validate=False)``."""
+    problem = _local_problem(x, residual, weight, workspace, eps)
+    desc = None if problem is not None else (("the input's shape or dtype", f"{tuple(x.shape)} {x.dtype} on {x.device.type}"),)
+    agree(group, "allreduce", None if problem is None else ("ValueError", problem), desc, validating(x, workspace))
 
 
 class FusedAllreduceAddRMSNorm(torch.autograd.Function):

@@ -16,8 +16,9 @@ the same input and targets. It is ``memory="lean"``'s sliced machinery
   summed in fp64), as a reduce-scatter then an all-gather of the rounded blocks (``_sum_over_ranks``).
 
 Every eager call first agrees on the arguments across ranks (ONE ``all_gather_object`` of each
-rank's verdict, shard size and target range): bad input on any rank, a target outside [0, V)
-included, is the same ``ValueError`` on every rank.
+rank's verdict, process group, shard size and target range; ``distributed/_agree.py``): bad input
+on any rank, a target outside [0, V) included, or ranks that passed different groups, is the same
+``ValueError`` on every rank.
 """
 
 from __future__ import annotations
@@ -215,7 +216,8 @@ def linear_cross_entropy(
             input's dtype. The shards tile the vocabulary in rank order (Megatron's layout).
         target: (...) global class indices in [0, V) or ``ignore_index``, the same on every rank
             (checked: targets that differ are the same ``ValueError`` on every rank).
-        group: the process group (None: the default group).
+        group: the process group (None: the default group), the same on every rank (another group
+            over the same ranks is a ValueError on every rank; docs/design.md §4).
         vocab_start: this rank's first class; default rank · V_r (equal shards, required then).
         linear_bias: (V_r,) this rank's shard of the bias, or None.
         weight: (V,) class weights of the whole vocabulary (the same on every rank), or None.
@@ -282,7 +284,7 @@ def linear_cross_entropy(
         ("options", opts),
     )
     cw_shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else (None if weight is None else type(weight).__name__)
-    everyone = gather_verdicts(group, problem, desc, (V_r, vocab_start, t_range, cw_shape))
+    everyone = gather_verdicts(group, _OWNER, problem, desc, (V_r, vocab_start, t_range, cw_shape))
     raise_problems(_OWNER, [p for p, _, _ in everyone])
     V, starts = _vocabulary(everyone, opts.ignore_index)
     raise_disagreement(_OWNER, [d for _, d, _ in everyone])

@@ -141,7 +141,8 @@ class ColumnParallelLinear(WgradModule):
         in_features, out_features: the unsharded layer's sizes; ``out_features`` must be divisible
             by the group's size (a ``ValueError`` naming it otherwise).
         bias, device, dtype: as ``torch.nn.Linear`` (dtype bf16 / fp16 / fp32).
-        group: the tensor-parallel process group (None: the default group).
+        group: the tensor-parallel process group (None: the default group), the same on every rank
+            (another group over the same ranks is a ValueError on every rank; docs/design.md §4).
         gather_output: all-gather the output shards (output replicated, (..., out_features));
             default False: each rank keeps its (..., out_features / world) block.
         workspace: a :class:`~truefuse.distributed.Workspace` of ``group`` for the allreduce kernel
@@ -162,7 +163,8 @@ class ColumnParallelLinear(WgradModule):
     ``gather_output``. Sequence parallelism is not supported.
 
     Bad input (shape, dtype, device, ``main_grad``), or ranks that disagree on the input's shape,
-    dtype or whether it needs a gradient, is the same error on every rank before any GEMM runs.
+    dtype, whether it needs a gradient or the process group, is the same error on every rank before
+    any GEMM runs.
     """
 
     def __init__(
@@ -277,7 +279,8 @@ class RowParallelLinear(WgradModule):
         bias, device, dtype: as ``torch.nn.Linear`` (dtype bf16 / fp16 / fp32). The bias is
             replicated and added once, after the sum. ``bias=True`` with
             ``fuse_residual_rmsnorm=True`` is refused (see below).
-        group: the tensor-parallel process group (None: the default group).
+        group: the tensor-parallel process group (None: the default group), the same on every rank
+            (another group over the same ranks is a ValueError on every rank; docs/design.md §4).
         input_is_parallel: the input is already this rank's (..., in_features / world) block (the
             output of a :class:`ColumnParallelLinear`); False: the input is the full (...,
             in_features), replicated, and each rank takes its block (the gradient is all-gathered).
@@ -484,7 +487,8 @@ class TensorParallelMLP(WgradModule):
             divisible by the group's size, ``hidden_size`` at most 16384 (the norm).
         bias: must be False (the fused tail takes no bias: :class:`RowParallelLinear`).
         device, dtype: the parameters' (bf16 / fp16 / fp32).
-        group: the tensor-parallel process group (None: the default group).
+        group: the tensor-parallel process group (None: the default group), the same on every rank
+            (another group over the same ranks is a ValueError on every rank; docs/design.md §4).
         activation: a gated one (``swiglu``, ``geglu``, ``geglu_tanh``, ``reglu``: fc1 is twice
             ffn wide, each rank's shard ``[gate_r; up_r]``, the module docstring's gated layout) or
             ``gelu``, ``gelu_tanh``, ``relu``, ``silu`` (in fc1's GEMM epilogue).
