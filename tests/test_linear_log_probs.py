@@ -111,7 +111,9 @@ def test_main_grad_over_four_micro_batches(config, device):
         out = truefuse.linear_log_probs(x, Wl, t, chunk_size=5, wgrad_state=state)
         (out.log_probs * up[0].to(device).float() + out.entropy * up[1].to(device).float()).sum().backward()
         ref += run_log_probs(linear_log_probs_ref, x.double().cpu(), W.double().cpu(), t.cpu(), upstream=up)["dlinear_weight"]
-        base += run_log_probs(truefuse.ops.lm_head.linear_log_probs.linear_log_probs_plain, x, W, t, upstream=up)["dlinear_weight"]
+        base += run_log_probs(truefuse.ops.lm_head.linear_log_probs.linear_log_probs_plain, x, W, t, upstream=up)[
+            "dlinear_weight"
+        ]
     if delayed:
         assert (Wl.main_grad if fused else Wl.grad) is None or not (Wl.main_grad if fused else Wl.grad).any()
         with torch.no_grad():

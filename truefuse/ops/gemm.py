@@ -452,7 +452,19 @@ def gemm_op(
 ) -> torch.Tensor:
     """The validated ``gemm`` without ``out=``: planned and run here; returns the new output."""
     return _execute(
-        a, b, None, out_dtype, False, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits, per_group,
+        a,
+        b,
+        None,
+        out_dtype,
+        False,
+        bias,
+        activation,
+        pre_out,
+        grad_activation,
+        pre_activation,
+        grad_bias_out,
+        splits,
+        per_group,
         batch_invariant,
     )
 
