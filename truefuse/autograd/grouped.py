@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from truefuse.autograd._autocast import autocast_disabled, cast
+from truefuse.autograd._double_backward import module_names, refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops._custom_op import launch
 from truefuse.ops._dtypes import wgrad_dtype
@@ -231,6 +232,7 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "GroupedLinear"))
     def backward(ctx, dy):
         x, *saved = ctx.saved_tensors
         spec, offsets = ctx.spec, ctx.offsets
@@ -288,6 +290,7 @@ class GroupedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "GroupedMLP"))
     def backward(ctx, dy):
         x, h, *saved = ctx.saved_tensors
         spec1, spec2, offsets = ctx.spec1, ctx.spec2, ctx.offsets

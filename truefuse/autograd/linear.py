@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._autocast import autocast_disabled, autocast_dtype, cast
+from truefuse.autograd._double_backward import module_names, refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops._dtypes import wgrad_dtype
 from truefuse.ops.activation import activation_grad_ref
@@ -45,6 +46,7 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "Linear"))
     def backward(ctx, dy):
         x, w, pre, weight = ctx.saved_tensors
         d = dy if ctx.activation is None else activation_grad_ref(dy, pre, ctx.activation)

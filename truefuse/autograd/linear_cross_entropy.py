@@ -17,6 +17,7 @@ import torch
 
 from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_backward, weight_state
+from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.lm_head.chunked_head import HeadGrads, head_chunks, kept_weight_grad
@@ -125,6 +126,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @refuses_double_backward("linear_cross_entropy", "truefuse.linear_cross_entropy_ref")
     def backward(ctx, g_loss, g_z, g_acc):
         g_loss = _upstream(g_loss, ctx.opts.reduction, ctx.saved_tensors[0])
         dx, dW, db = _backward_kept(ctx, g_loss) if ctx.now else _backward_recompute(ctx, g_loss)
@@ -209,6 +211,7 @@ class LinearCrossEntropyLeanFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @refuses_double_backward("linear_cross_entropy", "truefuse.linear_cross_entropy_ref")
     def backward(ctx, g_loss, g_z, g_acc):
         x, W, b, t, cw, s_ce, s_z, lse, Wp = ctx.saved_tensors
         g_loss = _upstream(g_loss, ctx.opts.reduction, x)
