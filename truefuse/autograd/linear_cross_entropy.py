@@ -25,6 +25,7 @@ from truefuse.ops.lm_head.linear_cross_entropy import (
     LinearCrossEntropyOptions,
     LinearCrossEntropyOutput,
     check_args,
+    chunk_size_from,
     reduce_terms,
     target_prologue,
     token_accuracy,
@@ -239,8 +240,9 @@ def linear_cross_entropy(
     linear_bias: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
     reduction: str = "mean",
-    ignore_index: int = -100,
+    ignore_index: int | None = None,
     label_smoothing: float = 0.0,
+    options=None,
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_z_loss: bool = False,
@@ -260,6 +262,12 @@ def linear_cross_entropy(
         target: (...) int64/int32 class indices; ``ignore_index`` marks tokens that do not count.
         weight: (V,) per-class weights (any float dtype; used in fp32), or None.
         reduction: ``mean`` | ``sum`` | ``none`` (per token, shaped like ``target``).
+        ignore_index: the target that does not count; None (torch's default) means -100, as in
+            ``torch.nn.functional.linear_cross_entropy``.
+        options: torch's ``torch.nn.LinearCrossEntropyOptions`` or None, accepted for torch's
+            signature: its ``batch_chunk_size`` is ``chunk_size``; its other fields pick how
+            torch's own chunked path runs and change nothing here
+            (``ops/lm_head/linear_cross_entropy.py::chunk_size_from``).
         label_smoothing, z_loss, softcap: as in :func:`truefuse.ops.lm_head.linear_cross_entropy.linear_cross_entropy_ref`.
         return_z_loss, return_token_accuracy: also return those (not differentiable).
         chunk_size: tokens per chunk. Default: all tokens in one chunk when their logits take no
@@ -330,6 +338,7 @@ def linear_cross_entropy(
         TypeError / ValueError naming the argument; ``ValueError`` for a target outside [0, V)
         other than ``ignore_index`` (the host waits for that check only, not for the stream).
     """
+    chunk_size = chunk_size_from(options, chunk_size)
     opts = LinearCrossEntropyOptions(
         reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy, chunk_size,
         fp32_weight_grad, memory, vocab_slice,

@@ -42,7 +42,7 @@ class LinearCrossEntropyLoss(DelayedWgrad):
         self,
         weight: torch.Tensor | None = None,
         reduction: str = "mean",
-        ignore_index: int = -100,
+        ignore_index: int | None = None,
         label_smoothing: float = 0.0,
         *,
         z_loss: float = 0.0,

@@ -23,6 +23,7 @@ over the chunked LM head is ``ops/lm_head/linear_cross_entropy_chunk.py``.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -58,7 +59,8 @@ class LinearCrossEntropyOptions:
 
     Attributes:
         reduction: ``mean`` | ``sum`` | ``none``.
-        ignore_index: targets equal to it do not count.
+        ignore_index: targets equal to it do not count; None (the default of torch's
+            ``F.linear_cross_entropy``) means -100, as torch maps it for class-index targets.
         label_smoothing: in [0, 1]. z_loss: ≥ 0, finite. softcap: > 0, finite, or None.
         return_z_loss, return_token_accuracy: also return those (not differentiable).
         chunk_size: tokens per chunk (a positive int), or None for ``chunked_head.default_chunk``.
@@ -72,7 +74,7 @@ class LinearCrossEntropyOptions:
     """
 
     reduction: str = "mean"
-    ignore_index: int = -100
+    ignore_index: int | None = -100
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     softcap: float | None = None
@@ -101,8 +103,14 @@ class LinearCrossEntropyOptions:
         vs = self.vocab_slice
         if vs is not None and (isinstance(vs, bool) or not isinstance(vs, int) or vs < 1):
             raise ValueError(f"vocab_slice must be a positive int or None, got {vs!r}")
+        if self.ignore_index is None:  # torch's F.linear_cross_entropy: None is -100 for class indices
+            object.__setattr__(self, "ignore_index", -100)
+        try:
+            object.__setattr__(self, "ignore_index", operator.index(self.ignore_index))
+        except TypeError:
+            raise TypeError(f"ignore_index must be an int or None, got {type(self.ignore_index).__name__}") from None
         # the kernels take Python scalars: one conversion here, not one per use
-        for name, kind in (("ignore_index", int), ("label_smoothing", float), ("z_loss", float)):
+        for name, kind in (("label_smoothing", float), ("z_loss", float)):
             object.__setattr__(self, name, kind(getattr(self, name)))
         for name in ("return_z_loss", "return_token_accuracy", "fp32_weight_grad"):
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -113,6 +121,22 @@ class LinearCrossEntropyOptions:
     def extras(self) -> bool:
         """Whether the result is a :class:`LinearCrossEntropyOutput` rather than the loss alone."""
         return self.return_z_loss or self.return_token_accuracy
+
+
+def chunk_size_from(options, chunk_size: int | None) -> int | None:
+    """truefuse's ``chunk_size`` given torch's ``options=`` too (``torch.nn.LinearCrossEntropyOptions``
+    or None, as ``F.linear_cross_entropy`` takes it): its ``batch_chunk_size`` (rows per chunk) is
+    truefuse's ``chunk_size``; its other fields choose how torch's own chunked path runs (heuristic,
+    accumulation policy, ``allow_retain_graph``) and change nothing here: truefuse always takes
+    the accurate path (fp32 accumulation) and allows ``retain_graph``."""
+    if options is None:
+        return chunk_size
+    if not hasattr(options, "batch_chunk_size"):
+        raise TypeError(f"options must be a torch.nn.LinearCrossEntropyOptions or None, got {type(options).__name__}")
+    rows = options.batch_chunk_size
+    if rows is not None and chunk_size is not None and rows != chunk_size:
+        raise ValueError(f"chunk_size={chunk_size} contradicts options.batch_chunk_size={rows} (pass one of them)")
+    return chunk_size if rows is None else rows
 
 
 def check_args(input, linear_weight, target, linear_bias, weight):
@@ -135,7 +159,8 @@ def check_args(input, linear_weight, target, linear_bias, weight):
     if V == 0:
         raise ValueError("linear_weight has no rows: V = 0 classes")
     if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must hold class indices (int64 or int32), got {target.dtype}")
+        # torch's F.cross_entropy also takes class probabilities (a float target): not supported here
+        raise TypeError(f"target must hold class indices (int64 or int32; no class probabilities), got {target.dtype}")
     if tuple(target.shape) != tuple(input.shape[:-1]):
         raise ValueError(f"target has shape {tuple(target.shape)} but input's leading dimensions are {tuple(input.shape[:-1])}")
     for name, t in (("linear_bias", linear_bias), ("weight", weight)):
@@ -309,6 +334,7 @@ def _from_logits(
 ):
     wide = logits.dtype
     t = target.reshape(-1)
+    ignore_index = -100 if ignore_index is None else ignore_index  # torch's F.linear_cross_entropy's None
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     cw = None if weight is None else weight.to(wide)
@@ -335,8 +361,9 @@ def linear_cross_entropy_ref(
     linear_bias: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
     reduction: str = "mean",
-    ignore_index: int = -100,
+    ignore_index: int | None = None,
     label_smoothing: float = 0.0,
+    options=None,
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_z_loss: bool = False,
@@ -347,8 +374,8 @@ def linear_cross_entropy_ref(
 ):
     """The unfused composition in plain PyTorch, fp32 math (fp64 on fp64 inputs): ``F.linear`` in
     that precision, then the cross-entropy; the semantics ``truefuse.linear_cross_entropy`` must
-    match. Materializes the (tokens, V) logits. ``chunk_size``, ``memory`` and ``vocab_slice``
-    (how the fused op runs) are accepted and ignored."""
+    match. Materializes the (tokens, V) logits. ``options``, ``chunk_size``, ``memory`` and
+    ``vocab_slice`` (how the fused op runs) are accepted and ignored."""
     wide = wide_dtype(input)
     x = input.reshape(-1, input.shape[-1]).to(wide)
     logits = F.linear(x, linear_weight.to(wide), None if linear_bias is None else linear_bias.to(wide))
@@ -361,7 +388,7 @@ def linear_cross_entropy_ref(
 def linear_cross_entropy_plain(input, linear_weight, target, *, linear_bias=None, **kw):
     """What a user writes without us: ``F.linear`` in the input's dtype, the cross-entropy in fp32
     (the bounded contract's same-dtype baseline). Same keywords as the reference."""
-    for how in ("chunk_size", "memory", "vocab_slice"):  # how the fused op runs: nothing to do here
+    for how in ("options", "chunk_size", "memory", "vocab_slice"):  # how the fused op runs: nothing to do here
         kw.pop(how, None)
     logits = F.linear(input.reshape(-1, input.shape[-1]), linear_weight, linear_bias).to(wide_dtype(input))
     return _from_logits(
