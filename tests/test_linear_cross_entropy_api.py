@@ -120,3 +120,76 @@ def test_torch_arguments_bad_values_name_the_argument():
         truefuse.linear_cross_entropy(x, W, t, ignore_index=1.5)
     with pytest.raises(TypeError, match="no class probabilities"):  # torch's float targets
         truefuse.linear_cross_entropy(x, W, torch.softmax(x @ W.T, -1))
+
+
+# --- predicted tokens (item 8) ---------------------------------------------------------------------
+
+
+def _tie_inputs():
+    """Small integers (every logit exact in fp32) with exact ties: token 0's maximum is shared by
+    classes 3, 40 and 66 (another kernel block at BLOCK_V = 64, the last, partial one)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-2, 3, (2, 4, H), generator=g).float()
+    W = torch.randint(-1, 2, (70, H), generator=g).float()
+    x[0, 0] = 1.0
+    W[3] = W[40] = W[66] = 3.0  # 15 against at most 10 elsewhere
+    t = torch.randint(0, 70, (2, 4), generator=g)
+    t[0, 1] = t[1, 2] = -100
+    return x, W, t
+
+
+@pytest.mark.parametrize("memory", ["default", "lean"])
+def test_predicted_tokens_are_torch_argmax_of_the_logits(memory):
+    x, W, t = _tie_inputs()
+    kw = {"memory": memory, "vocab_slice": 32, "chunk_size": 4, "return_predicted_tokens": True}
+    xl, Wl = x.clone().requires_grad_(), W.clone().requires_grad_()
+    out = truefuse.linear_cross_entropy(xl, Wl, t, softcap=30.0, **kw)
+    ref = truefuse.linear_cross_entropy_ref(x, W, t, softcap=30.0, return_predicted_tokens=True)
+    expect = (30.0 * torch.tanh((x @ W.T) / 30.0)).argmax(-1)
+    assert out.predicted_tokens.dtype == torch.int64 and out.predicted_tokens.shape == t.shape
+    assert torch.equal(ref.predicted_tokens, expect)
+    assert torch.equal(out.predicted_tokens, expect)  # ignored tokens (t = -100) included
+    assert out.predicted_tokens[0, 0] == 3  # the lowest index among the tied maxima
+    assert not out.predicted_tokens.requires_grad
+    # asking for them changes neither the loss nor the gradients
+    out.loss.backward()
+    xp, Wp = x.clone().requires_grad_(), W.clone().requires_grad_()
+    plain = truefuse.linear_cross_entropy(xp, Wp, t, softcap=30.0, **{**kw, "return_predicted_tokens": False})
+    plain.backward()
+    assert torch.equal(out.loss, plain) and torch.equal(xl.grad, xp.grad) and torch.equal(Wl.grad, Wp.grad)
+
+
+def test_predicted_tokens_pytorch_path_and_module():
+    x, W, t = _tie_inputs()
+    x, W = x.double(), W.double()  # fp64: the PyTorch chunk math, not the kernel
+    expect = (x @ W.T).argmax(-1)
+    out = truefuse.linear_cross_entropy(x, W, t, reduction="none", return_predicted_tokens=True)
+    assert torch.equal(out.predicted_tokens, expect) and out.z_loss is None and out.token_accuracy is None
+    module = truefuse.LinearCrossEntropyLoss(return_predicted_tokens=True)
+    assert torch.equal(module(x, W, t).predicted_tokens, expect)
+    valid = t != -100
+    acc = truefuse.linear_cross_entropy(x, W, t, return_token_accuracy=True).token_accuracy
+    assert acc == ((expect == t) & valid).sum() / valid.sum()  # the accuracy is the same argmax
+
+
+def test_token_scaling_is_a_recipe_over_reduction_none():
+    """Liger's ``use_token_scaling`` (the DFT loss: each token's loss times its target's predicted
+    probability, detached) is not an option here: with ``reduction="none"`` it is
+    ``(ce * ce.detach().neg().exp())`` (p_t = e^(−ce) without label smoothing, z-loss or class
+    weights), which docs/linear_cross_entropy.md gives. This checks the recipe against the
+    definition, loss and gradients, in float64."""
+    x, W, b, cw, t = _inputs()
+    valid = t != -100
+
+    def recipe(x, W, t):
+        ce = truefuse.linear_cross_entropy(x, W, t, reduction="none")
+        return (ce * ce.detach().neg().exp()).sum() / valid.sum()
+
+    def definition(x, W, t):
+        logits = x @ W.T
+        p_t = torch.softmax(logits, -1).gather(1, t.clamp(min=0)[:, None]).squeeze(1).detach()
+        ce = F.cross_entropy(logits, t, reduction="none")
+        return (ce * p_t * valid).sum() / valid.sum()
+
+    for a, e in zip(_run(recipe, x, W, t), _run(definition, x, W, t), strict=True):
+        torch.testing.assert_close(a, e)

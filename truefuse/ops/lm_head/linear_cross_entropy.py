@@ -46,11 +46,15 @@ class LinearCrossEntropyOutput(NamedTuple):
         z_loss: the z-loss term alone, reduced like the loss (None unless ``return_z_loss``).
         token_accuracy: fraction of non-ignored tokens whose argmax logit is the target, 0-dim
             (None unless ``return_token_accuracy``; 0 when every target is ignored).
+        predicted_tokens: each token's argmax logit (after softcap), int64 shaped like ``target``,
+            as ``torch.argmax``: the lowest index among ties, the first NaN in a row that holds
+            one; ignored tokens get theirs too (None unless ``return_predicted_tokens``).
     """
 
     loss: torch.Tensor
     z_loss: torch.Tensor | None
     token_accuracy: torch.Tensor | None
+    predicted_tokens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class LinearCrossEntropyOptions:
             equal to each other.
         vocab_slice: classes per vocabulary slice under ``lean`` (a positive int), or None for
             ``linear_cross_entropy_slices.default_slice_width``; ignored by ``default``.
+        return_predicted_tokens: also return each token's argmax (from the loss kernel's pass
+            over the logits; not differentiable).
     """
 
     reduction: str = "mean"
@@ -84,6 +90,7 @@ class LinearCrossEntropyOptions:
     fp32_weight_grad: bool = True
     memory: str = "default"
     vocab_slice: int | None = None
+    return_predicted_tokens: bool = False
 
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
@@ -112,7 +119,7 @@ class LinearCrossEntropyOptions:
         # the kernels take Python scalars: one conversion here, not one per use
         for name, kind in (("label_smoothing", float), ("z_loss", float)):
             object.__setattr__(self, name, kind(getattr(self, name)))
-        for name in ("return_z_loss", "return_token_accuracy", "fp32_weight_grad"):
+        for name in ("return_z_loss", "return_token_accuracy", "fp32_weight_grad", "return_predicted_tokens"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         if self.softcap is not None:
             object.__setattr__(self, "softcap", float(self.softcap))
@@ -120,7 +127,7 @@ class LinearCrossEntropyOptions:
     @property
     def extras(self) -> bool:
         """Whether the result is a :class:`LinearCrossEntropyOutput` rather than the loss alone."""
-        return self.return_z_loss or self.return_token_accuracy
+        return self.return_z_loss or self.return_token_accuracy or self.return_predicted_tokens
 
 
 def chunk_size_from(options, chunk_size: int | None) -> int | None:
@@ -330,8 +337,9 @@ def reduce_terms(ce, zl, reduction, scales, with_z: bool = True):
 
 
 def _from_logits(
-    logits, target, *, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy
-):
+    logits, target, *, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy,
+    return_predicted_tokens=False,
+):  # fmt: skip
     wide = logits.dtype
     t = target.reshape(-1)
     ignore_index = -100 if ignore_index is None else ignore_index  # torch's F.linear_cross_entropy's None
@@ -347,10 +355,12 @@ def _from_logits(
     loss, z_part = reduce_terms(ce, zl, reduction, mean_scales(n, None if cw is None else w_t) if reduction == "mean" else None)
     if reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape)
-    if not (return_z_loss or return_token_accuracy):
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
         return loss
-    acc = token_accuracy((logits.argmax(-1) == t) & valid, n).to(wide) if return_token_accuracy else None
-    return LinearCrossEntropyOutput(loss, z_part if return_z_loss else None, acc)
+    pred = logits.argmax(-1)
+    acc = token_accuracy((pred == t) & valid, n).to(wide) if return_token_accuracy else None
+    pred = pred.view(target.shape) if return_predicted_tokens else None
+    return LinearCrossEntropyOutput(loss, z_part if return_z_loss else None, acc, pred)
 
 
 def linear_cross_entropy_ref(
@@ -368,6 +378,7 @@ def linear_cross_entropy_ref(
     softcap: float | None = None,
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
     chunk_size: int | None = None,
     memory: str = "default",
     vocab_slice: int | None = None,
@@ -382,6 +393,7 @@ def linear_cross_entropy_ref(
     return _from_logits(
         logits, target, weight=weight, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
         z_loss=z_loss, softcap=softcap, return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
     )  # fmt: skip
 
 
