@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad, main_grad_target, main_grad_written
 from truefuse.config import is_batch_invariant
 from truefuse.ops.bias_grad import split_bias_grad
@@ -99,7 +100,7 @@ class HeadLogitsFunction(torch.autograd.Function):
         return logits_gemm(x, W, b, None, None)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @refuses_double_backward("linear_cross_entropy", "torch.nn.functional.linear")  # the head's logits in BI mode
     def backward(ctx, g):
         x, W = ctx.saved_tensors
         g = g.contiguous()

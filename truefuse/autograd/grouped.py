@@ -26,6 +26,7 @@ import torch
 
 from truefuse.autograd._autocast import autocast_disabled, cast
 from truefuse.autograd._batch_invariant import in_forward_mode, record
+from truefuse.autograd._double_backward import module_names, refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops._custom_op import launch
 from truefuse.ops._dtypes import wgrad_dtype
@@ -235,6 +236,7 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "GroupedLinear"))
     @in_forward_mode
     def backward(ctx, dy):
         x, *saved = ctx.saved_tensors
@@ -294,6 +296,7 @@ class GroupedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "GroupedMLP"))
     @in_forward_mode
     def backward(ctx, dy):
         x, h, *saved = ctx.saved_tensors

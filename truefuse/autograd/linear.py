@@ -11,6 +11,7 @@ import torch
 
 from truefuse.autograd._autocast import autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._batch_invariant import in_forward_mode, record
+from truefuse.autograd._double_backward import module_names, refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops._dtypes import wgrad_dtype
 from truefuse.ops.activation import activation_grad_ref
@@ -47,6 +48,7 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "Linear"))
     @in_forward_mode
     def backward(ctx, dy):
         x, w, pre, weight = ctx.saved_tensors

@@ -17,6 +17,7 @@ import torch
 
 from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_backward, weight_state
+from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.config import is_batch_invariant
 from truefuse.ops._dtypes import wide_dtype
@@ -25,6 +26,7 @@ from truefuse.ops.lm_head.linear_cross_entropy import (
     LinearCrossEntropyOptions,
     LinearCrossEntropyOutput,
     check_args,
+    chunk_size_from,
     reduce_terms,
     target_prologue,
     token_accuracy,
@@ -54,6 +56,12 @@ def _outputs(opts, ce, zl, correct, n, s_ce, s_z, wide):
     total, z_part = reduce_terms(ce, zl, opts.reduction, (s_ce, s_z), with_z=opts.z_loss > 0 or opts.return_z_loss)
     acc = token_accuracy(correct, n).to(wide) if opts.return_token_accuracy else n  # the chunks mark valid tokens only
     return total, n.view(()) if z_part is None else z_part, acc
+
+
+def _predicted(opts, pred: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    """The Function's predicted-tokens output: each token's argmax when asked for, else an empty
+    stand-in (an output must be a tensor; never returned to the caller)."""
+    return pred if opts.return_predicted_tokens else t.new_empty(0)
 
 
 def _upstream(g_loss, reduction: str, x: torch.Tensor) -> torch.Tensor:
@@ -110,6 +118,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         head = {"keep_d": keep_d and now, "w_dtype": Wp.dtype, "batch_invariant": ctx.bi}
         loss, grads = _run(opts, chunk, x, W, b, t, cw, s_ce, s_z, want, check=checked, **head)
         total, z_part, acc = _outputs(opts, loss.ce, loss.zl, loss.correct, n, s_ce, s_z, wide)
+        pred = _predicted(opts, loss.pred, t)
         ctx.opts, ctx.chunk, ctx.needs, ctx.now, ctx.wstate, ctx.deferred = opts, chunk, needs, now, wstate, deferred
         ctx.want, ctx.keep_d, ctx.grads = want, keep_d, None
         if now:
@@ -122,13 +131,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # what a later backward (retain_graph) recomputes from; references, not copies (W and
             # Wp are one tensor outside autocast)
             ctx.save_for_backward(x, W, b, t, cw, s_ce, s_z, Wp)
-        ctx.mark_non_differentiable(z_part, acc)
+        ctx.mark_non_differentiable(z_part, acc, pred)
         ctx.set_materialize_grads(False)  # no zero-filled gradients for the z part and the accuracy
-        return total, z_part, acc
+        return total, z_part, acc, pred
 
     @staticmethod
     @autocast_disabled
-    def backward(ctx, g_loss, g_z, g_acc):
+    @refuses_double_backward("linear_cross_entropy", "truefuse.linear_cross_entropy_ref")
+    def backward(ctx, g_loss, g_z, g_acc, g_pred):
         g_loss = _upstream(g_loss, ctx.opts.reduction, ctx.saved_tensors[0])
         dx, dW, db = _backward_kept(ctx, g_loss) if ctx.now else _backward_recompute(ctx, g_loss)
         return dx, dW, db, None, None, None, None, None, None
@@ -201,18 +211,21 @@ class LinearCrossEntropyLeanFunction(torch.autograd.Function):
         V = W.shape[0]
         n, s_ce, s_z, checked = target_prologue(t, V, opts.ignore_index, opts.reduction, cw, x)  # checked after pass 1 is queued
         w_sum = class_weight_sum(cw, V, opts)
-        terms = finish_stats(stats_pass(opts, x, W, b, t, cw, width=width, check=checked), t, cw, opts, V, w_sum)
+        stats = stats_pass(opts, x, W, b, t, cw, width=width, check=checked)
+        terms = finish_stats(stats, t, cw, opts, V, w_sum)
         total, z_part, acc = _outputs(opts, terms.ce, terms.zl, terms.correct, n, s_ce, s_z, wide)
+        pred = _predicted(opts, stats.arg, t)  # the merged slices' first argmax
         ctx.opts, ctx.width, ctx.needs, ctx.wstate, ctx.deferred, ctx.w_sum = opts, width, needs, wstate, deferred, w_sum
         if any(needs):
             ctx.save_for_backward(x, W, b, t, cw, s_ce, s_z, terms.lse, Wp)
-        ctx.mark_non_differentiable(z_part, acc)
+        ctx.mark_non_differentiable(z_part, acc, pred)
         ctx.set_materialize_grads(False)  # no zero-filled gradients for the z part and the accuracy
-        return total, z_part, acc
+        return total, z_part, acc, pred
 
     @staticmethod
     @autocast_disabled
-    def backward(ctx, g_loss, g_z, g_acc):
+    @refuses_double_backward("linear_cross_entropy", "truefuse.linear_cross_entropy_ref")
+    def backward(ctx, g_loss, g_z, g_acc, g_pred):
         x, W, b, t, cw, s_ce, s_z, lse, Wp = ctx.saved_tensors
         g_loss = _upstream(g_loss, ctx.opts.reduction, x)
         # delayed: copied, since backward_dw() reads it after this backward returned
@@ -239,12 +252,14 @@ def linear_cross_entropy(
     linear_bias: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
     reduction: str = "mean",
-    ignore_index: int = -100,
+    ignore_index: int | None = None,
     label_smoothing: float = 0.0,
+    options=None,
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
     chunk_size: int | None = None,
     fp32_weight_grad: bool = True,
     fuse_wgrad_accumulation: bool = False,
@@ -260,8 +275,18 @@ def linear_cross_entropy(
         target: (...) int64/int32 class indices; ``ignore_index`` marks tokens that do not count.
         weight: (V,) per-class weights (any float dtype; used in fp32), or None.
         reduction: ``mean`` | ``sum`` | ``none`` (per token, shaped like ``target``).
+        ignore_index: the target that does not count; None (torch's default) means -100, as in
+            ``torch.nn.functional.linear_cross_entropy``.
+        options: torch's ``torch.nn.LinearCrossEntropyOptions`` or None, accepted for torch's
+            signature: its ``batch_chunk_size`` is ``chunk_size``; its other fields pick how
+            torch's own chunked path runs and change nothing here
+            (``ops/lm_head/linear_cross_entropy.py::chunk_size_from``).
         label_smoothing, z_loss, softcap: as in :func:`truefuse.ops.lm_head.linear_cross_entropy.linear_cross_entropy_ref`.
         return_z_loss, return_token_accuracy: also return those (not differentiable).
+        return_predicted_tokens: also return each token's argmax logit (after softcap), int64
+            shaped like ``target``, from the loss kernel's own pass over the logits (no logits
+            kept): ``torch.argmax``'s answer (lowest index among ties, first NaN), ignored tokens
+            included; for accuracy metrics (Liger-Kernel's ``return_predicted_tokens``).
         chunk_size: tokens per chunk. Default: all tokens in one chunk when their logits take no
             more memory than chunking would (the ``chunk_bytes`` tuning knob, 512 MiB, or the fp32 weight-gradient
             accumulator's V·H·4 bytes when there is one, i.e. the weight gradient is returned: 8192
@@ -330,9 +355,10 @@ def linear_cross_entropy(
         TypeError / ValueError naming the argument; ``ValueError`` for a target outside [0, V)
         other than ``ignore_index`` (the host waits for that check only, not for the stream).
     """
+    chunk_size = chunk_size_from(options, chunk_size)
     opts = LinearCrossEntropyOptions(
         reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy, chunk_size,
-        fp32_weight_grad, memory, vocab_slice,
+        fp32_weight_grad, memory, vocab_slice, return_predicted_tokens,
     )  # fmt: skip
     return linear_cross_entropy_with(
         opts, input, linear_weight, target, linear_bias=linear_bias, weight=weight,
@@ -365,16 +391,21 @@ def linear_cross_entropy_with(
     wgrad_state = weight_state(fuse_wgrad_accumulation, wgrad_state)
     if opts.memory == "lean":
         width = opts.vocab_slice or default_slice_width(x.shape[0], V, x.element_size(), H=x.shape[1])
-        loss, z_part, acc = LinearCrossEntropyLeanFunction.apply(
+        loss, z_part, acc, pred = LinearCrossEntropyLeanFunction.apply(
             x, linear_weight, linear_bias, t, cw, opts, width, wgrad_state, dtype
         )
     else:
         chunk = chunk_for(opts.chunk_size, opts.fp32_weight_grad, x, linear_weight, wgrad_state)
-        loss, z_part, acc = LinearCrossEntropyFunction.apply(
+        loss, z_part, acc, pred = LinearCrossEntropyFunction.apply(
             x, linear_weight, linear_bias, t, cw, opts, chunk, wgrad_state, dtype
         )
     if opts.reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape) if opts.return_z_loss else None
     if not opts.extras:
         return loss
-    return LinearCrossEntropyOutput(loss, z_part if opts.return_z_loss else None, acc if opts.return_token_accuracy else None)
+    return LinearCrossEntropyOutput(
+        loss,
+        z_part if opts.return_z_loss else None,
+        acc if opts.return_token_accuracy else None,
+        pred.view(target.shape) if opts.return_predicted_tokens else None,
+    )

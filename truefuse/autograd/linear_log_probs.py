@@ -19,6 +19,7 @@ import torch
 
 from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_backward, weight_state
+from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.config import is_batch_invariant
 from truefuse.ops._dtypes import wide_dtype
@@ -59,6 +60,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @refuses_double_backward("linear_log_probs", "truefuse.ops.lm_head.linear_log_probs.linear_log_probs_ref")
     def backward(ctx, g_lp, g_ent):
         x, W, b, t, Wp = ctx.saved_tensors
         wide = wide_dtype(x)

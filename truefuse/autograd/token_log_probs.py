@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.lm_head.linear_cross_entropy import target_prologue
 from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOptions, LinearLogProbsOutput
@@ -17,7 +18,7 @@ class TokenLogProbsFunction(torch.autograd.Function):
     """Inputs: logits (N, V) row-contiguous, target (N,) int64, the options. Outputs: (N,) log-probs
     and (N,) entropies, wide. Backward runs the per-row pass again with both upstream gradients
     (on a copy of the logits: the kernel writes d_logits over its operand); it may run several
-    times (``retain_graph``). Double backward is refused (``once_differentiable``)."""
+    times (``retain_graph``). Double backward is refused by name (``autograd/_double_backward.py``)."""
 
     @staticmethod
     def forward(ctx, logits, t, opts: LinearLogProbsOptions):
@@ -28,7 +29,7 @@ class TokenLogProbsFunction(torch.autograd.Function):
         return lp, ent
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @refuses_double_backward("token_log_probs", "truefuse.ops.token_log_probs.token_log_probs_ref")
     def backward(ctx, g_lp, g_ent):
         logits, t = ctx.saved_tensors
         wide = wide_dtype(logits)

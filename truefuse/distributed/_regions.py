@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.config import get_tuning
 from truefuse.distributed.allreduce import allreduce
 from truefuse.distributed.workspace import Workspace
@@ -108,7 +109,8 @@ class _ScatterToTP(torch.autograd.Function):
         return _my_slice(x, group)
 
     @staticmethod
-    def backward(ctx, dy):
+    @refuses_double_backward("distributed.scatter_to_tp_region", "torch.distributed.nn.functional.all_gather")
+    def backward(ctx, dy):  # torch.distributed.all_gather is not differentiable
         return _all_gather_last(dy, ctx.group), None
 
 

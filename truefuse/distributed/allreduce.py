@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd.norm import rms_norm
 from truefuse.config import get_tuning
 from truefuse.distributed._agree import agree, validating
@@ -135,6 +136,7 @@ class FusedAllreduceAddRMSNorm(torch.autograd.Function):
         return (normed.view(x.shape) if normed is not None else out.new_empty(0)), out
 
     @staticmethod
+    @refuses_double_backward("distributed.allreduce_add_rmsnorm", "truefuse.distributed.allreduce_add_rmsnorm_ref")
     def backward(ctx, d_normed, d_out):
         out, weight, rstd = ctx.saved_tensors
         d = None if d_out is None else d_out.reshape(out.shape)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from truefuse.autograd._autocast import autocast_disabled
 from truefuse.autograd._chunked_head import recompute_backward, weight_state
+from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, check_main_grad
 from truefuse.distributed._agree import gather_verdicts, problem_of, raise_disagreement, raise_problems
 from truefuse.ops._dtypes import wide_dtype
@@ -128,6 +129,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
+    @refuses_double_backward("distributed.linear_cross_entropy", "truefuse.linear_cross_entropy_ref on the gathered weight")
     def backward(ctx, g_loss, g_z, g_acc):
         x, W, b, t, cw, s_ce, s_z, lse = ctx.saved_tensors
         # delayed: copied, since backward_dw() reads it after this backward returned

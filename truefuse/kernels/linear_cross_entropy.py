@@ -42,6 +42,7 @@ def _linear_cross_entropy_chunk_kernel(
     ce_ptr,
     zl_ptr,
     ok_ptr,
+    pred_ptr,  # written only with WANT_PRED: the row's argmax (return_predicted_tokens)
     s_ce_ptr,
     s_z_ptr,
     V,  # specialized (divisible by 16 or not) like ``stride``: the vector loads need to know
@@ -57,6 +58,7 @@ def _linear_cross_entropy_chunk_kernel(
     WANT_GRAD: tl.constexpr,
     PER_TOKEN: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    WANT_PRED: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
@@ -95,6 +97,8 @@ def _linear_cross_entropy_chunk_kernel(
     tl.store(ce_ptr + row, tl.where(valid, ce, 0.0))
     tl.store(zl_ptr + row, tl.where(valid, z_loss * lse * lse, 0.0))
     tl.store(ok_ptr + row, (best_i == t) & valid)
+    if WANT_PRED:  # every row, ignored or not: torch.argmax of its logits
+        tl.store(pred_ptr + row, best_i)
 
     if WANT_GRAD:
         if PER_TOKEN:

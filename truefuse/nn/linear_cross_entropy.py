@@ -18,8 +18,8 @@ class LinearCrossEntropyLoss(DelayedWgrad):
     Args:
         weight: (V,) per-class weights or None (a buffer, like ``torch.nn.CrossEntropyLoss``'s).
         reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss,
-        return_token_accuracy, chunk_size, fp32_weight_grad, memory, vocab_slice,
-        fuse_wgrad_accumulation: as
+        return_token_accuracy, return_predicted_tokens, chunk_size, fp32_weight_grad, memory,
+        vocab_slice, fuse_wgrad_accumulation: as
         :func:`truefuse.linear_cross_entropy` (the last sends the weight gradient to
         ``linear_weight.main_grad`` per docs/design.md §2).
         delay_wgrad_compute: the weight gradient waits for :meth:`backward_dw` (docs/design.md §2): then
@@ -42,13 +42,14 @@ class LinearCrossEntropyLoss(DelayedWgrad):
         self,
         weight: torch.Tensor | None = None,
         reduction: str = "mean",
-        ignore_index: int = -100,
+        ignore_index: int | None = None,
         label_smoothing: float = 0.0,
         *,
         z_loss: float = 0.0,
         softcap: float | None = None,
         return_z_loss: bool = False,
         return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
         chunk_size: int | None = None,
         fp32_weight_grad: bool = True,
         memory: str = "default",
@@ -61,7 +62,7 @@ class LinearCrossEntropyLoss(DelayedWgrad):
         self.register_buffer("weight", weight)
         self.options = LinearCrossEntropyOptions(
             reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy, chunk_size,
-            fp32_weight_grad, memory, vocab_slice,
+            fp32_weight_grad, memory, vocab_slice, return_predicted_tokens,
         )  # fmt: skip
         self._wgrad = WgradState(
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,

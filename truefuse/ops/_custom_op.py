@@ -1,9 +1,11 @@
 """Registering a truefuse ``torch.library`` custom op's backward (docs/design.md §6.7).
 
 A one-kernel op's backward lives on the op: ``register_backward`` registers it on the forward op
-and, on each backward op, a stub that refuses double backward. The stub must be registered:
-tracing a backward graph (torch.compile, AOT autograd) asks every op in it for its autograd
-formula, even though truefuse never differentiates a backward.
+and, on each backward op, a stub that refuses double backward with :func:`double_backward_message`
+(docs/design.md §6.5). The stub must be registered: tracing a backward graph (torch.compile, AOT
+autograd) asks every op in it for its autograd formula. In eager mode it fires only when a
+gradient taken with ``create_graph=True`` is differentiated again; a plain ``create_graph=True``
+backward works. (Autograd Functions refuse the same way: ``autograd/_double_backward.py``.)
 """
 
 from __future__ import annotations
@@ -35,26 +37,37 @@ def launch(op, *args):
     return op.body(*args)
 
 
-def _no_double_backward_for(what: str) -> Callable:
+def double_backward_message(op: str, ref: str) -> str:
+    """The one error of every truefuse op that refuses double backward (docs/design.md §6.5):
+    ``op`` is its public name (``"rms_norm"``), ``ref`` where its differentiable reference lives."""
+    return (
+        f"truefuse.{op} does not support double backward (differentiating a gradient taken with "
+        f"create_graph=True, e.g. a gradient penalty); compute the gradient penalty through the "
+        f"unfused reference {ref}"
+    )
+
+
+def no_double_backward(op, name: str | Callable, ref: str = "") -> None:
+    """Register on ``op`` (a backward op) an autograd formula that raises
+    :func:`double_backward_message`: it fires when a gradient the op computed under
+    ``create_graph=True`` is differentiated, and lets a traced backward graph hold the op.
+    ``name``: the public op's name, or ``f(inputs) -> (name, ref)`` where ops share the backward
+    op (the norms)."""
+
+    def _setup(ctx, inputs, output) -> None:
+        ctx.names = name(inputs) if callable(name) else (name, ref)  # strings only: no tensor kept
+
     def _no_double_backward(ctx, *grads):
-        raise RuntimeError(f"truefuse {what} do not support double backward (create_graph=True through the backward)")
+        raise RuntimeError(double_backward_message(*ctx.names))
 
-    return _no_double_backward
-
-
-def _no_setup(ctx, inputs, output) -> None:
-    return None
+    op.register_autograd(_no_double_backward, setup_context=_setup)
 
 
-def no_double_backward(op, what: str) -> None:
-    """Register on ``op`` (a backward op) an autograd formula that raises: never run, but it lets a
-    traced backward graph hold the op. ``what`` names the ops in the error ("norms")."""
-    op.register_autograd(_no_double_backward_for(what), setup_context=_no_setup)
-
-
-def register_backward(fwd_op, backward: Callable, setup_context: Callable, *, bwd_ops: Iterable = (), what: str = "ops") -> None:
+def register_backward(
+    fwd_op, backward: Callable, setup_context: Callable, *, bwd_ops: Iterable = (), name: str | Callable = "", ref: str = ""
+) -> None:
     """``fwd_op.register_autograd(backward, setup_context=setup_context)`` and
-    :func:`no_double_backward` on each of ``bwd_ops`` (the ops ``backward`` calls)."""
+    :func:`no_double_backward` (``name``, ``ref``) on each of ``bwd_ops`` (the ops ``backward`` calls)."""
     fwd_op.register_autograd(backward, setup_context=setup_context)
     for op in bwd_ops:
-        no_double_backward(op, what)
+        no_double_backward(op, name, ref)

@@ -203,4 +203,6 @@ def _backward(ctx, dout, dlse):
     return dq, dk, dv, None, None, None, None, None, None
 
 
-register_backward(attention_fwd_op, _backward, _setup, bwd_ops=(attention_bwd_op,), what="attention ops")
+register_backward(
+    attention_fwd_op, _backward, _setup, bwd_ops=(attention_bwd_op,), name="attention", ref="truefuse.ops.attention.attention_ref"
+)

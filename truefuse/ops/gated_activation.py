@@ -155,7 +155,8 @@ def _gated_backward(ctx, dy):
     return gated_bwd_op(dy, x, ctx.name), None
 
 
-register_backward(gated_fwd_op, _gated_backward, _gated_setup, bwd_ops=(gated_bwd_op,), what="gated activations")
+_REFUSAL = {"name": "gated_activation", "ref": "truefuse.ops.gated_activation.gated_activation_ref"}  # double backward
+register_backward(gated_fwd_op, _gated_backward, _gated_setup, bwd_ops=(gated_bwd_op,), **_REFUSAL)
 
 
 # Two-tensor form (a separate gate and up, as a Hugging Face MLP's two projections give them: no
@@ -197,4 +198,4 @@ def _gated2_backward(ctx, dy):
     return dg, du, None
 
 
-register_backward(gated2_fwd_op, _gated2_backward, _gated2_setup, bwd_ops=(gated2_bwd_op,), what="gated activations")
+register_backward(gated2_fwd_op, _gated2_backward, _gated2_setup, bwd_ops=(gated2_bwd_op,), **_REFUSAL)

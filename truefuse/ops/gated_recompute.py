@@ -23,4 +23,4 @@ def _(dy, x, name):
 
 
 # only ever called inside a backward; registered so a traced backward graph may hold it
-no_double_backward(gated_bwd_recompute_op, "gated activations")
+no_double_backward(gated_bwd_recompute_op, "GroupedMLP", "truefuse.GroupedMLP.forward_ref")

@@ -409,7 +409,14 @@ def _norm_backward(ctx, dy, _dmean, _drstd):
     return dx, (None if weight is None else dw), (None if bias is None else db), None, None, None
 
 
-register_backward(norm_fwd_op, _norm_backward, _norm_setup, bwd_ops=(norm_bwd_op,), what="norms")
+def _norm_names(inputs) -> tuple[str, str]:
+    """The public op behind a ``norm_bwd`` call, for its double-backward refusal (``rms`` is its
+    7th input; ``rms_norm_hf`` and ``RMSNorm`` are ``rms_norm`` there)."""
+    op = "rms_norm" if inputs[6] else "layer_norm"
+    return op, f"truefuse.ops.norm.{op}_ref"
+
+
+register_backward(norm_fwd_op, _norm_backward, _norm_setup, bwd_ops=(norm_bwd_op,), name=_norm_names)
 
 
 # The stock-rounding RMSNorm (``rms_norm_hf``): the statistics come in (torch's, for their bits),

@@ -90,4 +90,6 @@ def _backward(ctx, dy):
     return rope_bwd_op(dy, cos, sin, ctx.x_dtype), None, None
 
 
-register_backward(rope_fwd_op, _backward, _setup, bwd_ops=(rope_bwd_op,), what="rope ops")
+register_backward(
+    rope_fwd_op, _backward, _setup, bwd_ops=(rope_bwd_op,), name="apply_rotary_pos_emb", ref="truefuse.ops.rope.rope_ref"
+)

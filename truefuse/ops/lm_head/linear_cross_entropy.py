@@ -23,6 +23,7 @@ over the chunked LM head is ``ops/lm_head/linear_cross_entropy_chunk.py``.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -45,11 +46,15 @@ class LinearCrossEntropyOutput(NamedTuple):
         z_loss: the z-loss term alone, reduced like the loss (None unless ``return_z_loss``).
         token_accuracy: fraction of non-ignored tokens whose argmax logit is the target, 0-dim
             (None unless ``return_token_accuracy``; 0 when every target is ignored).
+        predicted_tokens: each token's argmax logit (after softcap), int64 shaped like ``target``,
+            as ``torch.argmax``: the lowest index among ties, the first NaN in a row that holds
+            one; ignored tokens get theirs too (None unless ``return_predicted_tokens``).
     """
 
     loss: torch.Tensor
     z_loss: torch.Tensor | None
     token_accuracy: torch.Tensor | None
+    predicted_tokens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,8 @@ class LinearCrossEntropyOptions:
 
     Attributes:
         reduction: ``mean`` | ``sum`` | ``none``.
-        ignore_index: targets equal to it do not count.
+        ignore_index: targets equal to it do not count; None (the default of torch's
+            ``F.linear_cross_entropy``) means -100, as torch maps it for class-index targets.
         label_smoothing: in [0, 1]. z_loss: ≥ 0, finite. softcap: > 0, finite, or None.
         return_z_loss, return_token_accuracy: also return those (not differentiable).
         chunk_size: tokens per chunk (a positive int), or None for ``chunked_head.default_chunk``.
@@ -69,10 +75,12 @@ class LinearCrossEntropyOptions:
             equal to each other.
         vocab_slice: classes per vocabulary slice under ``lean`` (a positive int), or None for
             ``linear_cross_entropy_slices.default_slice_width``; ignored by ``default``.
+        return_predicted_tokens: also return each token's argmax (from the loss kernel's pass
+            over the logits; not differentiable).
     """
 
     reduction: str = "mean"
-    ignore_index: int = -100
+    ignore_index: int | None = -100
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     softcap: float | None = None
@@ -82,6 +90,7 @@ class LinearCrossEntropyOptions:
     fp32_weight_grad: bool = True
     memory: str = "default"
     vocab_slice: int | None = None
+    return_predicted_tokens: bool = False
 
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
@@ -101,10 +110,16 @@ class LinearCrossEntropyOptions:
         vs = self.vocab_slice
         if vs is not None and (isinstance(vs, bool) or not isinstance(vs, int) or vs < 1):
             raise ValueError(f"vocab_slice must be a positive int or None, got {vs!r}")
+        if self.ignore_index is None:  # torch's F.linear_cross_entropy: None is -100 for class indices
+            object.__setattr__(self, "ignore_index", -100)
+        try:
+            object.__setattr__(self, "ignore_index", operator.index(self.ignore_index))
+        except TypeError:
+            raise TypeError(f"ignore_index must be an int or None, got {type(self.ignore_index).__name__}") from None
         # the kernels take Python scalars: one conversion here, not one per use
-        for name, kind in (("ignore_index", int), ("label_smoothing", float), ("z_loss", float)):
+        for name, kind in (("label_smoothing", float), ("z_loss", float)):
             object.__setattr__(self, name, kind(getattr(self, name)))
-        for name in ("return_z_loss", "return_token_accuracy", "fp32_weight_grad"):
+        for name in ("return_z_loss", "return_token_accuracy", "fp32_weight_grad", "return_predicted_tokens"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         if self.softcap is not None:
             object.__setattr__(self, "softcap", float(self.softcap))
@@ -112,7 +127,23 @@ class LinearCrossEntropyOptions:
     @property
     def extras(self) -> bool:
         """Whether the result is a :class:`LinearCrossEntropyOutput` rather than the loss alone."""
-        return self.return_z_loss or self.return_token_accuracy
+        return self.return_z_loss or self.return_token_accuracy or self.return_predicted_tokens
+
+
+def chunk_size_from(options, chunk_size: int | None) -> int | None:
+    """truefuse's ``chunk_size`` given torch's ``options=`` too (``torch.nn.LinearCrossEntropyOptions``
+    or None, as ``F.linear_cross_entropy`` takes it): its ``batch_chunk_size`` (rows per chunk) is
+    truefuse's ``chunk_size``; its other fields choose how torch's own chunked path runs (heuristic,
+    accumulation policy, ``allow_retain_graph``) and change nothing here: truefuse always takes
+    the accurate path (fp32 accumulation) and allows ``retain_graph``."""
+    if options is None:
+        return chunk_size
+    if not hasattr(options, "batch_chunk_size"):
+        raise TypeError(f"options must be a torch.nn.LinearCrossEntropyOptions or None, got {type(options).__name__}")
+    rows = options.batch_chunk_size
+    if rows is not None and chunk_size is not None and rows != chunk_size:
+        raise ValueError(f"chunk_size={chunk_size} contradicts options.batch_chunk_size={rows} (pass one of them)")
+    return chunk_size if rows is None else rows
 
 
 def check_args(input, linear_weight, target, linear_bias, weight):
@@ -135,7 +166,8 @@ def check_args(input, linear_weight, target, linear_bias, weight):
     if V == 0:
         raise ValueError("linear_weight has no rows: V = 0 classes")
     if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must hold class indices (int64 or int32), got {target.dtype}")
+        # torch's F.cross_entropy also takes class probabilities (a float target): not supported here
+        raise TypeError(f"target must hold class indices (int64 or int32; no class probabilities), got {target.dtype}")
     if tuple(target.shape) != tuple(input.shape[:-1]):
         raise ValueError(f"target has shape {tuple(target.shape)} but input's leading dimensions are {tuple(input.shape[:-1])}")
     for name, t in (("linear_bias", linear_bias), ("weight", weight)):
@@ -305,10 +337,12 @@ def reduce_terms(ce, zl, reduction, scales, with_z: bool = True):
 
 
 def _from_logits(
-    logits, target, *, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy
-):
+    logits, target, *, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy,
+    return_predicted_tokens=False,
+):  # fmt: skip
     wide = logits.dtype
     t = target.reshape(-1)
+    ignore_index = -100 if ignore_index is None else ignore_index  # torch's F.linear_cross_entropy's None
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     cw = None if weight is None else weight.to(wide)
@@ -321,10 +355,12 @@ def _from_logits(
     loss, z_part = reduce_terms(ce, zl, reduction, mean_scales(n, None if cw is None else w_t) if reduction == "mean" else None)
     if reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape)
-    if not (return_z_loss or return_token_accuracy):
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
         return loss
-    acc = token_accuracy((logits.argmax(-1) == t) & valid, n).to(wide) if return_token_accuracy else None
-    return LinearCrossEntropyOutput(loss, z_part if return_z_loss else None, acc)
+    pred = logits.argmax(-1)
+    acc = token_accuracy((pred == t) & valid, n).to(wide) if return_token_accuracy else None
+    pred = pred.view(target.shape) if return_predicted_tokens else None
+    return LinearCrossEntropyOutput(loss, z_part if return_z_loss else None, acc, pred)
 
 
 def linear_cross_entropy_ref(
@@ -335,33 +371,36 @@ def linear_cross_entropy_ref(
     linear_bias: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
     reduction: str = "mean",
-    ignore_index: int = -100,
+    ignore_index: int | None = None,
     label_smoothing: float = 0.0,
+    options=None,
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
     chunk_size: int | None = None,
     memory: str = "default",
     vocab_slice: int | None = None,
 ):
     """The unfused composition in plain PyTorch, fp32 math (fp64 on fp64 inputs): ``F.linear`` in
     that precision, then the cross-entropy; the semantics ``truefuse.linear_cross_entropy`` must
-    match. Materializes the (tokens, V) logits. ``chunk_size``, ``memory`` and ``vocab_slice``
-    (how the fused op runs) are accepted and ignored."""
+    match. Materializes the (tokens, V) logits. ``options``, ``chunk_size``, ``memory`` and
+    ``vocab_slice`` (how the fused op runs) are accepted and ignored."""
     wide = wide_dtype(input)
     x = input.reshape(-1, input.shape[-1]).to(wide)
     logits = F.linear(x, linear_weight.to(wide), None if linear_bias is None else linear_bias.to(wide))
     return _from_logits(
         logits, target, weight=weight, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
         z_loss=z_loss, softcap=softcap, return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
     )  # fmt: skip
 
 
 def linear_cross_entropy_plain(input, linear_weight, target, *, linear_bias=None, **kw):
     """What a user writes without us: ``F.linear`` in the input's dtype, the cross-entropy in fp32
     (the bounded contract's same-dtype baseline). Same keywords as the reference."""
-    for how in ("chunk_size", "memory", "vocab_slice"):  # how the fused op runs: nothing to do here
+    for how in ("options", "chunk_size", "memory", "vocab_slice"):  # how the fused op runs: nothing to do here
         kw.pop(how, None)
     logits = F.linear(input.reshape(-1, input.shape[-1]), linear_weight, linear_bias).to(wide_dtype(input))
     return _from_logits(

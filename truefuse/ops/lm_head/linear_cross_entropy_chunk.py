@@ -31,7 +31,8 @@ class CrossEntropyChunks:
             for the whole time the host waits); PyTorch indexes with the targets, so there it
             comes before the first chunk's math (after its logits GEMM is queued).
 
-    Attributes: ``ce``, ``zl`` (N,) wide per-token terms; ``correct`` (N,) bool.
+    Attributes: ``ce``, ``zl`` (N,) wide per-token terms; ``correct`` (N,) bool; ``pred`` (N,)
+    int64, each token's argmax, with ``opts.return_predicted_tokens`` (else None).
     """
 
     def __init__(self, opts: LinearCrossEntropyOptions, V: int, t, cw, s_ce, s_z, like: torch.Tensor, check=None):
@@ -43,15 +44,18 @@ class CrossEntropyChunks:
         self.ce = torch.empty(N, dtype=wide, device=like.device)
         self.zl = torch.empty(N, dtype=wide, device=like.device)
         self.correct = torch.empty(N, dtype=torch.bool, device=like.device)
+        self.pred = torch.empty(N, dtype=torch.int64, device=like.device) if opts.return_predicted_tokens else None
 
     def chunk(self, rows: slice, logits: torch.Tensor, bias: torch.Tensor | None, want_grad: bool):
         o = self.opts
         s_ce, s_z = (self.s_ce[rows], self.s_z[rows]) if self.s_ce.dim() == 1 else (self.s_ce, self.s_z)
         t, ce, zl, ok = self.t[rows], self.ce[rows], self.zl[rows], self.correct[rows]
+        pred = None if self.pred is None else self.pred[rows]
         if self.kernel:
             return chunk_kernel(
                 logits, t, self.cw, ce, zl, ok, s_ce, s_z, V=self.V, ignore_index=o.ignore_index, w_sum=self.w_sum,
                 label_smoothing=o.label_smoothing, z_loss=o.z_loss, softcap=o.softcap, want_grad=want_grad, bias=bias,
+                pred=pred,
             )  # fmt: skip
         self.finish()  # before the first chunk's math indexes with the targets
         z = logits.to(wide_dtype(logits))
@@ -64,6 +68,8 @@ class CrossEntropyChunks:
             z_loss=o.z_loss, softcap=o.softcap, s_ce=s_ce, s_z=s_z, want_grad=want_grad,
         )  # fmt: skip
         ce.copy_(c_ce), zl.copy_(c_zl), ok.copy_(c_ok)
+        if pred is not None:
+            pred.copy_(z.argmax(-1))  # torch.argmax: the first NaN, else the first maximum
         return None if g is None else g.to(logits.dtype)
 
     def finish(self) -> None:
@@ -127,8 +133,9 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s
 
 
 def chunk_kernel(
-    logits, t, cw, ce, zl, ok, s_ce, s_z, *, V, ignore_index, w_sum, label_smoothing, z_loss, softcap, want_grad, bias=None
-):
+    logits, t, cw, ce, zl, ok, s_ce, s_z, *, V, ignore_index, w_sum, label_smoothing, z_loss, softcap, want_grad, bias=None,
+    pred=None,
+):  # fmt: skip
     """:func:`chunk_math` for one chunk in one Triton kernel (``kernels/linear_cross_entropy.py``), on CUDA
     or for fp32 under the CPU interpreter.
 
@@ -139,6 +146,7 @@ def chunk_kernel(
             (per-token cross-entropy and z-loss in fp32, argmax == target).
         s_ce, s_z: 0-dim or (C,) fp32 scales of the gradient, read on the device (no host sync).
         bias: (V,) added to the logits in fp32 by the kernel, or None (the GEMM added it).
+        pred: (C,) int64, the argmax of each row written there, or None.
 
     Returns the d_logits (the ``logits`` tensor) when ``want_grad``, else None.
     """
@@ -147,12 +155,12 @@ def chunk_kernel(
     launch(
         lce_chunk_op,
         logits, t, cw, ce, zl, ok, s_ce, s_z, bias, V, ignore_index, float(w_sum), float(label_smoothing), float(z_loss),
-        None if softcap is None else float(softcap), want_grad,
+        None if softcap is None else float(softcap), want_grad, pred,
     )  # fmt: skip
     return logits if want_grad else None
 
 
-@custom_op("truefuse::lce_chunk", mutates_args=("logits", "ce", "zl", "ok"))
+@custom_op("truefuse::lce_chunk", mutates_args=("logits", "ce", "zl", "ok", "pred"))
 def lce_chunk_op(
     logits: torch.Tensor,
     t: torch.Tensor,
@@ -170,9 +178,10 @@ def lce_chunk_op(
     z_loss: float,
     softcap: float | None,
     want_grad: bool,
+    pred: torch.Tensor | None = None,
 ) -> None:
     """The kernel launch of :func:`chunk_kernel` as a custom op (docs/design.md §6.7): writes
-    ``ce``, ``zl``, ``ok`` and, when ``want_grad``, the d_logits over ``logits``."""
+    ``ce``, ``zl``, ``ok``, ``pred`` (when given) and, when ``want_grad``, the d_logits over ``logits``."""
     from truefuse.kernels.linear_cross_entropy import _linear_cross_entropy_chunk_kernel
 
     C = logits.shape[0]
@@ -180,13 +189,14 @@ def lce_chunk_op(
         return
     _linear_cross_entropy_chunk_kernel[(C,)](
         logits, logits.stride(0), bias if bias is not None else logits, t, cw if cw is not None else ce, ce, zl, ok,
-        s_ce.contiguous(), s_z.contiguous(), V, ignore_index, w_sum, label_smoothing, z_loss,
-        softcap or 1.0, HAS_BIAS=bias is not None, HAS_CW=cw is not None,
+        pred if pred is not None else ok, s_ce.contiguous(), s_z.contiguous(), V, ignore_index, w_sum, label_smoothing,
+        z_loss, softcap or 1.0, HAS_BIAS=bias is not None, HAS_CW=cw is not None,
         SMOOTH=label_smoothing > 0, SOFTCAP=softcap is not None, WANT_GRAD=want_grad, PER_TOKEN=s_ce.dim() == 1,
         BLOCK_V=2048 if logits.is_cuda else 64, num_warps=8,  # 8 logits a thread: fastest at every V (H200)
+        WANT_PRED=pred is not None,
     )  # fmt: skip
 
 
 @lce_chunk_op.register_fake
-def _(logits, t, cw, ce, zl, ok, s_ce, s_z, bias, V, ignore_index, w_sum, label_smoothing, z_loss, softcap, want_grad):
+def _(logits, t, cw, ce, zl, ok, s_ce, s_z, bias, V, ignore_index, w_sum, label_smoothing, z_loss, softcap, want_grad, pred=None):
     return None
