@@ -8,6 +8,7 @@ The norms give the stock module's bits; the loss never builds the logits when ``
 """
 
 from truefuse.integrations.huggingface.architectures import ARCHITECTURES
+from truefuse.integrations.huggingface.class_patch import ClassPatch
 from truefuse.integrations.huggingface.patch import (
     apply_truefuse,
     apply_truefuse_to,
@@ -25,6 +26,7 @@ from truefuse.integrations.huggingface.report import PatchReport
 
 __all__ = [
     "ARCHITECTURES",
+    "ClassPatch",
     "PatchReport",
     "apply_truefuse",
     "apply_truefuse_to",
