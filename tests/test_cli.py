@@ -15,7 +15,7 @@ from truefuse.verify import registry
 #: the registered bitwise cases): not run twice
 _OWN_TESTS = {
     "linear_cross_entropy", "linear_cross_entropy_lean", "linear_log_probs", "gated_activation", "grouped_gemm",
-    "rms_norm", "layer_norm", "Linear", "LayerNormLinear", "LayerNormMLP",
+    "rms_norm", "layer_norm", "Linear", "LayerNormLinear", "LayerNormMLP", "attention",
 }  # fmt: skip
 
 

@@ -9,6 +9,8 @@ Public API (see README.md and docs/design.md):
 * :func:`linear_cross_entropy` / :func:`linear_cross_entropy_ref`: the LM head's loss in chunks.
 * :func:`linear_log_probs` / :func:`linear_log_probs_ref`: per-token log-probabilities and entropy
   from the LM head (what RL trainers compute), on the same chunked head.
+* :func:`attention`: ``scaled_dot_product_attention``, batch-invariant (a row's bits alone, in a
+  padded batch and in decode are the same), deterministic backward (docs/attention.md).
 * :func:`rms_norm_hf`, :func:`apply_rotary_pos_emb`: transformers' RMSNorm and rotary embedding,
   bit for bit, fused (``truefuse.integrations.huggingface`` patches models with them).
 * :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP`, :class:`GroupedLinear`,
@@ -16,12 +18,13 @@ Public API (see README.md and docs/design.md):
   accumulation and delayed weight gradients under one weight-gradient contract (docs/design.md §2).
 """
 
+from truefuse.autograd.attention import attention
 from truefuse.autograd.gated_activation import gated_activation
-from truefuse.config import batch_invariant, is_batch_invariant
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
 from truefuse.autograd.linear_log_probs import linear_log_probs
 from truefuse.autograd.norm import layer_norm, rms_norm, rms_norm_hf
 from truefuse.autograd.rope import apply_rotary_pos_emb
+from truefuse.config import batch_invariant, is_batch_invariant
 from truefuse.nn.grouped import GroupedLinear, GroupedMLP
 from truefuse.nn.layernorm_linear import LayerNormLinear
 from truefuse.nn.layernorm_mlp import LayerNormMLP
@@ -40,6 +43,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "apply_rotary_pos_emb",
+    "attention",
     "batch_invariant",
     "is_batch_invariant",
     "rms_norm_hf",

@@ -15,6 +15,7 @@ BENCHES = {
     "grouped": "truefuse.bench.bench_grouped",
     "linear_cross_entropy": "truefuse.bench.bench_linear_cross_entropy",
     "linear_log_probs": "truefuse.bench.bench_linear_log_probs",
+    "attention": "truefuse.bench.bench_attention",
 }
 
 

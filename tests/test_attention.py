@@ -1,0 +1,86 @@
+"""truefuse.attention (docs/attention.md): bounded against float64 (forward, dq, dk, dv), a row's
+bits alone vs in a padded batch vs in decode, a deterministic backward, errors.
+
+On the CPU fp32 runs the Triton kernels under the interpreter (conftest sets TRITON_INTERPRET=1)
+and bf16 the row-invariant PyTorch path; on a GPU both run the kernels. Shapes are tiny: the
+interpreter takes ~1 s per forward at these sizes.
+"""
+
+import pytest
+import torch
+
+import truefuse
+from truefuse.ops.attention_blocked import attention_blocked
+from truefuse.ops.attention_mask import first_valid_key
+from truefuse.testing import assert_bitwise
+from truefuse.verify.registry import all_cases
+
+_NAMES = [c.name for c in all_cases(["attention"], "cpu")]
+
+
+@pytest.mark.parametrize("name", _NAMES)
+def test_registered_cases(device, name):
+    """The contract (truefuse/verify/cases_attention.py): bounded against float64 (forward, dq, dk,
+    dv: GQA, causal, a padding mask, softcap and window; fp32, bf16, fp16), a sequence alone vs in a
+    left- and right-padded batch bitwise, decode steps vs one prefill bitwise, two backward runs
+    bitwise. One test per case so that they spread over the suite's workers."""
+    (case,) = [c for c in all_cases(["attention"], device.type) if c.name == name]
+    failed = {k: r for k, r in case.fn(device).items() if not r.passed}
+    assert not failed, failed
+
+
+def _qkv(B, Hq, Hk, L, D, device, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, h, L, D, generator=g).to(device, dtype) for h in (Hq, Hk, Hk))
+
+
+def test_a_query_that_sees_no_key_gives_zeros(device):
+    q, k, v = _qkv(1, 2, 2, 4, 16, device, torch.bfloat16)
+    mask = torch.tensor([[True, True, False, False], [False] * 4, [True] * 4, [False, False, False, True]], device=device)
+    out = truefuse.attention(q, k, v, attn_mask=mask)
+    assert (out[:, :, 1] == 0).all() and torch.isfinite(out).all() and (out[:, :, 0] != 0).any()
+
+
+def test_double_backward_is_refused_on_the_kernels(device):
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 1, 1, 8, 16, device, torch.float32))
+    out = truefuse.attention(q, k, v)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dq.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(dropout_p=0.1), "dropout_p"),
+        (dict(k=torch.randn(1, 3, 4, 8), v=torch.randn(1, 3, 4, 8)), "enable_gqa"),
+        (dict(v=torch.randn(1, 2, 5, 8)), "value"),
+        (dict(attn_mask=torch.ones(3, 4, dtype=torch.bool)), "attn_mask"),
+        (dict(attn_mask=torch.ones(4, 4, dtype=torch.int64)), "attn_mask"),
+        (dict(softcap=-1.0), "softcap"),
+        (dict(window=True), "window"),
+        (dict(key_start=torch.zeros(2, dtype=torch.int32)), "key_start"),
+        (dict(q=torch.randn(1, 2, 4, 8, dtype=torch.float16)), "query"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_argument(kw, match):
+    args = {"q": torch.randn(1, 2, 4, 8), "k": torch.randn(1, 2, 4, 8), "v": torch.randn(1, 2, 4, 8)}
+    for name in "qkv":
+        if name in kw:
+            args[name] = kw.pop(name)
+    with pytest.raises((ValueError, TypeError), match=match):
+        truefuse.attention(args["q"], args["k"], args["v"], **kw)
+
+
+def test_pytorch_path_aligns_blocks_to_the_first_valid_key():
+    """The PyTorch path (bf16 on the CPU, where bf16 rounding hides fp32 differences) in fp32: a
+    left-padded sequence's rows equal the sequence alone, decode equals prefill."""
+    L, pad = 37, 11
+    q, k, v = _qkv(1, 2, 1, L, 16, "cpu", torch.float32, seed=4)
+    mask = (torch.arange(L) >= pad)[None, None, None] & torch.ones(L, L, dtype=torch.bool).tril()
+    start = first_valid_key(mask, 1, L, q.device)
+    padded = attention_blocked(q, k, v, mask.expand(1, 2, L, L), start, 0.25, False, 0, 0.0)
+    alone = attention_blocked(q[:, :, pad:], k[:, :, pad:], v[:, :, pad:], None, start * 0, 0.25, True, 0, 0.0)
+    assert_bitwise(padded[:, :, pad:], alone, "left-padded rows")
+    step = attention_blocked(q[:, :, -1:], k, v, None, start * 0, 0.25, False, 0, 0.0)
+    assert_bitwise(step, attention_blocked(q, k, v, None, start * 0, 0.25, True, 0, 0.0)[:, :, -1:], "decode step")

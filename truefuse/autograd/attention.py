@@ -1,0 +1,117 @@
+"""``truefuse.attention``: ``scaled_dot_product_attention``'s signature, batch-invariant by
+construction (docs/attention.md): a query row gets the same bits alone, in a padded batch and in
+decode against a KV cache; a deterministic backward (no atomics)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from truefuse.ops.attention import attention_fwd_op, use_kernel
+from truefuse.ops.attention_blocked import attention_blocked
+from truefuse.ops.attention_mask import first_valid_key
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, window, key_start) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"attention: {name} must be a 4-D (batch, heads, seq, head_dim) tensor, got {got}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"attention: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+        if t.dtype != query.dtype or t.device != query.device:
+            raise ValueError(
+                f"attention: {name} is {t.dtype} on {t.device}, query {query.dtype} on {query.device}: they must match"
+            )
+    B, Hq, Lq, D = query.shape
+    if key.shape[0] != B or key.shape[3] != D:
+        raise ValueError(
+            f"attention: key {tuple(key.shape)} must be (batch={B}, heads, seq, head_dim={D}) like query {tuple(query.shape)}"
+        )
+    if value.shape != key.shape:
+        raise ValueError(f"attention: value {tuple(value.shape)} must have key's shape {tuple(key.shape)}")
+    Hk = key.shape[1]
+    if Hk != Hq and not (enable_gqa and Hk > 0 and Hq % Hk == 0):
+        raise ValueError(
+            f"attention: query has {Hq} heads, key/value {Hk}: different head counts need enable_gqa=True and "
+            "query's heads a multiple of key's"
+        )
+    if dropout_p:
+        raise ValueError(
+            f"attention: dropout_p={dropout_p} is refused: random dropout makes the output depend on the RNG's "
+            "stream, so it is neither batch-invariant nor deterministic (docs/attention.md)"
+        )
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"attention: scale must be a float or None, got {type(scale).__name__}")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor) or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+            raise TypeError("attention: attn_mask must be a bool tensor (True = attend) or a float (additive) tensor")
+        if attn_mask.device != query.device:
+            raise ValueError(f"attention: attn_mask is on {attn_mask.device}, query on {query.device}")
+        if attn_mask.requires_grad:
+            raise ValueError("attention: attn_mask requires grad: a gradient of the mask is not computed")
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (B, Hq, Lq, key.shape[2]))
+        except RuntimeError:
+            raise ValueError(
+                f"attention: attn_mask {tuple(attn_mask.shape)} does not broadcast to (batch, heads, L_q, L_k) = "
+                f"{(B, Hq, Lq, key.shape[2])}"
+            ) from None
+        if attn_mask.dim() > 4:
+            raise ValueError(f"attention: attn_mask has {attn_mask.dim()} dimensions, at most 4")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"attention: softcap must be a positive number or None, got {softcap!r}")
+    if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
+        raise ValueError(f"attention: window must be a positive int or None, got {window!r}")
+    if key_start is not None:
+        if not isinstance(key_start, torch.Tensor) or key_start.shape != (B,) or key_start.is_floating_point():
+            raise ValueError(f"attention: key_start must be an integer tensor of shape (batch,) = ({B},)")
+        if key_start.device != query.device:
+            raise ValueError(f"attention: key_start is on {key_start.device}, query on {query.device}")
+
+
+def attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+    *, softcap: float | None = None, window: int | None = None, key_start: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``torch.nn.functional.scaled_dot_product_attention``, batch-invariant (docs/attention.md).
+
+    Args:
+        query: (B, Hq, Lq, D); key, value: (B, Hk, Lk, D); fp16 / bf16 / fp32 (fp64 on the PyTorch
+            path), any strides. Hq ≠ Hk needs ``enable_gqa=True`` and Hq a multiple of Hk.
+        attn_mask: bool (True = attend) or additive float, broadcastable to (B, Hq, Lq, Lk); may be
+            combined with ``is_causal``.
+        dropout_p: must be 0 (dropout is refused: not batch-invariant, not deterministic).
+        is_causal: SDPA's top-left diagonal: query i sees keys j ≤ i.
+        scale: default 1/√D.
+        softcap: Gemma 2's attention logit softcapping, ``softcap · tanh(s / softcap)`` before the mask.
+        window: sliding window (Mistral, Gemma 2): query i sees key j iff i + Lk − Lq − j < window
+            (the query's position counted from the end of the keys, as in a KV cache).
+        key_start: (B,) int, each sequence's first valid key (keys before it are ignored). Default:
+            derived from ``attn_mask`` as the first key any query of the sequence attends (False,
+            −inf or the dtype's lowest value count as masked). The key blocks start there, so a
+            left-padded row gets its unpadded bits. Pass it in decode when the mask also holds a
+            sliding window (which moves the first attended key).
+
+    Returns:
+        (B, Hq, Lq, D) in the inputs' dtype. A query row that sees no key gives zeros.
+    """
+    _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, window, key_start)
+    B, Hq, Lq, D = query.shape
+    Lk = key.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    ks = first_valid_key(attn_mask, B, Lk, query.device) if key_start is None else key_start.to(torch.int32).contiguous()
+    mask = None
+    if attn_mask is not None:
+        while attn_mask.dim() < 4:
+            attn_mask = attn_mask.unsqueeze(0)
+        mask = attn_mask.expand(B, Hq, Lq, Lk)
+    window, softcap = window or 0, float(softcap or 0.0)
+    if use_kernel(query):
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+        return attention_fwd_op(q, k, v, mask, ks, scale, bool(is_causal), window, softcap)[0]
+    return attention_blocked(query, key, value, mask, ks, scale, bool(is_causal), window, softcap)

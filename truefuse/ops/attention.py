@@ -1,0 +1,206 @@
+"""Batch-invariant attention (docs/attention.md): the reference, the host launchers of
+``kernels/attention.py`` and their custom ops (docs/design.md §6.7).
+
+Contract (docs/design.md §1): bounded, forward and every input gradient against
+:func:`attention_ref` in float64, the same-dtype ``scaled_dot_product_attention`` (or the
+reference in the input dtype, for softcap and windows, which SDPA lacks) as the baseline; and
+bitwise batch invariance: a query row's output is the same bits alone, in a right- or left-padded
+batch and in decode against a KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from truefuse.config import get_config
+from truefuse.ops._custom_op import register_backward
+from truefuse.ops._triton import sm_count, triton_runs
+from truefuse.ops.attention_blocked import score_transform
+from truefuse.ops.attention_config import attention_config
+from truefuse.ops.attention_mask import score_mask
+
+#: widest head dim of the kernels (Gemma 2's 256)
+MAX_KERNEL_HEAD_DIM = 256
+
+
+def attention_ref(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+    *, softcap=None, window=None, key_start=None,
+) -> torch.Tensor:  # fmt: skip
+    """Attention as plain PyTorch computes it, in the inputs' dtype: ``softmax(mask(softcap(q kᵀ ·
+    scale))) v`` (SDPA's math, with truefuse's extensions).
+
+    Args:
+        query: (B, Hq, Lq, D); key, value: (B, Hk, Lk, D), Hq a multiple of Hk (GQA).
+        attn_mask: bool (True = attend) or additive float, broadcastable to (B, Hq, Lq, Lk).
+        is_causal: SDPA's top-left causal diagonal (key ≤ query index).
+        scale: default 1/√D. softcap: ``softcap · tanh(s / softcap)`` before the mask (Gemma 2).
+        window: sliding window: query i sees key j iff i + Lk − Lq − j < window (Mistral, Gemma 2).
+        key_start: (B,) int: keys before it are ignored (each sequence's first valid key).
+
+    A query row that sees no key gives zeros (as flash kernels do; SDPA's math gives NaN).
+    ``dropout_p`` is not applied (truefuse refuses it, docs/attention.md).
+    """
+    B, Hq, Lq, D = query.shape
+    Hk, Lk = key.shape[1], key.shape[2]
+    if Hk != Hq:
+        key, value = key.repeat_interleave(Hq // Hk, 1), value.repeat_interleave(Hq // Hk, 1)
+    s = query @ key.transpose(-2, -1) * (1.0 / math.sqrt(D) if scale is None else scale)
+    s = score_transform(s, attn_mask, softcap or 0.0)
+    cols = torch.arange(Lk, device=query.device).expand(B, Lk)
+    start = torch.zeros(B, dtype=torch.long, device=query.device) if key_start is None else key_start.to(query.device, torch.long)
+    valid = score_mask(torch.arange(Lq, device=query.device), cols, cols >= start[:, None], Lq, Lk, is_causal, window or 0)
+    s = s.masked_fill(~valid[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p = torch.where((s != float("-inf")).any(-1, keepdim=True), p, 0.0)
+    return p @ value
+
+
+def use_kernel(q: torch.Tensor) -> bool:
+    """Whether the Triton kernels take ``q``: CUDA fp16/bf16/fp32, or fp32 under the interpreter."""
+    return triton_runs(q) and q.shape[-1] <= MAX_KERNEL_HEAD_DIM
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block_d(D: int) -> int:
+    return max(16, 1 << (D - 1).bit_length())
+
+
+def _mask_args(attn_mask, q):
+    """(tensor, kind, 4 strides) of an expanded (B, Hq, Lq, Lk) mask; kind 0 none, 1 bool, 2 float."""
+    if attn_mask is None:
+        return q, 0, (0, 0, 0, 0)
+    return attn_mask, 1 if attn_mask.dtype == torch.bool else 2, attn_mask.stride()
+
+
+def _common(q, k, window, softcap, is_causal, attn_mask):
+    interpreted = get_config().triton_interpret and not q.is_cuda
+    cfg = attention_config(_block_d(q.shape[-1]), q.dtype, interpreted)
+    mask, kind, ms = _mask_args(attn_mask, q)
+    flags = dict(
+        BLOCK_D=_block_d(q.shape[-1]), CAUSAL=is_causal, HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
+        MASK_KIND=kind, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRETED=interpreted,
+    )  # fmt: skip
+    return cfg, mask, ms, flags
+
+
+def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap):
+    """The forward kernel: returns (B, Hq, Lq, D) output in q's dtype and (B, Hq, Lq) fp32 lse in
+    base 2 (+inf on rows that see no key).
+
+    Decode (at most one query block) on a grid too small for the GPU splits the keys' chunks
+    across programs and merges them in a second kernel. The choice follows the shapes and the
+    GPU, and may: both ways run the same arithmetic per row (``kernels/attention.py``).
+    """
+    from truefuse.kernels.attention import _attention_fwd_kernel, _attention_fwd_merge_kernel
+
+    B, H, Lq, D = q.shape
+    Hk, Lk = k.shape[1], k.shape[2]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("inf"))
+    cfg, mask, ms, flags = _common(q, k, window, softcap, is_causal, attn_mask)
+    n_chunks = _cdiv(Lk, cfg.chunk)
+    programs = _cdiv(Lq, cfg.block_m) * B * H
+    split = n_chunks > 1 and Lq <= cfg.block_m and (flags["INTERPRETED"] or programs < sm_count(q.device.index or 0))
+    part = q.new_empty((n_chunks, B * H, Lq, flags["BLOCK_D"] + 2) if split else (1,), dtype=torch.float32)
+    _attention_fwd_kernel[(_cdiv(Lq, cfg.block_m), B * H, n_chunks if split else 1)](
+        q, k, v, mask, key_start, out, lse, part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms,
+        H, H // Hk, Lq, Lk, D, scale, softcap, window, n_chunks,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, **flags,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+    )  # fmt: skip
+    if split:
+        _attention_fwd_merge_kernel[(_cdiv(Lq, cfg.block_m), B * H)](
+            part, out, lse, *out.stride()[:3], H, Lq, D, n_chunks, BLOCK_M=cfg.block_m, BLOCK_D=flags["BLOCK_D"],
+            num_warps=cfg.fwd_warps,
+        )  # fmt: skip
+    return out, lse
+
+
+def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_causal, window, softcap):
+    """The backward: delta, then dK/dV over key blocks, then dQ (no atomics). Returns dq, dk, dv in
+    the inputs' dtype."""
+    from truefuse.kernels.attention import _attention_bwd_delta_kernel, _attention_bwd_dkdv_kernel, _attention_bwd_dq_kernel
+
+    B, H, Lq, D = q.shape
+    Hk, Lk = k.shape[1], k.shape[2]
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    cfg, mask, ms, flags = _common(q, k, window, softcap, is_causal, attn_mask)
+    delta = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
+    _attention_bwd_delta_kernel[(_cdiv(Lq, cfg.dq_m), B * H)](
+        out, do, delta, *out.stride()[:3], *do.stride()[:3], H, Lq, D, BLOCK_M=cfg.dq_m, BLOCK_D=flags["BLOCK_D"],
+    )  # fmt: skip
+    common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *ms)
+    _attention_bwd_dkdv_kernel[(_cdiv(Lk, cfg.dkdv_n), B * Hk)](
+        q, k, v, mask, key_start, do, lse, delta, dk, dv, *common, *dk.stride()[:3], *dv.stride()[:3],
+        H, Hk, H // Hk, Lq, Lk, D, scale, softcap, window,
+        BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, **flags, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+    )  # fmt: skip
+    _attention_bwd_dq_kernel[(_cdiv(Lq, cfg.dq_m), B * H)](
+        q, k, v, mask, key_start, do, lse, delta, dq, *common, *dq.stride()[:3],
+        H, H // Hk, Lq, Lk, D, scale, softcap, window,
+        BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, **flags, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+@torch.library.custom_op("truefuse::attention_fwd", mutates_args=())
+def attention_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, key_start: torch.Tensor,
+    scale: float, is_causal: bool, window: int, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out, lse) of the forward kernel; ``window`` 0 and ``softcap`` 0.0 mean none."""
+    return attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap)
+
+
+@attention_fwd_op.register_fake
+def _(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap):
+    B, H, Lq, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(B, H, Lq, dtype=torch.float32)
+
+
+@torch.library.custom_op("truefuse::attention_bwd", mutates_args=())
+def attention_bwd_op(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    attn_mask: torch.Tensor | None, key_start: torch.Tensor, scale: float, is_causal: bool, window: int, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """dq, dk, dv for the output gradient ``do``."""
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    return attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_causal, window, softcap)
+
+
+@attention_bwd_op.register_fake
+def _(do, q, k, v, out, lse, attn_mask, key_start, scale, is_causal, window, softcap):
+    cf = torch.contiguous_format
+    return torch.empty_like(q, memory_format=cf), torch.empty_like(k, memory_format=cf), torch.empty_like(v, memory_format=cf)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, attn_mask, key_start, scale, is_causal, window, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_start)
+    ctx.args = (scale, is_causal, window, softcap)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, attn_mask, key_start = ctx.saved_tensors
+    if dout is None:
+        return None, None, None, None, None, None, None, None, None
+    dq, dk, dv = attention_bwd_op(dout, q, k, v, out, lse, attn_mask, key_start, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+register_backward(attention_fwd_op, _backward, _setup, bwd_ops=(attention_bwd_op,), what="attention ops")
