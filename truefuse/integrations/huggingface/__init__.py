@@ -7,6 +7,7 @@
 The norms give the stock module's bits; the loss never builds the logits when ``labels`` are given.
 """
 
+from truefuse.integrations.huggingface import attention as _attention
 from truefuse.integrations.huggingface.architectures import ARCHITECTURES
 from truefuse.integrations.huggingface.class_patch import ClassPatch
 from truefuse.integrations.huggingface.patch import (
@@ -23,6 +24,8 @@ from truefuse.integrations.huggingface.patch import (
     unpatch_truefuse,
 )
 from truefuse.integrations.huggingface.report import PatchReport
+
+_attention.register()  # attn_implementation="truefuse" (where transformers is installed)
 
 __all__ = [
     "ARCHITECTURES",

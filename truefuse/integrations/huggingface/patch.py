@@ -32,6 +32,7 @@ def apply_truefuse(
     linear_cross_entropy: bool = True,
     stock_norm_bits: bool = True,
     experts_backend: str | None = None,
+    attention: bool = False,
 ) -> PatchReport:
     """Patch an instantiated transformers model in place.
 
@@ -52,6 +53,9 @@ def apply_truefuse(
         experts_backend: the experts' grouped GEMM backend, ``truefuse.GroupedMLP``'s ``backend``
             (``moe.patch_experts``): None (default) the batch-invariant ``"triton"`` kernel on CUDA,
             ``"per_group"`` elsewhere; or ``"triton"``, ``"per_group"``, ``"cublas_grouped"``.
+        attention: the attention modules run ``truefuse.attention`` (``attn_implementation="truefuse"``,
+            ``attention.py``: batch-invariant, bounded against SDPA, no attention weights). Off by
+            default: the model keeps the ``attn_implementation`` it was built with.
 
     Returns:
         A :class:`PatchReport`. Calling it again on a patched model changes nothing (an experts
@@ -108,6 +112,7 @@ def apply_truefuse(
                 report.left[(stock.__name__, "experts=False")] += 1
     expert_patch = _experts_patcher(expert_mods, report, experts_backend) if expert_mods else None
     loss_patch = _loss_patcher(model, arch, linear_cross_entropy, report)
+    attention_patch = _attention_patcher(model, report) if attention else None
     # everything is checked: now patch
     for m, cls in plan:
         m.__class__ = cls
@@ -115,7 +120,29 @@ def apply_truefuse(
         expert_patch()
     if loss_patch:
         loss_patch()
+    if attention_patch:
+        attention_patch()
     return report
+
+
+#: Where ``apply_truefuse(attention=True)`` keeps the model's own ``attn_implementation``.
+_STOCK_ATTN = "_truefuse_stock_attn_implementation"
+
+
+def _attention_patcher(model: torch.nn.Module, report: PatchReport):
+    from truefuse.integrations.huggingface import attention
+
+    if not hasattr(model, "set_attn_implementation") or not attention.register():
+        raise ValueError("apply_truefuse(attention=True) needs transformers' set_attn_implementation. Nothing was patched.")
+    current = model.config._attn_implementation
+    report.attention = f"truefuse.attention (attn_implementation {current!r} -> {attention.NAME!r})"
+
+    def patch():
+        if current != attention.NAME:
+            model.__dict__[_STOCK_ATTN] = current
+            model.set_attn_implementation(attention.NAME)
+
+    return patch
 
 
 def _experts_patcher(mods: list[torch.nn.Module], report: PatchReport, backend: str | None):
@@ -173,6 +200,8 @@ def unpatch_truefuse(model: torch.nn.Module) -> None:
     for m in model.modules():
         modules.unpatch(m)
     loss.unpatch_loss(model)
+    if _STOCK_ATTN in model.__dict__:
+        model.set_attn_implementation(model.__dict__.pop(_STOCK_ATTN))
 
 
 def _class_patcher(model_type: str):

@@ -15,6 +15,7 @@ class PatchReport:
         replaced: ``{(stock type, truefuse path): count}`` of the modules now on truefuse.
         left: ``{(stock type, reason): count}`` of the modules of a patchable kind left stock.
         loss: whether the causal-LM forward computes ``truefuse.linear_cross_entropy``.
+        attention: what the attention modules run when ``attention=True`` patched them ("": not asked).
     """
 
     architecture: str
@@ -22,6 +23,7 @@ class PatchReport:
     left: Counter = field(default_factory=Counter)
     loss: bool = False
     loss_note: str = ""
+    attention: str = ""
 
     def count(self, stock_type: str) -> int:
         """How many modules of ``stock_type`` were replaced."""
@@ -33,6 +35,8 @@ class PatchReport:
             lines.append(f"  replaced {n:4d} x {t:<24} -> {how}")
         loss = "truefuse.linear_cross_entropy (no logits when labels are given)" if self.loss else f"stock ({self.loss_note})"
         lines.append(f"  loss: {loss}")
+        if self.attention:
+            lines.append(f"  attention: {self.attention}")
         for (t, why), n in sorted(self.left.items()):
             lines.append(f"  left     {n:4d} x {t:<24} ({why})")
         return "\n".join(lines)
