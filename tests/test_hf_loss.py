@@ -17,8 +17,8 @@ import torch  # noqa: E402
 from truefuse.integrations.huggingface import loss as hf_loss  # noqa: E402
 from truefuse.integrations.huggingface.loss import (  # noqa: E402
     causal_lm_forward,
-    moe_causal_lm_forward,
     patch_loss,
+    stock_signature,
     supports_loss,
     unpatch_loss,
 )
@@ -440,9 +440,13 @@ def test_patch_unpatch_instance():
     assert "forward" not in patched.__dict__
     assert patched(input_ids=ids, labels=labels).logits is not None  # stock again
     _, moe = _models("qwen3_moe")
-    assert moe.forward.func is moe_causal_lm_forward
-    # positional, as stock's MoE signature: output_router_logits before logits_to_keep
-    out = moe(ids, None, None, None, None, None, None, False, 1)
+    assert moe.forward.func is causal_lm_forward
+    # positional, as the installed stock MoE signature: output_router_logits before logits_to_keep
+    # (transformers 5.0 also has cache_position between them)
+    names = list(stock_signature(type(moe)).parameters)[1:]
+    args = [None] * names.index("logits_to_keep") + [1]
+    args[names.index("output_router_logits")] = False
+    out = moe(ids, *args[1:])
     assert out.aux_loss is None and out.logits.shape == (B, 1, V)
 
 

@@ -1,11 +1,13 @@
 """``apply_truefuse`` on every architecture: what it replaces (by type and count), the stock bits
 of the norms, bounded outputs and gradients of the whole patched model, idempotence, unpatch,
-class-level patching, and the refusal of unknown architectures."""
+class-level patching (models built after it only, its report and undo), the refusal of unknown
+architectures and of an experts backend the device cannot run, and no warning stock does not give."""
 
 from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -13,7 +15,13 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
-from truefuse.integrations.huggingface import ARCHITECTURES, apply_truefuse, apply_truefuse_to_llama, unpatch_truefuse  # noqa: E402
+from truefuse.integrations.huggingface import (  # noqa: E402
+    ARCHITECTURES,
+    ClassPatch,
+    apply_truefuse,
+    apply_truefuse_to_llama,
+    unpatch_truefuse,
+)
 from truefuse.testing import bounded_report  # noqa: E402
 
 ALL = sorted(ARCHITECTURES)
@@ -126,21 +134,119 @@ def test_patched_model_pickles_and_keeps_state_dict():
     assert type(again.model.norm).__name__ == "TruefuseQwen3RMSNorm"
 
 
-def test_class_level_patch(monkeypatch):
+@pytest.fixture
+def llama_classes(monkeypatch):
+    """The Llama classes a class-level patch touches, restored after the test whatever happens."""
     import transformers.models.llama.modeling_llama as ml
 
     for name in ("LlamaRMSNorm", "LlamaMLP", "LlamaAttention"):
-        monkeypatch.setattr(ml, name, getattr(ml, name))  # restored after the test
-    monkeypatch.setattr(ml.LlamaForCausalLM, "forward", ml.LlamaForCausalLM.forward)
-    apply_truefuse_to_llama()
-    model = tiny_model("llama")
-    kinds = {type(m).__name__ for m in model.modules()}
-    assert {"TruefuseLlamaRMSNorm", "TruefuseLlamaMLP", "TruefuseLlamaAttention"} <= kinds
-    assert "LlamaRMSNorm" not in kinds
-    stock = tiny_model("llama")  # the same seed: the same weights
-    unpatch_truefuse(stock)
-    with torch.no_grad():
-        assert torch.allclose(model(_ids()).logits, stock(_ids()).logits, rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(ml, name, getattr(ml, name))
+    for name in ("__init__", "forward"):
+        monkeypatch.setattr(ml.LlamaForCausalLM, name, ml.LlamaForCausalLM.__dict__[name])
+    return ml
+
+
+def _kinds(model) -> set[str]:
+    return {type(m).__name__ for m in model.modules()}
+
+
+def test_class_level_patch_affects_models_built_after(llama_classes, torch_paths):
+    """Issue 31: ``apply_truefuse_to_llama()`` patches the models built after it (modules and loss),
+    not those built before (it used to replace the class's forward: their loss too), reports what
+    it patched, and ``remove()`` undoes it for models built later."""
+    ml = llama_classes
+    before = tiny_model("llama")
+    patch = apply_truefuse_to_llama()
+    after = tiny_model("llama")  # the same seed: the same weights
+    assert isinstance(patch, ClassPatch) and patch.active and patch.loss
+    assert set(patch.replaced) == {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention"}
+    assert "LlamaRMSNorm" in str(patch) and "linear_cross_entropy" in str(patch)
+    assert {"TruefuseLlamaRMSNorm", "TruefuseLlamaMLP", "TruefuseLlamaAttention"} <= _kinds(after)
+    assert not any(k.startswith("Truefuse") for k in _kinds(before))
+    assert "forward" in vars(after) and "forward" not in vars(before)
+    ids = _ids()
+    with torch.no_grad():  # training mode: truefuse's loss builds no logits, stock's does
+        a, b = before(ids, labels=ids), after(ids, labels=ids)
+    assert a.logits is not None and b.logits is None and torch.allclose(a.loss, b.loss, rtol=1e-5)
+    patch.remove()
+    patch.remove()  # idempotent
+    assert not patch.active and ml.LlamaRMSNorm.__name__ == "LlamaRMSNorm"
+    assert ml.LlamaForCausalLM.__init__ is llama_classes.LlamaForCausalLM.__dict__["__init__"]
+    fresh = tiny_model("llama")
+    assert not any(k.startswith("Truefuse") for k in _kinds(fresh)) and "forward" not in vars(fresh)
+    assert "TruefuseLlamaRMSNorm" in _kinds(after)  # built while active: stays patched
+    unpatch_truefuse(after)
+    assert _kinds(after) == _kinds(fresh) and "forward" not in vars(after)
+
+
+def test_class_level_patch_as_context_manager(llama_classes, torch_paths):
+    with apply_truefuse_to_llama(mlp=False, linear_cross_entropy=False) as patch:
+        inside = tiny_model("llama")
+        with apply_truefuse_to_llama() as nested:  # what is already patched is not patched twice
+            assert "LlamaRMSNorm" not in nested.replaced and nested.loss
+            assert set(nested.replaced) == {"LlamaMLP"}
+        assert "TruefuseLlamaMLP" not in _kinds(tiny_model("llama"))  # the nested block's undo
+    assert patch.left == {"LlamaMLP": "mlp=False", "loss": "linear_cross_entropy=False"}
+    assert "TruefuseLlamaRMSNorm" in _kinds(inside) and "TruefuseLlamaMLP" not in _kinds(inside)
+    assert not any(k.startswith("Truefuse") for k in _kinds(tiny_model("llama")))
+
+
+def test_experts_backend_refused_at_patch_time(monkeypatch):
+    """Issue 31: ``experts_backend="triton"`` on a CPU model (no interpreter) was reported patched,
+    then failed at the first forward naming ``backend=``; now a ValueError naming
+    ``experts_backend`` before anything is patched."""
+    import dataclasses
+
+    import truefuse.ops.grouped_gemm as gg
+
+    real = gg.get_config
+    monkeypatch.setattr(gg, "get_config", lambda: dataclasses.replace(real(), triton_interpret=False))
+    model = tiny_model("mixtral", num_hidden_layers=1)
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"experts_backend='triton' runs on CUDA.*experts_backend='per_group'.*Nothing"):
+        apply_truefuse(model, experts_backend="triton")
+    assert [type(m) for m in model.modules()] == before and "forward" not in vars(model)
+    report = apply_truefuse(model, experts_backend="per_group")
+    assert report.count("MixtralExperts") == 1
+
+
+def test_no_warning_that_stock_does_not_give(torch_paths):
+    """Issue 31: on transformers 5.24 every patched call warned ``past_key_values is deprecated``
+    (and, in ``generate``, "Both `past_key_values` and `cache` are set") where stock does not. The
+    patched forward takes the installed stock signature; a call and ``generate`` warn as stock
+    does, and give stock's result."""
+    import inspect
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    stock = tiny_model("llama", num_hidden_layers=1).eval()
+    patched = copy.deepcopy(stock)
+    apply_truefuse(patched)
+    assert inspect.signature(patched.forward) == inspect.signature(stock.forward)
+    ids = _ids(shape=(2, 6))
+    mask = torch.ones_like(ids)
+
+    def run(model):
+        messages = []
+        handler = logging.Handler()
+        handler.emit = lambda record: messages.append(record.getMessage())
+        hf_logging.get_logger("transformers").addHandler(handler)
+        if hasattr(hf_logging, "warning_once") and hasattr(hf_logging.warning_once, "cache_clear"):
+            hf_logging.warning_once.cache_clear()  # each run sees its once-only warnings
+        try:
+            with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+                warnings.simplefilter("always")
+                out = model(ids, attention_mask=mask, labels=ids)
+                gen = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        finally:
+            hf_logging.get_logger("transformers").removeHandler(handler)
+        return out, gen, {str(w.message) for w in caught} | set(messages)
+
+    (out_s, gen_s, said_s), (out_p, gen_p, said_p) = run(stock), run(patched)
+    assert said_p <= said_s, said_p - said_s
+    assert torch.allclose(out_p.loss, out_s.loss, rtol=1e-5) and torch.allclose(out_p.logits, out_s.logits, atol=1e-5)
+    assert torch.equal(gen_p, gen_s)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])

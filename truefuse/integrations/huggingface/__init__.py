@@ -7,7 +7,9 @@
 The norms give the stock module's bits; the loss never builds the logits when ``labels`` are given.
 """
 
+from truefuse.integrations.huggingface import attention as _attention
 from truefuse.integrations.huggingface.architectures import ARCHITECTURES
+from truefuse.integrations.huggingface.class_patch import ClassPatch
 from truefuse.integrations.huggingface.log_probs import model_log_probs
 from truefuse.integrations.huggingface.patch import (
     apply_truefuse,
@@ -24,8 +26,11 @@ from truefuse.integrations.huggingface.patch import (
 )
 from truefuse.integrations.huggingface.report import PatchReport
 
+_attention.register()  # attn_implementation="truefuse" (where transformers is installed)
+
 __all__ = [
     "ARCHITECTURES",
+    "ClassPatch",
     "PatchReport",
     "apply_truefuse",
     "apply_truefuse_to",

@@ -1,8 +1,8 @@
 """The causal-LM loss of Hugging Face models through ``truefuse.linear_cross_entropy``.
 
 ``patch_loss(model_or_class)`` replaces the ``forward`` of a supported ``*ForCausalLM`` (see
-``SUPPORTED``) with :func:`causal_lm_forward` (MoE classes: :func:`moe_causal_lm_forward`, the same
-with the stock positional signature). With ``labels``, the loss is computed from the last hidden
+``SUPPORTED``) with :func:`causal_lm_forward`, which binds its arguments to the installed
+transformers' stock signature (:func:`stock_signature`). With ``labels``, the loss is computed from the last hidden
 states and ``lm_head.weight`` in chunks: the (tokens, vocab) logits never exist. Everything else is
 the stock forward's: the base model call, ``logits_to_keep``, Gemma's ``final_logit_softcapping``
 (the loss's ``softcap``), MoE's router auxiliary loss, the output class and ``return_dict``.
@@ -32,6 +32,7 @@ Importable without transformers: it is imported lazily, when a forward runs.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import sys
 import warnings
@@ -42,8 +43,8 @@ import torch.nn.functional as F
 __all__ = [
     "SUPPORTED",
     "causal_lm_forward",
-    "moe_causal_lm_forward",
     "patch_loss",
+    "stock_signature",
     "supports_loss",
     "unpatch_loss",
 ]
@@ -185,8 +186,12 @@ def _fallback_reason(self) -> str | None:
     return None
 
 
+def _out_of_range(t: torch.Tensor, V: int, ignore_index: int) -> torch.Tensor:
+    return (t != ignore_index) & ((t < 0) | (t >= V))
+
+
 def _first_bad(t: torch.Tensor, V: int, ignore_index: int) -> int | None:
-    bad = (t != ignore_index) & ((t < 0) | (t >= V))
+    bad = _out_of_range(t, V, ignore_index)
     return int(t[bad][0]) if bool(bad.any()) else None
 
 
@@ -198,11 +203,16 @@ def _early_range_check(t: torch.Tensor) -> bool:
     return not t.is_cuda
 
 
-def _range_error(name: str, value: int, V: int, ignore_index: int) -> ValueError:
-    return ValueError(
-        f"{name} holds {value}, outside [0, vocab_size={V}) and not ignore_index={ignore_index} "
+def _range_message(name: str, V: int, ignore_index: int, value: int | None = None) -> str:
+    held = "a value" if value is None else str(value)
+    return (
+        f"{name} holds {held}, outside [0, vocab_size={V}) and not ignore_index={ignore_index} "
         "(class indices of the next token; -100 marks tokens that do not count)"
     )
+
+
+def _range_error(name: str, value: int, V: int, ignore_index: int) -> ValueError:
+    return ValueError(_range_message(name, V, ignore_index, value))
 
 
 def _targets(labels, kwargs, tokens_shape, ignore_index: int):
@@ -250,7 +260,12 @@ def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict) -> tor
     t = t.reshape(-1).to(device=x.device)
     W, b = self.lm_head.weight, self.lm_head.bias
     V = W.shape[0]
-    if _early_range_check(t):
+    if torch.compiler.is_compiling():
+        # traced (torch.export, torch.compile): reading the labels on the host would be a
+        # data-dependent guard (export fails on it, issue 31); the check goes into the program as a
+        # device assert instead (a RuntimeError on the CPU, a device-side assert on CUDA)
+        torch._assert_async(~_out_of_range(t, V, ignore_index).any(), _range_message(name, V, ignore_index))
+    elif _early_range_check(t):
         bad = _first_bad(t, V, ignore_index)
         if bad is not None:
             raise _range_error(name, bad, V, ignore_index)
@@ -293,43 +308,63 @@ def _load_balancing_loss_func(cls: type):
     raise RuntimeError(f"{cls.__name__}: no load_balancing_loss_func in its modeling module")
 
 
-def _forward(
-    self,
-    input_ids,
-    attention_mask,
-    position_ids,
-    past_key_values,
-    inputs_embeds,
-    labels,
-    use_cache,
-    output_router_logits,
-    logits_to_keep,
-    kwargs,
-):
+def _model_arguments(self, args, kwargs):
+    """``args`` / ``kwargs`` bound to the stock forward's signature (the installed transformers'
+    own: ``cache`` or ``past_key_values``, with or without ``cache_position``):
+    ``(given named arguments, **kwargs)``, both dicts, ``self`` left out."""
+    sig = stock_signature(type(self))
+    try:
+        bound = sig.bind(self, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{type(self).__name__}.forward(): {e}") from None
+    named = dict(bound.arguments)
+    named.pop(next(iter(sig.parameters)))  # self
+    extra = {}
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            extra = dict(named.pop(p.name, {}))
+    return named, extra
+
+
+def _output(cls_name: str, cache, **fields):
+    """``transformers.modeling_outputs.<cls_name>`` with the cache under the installed version's
+    field name (``cache`` from transformers 5.24, ``past_key_values`` before): feature-checked, so
+    setting the other name never triggers transformers' deprecation warning."""
+    import transformers.modeling_outputs as mo
+
+    cls = getattr(mo, cls_name)
+    fields[_cache_field(cls)] = cache
+    return cls(**fields)
+
+
+def _cache_field(output_cls) -> str:
+    return "cache" if "cache" in getattr(output_cls, "__dataclass_fields__", {}) else "past_key_values"
+
+
+def _forward(self, args, kwargs):
     traits = _traits(type(self))
     if traits is None:
         raise TypeError(supports_loss(self))
     moe = bool(traits.get("moe"))
     return_logits = kwargs.pop("return_logits", None)
+    model_kwargs, kwargs = _model_arguments(self, args, kwargs)
+    labels = model_kwargs.pop("labels", None)
+    logits_to_keep = model_kwargs.pop("logits_to_keep", 0)
     if labels is not None:
         # clear errors on the labels' type and shape before the base model runs
-        shape = _tokens_shape(input_ids, inputs_embeds)
+        shape = _tokens_shape(model_kwargs.get("input_ids"), model_kwargs.get("inputs_embeds"))
         if shape is not None and isinstance(logits_to_keep, int) and logits_to_keep == 0:
             _targets(labels, kwargs, shape, int(kwargs.get("ignore_index", -100)))
 
-    model_kwargs = dict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-    )
+    output_router_logits = None
     if moe:
-        output_router_logits = output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        output_router_logits = model_kwargs.get("output_router_logits")
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
         model_kwargs["output_router_logits"] = output_router_logits
-    elif output_router_logits is not None:
-        kwargs["output_router_logits"] = output_router_logits  # passed on, as stock's **kwargs does
+    # every other argument goes to the base model as given, as stock passes it (a deprecated
+    # name such as ``past_key_values`` on 5.24 included: the base model renames it, with
+    # transformers' own warning, as stock's decorator does)
     outputs = self.model(**model_kwargs, **kwargs)
 
     hidden = _slice_to_keep(outputs.last_hidden_state, logits_to_keep)
@@ -348,18 +383,10 @@ def _forward(
             logits = _stock_logits(self, hidden, traits)
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
 
+    cache = getattr(outputs, _cache_field(type(outputs)), None)
+    common = dict(hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     if not moe:
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
-
-    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+        return _output("CausalLMOutputWithPast", cache, loss=loss, logits=logits, **common)
 
     aux_loss = None
     if output_router_logits:
@@ -367,90 +394,80 @@ def _forward(
             outputs.router_logits,
             self.num_experts,
             self.num_experts_per_tok,
-            attention_mask,
+            model_kwargs.get("attention_mask"),
         )
         if labels is not None:
             loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
-    return MoeCausalLMOutputWithPast(
+    return _output(
+        "MoeCausalLMOutputWithPast",
+        cache,
         loss=loss,
         aux_loss=aux_loss,
         logits=logits,
-        past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
         router_logits=outputs.router_logits,
+        **common,
     )
 
 
 @_return_tuple
-def causal_lm_forward(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    past_key_values=None,
-    inputs_embeds=None,
-    labels=None,
-    use_cache=None,
-    logits_to_keep=0,
-    **kwargs,
-):
+def causal_lm_forward(self, *args, **kwargs):
     """The stock ``*ForCausalLM.forward`` with the loss through ``truefuse.linear_cross_entropy``.
 
-    With ``labels`` the (tokens, vocab) logits are not materialized; ``logits`` is None unless
-    ``return_logits=True``, or ``return_logits`` is not given and the model is not training. Loss
-    keywords as ``ForCausalLMLoss``: ``num_items_in_batch``, ``shift_labels``, ``ignore_index``.
-    Everything else (base model keywords, ``return_dict``, ``output_router_logits`` of MoE
-    models) as stock."""
-    output_router_logits = kwargs.pop("output_router_logits", None)
-    return _forward(
-        self,
-        input_ids,
-        attention_mask,
-        position_ids,
-        past_key_values,
-        inputs_embeds,
-        labels,
-        use_cache,
-        output_router_logits,
-        logits_to_keep,
-        kwargs,
-    )
+    Takes the stock forward's own parameters, read from the installed transformers
+    (:func:`stock_signature`: ``cache`` on 5.24, ``past_key_values`` and ``cache_position``
+    before; MoE classes' ``output_router_logits`` before ``logits_to_keep``), so positional and
+    keyword calls bind as they bind to stock. With ``labels`` the (tokens, vocab) logits are not
+    materialized; ``logits`` is None unless ``return_logits=True``, or ``return_logits`` is not
+    given and the model is not training. Loss keywords as ``ForCausalLMLoss``:
+    ``num_items_in_batch``, ``shift_labels``, ``ignore_index``. Everything else (base model
+    keywords, ``return_dict``, the router auxiliary loss of MoE models) as stock."""
+    return _forward(self, args, kwargs)
 
 
-@_return_tuple
-def moe_causal_lm_forward(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    past_key_values=None,
-    inputs_embeds=None,
-    labels=None,
-    use_cache=None,
-    output_router_logits=None,
-    logits_to_keep=0,
-    **kwargs,
-):
-    """:func:`causal_lm_forward` with the MoE classes' positional signature (``output_router_logits``
-    before ``logits_to_keep``); the router auxiliary loss is added as stock adds it."""
-    return _forward(
-        self,
-        input_ids,
-        attention_mask,
-        position_ids,
-        past_key_values,
-        inputs_embeds,
-        labels,
-        use_cache,
-        output_router_logits,
-        logits_to_keep,
-        kwargs,
-    )
+causal_lm_forward._truefuse_loss = True
 
 
-for _f in (causal_lm_forward, moe_causal_lm_forward):
-    _f._truefuse_loss = True
+def _stock_forward(cls: type):
+    """The stock ``forward`` function ``cls`` runs (looking through truefuse's patch)."""
+    c = _stock_forward_class(cls)
+    if c is None:
+        raise TypeError(supports_loss(cls))
+    f = c.__dict__["forward"]
+    return c.__dict__[_STOCK] if _is_ours(f) else f
+
+
+@functools.cache
+def stock_signature(cls: type) -> inspect.Signature:
+    """The signature of the stock forward of ``cls`` (with ``self``), as the installed transformers
+    declares it: the patched forward binds its arguments to it and shows it to ``inspect``
+    (``Trainer`` keeps the dataset columns it names; ``generate`` checks ``logits_to_keep``)."""
+    return inspect.signature(_stock_forward(cls))
+
+
+class _BoundForward(functools.partial):
+    """``causal_lm_forward`` bound to one model: a ``functools.partial`` (it pickles, and
+    ``copy.deepcopy`` binds it to the copy; a ``types.MethodType`` would not pickle) whose
+    ``inspect.signature`` is the stock forward's without ``self``."""
+
+    _truefuse_loss = True
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        params = list(stock_signature(type(self.args[0])).parameters.values())[1:]
+        return stock_signature(type(self.args[0])).replace(parameters=params)
+
+
+def _class_forward(cls: type):
+    """``causal_lm_forward`` as ``cls.forward``, showing the stock signature to ``inspect``."""
+
+    def forward(self, *args, **kwargs):
+        return causal_lm_forward(self, *args, **kwargs)
+
+    forward.__signature__ = stock_signature(cls)
+    forward.__doc__ = causal_lm_forward.__doc__
+    forward.__qualname__ = f"{cls.__qualname__}.forward"
+    forward._truefuse_loss = True
+    return forward
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,31 +483,30 @@ def _is_ours(f) -> bool:
 def patch_loss(model_or_class) -> bool:
     """Make ``forward`` compute the loss through ``truefuse.linear_cross_entropy``.
 
-    A class: its ``forward`` is replaced (every instance, existing or new). An instance: its own
-    ``forward`` is set, ``functools.partial(causal_lm_forward, model)``: a bound method that
-    pickles (``torch.save`` of the model; a ``types.MethodType`` would not: pickle looks it up by
-    its function's name on the unpickled model) and that ``copy.deepcopy`` binds to the copy;
-    ``inspect.signature`` gives the stock parameters without ``self``. ``nn.DataParallel``
-    replicas (a shallow copy of ``__dict__``) would call the original's: patch the class for that.
-    Idempotent: returns True when it patched, False when already patched. The replaced forward is
-    recorded for :func:`unpatch_loss`. Raises ``TypeError`` with :func:`supports_loss`'s reason
-    for an unsupported model."""
+    A class: its ``forward`` is replaced (every instance, existing or new; ``apply_truefuse_to``
+    patches only the models built after it instead, :func:`patch_loss_on_init`). An instance: its
+    own ``forward`` is set, a ``functools.partial`` of :func:`causal_lm_forward` and the model
+    (:class:`_BoundForward`): it pickles (``torch.save`` of the model) and ``copy.deepcopy`` binds
+    it to the copy; ``inspect.signature`` gives the stock parameters without ``self``.
+    ``nn.DataParallel`` replicas (a shallow copy of ``__dict__``) would call the original's: patch
+    the class for that. Idempotent: returns True when it patched, False when already patched. The
+    replaced forward is recorded for :func:`unpatch_loss`. Raises ``TypeError`` with
+    :func:`supports_loss`'s reason for an unsupported model."""
     reason = supports_loss(model_or_class)
     if reason is not None:
         raise TypeError(reason)
-    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
-    fn = moe_causal_lm_forward if _traits(cls).get("moe") else causal_lm_forward
     if isinstance(model_or_class, type):
+        cls = model_or_class
         if _is_ours(cls.__dict__.get("forward")):
             return False
         type.__setattr__(cls, _STOCK, cls.__dict__.get("forward"))
-        type.__setattr__(cls, "forward", fn)
+        type.__setattr__(cls, "forward", _class_forward(cls))
         return True
     d = model_or_class.__dict__
     if _is_ours(d.get("forward")):
         return False
     d[_STOCK] = d.get("forward")
-    d["forward"] = functools.partial(fn, model_or_class)
+    d["forward"] = _BoundForward(causal_lm_forward, model_or_class)
     return True
 
 

@@ -90,6 +90,7 @@ from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
 from truefuse.config import is_batch_invariant
+from truefuse.integrations.huggingface.experts_op import experts_mlp
 from truefuse.integrations.huggingface.modules import gated_for, truefuse_subclass
 from truefuse.nn.grouped import check_grouped_path, resolve_grouped_path
 from truefuse.ops.grouped_gemm import split_offsets
@@ -218,6 +219,20 @@ def _route(module: torch.nn.Module, backend: str, counts: torch.Tensor, order: t
     return tuple(splits), (order[:n] if n < order.numel() else order), ()
 
 
+def _exported_rows(module: torch.nn.Module, counts: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The rows of :func:`_route` while ``torch.export`` traces a host-sizes backend: every pair
+    (a module not marked expert-parallel has no sentinel: asserted in the program, as the
+    ``triton`` path does). An expert-parallel module is refused: its sentinels are dropped by a
+    host count, which the exported program cannot make."""
+    if getattr(module, "_is_expert_parallel", False):
+        raise NotImplementedError(
+            "torch.export of an expert-parallel experts module (_is_expert_parallel) on a host-sizes backend "
+            "(per_group / cublas_grouped) is not supported: its sentinel slots are dropped by a host count"
+        )
+    torch._assert_async(counts[-1] == 0, SENTINEL_MESSAGE)
+    return order
+
+
 def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """Stock's ``forward`` on truefuse's grouped MLP.
 
@@ -247,13 +262,21 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     dt = autocast if _experts_implementation(self) != "grouped_mm" else None
     w1, w2 = cast(self.gate_up_proj, dt), cast(self.down_proj, dt)
     backend = resolve_grouped_path(getattr(self, "_truefuse_backend", None), x_all.device, dt or w1.dtype, True)
-    splits, rows, extra = _route(self, backend, counts, order)
+    # torch.export cannot trace the host read of the counts: the same forward as one opaque op
+    exporting = backend != "triton" and torch.compiler.is_exporting()
+    if exporting:
+        rows = _exported_rows(self, counts, order)
+    else:
+        splits, rows, extra = _route(self, backend, counts, order)
     x = x_all[rows // K]
     x = cast(x, dt) if dt is not None else x.to(w1.dtype)  # stock's grouped_mm casts to the weights' dtype
-    spec1 = GroupSpec(splits, True, False, ("gate_up_proj",), path=backend)
-    spec2 = GroupSpec(splits, True, False, ("down_proj",), path=backend)
     with torch.autocast(x.device.type, enabled=False) if autocast is not None else contextlib.nullcontext():
-        y = GroupedMLPFunction.apply(x, spec1, spec2, self._truefuse_activation, self._truefuse_wgrad, w1, w2, *extra)
+        if exporting:
+            y = experts_mlp(x, w1, w2, counts[:E], self._truefuse_activation, backend)
+        else:
+            spec1 = GroupSpec(splits, True, False, ("gate_up_proj",), path=backend)
+            spec2 = GroupSpec(splits, True, False, ("down_proj",), path=backend)
+            y = GroupedMLPFunction.apply(x, spec1, spec2, self._truefuse_activation, self._truefuse_wgrad, w1, w2, *extra)
 
     out_dtype = hidden_states.dtype
     prod = y * top_k_weights.reshape(-1)[rows].unsqueeze(-1)  # torch's promotion, as stock

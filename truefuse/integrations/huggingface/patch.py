@@ -12,6 +12,7 @@ import torch
 from truefuse.integrations.huggingface import batch_invariant as _bi
 from truefuse.integrations.huggingface import modules
 from truefuse.integrations.huggingface.architectures import ARCHITECTURES, Architecture, architecture_of
+from truefuse.integrations.huggingface.class_patch import ClassPatch, apply_truefuse_to
 from truefuse.integrations.huggingface.report import PatchReport
 
 
@@ -33,6 +34,7 @@ def apply_truefuse(
     stock_norm_bits: bool = True,
     experts_backend: str | None = None,
     batch_invariant: bool = False,
+    attention: bool = False,
 ) -> PatchReport:
     """Patch an instantiated transformers model in place.
 
@@ -56,13 +58,18 @@ def apply_truefuse(
         batch_invariant: the model's forward runs in ``truefuse.batch_invariant()`` mode, its
             ``F.linear`` calls on the batch-invariant GEMM and its routers in fp32 with a fixed
             tie-break (``batch_invariant.py``); ``report.batch_invariant`` lists them.
+        attention: the attention modules run ``truefuse.attention`` (``attn_implementation="truefuse"``,
+            ``attention.py``: batch-invariant, bounded against SDPA, no attention weights). Off by
+            default: the model keeps the ``attn_implementation`` it was built with.
 
     Returns:
         A :class:`PatchReport`. Calling it again on a patched model changes nothing (an experts
         module takes the ``experts_backend`` of the latest call).
 
     Raises:
-        ValueError for an unknown architecture or ``experts_backend``, before anything is patched.
+        ValueError for an unknown architecture or ``experts_backend``, or an ``experts_backend``
+        that cannot run on the experts' weights where they are (``"triton"`` on the CPU without
+        the interpreter, or in bf16 there), before anything is patched.
     """
     from truefuse.nn.grouped import check_grouped_path
 
@@ -111,6 +118,7 @@ def apply_truefuse(
     expert_patch = _experts_patcher(expert_mods, report, experts_backend) if expert_mods else None
     loss_patch = _loss_patcher(model, arch, linear_cross_entropy, report)
     bi_patch = _bi.patcher(model, report) if batch_invariant else None
+    attention_patch = _attention_patcher(model, report) if attention else None
     # everything is checked: now patch
     for m, cls in plan:
         m.__class__ = cls
@@ -120,7 +128,29 @@ def apply_truefuse(
         loss_patch()
     if bi_patch:
         bi_patch()
+    if attention_patch:
+        attention_patch()
     return report
+
+
+#: Where ``apply_truefuse(attention=True)`` keeps the model's own ``attn_implementation``.
+_STOCK_ATTN = "_truefuse_stock_attn_implementation"
+
+
+def _attention_patcher(model: torch.nn.Module, report: PatchReport):
+    from truefuse.integrations.huggingface import attention
+
+    if not hasattr(model, "set_attn_implementation") or not attention.register():
+        raise ValueError("apply_truefuse(attention=True) needs transformers' set_attn_implementation. Nothing was patched.")
+    current = model.config._attn_implementation
+    report.attention = f"truefuse.attention (attn_implementation {current!r} -> {attention.NAME!r})"
+
+    def patch():
+        if current != attention.NAME:
+            model.__dict__[_STOCK_ATTN] = current
+            model.set_attn_implementation(attention.NAME)
+
+    return patch
 
 
 def _experts_patcher(mods: list[torch.nn.Module], report: PatchReport, backend: str | None):
@@ -133,9 +163,25 @@ def _experts_patcher(mods: list[torch.nn.Module], report: PatchReport, backend: 
         if reason:
             report.left[(name, reason)] += 1
         else:
+            _check_backend_runs(backend, m.gate_up_proj)
             todo.append(m)
             report.replaced[(name, "truefuse grouped GEMMs (GroupedMLP)")] += 1
     return lambda: [moe.patch_experts(m, backend=backend) for m in todo]
+
+
+def _check_backend_runs(backend: str | None, weight: torch.Tensor) -> None:
+    """A ValueError naming ``experts_backend`` when the backend asked for cannot run on the experts'
+    weights as they are (issue 31: ``"triton"`` on a CPU model was reported patched, then failed at
+    the first forward naming ``backend=``). A meta weight (a model not materialized yet) is not
+    judged: the forward checks again on the real device."""
+    from truefuse.nn.grouped import resolve_grouped_path
+
+    if backend is None or weight.device.type == "meta":
+        return
+    try:
+        resolve_grouped_path(backend, weight.device, weight.dtype, True, arg="experts_backend")
+    except ValueError as e:
+        raise ValueError(f"{e} (or experts_backend=None: the default for the device). Nothing was patched.") from None
 
 
 def _loss_patcher(model: torch.nn.Module, arch: Architecture, wanted: bool, report: PatchReport):
@@ -163,37 +209,19 @@ def unpatch_truefuse(model: torch.nn.Module) -> None:
         modules.unpatch(m)
     loss.unpatch_loss(model)
     _bi.disable(model)
-
-
-def apply_truefuse_to(
-    model_type: str, *, rms_norm: bool = True, mlp: bool = True, rope: bool = True, linear_cross_entropy: bool = True
-) -> None:
-    """Patch the architecture's classes before models are built (``from_pretrained``): the
-    modeling module's norm and MLP classes become truefuse's subclasses and the causal LM's
-    forward computes truefuse's loss. Affects models built afterwards in this process. Experts
-    are patched on instances only (``apply_truefuse``)."""
-    import importlib
-
-    from truefuse.integrations.huggingface import loss
-
-    arch = architecture_of(model_type)
-    mod = importlib.import_module(arch.module)
-    if rms_norm:
-        setattr(mod, arch.norm, modules.norm_class(arch.cls(arch.norm), arch.norm_style))
-    if mlp and arch.mlp:
-        setattr(mod, arch.mlp, modules.mlp_class(arch.cls(arch.mlp)))
-    if rope and arch.attention:
-        setattr(mod, arch.attention, modules.attention_class(arch.cls(arch.attention)))
-    if linear_cross_entropy:
-        loss.patch_loss(arch.cls(arch.causal_lm))
+    if _STOCK_ATTN in model.__dict__:
+        model.set_attn_implementation(model.__dict__.pop(_STOCK_ATTN))
 
 
 def _class_patcher(model_type: str):
-    def apply(**kw) -> None:
-        apply_truefuse_to(model_type, **kw)
+    def apply(**kw) -> ClassPatch:
+        return apply_truefuse_to(model_type, **kw)
 
     apply.__name__ = f"apply_truefuse_to_{model_type}"
-    apply.__doc__ = f"``apply_truefuse_to({model_type!r}, ...)``: patch the {model_type} classes before models are built."
+    apply.__doc__ = (
+        f"``apply_truefuse_to({model_type!r}, ...)``: patch the {model_type} classes for the models built "
+        "after the call; returns the ClassPatch (report, ``remove()``)."
+    )
     return apply
 
 
@@ -206,4 +234,4 @@ apply_truefuse_to_gemma3 = _class_patcher("gemma3_text")
 apply_truefuse_to_qwen3_moe = _class_patcher("qwen3_moe")
 apply_truefuse_to_mixtral = _class_patcher("mixtral")
 
-__all__ = ["ARCHITECTURES", "apply_truefuse", "apply_truefuse_to", "unpatch_truefuse"]
+__all__ = ["ARCHITECTURES", "ClassPatch", "apply_truefuse", "apply_truefuse_to", "unpatch_truefuse"]

@@ -17,6 +17,7 @@ class PatchReport:
         loss: whether the causal-LM forward computes ``truefuse.linear_cross_entropy``.
         batch_invariant: ``{(module, path): count}`` of what runs batch-invariant while the model's
             forward runs (``apply_truefuse(batch_invariant=True)``; empty otherwise).
+        attention: what the attention modules run when ``attention=True`` patched them ("": not asked).
     """
 
     architecture: str
@@ -25,6 +26,7 @@ class PatchReport:
     loss: bool = False
     loss_note: str = ""
     batch_invariant: Counter = field(default_factory=Counter)
+    attention: str = ""
 
     def count(self, stock_type: str) -> int:
         """How many modules of ``stock_type`` were replaced."""
@@ -36,6 +38,8 @@ class PatchReport:
             lines.append(f"  replaced {n:4d} x {t:<24} -> {how}")
         loss = "truefuse.linear_cross_entropy (no logits when labels are given)" if self.loss else f"stock ({self.loss_note})"
         lines.append(f"  loss: {loss}")
+        if self.attention:
+            lines.append(f"  attention: {self.attention}")
         for (t, why), n in sorted(self.left.items()):
             lines.append(f"  left     {n:4d} x {t:<24} ({why})")
         for (t, how), n in sorted(self.batch_invariant.items()):
