@@ -28,8 +28,7 @@ ONE_LAYER = {"num_hidden_layers": 1}  # what a second layer adds, the first alre
 
 def _bi(model):
     m = copy.deepcopy(model)
-    apply_truefuse(m, batch_invariant=True)
-    m.set_attn_implementation(parity.register_attention())
+    apply_truefuse(m, batch_invariant=True)  # the attention on truefuse.attention too
     return m.eval()
 
 

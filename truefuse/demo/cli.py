@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import sys
 
@@ -28,17 +29,11 @@ def truefuse_patch():
 
 
 def truefuse_bi_patch():
-    """``apply_truefuse(model, batch_invariant=True)`` with ``truefuse.attention`` as the model's
-    attention (docs/batch_invariance.md)."""
-    from truefuse.demo.parity import register_attention
+    """``apply_truefuse(model, batch_invariant=True)``, which also puts the model's attention on
+    ``truefuse.attention`` (docs/batch_invariance.md)."""
     from truefuse.integrations.huggingface import apply_truefuse
 
-    def patch(model):
-        report = apply_truefuse(model, batch_invariant=True)
-        model.set_attn_implementation(register_attention())
-        return report
-
-    return patch
+    return functools.partial(apply_truefuse, batch_invariant=True)
 
 
 def stock_again(model):

@@ -21,35 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from truefuse.autograd.attention import attention
 from truefuse.autograd.token_log_probs import token_log_probs
 from truefuse.integrations.huggingface.log_probs import positions
-
-#: The name :func:`register_attention` gives ``truefuse.attention`` in transformers' AttentionInterface.
-ATTENTION = "truefuse_bi"
-
-
-def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention-function signature over ``truefuse.attention`` (batch-invariant):
-    (B, H, L, D) in, (B, L, H, D) out. No mask and several queries: causal."""
-    if dropout:
-        raise ValueError("truefuse_bi attention: dropout must be 0")
-    causal = attention_mask is None and query.shape[2] > 1
-    mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[2]]
-    out = attention(query, key, value, mask, is_causal=causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
-                    softcap=kwargs.get("softcap"), window=kwargs.get("sliding_window"))  # fmt: skip
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_attention() -> str:
-    """Register ``truefuse.attention`` as transformers' attention ``"truefuse_bi"`` (its SDPA mask
-    interface); returns the name. A stand-in until the integration registers it itself."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    AttentionInterface.register(ATTENTION, _hf_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    return ATTENTION
 
 
 @dataclass

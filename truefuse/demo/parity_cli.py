@@ -61,8 +61,6 @@ def variant(model, mode: str):
         from truefuse.integrations.huggingface import apply_truefuse
 
         apply_truefuse(m, batch_invariant=mode == "truefuse BI")
-    if mode == "truefuse BI":
-        m.set_attn_implementation(parity.register_attention())
     return m, (batch_invariant() if mode == "truefuse BI" else contextlib.nullcontext())
 
 

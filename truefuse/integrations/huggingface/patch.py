@@ -34,7 +34,7 @@ def apply_truefuse(
     stock_norm_bits: bool = True,
     experts_backend: str | None = None,
     batch_invariant: bool = False,
-    attention: bool = False,
+    attention: bool | None = None,
 ) -> PatchReport:
     """Patch an instantiated transformers model in place.
 
@@ -59,8 +59,9 @@ def apply_truefuse(
             ``F.linear`` calls on the batch-invariant GEMM and its routers in fp32 with a fixed
             tie-break (``batch_invariant.py``); ``report.batch_invariant`` lists them.
         attention: the attention modules run ``truefuse.attention`` (``attn_implementation="truefuse"``,
-            ``attention.py``: batch-invariant, bounded against SDPA, no attention weights). Off by
-            default: the model keeps the ``attn_implementation`` it was built with.
+            ``attention.py``: batch-invariant, bounded against SDPA, no attention weights). None
+            (default): on with ``batch_invariant=True`` (a batch-invariant model needs it), else
+            off, the model keeping the ``attn_implementation`` it was built with.
 
     Returns:
         A :class:`PatchReport`. Calling it again on a patched model changes nothing (an experts
@@ -118,6 +119,7 @@ def apply_truefuse(
     expert_patch = _experts_patcher(expert_mods, report, experts_backend) if expert_mods else None
     loss_patch = _loss_patcher(model, arch, linear_cross_entropy, report)
     bi_patch = _bi.patcher(model, report) if batch_invariant else None
+    attention = batch_invariant if attention is None else attention
     attention_patch = _attention_patcher(model, report) if attention else None
     # everything is checked: now patch
     for m, cls in plan:
