@@ -5,8 +5,9 @@ slice of the batch or in the whole call; the weight gradients are the same bits 
 On the CPU: the planner's row-block GEMM (fp32 and bf16), the Triton GEMM's fixed configuration in
 fp32 under the interpreter (row prefixes: the interpreter's tl.dot is NumPy's, whose rows change
 bits with their place in a tile, so only M is varied there), the Linear family, the norms, rope,
-the gated activation, and the Hugging Face integration on tiny models. bf16 on the GPU:
-``truefuse/bench/bench_bi_gemm.py``.
+the gated activation, and the Hugging Face integration on tiny models. On the GPU (skipped on the
+CPU): every tile of the mode's GEMM table gives the same bits, and rows of M = 1 … 1000 equal those
+of M = 8192 (bf16, fp32); more in ``truefuse/bench/bench_bi_gemm.py``.
 """
 
 from __future__ import annotations
@@ -127,6 +128,70 @@ def test_triton_gemm_fixed_configuration_interpreter():
     with override_capabilities(backends=["triton"], add=[row]), truefuse.batch_invariant():
         assert str(gemm_plan_for(x, w.t())) == "triton[float32]: fused mm+batch_invariant"
         _rows_invariant(lambda t: gemm(t, w.t()), x, [slice(0, 1), slice(0, 3), slice(0, 64)])
+
+
+def test_bi_table_fixed_block_k_and_every_m(monkeypatch):
+    """The launch table of batch-invariant mode (``ops/gemm_bi_config.py``) has a tile for every M
+    bucket of every (dtype, layout), and ``bi_config`` never changes BLOCK_K with M or layout."""
+    import dataclasses
+
+    import truefuse.ops.gemm_backends.triton as tb
+    from truefuse.ops import gemm_bi_config as bc
+
+    real = tb.get_config
+    monkeypatch.setattr(tb, "get_config", lambda: dataclasses.replace(real(), triton_interpret=False))
+    assert bc.M_BUCKETS[-1] is None and list(bc.M_BUCKETS[:-1]) == sorted(bc.M_BUCKETS[:-1])
+    assert {k for k in bc.TABLE} == {(g, f) for g in ("bf16", "fp32") for f in ("nt", "nn")}
+    for tiles in bc.TABLE.values():
+        assert len(tiles) == len(bc.M_BUCKETS)
+        for bm, bn, warps, stages in tiles:
+            assert bm >= 16 and bn >= 16 and bm & (bm - 1) == 0 and bn & (bn - 1) == 0 and warps in (2, 4, 8) and stages >= 2
+    for dtype, block_k in ((BF16, 64), (torch.float16, 64), (F32, 32)):
+        for form in ("nt", "nn"):
+            for M in (*range(1, 300), 511, 512, 513, 4096, 8192, 10**6):
+                cfg = tb.bi_config(dtype, M, form)
+                assert cfg.kwargs["BLOCK_K"] == block_k, (dtype, form, M)
+    w = torch.ones(8, 4)
+    assert bc.layout(w.t()) == "nt" and bc.layout(w) == "nn"
+
+
+_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@_gpu
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_bi_table_entries_same_bits_gpu(dtype):
+    """Every tile of the table (and the reference tile) gives every row the same bits, both B
+    layouts, at a few (M, K, N): the GPU check that lets M choose the tile (docs/design.md §1)."""
+    from truefuse.ops import gemm_bi_config as bc
+    from truefuse.ops.gemm_backends.triton import run_tiles
+
+    g = bc.group(dtype)
+    tiles = [bc.REFERENCE[g], *bc.entries(g)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for M, K, N in ((1, 4096, 4096), (37, 1000, 3000), (300, 4096, 1024), (1024, 512, 14336)):
+        a = torch.randn(M, K, generator=gen, device="cuda", dtype=dtype)
+        w = torch.randn(N, K, generator=gen, device="cuda", dtype=dtype)
+        for b in (w.t(), w.t().contiguous()):
+            ref = run_tiles(a, b, tiles[0])
+            for t in tiles[1:]:
+                assert torch.equal(run_tiles(a, b, t), ref), (M, K, N, t, b.stride())
+
+
+@_gpu
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_bi_gemm_small_m_rows_equal_large_m_gpu(dtype):
+    """Rows of M = 1 … 64 (and across the table's bucket edges) through ``truefuse.gemm(...,
+    batch_invariant=True)`` equal the same rows of the M = 8192 call, forward and input gradient."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    K, N = 1024, 4096
+    w = torch.randn(N, K, generator=gen, device="cuda", dtype=dtype)
+    for b, width in ((w.t(), K), (w, N)):
+        x = torch.randn(8192, width, generator=gen, device="cuda", dtype=dtype)
+        full = gemm(x, b, batch_invariant=True)
+        for m in (1, 2, 3, 8, 16, 17, 32, 40, 64, 65, 256, 257, 1000):
+            assert torch.equal(gemm(x[:m], b, batch_invariant=True), full[:m]), (m, b.stride())
+        assert torch.equal(gemm(x[77:117], b, batch_invariant=True), full[77:117])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,15 +5,16 @@ training) and 1, 2, 4, 8, 16, 32, 64 (decode):
 
 * ``fwd``: ``y = x Wᵀ`` (M×K by N×K), ``dgrad``: ``dx = dy W`` (M×N by N×K). Providers ``cublas``
   (``torch.mm``, the reference) and ``bi`` (``truefuse.gemm(..., batch_invariant=True)``: the
-  Triton GEMM with its one configuration per dtype);
+  Triton GEMM with the mode's launch table, ``truefuse/ops/gemm_bi_config.py``);
 * ``wgrad``: ``dW = dyᵀ x`` at M = 8192. ``bi`` is what batch-invariant mode runs for a weight
   gradient (the plain plan: cuBLAS through ``truefuse.gemm``, the same bits run to run), and
-  ``bi_triton`` the Triton GEMM with the fixed configuration.
+  ``bi_triton`` the Triton GEMM with the mode's table.
 
 ``python -m truefuse.bench.bench_bi_gemm OUT_DIR`` also runs the bitwise checks of the same call
 (rows of every M against the M = 8192 call, cuBLAS's for contrast; the weight gradient run to run;
-every tile configuration of the autotuned set on the same rows; the embedding's backward run to
-run; ``rms_norm_hf``'s rows) and times each candidate configuration, writing JSON under OUT_DIR.
+every tile of the mode's table and of the autotuned set against the reference tile, bf16 and fp32,
+forward and input gradient; the embedding's backward run to run; ``rms_norm_hf``'s rows), writing
+JSON under OUT_DIR. The tiles' timings: ``experiments/exp_bi_gemm_tiles.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 
 import torch
 
-from truefuse.bench.harness import Sweep, environment, measure
+from truefuse.bench.harness import Sweep, environment
 from truefuse.ops.gemm import gemm
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (K, N)
@@ -101,52 +102,40 @@ def _rows_differing(fn, a, ms=(*DECODE, 8192)) -> dict:
 
 
 def _configs_same_bits(K: int, N: int, device) -> dict:
-    """Every tile configuration of the autotuned set (and 16/32-row tiles, which take mma instead of
-    wgmma) on the same 64 rows: whether each gives the fixed configuration's bits."""
-    import triton
+    """Every tile of batch-invariant mode's table (``ops/gemm_bi_config.py``), of the autotuned set
+    and 16/32-row tiles (mma instead of wgmma) on the same 200 rows, forward and input gradient:
+    whether each gives the reference tile's bits (``REFERENCE``, the mode's former one tile)."""
+    from truefuse.ops import gemm_bi_config as bc
+    from truefuse.ops.gemm_backends.triton import _configs, run_tiles
 
-    from truefuse.kernels.gemm import _gemm_kernel
-    from truefuse.ops.gemm_backends.triton import _configs
-
-    a, w, _ = _operands({"form": "fwd", "M": 200, "K": K, "N": N}, device)
-    ref = gemm(a, w.t(), batch_invariant=True)
-    cfgs = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in _configs(torch.bfloat16)]
-    cfgs += [(16, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 8, 3)]
+    cfgs = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in _configs(torch.bfloat16)}
+    cfgs |= {(16, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 8, 3), *bc.entries("bf16")}
     res = {}
-    for bm, bn, warps, stages in cfgs:
-        out = torch.empty(200, N, device=device, dtype=torch.bfloat16)
-        grid = (triton.cdiv(200, bm) * triton.cdiv(N, bn),)
-        _gemm_kernel[grid](
-            a, w.t(), out, a, out, 200, N, K, a.stride(0), a.stride(1), w.t().stride(0), w.t().stride(1),
-            out.stride(0), out.stride(1), a.stride(0), a.stride(1), ACCUMULATE=False, GRAD_ACT=0, GRAD_BIAS=False,
-            IEEE=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-        res[f"{bm}x{bn}w{warps}s{stages}"] = bool(torch.equal(out, ref))
+    for form in ("fwd", "dgrad"):
+        a, w, _ = _operands({"form": form, "M": 200, "K": K, "N": N}, device)
+        b = w.t() if form == "fwd" else w
+        ref = run_tiles(a, b, bc.REFERENCE["bf16"])
+        for t in sorted(cfgs):
+            res[f"{form}_{t[0]}x{t[1]}w{t[2]}s{t[3]}"] = bool(torch.equal(run_tiles(a, b, t), ref))
     return res
 
 
-def _config_times(device) -> list[dict]:
-    """Each candidate single configuration's time, forward, at M = 8192 and 16 (ms)."""
-    from truefuse.ops.gemm_backends import triton as tb
+def table_same_bits(device) -> dict:
+    """Each bf16 and fp32 entry of the table against the reference tile, at M = 1, 40, 200."""
+    from truefuse.ops import gemm_bi_config as bc
+    from truefuse.ops.gemm_backends.triton import run_tiles
 
-    rows = []
-    cands = [(128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4)]
-    saved = dict(tb.BI_TILES)
-    try:
-        for cand in cands:
-            tb.BI_TILES[torch.bfloat16] = cand
-            tb._FIXED.clear()
-            for K, N in SHAPES:
-                for M in (8192, 16):
-                    a, w, _ = _operands({"form": "fwd", "M": M, "K": K, "N": N}, device)
-                    ms = measure(lambda a=a, w=w: gemm(a, w.t(), batch_invariant=True), device).ms
-                    ref = measure(lambda a=a, w=w: torch.mm(a, w.t()), device).ms
-                    rows.append({"tiles": "x".join(map(str, cand)), "K": K, "N": N, "M": M, "ms": ms, "ratio": ms / ref})
-    finally:
-        tb.BI_TILES.clear()
-        tb.BI_TILES.update(saved)
-        tb._FIXED.clear()
-    return rows
+    res = {}
+    for g, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        gen = torch.Generator(device=device).manual_seed(1)
+        for M, K, N in ((1, 4096, 4096), (40, 1000, 3000), (200, 4096, 14336)):
+            a = torch.randn(M, K, generator=gen, device=device, dtype=dtype)
+            w = torch.randn(N, K, generator=gen, device=device, dtype=dtype)
+            for form, b in (("fwd", w.t()), ("dgrad", w.t().contiguous())):
+                ref = run_tiles(a, b, bc.REFERENCE[g])
+                for t in bc.entries(g):
+                    res[f"{g}_{form}_{M}x{K}x{N}_{t}"] = bool(torch.equal(run_tiles(a, b, t), ref))
+    return res
 
 
 def checks(device) -> dict:
@@ -175,6 +164,7 @@ def checks(device) -> dict:
         emb.weight.grad = None
         emb(ids).float().pow(2).sum().backward()
         grads.append(emb.weight.grad.clone())
+    res["table_same_bits"] = table_same_bits(device)
     res["embedding_backward_run_to_run_equal"] = all(torch.equal(grads[0], g) for g in grads[1:])
     # rms_norm_hf's rows in batch-invariant mode (kernel statistics) and torch's statistics
     import truefuse
@@ -204,10 +194,9 @@ def main(out_dir: str) -> None:
         sw.run(device)
         sw.save(out, meta)
         sw.print()
-    cfg = _config_times(device)
-    (out / "bi_configs.json").write_text(json.dumps({"meta": meta, "rows": cfg}, indent=1))
-    for r in cfg:
-        print(f"tiles {r['tiles']:<14} K {r['K']:>5} N {r['N']:>5} M {r['M']:>5} {r['ms']:.4f} ms  x{r['ratio']:.3f}")
+    bad = [k for k, v in res["table_same_bits"].items() if not v]
+    bad += [f"{s}:{k}" for s, d in res.items() if s.startswith("configs_same_bits") for k, v in d.items() if not v]
+    print("tiles with other bits:", bad or "none")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ same rounded operand that enters the product.
 
 Batch invariance: BLOCK_K is fixed per input dtype (never tuned, never split-K), so each output
 element is reduced over K in the same order whatever M and N are; only BLOCK_M/BLOCK_N/warps/stages
-are tuned.
+are tuned (batch-invariant mode: chosen from M by ``ops/gemm_bi_config.py``, checked bitwise on the GPU).
 """
 
 import triton

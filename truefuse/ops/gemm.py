@@ -320,8 +320,9 @@ def gemm(
 
     Batch invariance: ``batch_invariant=True`` (None, the default: whether
     ``truefuse.batch_invariant()`` is on) makes each output row bitwise independent of M and of
-    the other rows of ``a`` (docs/design.md §1): the Triton GEMM with one tile configuration per
-    dtype where it runs, else the backend's product on fixed-size row blocks (docs/gemm.md).
+    the other rows of ``a`` (docs/design.md §1): the Triton GEMM with BLOCK_K fixed per dtype and a tile
+    from the mode's table (``ops/gemm_bi_config.py``: chosen from M, every entry bitwise equal) where
+    it runs, else the backend's product on fixed-size row blocks (docs/gemm.md).
 
     Returns:
         The output tensor, or a :class:`GemmOutput` ``(out, pre_activation, grad_bias)`` when

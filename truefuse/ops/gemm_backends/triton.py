@@ -14,8 +14,9 @@ from truefuse.config import get_config
 from truefuse.ops.gemm_backends._base import BF16, F16, F32, WIDEN, GemmArgs, GemmBackend, rows
 
 _FEATURES = ["mm", "accumulate", "grad_activation", "grad_bias"]
-# ``batch_invariant``: BLOCK_K fixed per dtype, no split-K, and in that mode one tile configuration
-# per dtype (``bi_config``), so a row's bits never depend on M (docs/design.md §1). Not on the CPU:
+# ``batch_invariant``: BLOCK_K fixed per dtype, no split-K, and in that mode a launch table
+# (``bi_config``, ``truefuse/ops/gemm_bi_config.py``) whose tiles, chosen from M, all give a row the
+# same bits (checked on the GPU), so a row's bits never depend on M (docs/design.md §1). Not on the CPU:
 # the interpreter's tl.dot is NumPy's matmul of the tiles, whose rows change bits with their place
 # in the tile (a row moved within a 32x16 @ 16x32 product differed), so there rows invariant to M
 # need the row-block split path
@@ -48,38 +49,29 @@ def _configs(dtype: torch.dtype):
 
 
 _TUNED: dict = {}
-_FIXED: dict = {}
-
-#: batch-invariant mode's tiles (BLOCK_M, BLOCK_N, warps, stages) per dtype (fp16 takes bf16's)
-BI_TILES = {torch.bfloat16: (128, 128, 8, 4), torch.float32: (64, 64, 4, 3)}
+_BI: dict = {}
 
 
-def bi_config(dtype: torch.dtype):
-    """The one tile configuration of batch-invariant mode for ``dtype`` (never chosen from M).
+def bi_config(dtype: torch.dtype, M: int, form: str = "nt"):
+    """Batch-invariant mode's tile configuration for ``M`` rows (``truefuse/ops/gemm_bi_config.py``).
 
-    Autotuning keyed on M could give a decode call (M = 1) other tiles, warps or MMA instructions
-    (wgmma needs 64-row tiles) than a prefill call, and nothing guarantees those give a row the same
-    bits; one configuration does. 128×128 tiles, 8 warps, 4 stages: a config of the autotuned set
-    above (docs/benchmarks.md, "Batch-invariant GEMM")."""
+    BLOCK_K is fixed per dtype in every entry and the K loop is one sequence, so the table's tile,
+    chosen from M and B's layout ``form``, only decides which program computes a row, never its
+    reduction order; every entry is checked bitwise against the others on the GPU (docs/design.md
+    §1). Under the interpreter: the one CPU configuration, whatever M."""
     import triton
+
+    from truefuse.ops import gemm_bi_config as bc
 
     if get_config().triton_interpret:
         return _configs(dtype)[0]
-    block_m, block_n, warps, stages = BI_TILES[torch.float32 if dtype == torch.float32 else torch.bfloat16]
-    block_k = 32 if dtype == torch.float32 else 64  # as the autotuned set: fixed per dtype
-    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8}
-    return triton.Config(meta, num_warps=warps, num_stages=stages)
-
-
-def _fixed_kernel(dtype: torch.dtype):
-    """The Triton GEMM with :func:`bi_config` alone (an autotuner over one config never tunes)."""
-    if dtype not in _FIXED:
-        import triton
-
-        from truefuse.kernels.gemm import _gemm_kernel
-
-        _FIXED[dtype] = triton.autotune(configs=[bi_config(dtype)], key=[])(_gemm_kernel)
-    return _FIXED[dtype]
+    tiles = bc.bi_tiles(dtype, M, form)
+    key = (bc.group(dtype), tiles)
+    if key not in _BI:
+        block_m, block_n, warps, stages = tiles
+        meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": bc.BLOCK_K[key[0]], "GROUP_M": bc.GROUP_M}
+        _BI[key] = triton.Config(meta, num_warps=warps, num_stages=stages)
+    return _BI[key]
 
 
 def _kernel(dtype: torch.dtype):
@@ -116,8 +108,16 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
     if gb is not None and gb.dtype != torch.float32 and get_config().triton_interpret:
         # the interpreter's narrowing casts truncate (docs/design.md §8): round on the host instead
         gb_target = torch.empty(gb.shape, dtype=torch.float32, device=gb.device)
-    kernel = _fixed_kernel(a.dtype) if "batch_invariant" in fused else _kernel(a.dtype)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    if "batch_invariant" in fused:
+        from truefuse.kernels.gemm import _gemm_kernel
+        from truefuse.ops.gemm_bi_config import layout
+
+        cfg = bi_config(a.dtype, M, layout(b))
+        meta = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        kernel, grid = _gemm_kernel, (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    else:
+        kernel, meta = _kernel(a.dtype), {}
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     kernel[grid](
         a,
         b,
@@ -139,9 +139,31 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
         GRAD_ACT=ACT_CODES[grad_act],
         GRAD_BIAS=gb is not None,
         IEEE=a.dtype == torch.float32,
+        **meta,
     )
     if gb_target is not gb:
         gb.copy_(gb_target)
 
 
 BACKEND = GemmBackend(name="triton", capabilities=CAPABILITIES, available=available, product=product)
+
+
+def run_tiles(a: torch.Tensor, b: torch.Tensor, tiles: tuple[int, int, int, int]) -> torch.Tensor:
+    """``a @ b`` by the Triton GEMM with ``tiles`` (BLOCK_M, BLOCK_N, warps, stages) and the dtype's
+    fixed BLOCK_K: the GPU check that every entry of batch-invariant mode's table gives the same
+    bits (tests, ``bench_bi_gemm``, ``experiments/exp_bi_gemm_tiles.py``)."""
+    import triton
+
+    from truefuse.kernels.gemm import _gemm_kernel
+    from truefuse.ops import gemm_bi_config as bc
+
+    (M, K), N = a.shape, b.shape[1]
+    out = torch.empty(M, N, device=a.device, dtype=a.dtype)
+    bm, bn, warps, stages = tiles
+    _gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+        a, b, out, a, out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0), out.stride(1), a.stride(0), a.stride(1), ACCUMULATE=False, GRAD_ACT=0, GRAD_BIAS=False,
+        IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bc.BLOCK_K[bc.group(a.dtype)],
+        GROUP_M=bc.GROUP_M, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
