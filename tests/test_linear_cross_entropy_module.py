@@ -77,7 +77,7 @@ def test_main_grad_chunks_stay_within_chunk_bytes(monkeypatch):
     from truefuse.ops.lm_head.chunked_head_gemms import vocab_split
 
     rows = []
-    monkeypatch.setattr(head_mod, "vocab_split", lambda xc, v: rows.append(xc.shape[0]) or vocab_split(xc, v))
+    monkeypatch.setattr(head_mod, "vocab_split", lambda xc, v, *bi: rows.append(xc.shape[0]) or vocab_split(xc, v, *bi))
     g = torch.Generator().manual_seed(0)
     x, W = torch.randn(64, 64, generator=g), torch.randn(256, 64, generator=g) * 0.1
     t = torch.randint(0, 256, (64,), generator=g)

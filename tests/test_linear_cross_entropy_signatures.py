@@ -25,10 +25,15 @@ from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOptions
 #: functions take the state itself instead.
 MODULE_ONLY = {"delay_wgrad_compute", "max_pending_wgrad"}
 FUNCTION_ONLY = {"wgrad_state"}
+#: torch.nn.functional.linear_cross_entropy's ``options`` object (its batch chunk is our
+#: ``chunk_size``): the functional takes torch's signature (issue 31); the module keeps its own.
+TORCH_ONLY = {"options"}
 #: The vocab-parallel loss: where its shard lies, and its group; it always slices the vocabulary
 #: (lean's passes), so the token chunks' options do not apply to it.
 DISTRIBUTED_ONLY = {"group", "vocab_start"}
 NOT_DISTRIBUTED = {"chunk_size", "fp32_weight_grad"}
+#: each rank sees its vocabulary shard: a token's argmax would need a cross-rank reduction it does not make
+NOT_DISTRIBUTED |= {"return_predicted_tokens"}
 #: The shard of the LM head under its own name.
 RENAMED = {"linear_weight_shard": "linear_weight"}
 
@@ -42,7 +47,7 @@ def _entries() -> dict[str, dict[str, inspect.Parameter]]:
     """Every entry's parameters by name (the module's ``__init__`` and ``forward`` together)."""
     module = _params(LinearCrossEntropyLoss.__init__, skip_self=True) | _params(LinearCrossEntropyLoss.forward, skip_self=True)
     return {
-        "functional": _params(truefuse.linear_cross_entropy),
+        "functional": {n: p for n, p in _params(truefuse.linear_cross_entropy).items() if n not in TORCH_ONLY},
         "module": module,
         "distributed": _params(truefuse.distributed.linear_cross_entropy),
     }

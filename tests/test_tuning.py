@@ -25,7 +25,7 @@ def _chunks(monkeypatch, N, V, H, **kw) -> list[int]:
     import truefuse.ops.lm_head.chunked_head as head_mod
 
     rows = []
-    monkeypatch.setattr(head_mod, "vocab_split", lambda xc, v: rows.append(xc.shape[0]) or vocab_split(xc, v))
+    monkeypatch.setattr(head_mod, "vocab_split", lambda xc, v, *bi: rows.append(xc.shape[0]) or vocab_split(xc, v, *bi))
     x, W, t, _ = make_inputs(torch.float32, torch.device("cpu"), N=N, H=H, V=V, ignore="none")
     with torch.no_grad():  # no weight gradient: the budget is chunk_bytes alone
         truefuse.linear_cross_entropy(x, W, t, **kw)

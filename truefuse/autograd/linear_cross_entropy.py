@@ -357,9 +357,19 @@ def linear_cross_entropy(
     """
     chunk_size = chunk_size_from(options, chunk_size)
     opts = LinearCrossEntropyOptions(
-        reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy, chunk_size,
-        fp32_weight_grad, memory, vocab_slice, return_predicted_tokens,
-    )  # fmt: skip
+        reduction=reduction,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
+        chunk_size=chunk_size,
+        fp32_weight_grad=fp32_weight_grad,
+        memory=memory,
+        vocab_slice=vocab_slice,
+    )
     return linear_cross_entropy_with(
         opts, input, linear_weight, target, linear_bias=linear_bias, weight=weight,
         fuse_wgrad_accumulation=fuse_wgrad_accumulation, wgrad_state=wgrad_state,

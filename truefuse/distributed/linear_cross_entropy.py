@@ -199,7 +199,7 @@ def linear_cross_entropy(
     linear_bias: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
     reduction: str = "mean",
-    ignore_index: int = -100,
+    ignore_index: int | None = None,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: float | None = None,
@@ -250,9 +250,16 @@ def linear_cross_entropy(
     group = group if group is not None else dist.group.WORLD
     rank = dist.get_rank(group)
     opts = LinearCrossEntropyOptions(
-        reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy, None, True,
-        "lean", vocab_slice,
-    )  # fmt: skip
+        reduction=reduction,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+        memory="lean",
+        vocab_slice=vocab_slice,
+    )
     V_r = linear_weight_shard.shape[0] if isinstance(linear_weight_shard, torch.Tensor) else -1
     # this rank's own checks, then ONE host all-gather of the verdicts, the shard sizes and what
     # the vocabulary-wide checks need; every rank decides those from the same gathered data

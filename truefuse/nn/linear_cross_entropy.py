@@ -61,9 +61,19 @@ class LinearCrossEntropyLoss(DelayedWgrad):
         super().__init__()
         self.register_buffer("weight", weight)
         self.options = LinearCrossEntropyOptions(
-            reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy, chunk_size,
-            fp32_weight_grad, memory, vocab_slice, return_predicted_tokens,
-        )  # fmt: skip
+            reduction=reduction,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            softcap=softcap,
+            return_z_loss=return_z_loss,
+            return_token_accuracy=return_token_accuracy,
+            return_predicted_tokens=return_predicted_tokens,
+            chunk_size=chunk_size,
+            fp32_weight_grad=fp32_weight_grad,
+            memory=memory,
+            vocab_slice=vocab_slice,
+        )
         self._wgrad = WgradState(
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             delay_wgrad_compute=delay_wgrad_compute,

@@ -80,17 +80,17 @@ class LinearCrossEntropyOptions:
     """
 
     reduction: str = "mean"
-    ignore_index: int | None = -100
+    ignore_index: int | None = None  # torch's default: -100 (__post_init__)
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     softcap: float | None = None
     return_z_loss: bool = False
     return_token_accuracy: bool = False
+    return_predicted_tokens: bool = False
     chunk_size: int | None = None
     fp32_weight_grad: bool = True
     memory: str = "default"
     vocab_slice: int | None = None
-    return_predicted_tokens: bool = False
 
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
