@@ -14,9 +14,18 @@ from truefuse.verify import registry
 #: functions over the same variants (tests/test_linear_modules.py: bounded, delayed, main_grad via
 #: the registered bitwise cases): not run twice
 _OWN_TESTS = {
-    "linear_cross_entropy", "linear_cross_entropy_lean", "linear_log_probs", "gated_activation", "grouped_gemm",
-    "rms_norm", "layer_norm", "Linear", "LayerNormLinear", "LayerNormMLP", "attention",
-}  # fmt: skip
+    "linear_cross_entropy",
+    "linear_cross_entropy_lean",
+    "linear_log_probs",
+    "gated_activation",
+    "grouped_gemm",
+    "rms_norm",
+    "layer_norm",
+    "Linear",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "attention",
+}
 
 
 _VERIFY_OPS = sorted({c.op for c in registry.all_cases(device="cpu")} - _OWN_TESTS)
@@ -253,8 +262,17 @@ def fake_run_local(monkeypatch):
     import truefuse.distributed.launch as launch
 
     calls = []
-    row = {"rows": 1, "hidden": 8, "dtype": "float32", "bytes": 32, "path": "reference", "max_diff": 0.0,
-           "frac_nonzero": 0.0, "checks": {}, "passed": True}  # fmt: skip
+    row = {
+        "rows": 1,
+        "hidden": 8,
+        "dtype": "float32",
+        "bytes": 32,
+        "path": "reference",
+        "max_diff": 0.0,
+        "frac_nonzero": 0.0,
+        "checks": {},
+        "passed": True,
+    }
 
     def fake(world_size, fn, *args, **kwargs):
         calls.append(world_size)

@@ -141,9 +141,22 @@ def test_opcheck_gemm(device):
     g, x = torch.randn(6, 9, device=device), torch.randn(9, 4, device=device)
     gb = torch.empty(6, device=device)
     torch.library.opcheck(
-        gemm_out_op, (g, x, torch.randn(6, 4, device=device), True, None, None, None, "relu", torch.randn(6, 9, device=device),
-                      gb, None, False),
-    )  # fmt: skip
+        gemm_out_op,
+        (
+            g,
+            x,
+            torch.randn(6, 4, device=device),
+            True,
+            None,
+            None,
+            None,
+            "relu",
+            torch.randn(6, 9, device=device),
+            gb,
+            None,
+            False,
+        ),
+    )
     out, gb2 = torch.empty(2, 6, 4, device=device), torch.empty(2, 6, device=device)
     torch.library.opcheck(gemm_out_op, (g, x, out, False, None, None, None, None, None, gb2, [4, 5], True))
 
@@ -368,5 +381,7 @@ def test_compile_grouped_tensor_splits_triton(name, mode, device):
     cls = truefuse.GroupedLinear if name == "GroupedLinear" else truefuse.GroupedMLP
     _module_case(
         lambda: cls(3, 16, 12, bias=True, single_grouped_weight=True, backend="triton", **kw),
-        lambda m, x: m(x, splits), fused=mode == "fused", device=device,
-    )  # fmt: skip
+        lambda m, x: m(x, splits),
+        fused=mode == "fused",
+        device=device,
+    )

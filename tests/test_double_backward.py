@@ -130,8 +130,11 @@ def _check(names: str, fn, inputs) -> None:
         assert torch.equal(p, g.detach())
     # differentiated again (a gradient penalty): the named refusal, never a dropped second-order term
     penalty = graph[0].square().sum()
-    with pytest.raises(RuntimeError, match=rf"truefuse\.(distributed\.)?({names}) does not support double backward "
-                                           r"\(.*create_graph=True.*\); .*unfused reference (truefuse|torch)\."):  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match=rf"truefuse\.(distributed\.)?({names}) does not support double backward "
+        r"\(.*create_graph=True.*\); .*unfused reference (truefuse|torch)\.",
+    ):
         torch.autograd.grad(penalty, inputs, allow_unused=True)
 
 

@@ -29,15 +29,34 @@ H, E, VOCAB = 32, 4, 128
 def _config(arch: str, top_k: int = 2, **kw):
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(
-            vocab_size=VOCAB, hidden_size=H, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=E, num_experts_per_tok=top_k,
-            decoder_sparse_step=1, max_position_embeddings=64, initializer_range=0.2, **kw,
-        )  # fmt: skip
+            vocab_size=VOCAB,
+            hidden_size=H,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=E,
+            num_experts_per_tok=top_k,
+            decoder_sparse_step=1,
+            max_position_embeddings=64,
+            initializer_range=0.2,
+            **kw,
+        )
     return MixtralConfig(
-        vocab_size=VOCAB, hidden_size=H, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=E, num_experts_per_tok=top_k, max_position_embeddings=64,
-        initializer_range=0.2, **kw,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=H,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=E,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=64,
+        initializer_range=0.2,
+        **kw,
+    )
 
 
 _MODEL = {"qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM}

@@ -73,7 +73,7 @@ ARGS = {
         "ignore_index": 3,
         "label_smoothing": 0.2,
         "options": _torch_options(),
-    },  # fmt: skip
+    },
 }
 # arguments whose value here is the default's meaning: the result must not change
 SAME_AS_DEFAULT = {"ignore_index_none", "options"}

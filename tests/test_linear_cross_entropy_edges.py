@@ -456,8 +456,10 @@ def test_repeated_backward_cuda(dtype, V, chunk):
         got = _repeated(truefuse.linear_cross_entropy, x, W, t, b, (3.0, 1.0, 2.0), chunk_size=chunk, reduction=reduction)
         # the same op's single backwards, 3, 1 and 2 times: the sums must follow (bf16 rounding
         # is the op's own; the reference's would differ by the bounded contract's error)
-        single = [_repeated(truefuse.linear_cross_entropy, x, W, t, b, (f,), chunk_size=chunk, reduction=reduction)[0]
-                  for f in (3.0, 1.0, 2.0)]  # fmt: skip
+        single = [
+            _repeated(truefuse.linear_cross_entropy, x, W, t, b, (f,), chunk_size=chunk, reduction=reduction)[0]
+            for f in (3.0, 1.0, 2.0)
+        ]
         acc = [single[0]]
         for s in single[1:]:
             acc.append(tuple(a.double() + c.double() for a, c in zip(acc[-1], s, strict=True)))

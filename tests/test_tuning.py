@@ -14,9 +14,18 @@ from truefuse.ops.norm import use_kernel
 from truefuse.verify.cases_linear_cross_entropy import make_inputs
 
 KNOBS = (
-    "chunk_bytes", "slice_bytes", "align", "min_macs", "two_stage_bytes", "two_stage_bytes_other", "push_max_bytes",
-    "ll_max_bytes", "programs_per_sm", "maxp", "max_kernel_n",
-)  # fmt: skip
+    "chunk_bytes",
+    "slice_bytes",
+    "align",
+    "min_macs",
+    "two_stage_bytes",
+    "two_stage_bytes_other",
+    "push_max_bytes",
+    "ll_max_bytes",
+    "programs_per_sm",
+    "maxp",
+    "max_kernel_n",
+)
 
 
 def _chunks(monkeypatch, N, V, H, **kw) -> list[int]:
@@ -38,8 +47,12 @@ def test_knobs_and_defaults():
     assert t == Tuning()
     assert (t.chunk_bytes, t.align, t.min_macs) == (512 << 20, 64, 1 << 32)
     assert (t.push_max_bytes, t.ll_max_bytes, t.programs_per_sm, t.maxp, t.max_kernel_n) == (
-        256 << 10, 128 << 10, 2, 512, 16384,
-    )  # fmt: skip
+        256 << 10,
+        128 << 10,
+        2,
+        512,
+        16384,
+    )
     assert [t.two_stage_threshold(w) for w in (2, 4, 8, 3)] == [1 << 30, 1 << 20, 512 << 10, 512 << 10]
     assert all(len(d) > 20 and "\n" not in d for d in knob_docs().values())
     assert list(knob_docs()) == list(KNOBS)

@@ -51,13 +51,37 @@ def _rank(r, W, cases, queue):
                 # (a broken barrier or flag) would read their rows before they are written
                 time.sleep(0.3 * ((r + c) % W))
                 _allreduce_add_rmsnorm_kernel[(programs,)](
-                    xs[r][c], res[r], w, outs[r][c], normed[r][c], buf_ptrs, sig_ptrs, epoch, done,
-                    half // xs[r].element_size(), half // 8, ll_offset // 8, M, N, -(-M // W), 1e-6, r,
-                    W=W, WP=triton.next_power_of_2(W), MAXP=512, HAS_RES=True, HAS_NORM=True, TWO_STAGE=two_stage,
-                    PUSH=push, LL=ll, BLOCK_N=block, INTERPRETED=True, num_warps=warps,
+                    xs[r][c],
+                    res[r],
+                    w,
+                    outs[r][c],
+                    normed[r][c],
+                    buf_ptrs,
+                    sig_ptrs,
+                    epoch,
+                    done,
+                    half // xs[r].element_size(),
+                    half // 8,
+                    ll_offset // 8,
+                    M,
+                    N,
+                    -(-M // W),
+                    1e-6,
+                    r,
+                    W=W,
+                    WP=triton.next_power_of_2(W),
+                    MAXP=512,
+                    HAS_RES=True,
+                    HAS_NORM=True,
+                    TWO_STAGE=two_stage,
+                    PUSH=push,
+                    LL=ll,
+                    BLOCK_N=block,
+                    INTERPRETED=True,
+                    num_warps=warps,
                     # rstd on calls 0 and 2, none on call 1 (the launcher's choice: only when a gradient is wanted)
                     rstd_ptr=rstds[r][c] if rstds is not None and c != 1 else None,
-                )  # fmt: skip
+                )
             epochs.append(int(epoch.item()))
         queue.put((r, None, epochs))
     except Exception:  # noqa: BLE001  (reported to the parent)

@@ -75,8 +75,12 @@ _GROUPS = {
     "loss_two_subs": ("sub", "sub2"),
     "allreduce_two_subs": ("sub", "sub2"),
 }
-_OWNERS = {"column": "ColumnParallelLinear", "mlp": "TensorParallelMLP", "loss": "distributed.linear_cross_entropy",
-           "allreduce": "allreduce"}  # fmt: skip
+_OWNERS = {
+    "column": "ColumnParallelLinear",
+    "mlp": "TensorParallelMLP",
+    "loss": "distributed.linear_cross_entropy",
+    "allreduce": "allreduce",
+}
 
 
 def test_mismatched_process_groups_raise_on_every_rank():

@@ -128,8 +128,10 @@ def _hooks_and_attrs(rank: int, world: int) -> dict:
         p.main_grad, p.grad_added_to_main_grad = torch.zeros(p.shape), False
     normed, _ = m(x, res)
     normed.sum().backward()
-    out["attr"] = [(p.grad is not None and not p.grad.any().item(), p.grad_added_to_main_grad, bool(p.main_grad.any()))
-                   for _, p in m.gemm_weights()]  # fmt: skip
+    out["attr"] = [
+        (p.grad is not None and not p.grad.any().item(), p.grad_added_to_main_grad, bool(p.main_grad.any()))
+        for _, p in m.gemm_weights()
+    ]
     # from_linear with a truefuse.Linear: this rank's rows of its weight and bias
     torch.manual_seed(0)  # the same unsharded layer on every rank
     lin = truefuse.Linear(32, 8 * world)

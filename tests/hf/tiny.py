@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 
 VOCAB = 128
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0, **overrides):

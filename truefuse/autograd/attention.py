@@ -74,10 +74,19 @@ def _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, 
 
 
 def attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-    *, softcap: float | None = None, window: int | None = None, key_start: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    softcap: float | None = None,
+    window: int | None = None,
+    key_start: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention``, batch-invariant (docs/attention.md).
 
     Args:

@@ -235,9 +235,23 @@ class LinearCrossEntropyLeanFunction(torch.autograd.Function):
 
         def run(want, main_grad=None, accumulate=False):
             dx, dW, db = grad_pass(
-                opts, x, W, b, t, cw, lse, s_ce, s_z, V=V, w_sum=w_sum, width=width, want=want, w_dtype=Wp.dtype,
-                main_grad=main_grad, accumulate=accumulate,
-            )  # fmt: skip
+                opts,
+                x,
+                W,
+                b,
+                t,
+                cw,
+                lse,
+                s_ce,
+                s_z,
+                V=V,
+                w_sum=w_sum,
+                width=width,
+                want=want,
+                w_dtype=Wp.dtype,
+                main_grad=main_grad,
+                accumulate=accumulate,
+            )
             return HeadGrads(None if dx is None else dx.to(x.dtype), dW, db, None)  # d_input rounded once
 
         dx, dW, db = recompute_backward(run, ctx.needs, ctx.wstate, Wp, ctx.b_dtype)
@@ -371,9 +385,15 @@ def linear_cross_entropy(
         vocab_slice=vocab_slice,
     )
     return linear_cross_entropy_with(
-        opts, input, linear_weight, target, linear_bias=linear_bias, weight=weight,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation, wgrad_state=wgrad_state,
-    )  # fmt: skip
+        opts,
+        input,
+        linear_weight,
+        target,
+        linear_bias=linear_bias,
+        weight=weight,
+        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        wgrad_state=wgrad_state,
+    )
 
 
 def linear_cross_entropy_with(

@@ -76,9 +76,17 @@ class LinearLogProbsFunction(torch.autograd.Function):
         def run(want, **head):
             loss = LogProbChunks(ctx.opts, W.shape[0], t, a, c, like=x)
             return head_chunks(
-                loss, x, W, b, chunk=ctx.chunk, want=want, fp32_weight_grad=ctx.opts.fp32_weight_grad,
-                w_dtype=Wp.dtype, batch_invariant=ctx.bi, **head,
-            )  # fmt: skip
+                loss,
+                x,
+                W,
+                b,
+                chunk=ctx.chunk,
+                want=want,
+                fp32_weight_grad=ctx.opts.fp32_weight_grad,
+                w_dtype=Wp.dtype,
+                batch_invariant=ctx.bi,
+                **head,
+            )
 
         dx, dW, db = recompute_backward(run, ctx.needs, ctx.wstate, Wp, ctx.b_dtype)
         return dx, dW, db, None, None, None, None, None
@@ -92,9 +100,18 @@ def _backward_kept(ctx, logits, a, c):
     deferred = gw and ctx.wstate is not None and not ctx.wstate.plain
     loss = LogProbChunks(ctx.opts, W.shape[0], t, a, c, like=x)
     grads = head_chunks(
-        loss, x, W, b, chunk=ctx.chunk, want=(gx, gw and not deferred, gb), fp32_weight_grad=ctx.opts.fp32_weight_grad,
-        w_dtype=Wp.dtype, logits=logits, keep_d=deferred, batch_invariant=ctx.bi,
-    )  # fmt: skip
+        loss,
+        x,
+        W,
+        b,
+        chunk=ctx.chunk,
+        want=(gx, gw and not deferred, gb),
+        fp32_weight_grad=ctx.opts.fp32_weight_grad,
+        w_dtype=Wp.dtype,
+        logits=logits,
+        keep_d=deferred,
+        batch_invariant=ctx.bi,
+    )
     dx, dW, db, d = in_dtypes(grads, Wp.dtype, ctx.b_dtype)
     if deferred:
         compute = functools.partial(kept_weight_grad, d, x, W.shape[0], Wp.dtype, batch_invariant=ctx.bi)

@@ -71,9 +71,15 @@ def _floor_main_grad(p, device):
 def _truefuse(fused: bool, backend: str | None = None, device_splits: bool = False):
     def make(p, device):
         m = GroupedMLP(
-            p["E"], p["H"], p["F"], device=device, dtype=_BF, single_grouped_weight=True, fuse_wgrad_accumulation=fused,
+            p["E"],
+            p["H"],
+            p["F"],
+            device=device,
+            dtype=_BF,
+            single_grouped_weight=True,
+            fuse_wgrad_accumulation=fused,
             backend=backend,
-        )  # fmt: skip
+        )
         if fused:
             for _, q in m.gemm_weights():
                 q.main_grad = torch.zeros(q.shape, device=device)

@@ -108,9 +108,15 @@ def _module(which: str):
             params = [m.weight]
         elif which == "truefuse":
             m = LayerNormMLP(
-                H, p["F"], bias=False, device=device, dtype=_BF, normalization="RMSNorm", activation="swiglu",
+                H,
+                p["F"],
+                bias=False,
+                device=device,
+                dtype=_BF,
+                normalization="RMSNorm",
+                activation="swiglu",
                 fuse_wgrad_accumulation=True,
-            )  # fmt: skip
+            )
             params = [m.fc1_weight, m.fc2_weight]
         else:
             m = _TorchMLP(H, p["F"], device)

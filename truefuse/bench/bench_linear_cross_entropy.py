@@ -77,8 +77,9 @@ def _reference(p: dict, device, rows: int = 2048) -> tuple[torch.Tensor, torch.T
 def _rel_error(out: torch.Tensor, ref: torch.Tensor, rows: int = 8192) -> float:
     """``‖out − ref‖ / ‖ref‖`` in float64 on the device, ``rows`` rows at a time: ``testing.rel_error``
     copies both to the CPU in float64 (12 GB and minutes for a 152064 × 5120 d_weight)."""
-    num = sum(float(torch.linalg.vector_norm(out[i : i + rows].double() - ref[i : i + rows]) ** 2)
-              for i in range(0, len(ref), rows))  # fmt: skip
+    num = sum(
+        float(torch.linalg.vector_norm(out[i : i + rows].double() - ref[i : i + rows]) ** 2) for i in range(0, len(ref), rows)
+    )
     return (num / float(torch.linalg.vector_norm(ref) ** 2)) ** 0.5
 
 

@@ -119,8 +119,17 @@ def _worker(rank: int, world: int, shape: dict, device: str) -> list[dict]:
     rounds, peak = measure_ranks(steps, dev)
     dist.barrier()
     ws.close()
-    return [{"provider": n, "ms": statistics.median(rounds[n]), "rounds_ms": rounds[n], "peak_mb": peak[n], **shape,
-             "rel_diff_vs_torch": agree if n == "truefuse" else None} for n in steps]  # fmt: skip
+    return [
+        {
+            "provider": n,
+            "ms": statistics.median(rounds[n]),
+            "rounds_ms": rounds[n],
+            "peak_mb": peak[n],
+            **shape,
+            "rel_diff_vs_torch": agree if n == "truefuse" else None,
+        }
+        for n in steps
+    ]
 
 
 def run(world_size: int, out_dir: str, quick: bool = False) -> int:
@@ -132,12 +141,15 @@ def run(world_size: int, out_dir: str, quick: bool = False) -> int:
     ref = next(r["ms"] for r in rows if r["provider"] == "torch")
     for r in rows:
         r["ratio"] = r["ms"] / ref
-    out = save_rows(out_dir, f"tp_mlp_w{world_size}", rows, world_size=world_size, dtype="bfloat16", activation="swiglu",
-               on_gpu=on_gpu)  # fmt: skip
+    out = save_rows(
+        out_dir, f"tp_mlp_w{world_size}", rows, world_size=world_size, dtype="bfloat16", activation="swiglu", on_gpu=on_gpu
+    )
     s = shape
-    print(f"TensorParallelMLP fwd+bwd, bf16, {s['tokens']} tokens, hidden {s['hidden']}, ffn {s['ffn']}, "
-          f"{world_size} {'GPUs (NCCL)' if on_gpu else 'CPU processes (gloo)'}; "
-          "ms per step (slowest rank), ratio to torch")  # fmt: skip
+    print(
+        f"TensorParallelMLP fwd+bwd, bf16, {s['tokens']} tokens, hidden {s['hidden']}, ffn {s['ffn']}, "
+        f"{world_size} {'GPUs (NCCL)' if on_gpu else 'CPU processes (gloo)'}; "
+        "ms per step (slowest rank), ratio to torch"
+    )
     print(f"{'provider':>10} {'ms':>9} {'rank0 ms':>9} {'ratio':>7} {'peak MiB':>9}")
     for r in rows:
         peak = "-" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}"

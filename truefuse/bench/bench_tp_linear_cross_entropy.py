@@ -140,8 +140,17 @@ def _worker(rank: int, world: int, shape: dict, device: str) -> list[dict]:
     steps, checks, clear = _steps(shape, rank, world, dev)
     agree = {k: rel_error(a, b) for k, a, b in zip(("loss", "d_input"), checks["truefuse"], checks["megatron"], strict=True)}
     rounds, peak = measure_ranks(steps, dev, clear)  # the returned gradients are in the peak, not in its base
-    return [{"provider": n, "ms": statistics.median(rounds[n]), "rounds_ms": rounds[n], "peak_mb": peak[n], **shape,
-             "rel_diff_vs_megatron": agree if n == "truefuse" else None} for n in steps]  # fmt: skip
+    return [
+        {
+            "provider": n,
+            "ms": statistics.median(rounds[n]),
+            "rounds_ms": rounds[n],
+            "peak_mb": peak[n],
+            **shape,
+            "rel_diff_vs_megatron": agree if n == "truefuse" else None,
+        }
+        for n in steps
+    ]
 
 
 def run(world_size: int, out_dir: str, quick: bool = False, shards: int | None = None) -> int:
@@ -160,10 +169,12 @@ def run(world_size: int, out_dir: str, quick: bool = False, shards: int | None =
         r["peak_ratio_to_single"] = None if r["peak_mb"] is None or not single["peak_mb"] else r["peak_mb"] / single["peak_mb"]
     stem = f"tp_linear_cross_entropy_w{world_size}" + (f"_of{n}" if n != world_size else "")
     out = save_rows(out_dir, stem, rows, world_size=world_size, dtype="bfloat16" if on_gpu else "float32", on_gpu=on_gpu)
-    print(f"vocab-parallel linear cross-entropy fwd+bwd, {s['tokens']} tokens, vocab {s['vocab']}, hidden {s['hidden']}, "
-          f"{world_size} {'GPUs (NCCL)' if on_gpu else 'CPU processes (gloo)'}"
-          + (f", each rank one of {n} shards (its compute alone)" if n != world_size else "")
-          + "; ms per step, ratio to single")  # fmt: skip
+    print(
+        f"vocab-parallel linear cross-entropy fwd+bwd, {s['tokens']} tokens, vocab {s['vocab']}, hidden {s['hidden']}, "
+        f"{world_size} {'GPUs (NCCL)' if on_gpu else 'CPU processes (gloo)'}"
+        + (f", each rank one of {n} shards (its compute alone)" if n != world_size else "")
+        + "; ms per step, ratio to single"
+    )
     print(f"{'provider':>13} {'ms':>9} {'rank0 ms':>9} {'ratio':>7} {'peak MiB':>9} {'peak ratio':>10}")
     for r in rows:
         peak = "-" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}"

@@ -83,9 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--peer", choices=["liger"], help="add a third run patched by this library")
     p.add_argument(
-        "--batch-invariant", action="store_true",
+        "--batch-invariant",
+        action="store_true",
         help="add a run of truefuse in batch-invariant mode, and stock run twice (how far stock is from itself)",
-    )  # fmt: skip
+    )
     p.add_argument("--out", default="demo_out", help="folder for results.json and demo.png (default: ./demo_out)")
     p.add_argument("--cache-dir", help="tokenizer cache (default: $TRUEFUSE_CACHE_DIR or ~/.cache/truefuse)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -86,9 +86,15 @@ def generate_vs_forward(model, prompts: list[torch.Tensor], new_tokens: int) -> 
     ids, mask = pad(prompts, "left")
     model.generation_config.eos_token_id = None  # every step of every prompt, no early stop
     out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-        output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-    )  # fmt: skip
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     steps = torch.stack(out.logits, 1)  # (B, n, V)
     full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :])], 1)
     P = ids.shape[1]

@@ -39,9 +39,15 @@ def build(arch: str, layers: int, hidden: int, vocab: int, dtype, device, seed: 
     import transformers as tf
 
     d = 64 if hidden >= 256 else 16  # head size
-    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-              num_attention_heads=hidden // d, num_key_value_heads=max(1, hidden // (2 * d)),
-              max_position_embeddings=4096)  # fmt: skip
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // d,
+        num_key_value_heads=max(1, hidden // (2 * d)),
+        max_position_embeddings=4096,
+    )
     if arch == "llama":
         cfg, cls = tf.LlamaConfig(**kw), tf.LlamaForCausalLM
     elif arch == "qwen3":
@@ -85,14 +91,32 @@ def run(args: argparse.Namespace) -> list[dict]:
             stock_losses = runs[0]
         for name, d in checks.items():
             side = name.split()[2].split("-")[0] if "padded" in name else None
-            rows.append({"mode": mode, "check": name, "rows": d.rows, "differing": d.differing, "max_dlp": d.max_dlp,
-                         "ratio_out": d.ratio_out, "first": first.get(side) if d.differing else None})  # fmt: skip
+            rows.append(
+                {
+                    "mode": mode,
+                    "check": name,
+                    "rows": d.rows,
+                    "differing": d.differing,
+                    "max_dlp": d.max_dlp,
+                    "ratio_out": d.ratio_out,
+                    "first": first.get(side) if d.differing else None,
+                }
+            )
         same_step = next((k for k, (a, b) in enumerate(zip(*runs, strict=True)) if a != b), None)
         rel = max(abs(a - b) / abs(b) for a, b in zip(runs[0], stock_losses, strict=True))
         differing = sum(a != b for a, b in zip(*runs, strict=True))
-        rows.append({"mode": mode, "check": "training twice", "rows": len(runs[0]), "differing": differing,
-                     "max_dlp": None, "ratio_out": None, "first": None if same_step is None else f"step {same_step}",
-                     "rel_dloss_vs_stock": rel})  # fmt: skip
+        rows.append(
+            {
+                "mode": mode,
+                "check": "training twice",
+                "rows": len(runs[0]),
+                "differing": differing,
+                "max_dlp": None,
+                "ratio_out": None,
+                "first": None if same_step is None else f"step {same_step}",
+                "rel_dloss_vs_stock": rel,
+            }
+        )
     return rows
 
 

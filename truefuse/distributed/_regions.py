@@ -160,14 +160,22 @@ class _TorchRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kind, group):
         ctx.kind, ctx.group = kind, group
-        f = {"copy": lambda t, g: t.clone(), "reduce": _TorchRegion._reduce, "gather": _TorchRegion._gather,
-             "scatter": _TorchRegion._split}[kind]  # fmt: skip
+        f = {
+            "copy": lambda t, g: t.clone(),
+            "reduce": _TorchRegion._reduce,
+            "gather": _TorchRegion._gather,
+            "scatter": _TorchRegion._split,
+        }[kind]
         return f(x, group)
 
     @staticmethod
     def backward(ctx, dy):
-        b = {"copy": _TorchRegion._reduce, "reduce": lambda t, g: t, "gather": _TorchRegion._split,
-             "scatter": _TorchRegion._gather}[ctx.kind]  # fmt: skip
+        b = {
+            "copy": _TorchRegion._reduce,
+            "reduce": lambda t, g: t,
+            "gather": _TorchRegion._split,
+            "scatter": _TorchRegion._gather,
+        }[ctx.kind]
         return b(dy, ctx.group), None, None
 
 

@@ -140,9 +140,21 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
 
         def run(want, main_grad=None, accumulate=False):
             dx, dW, db = grad_pass(
-                opts, x, W, b, t, cw, lse, s_ce, s_z, want=want, main_grad=main_grad, accumulate=accumulate,
-                kept=ctx.kept, **kw,
-            )  # fmt: skip
+                opts,
+                x,
+                W,
+                b,
+                t,
+                cw,
+                lse,
+                s_ce,
+                s_z,
+                want=want,
+                main_grad=main_grad,
+                accumulate=accumulate,
+                kept=ctx.kept,
+                **kw,
+            )
             if dx is not None:  # every rank runs this pass (the ranks agreed on what needs a gradient)
                 dx = _sum_over_ranks(dx, group, x.dtype)  # one rounding after the rank-order sum
             return HeadGrads(dx, dW, db, None)

@@ -239,8 +239,12 @@ class ColumnParallelLinear(WgradModule):
     def _desc(self, x) -> tuple:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
         grad = isinstance(x, torch.Tensor) and torch.is_grad_enabled() and x.requires_grad
-        return (("input shape", shape), ("input dtype", str(getattr(x, "dtype", None))), ("input requires grad", grad),
-                ("layer", (self.in_features, self.out_features, self.gather_output)))  # fmt: skip
+        return (
+            ("input shape", shape),
+            ("input dtype", str(getattr(x, "dtype", None))),
+            ("input requires grad", grad),
+            ("layer", (self.in_features, self.out_features, self.gather_output)),
+        )
 
     def _run(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         x = cast(x, autocast_dtype(x.device))  # autocast's cast first: the backward's allreduce runs in that dtype
@@ -429,10 +433,13 @@ class RowParallelLinear(WgradModule):
     def _desc(self, x, residual) -> tuple:
         t = isinstance(x, torch.Tensor)
         grad = t and torch.is_grad_enabled() and x.requires_grad
-        return (("input shape", tuple(x.shape) if t else None), ("input dtype", str(getattr(x, "dtype", None))),
-                ("input requires grad", grad),
-                ("residual shape", tuple(residual.shape) if isinstance(residual, torch.Tensor) else None),
-                ("layer", (self.in_features, self.out_features, self.input_is_parallel, self.fuse_residual_rmsnorm)))  # fmt: skip
+        return (
+            ("input shape", tuple(x.shape) if t else None),
+            ("input dtype", str(getattr(x, "dtype", None))),
+            ("input requires grad", grad),
+            ("residual shape", tuple(residual.shape) if isinstance(residual, torch.Tensor) else None),
+            ("layer", (self.in_features, self.out_features, self.input_is_parallel, self.fuse_residual_rmsnorm)),
+        )
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if not self.input_is_parallel:

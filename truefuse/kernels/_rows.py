@@ -74,8 +74,18 @@ def ce_stats_block(base, bias_ptr, cw_ptr, cols, V, cap, m, s, arg, wz, HAS_BIAS
 
 
 @triton.jit
-def ce_row_stats(base, bias_ptr, cw_ptr, V, cap, HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, SMOOTH: tl.constexpr,
-                 SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+def ce_row_stats(
+    base,
+    bias_ptr,
+    cw_ptr,
+    V,
+    cap,
+    HAS_BIAS: tl.constexpr,
+    HAS_CW: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """Pass 1 over a row of V logits: (max, Σ e^(z − max), index of the first maximum, Σ w_c·z_c).
 
     One running state per lane, reduced across lanes once after the loop: no reduction (and so no
@@ -90,11 +100,13 @@ def ce_row_stats(base, bias_ptr, cw_ptr, V, cap, HAS_BIAS: tl.constexpr, HAS_CW:
     arg = tl.zeros((BLOCK_V,), tl.int32)
     wz = tl.zeros((BLOCK_V,), tl.float32)
     for i in range(0, n_full):
-        m, s, arg, wz = ce_stats_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, cap, m, s, arg, wz,
-                                       HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+        m, s, arg, wz = ce_stats_block(
+            base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, cap, m, s, arg, wz, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False
+        )
     if V % BLOCK_V != 0:
-        m, s, arg, wz = ce_stats_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, cap, m, s, arg, wz,
-                                       HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+        m, s, arg, wz = ce_stats_block(
+            base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, cap, m, s, arg, wz, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True
+        )
     mx = tl.max(m, axis=0)
     scaled = tl.where(m == mx, s, tl.where(m == float("-inf"), s, s * tl.exp(m - mx)))
     total = tl.sum(scaled, axis=0)
@@ -111,8 +123,29 @@ def ce_row_stats(base, bias_ptr, cw_ptr, V, cap, HAS_BIAS: tl.constexpr, HAS_CW:
 
 
 @triton.jit
-def ce_grad_block(base, bias_ptr, cw_ptr, cols, V, t_col, a, shift, log_s, lse, s_ce, s_z, w_sum, eps_v, z_loss, cap,
-                  HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, MASKED: tl.constexpr):  # fmt: skip
+def ce_grad_block(
+    base,
+    bias_ptr,
+    cw_ptr,
+    cols,
+    V,
+    t_col,
+    a,
+    shift,
+    log_s,
+    lse,
+    s_ce,
+    s_z,
+    w_sum,
+    eps_v,
+    z_loss,
+    cap,
+    HAS_BIAS,
+    HAS_CW,
+    SMOOTH,
+    SOFTCAP,
+    MASKED: tl.constexpr,
+):
     """Pass 2 over one block of a row of V columns (a whole row, or a vocabulary slice): the
     logits' gradient, written over them. p = e^((z − shift) − log S): the whole row passes its max
     and log S, relative to the max as log_softmax (e^(z − lse) has ulp(lse) of error); a slice its

@@ -170,9 +170,31 @@ def _reduce_row(mine, buf_ptrs, base, MN, off, cols, mask, W: tl.constexpr, DT: 
 
 
 @triton.jit
-def _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, rstd_ptr, buf_ptrs, ll_base, epoch_ptr, done_ptr, epoch, pid, P, M, N,
-                  eps, rank, W: tl.constexpr, WP: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
-                  BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+def _ll_one_stage(
+    x_ptr,
+    res_ptr,
+    w,
+    out_ptr,
+    normed_ptr,
+    rstd_ptr,
+    buf_ptrs,
+    ll_base,
+    epoch_ptr,
+    done_ptr,
+    epoch,
+    pid,
+    P,
+    M,
+    N,
+    eps,
+    rank,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     DT: tl.constexpr = x_ptr.dtype.element_ty
     EPW: tl.constexpr = 32 // DT.primitive_bitwidth  # elements per 32 data bits
     BLOCK_W: tl.constexpr = BLOCK_N // EPW
@@ -267,8 +289,31 @@ def _allreduce_add_rmsnorm_kernel(
 
     if LL:
         ll_base = (epoch % 2).to(tl.int64) * half_words + ll_words
-        _ll_one_stage(x_ptr, res_ptr, w, out_ptr, normed_ptr, rstd_ptr, buf_ptrs, ll_base, epoch_ptr, done_ptr, epoch, pid, P,
-                      M, N, eps, rank, W, WP, HAS_RES, HAS_NORM, BLOCK_N, INTERPRETED)  # fmt: skip
+        _ll_one_stage(
+            x_ptr,
+            res_ptr,
+            w,
+            out_ptr,
+            normed_ptr,
+            rstd_ptr,
+            buf_ptrs,
+            ll_base,
+            epoch_ptr,
+            done_ptr,
+            epoch,
+            pid,
+            P,
+            M,
+            N,
+            eps,
+            rank,
+            W,
+            WP,
+            HAS_RES,
+            HAS_NORM,
+            BLOCK_N,
+            INTERPRETED,
+        )
     else:
         # PUSH (small messages): my rows go into slot ``rank`` of every reader's buffer (posted
         # remote stores) and the sum reads local slots. Otherwise my rows go into my own slot 0 and

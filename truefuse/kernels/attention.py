@@ -68,10 +68,26 @@ def _query_program(H, GROUP, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _scores(
-    q, kt, offs_m, offs_n, mask_row_ptr, smm, smn, start, L_q, L_k, scale, softcap, window,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
+    q,
+    kt,
+    offs_m,
+    offs_n,
+    mask_row_ptr,
+    smm,
+    smn,
+    start,
+    L_q,
+    L_k,
+    scale,
+    softcap,
+    window,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """(BM, BN) fp32 scores and, with softcap, tanh's value (for the backward's derivative)."""
     s = _dot(q, kt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), PRECISION, INTERPRETED) * scale
     t = s
@@ -135,11 +151,35 @@ def _merge(m1, l1, acc1, m2, l2, acc2):
 
 @triton.jit
 def _chunk_state(
-    q, k_base, v_base, skn, svn, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start, c_lo, c_hi, L_q, L_k,
-    scale, softcap, window,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
+    q,
+    k_base,
+    v_base,
+    skn,
+    svn,
+    offs_m,
+    offs_d,
+    in_d,
+    mask_row_ptr,
+    smm,
+    smn,
+    start,
+    c_lo,
+    c_hi,
+    L_q,
+    L_k,
+    scale,
+    softcap,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """The online softmax over the key blocks [c_lo, c_hi) of one chunk, from the empty state."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -148,8 +188,27 @@ def _chunk_state(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_n = offs_n < L_k
         kt = tl.load(k_base + offs_n[None, :].to(tl.int64) * skn + offs_d[:, None], mask=in_n[None, :] & in_d[:, None], other=0.0)
-        s, _ = _scores(q, kt, offs_m, offs_n, mask_row_ptr, smm, smn, start, L_q, L_k, scale, softcap, window,
-                       CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED)  # fmt: skip
+        s, _ = _scores(
+            q,
+            kt,
+            offs_m,
+            offs_n,
+            mask_row_ptr,
+            smm,
+            smn,
+            start,
+            L_q,
+            L_k,
+            scale,
+            softcap,
+            window,
+            CAUSAL,
+            HAS_WINDOW,
+            SOFTCAP,
+            MASK_KIND,
+            PRECISION,
+            INTERPRETED,
+        )
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2((m_i - m_safe) * LOG2E)
@@ -176,13 +235,51 @@ def _finish(m_i, l_i, acc, Out, Lse, b64, h, bh, offs_m, offs_d, in_d, sob, soh,
 
 @triton.jit
 def _attention_fwd_kernel(
-    Q, K, V, Mask, KeyStart, Out, Lse, Part,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, smb, smh, smm, smn,
-    H, GROUP, L_q, L_k, D, scale, softcap, window, n_chunks,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
+    Q,
+    K,
+    V,
+    Mask,
+    KeyStart,
+    Out,
+    Lse,
+    Part,
+    sqb,
+    sqh,
+    sqm,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sob,
+    soh,
+    som,
+    smb,
+    smh,
+    smm,
+    smn,
+    H,
+    GROUP,
+    L_q,
+    L_k,
+    D,
+    scale,
+    softcap,
+    window,
+    n_chunks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """The forward. Keys go in chunks of CHUNK keys from key_start, each chunk's state from the
     empty one, merged into the row's state in chunk order. SPLIT=False: one program takes every
     chunk of its rows (prefill). SPLIT=True (decode: too few query programs to fill the GPU): the
@@ -203,10 +300,35 @@ def _attention_fwd_kernel(
     if SPLIT:
         c0 = start + tl.program_id(2) * CHUNK
         m_i, l_i, acc = _chunk_state(
-            q, k_base, v_base, skn, svn, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start,
-            tl.maximum(c0, lo), tl.minimum(c0 + CHUNK, hi), L_q, L_k, scale, softcap, window,
-            BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED,
-        )  # fmt: skip
+            q,
+            k_base,
+            v_base,
+            skn,
+            svn,
+            offs_m,
+            offs_d,
+            in_d,
+            mask_row_ptr,
+            smm,
+            smn,
+            start,
+            tl.maximum(c0, lo),
+            tl.minimum(c0 + CHUNK, hi),
+            L_q,
+            L_k,
+            scale,
+            softcap,
+            window,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            CAUSAL,
+            HAS_WINDOW,
+            SOFTCAP,
+            MASK_KIND,
+            PRECISION,
+            INTERPRETED,
+        )
         row = ((tl.program_id(2) * tl.num_programs(1) + bh).to(tl.int64) * L_q + offs_m) * (BLOCK_D + 2)
         in_m = offs_m < L_q
         tl.store(Part + row[:, None] + offs_d[None, :], acc, mask=in_m[:, None])
@@ -218,18 +340,41 @@ def _attention_fwd_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for c0 in range(start + (lo - start) // CHUNK * CHUNK, hi, CHUNK):
             m_c, l_c, acc_c = _chunk_state(
-                q, k_base, v_base, skn, svn, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start,
-                tl.maximum(c0, lo), tl.minimum(c0 + CHUNK, hi), L_q, L_k, scale, softcap, window,
-                BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED,
-            )  # fmt: skip
+                q,
+                k_base,
+                v_base,
+                skn,
+                svn,
+                offs_m,
+                offs_d,
+                in_d,
+                mask_row_ptr,
+                smm,
+                smn,
+                start,
+                tl.maximum(c0, lo),
+                tl.minimum(c0 + CHUNK, hi),
+                L_q,
+                L_k,
+                scale,
+                softcap,
+                window,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_D,
+                CAUSAL,
+                HAS_WINDOW,
+                SOFTCAP,
+                MASK_KIND,
+                PRECISION,
+                INTERPRETED,
+            )
             m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c)
         _finish(m_i, l_i, acc, Out, Lse, b64, h, bh, offs_m, offs_d, in_d, sob, soh, som, L_q)
 
 
 @triton.jit
-def _attention_fwd_merge_kernel(
-    Part, Out, Lse, sob, soh, som, H, L_q, D, n_chunks, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr
-):  # fmt: skip
+def _attention_fwd_merge_kernel(Part, Out, Lse, sob, soh, som, H, L_q, D, n_chunks, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """The split forward's second step: the chunks' states merged in chunk order (``_merge``, as
     the one-program forward merges them), then ``_finish``."""
     pid_m = tl.program_id(0)
@@ -269,13 +414,57 @@ def _attention_bwd_delta_kernel(
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q, K, V, Mask, KeyStart, DO, Lse, Delta, DK, DV,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, smb, smh, smm, smn,
-    sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-    H, HK, GROUP, L_q, L_k, D, scale, softcap, window,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
+    Q,
+    K,
+    V,
+    Mask,
+    KeyStart,
+    DO,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    sqb,
+    sqh,
+    sqm,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sdb,
+    sdh,
+    sdm,
+    smb,
+    smh,
+    smm,
+    smn,
+    sdkb,
+    sdkh,
+    sdkn,
+    sdvb,
+    sdvh,
+    sdvn,
+    H,
+    HK,
+    GROUP,
+    L_q,
+    L_k,
+    D,
+    scale,
+    softcap,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """One program per (key block, batch, kv head): dK and dV summed over the group's query heads
     in head order, then over the query blocks in row order (deterministic)."""
     pid_n = tl.program_id(0)
@@ -311,8 +500,27 @@ def _attention_bwd_dkdv_kernel(
             do = _rows(do_base, offs_m, sdm, offs_d, in_m[:, None] & in_d[None, :])
             lse2 = tl.load(Lse + bh * L_q + offs_m, mask=in_m, other=float("inf"))
             delta = tl.load(Delta + bh * L_q + offs_m, mask=in_m, other=0.0)
-            s, t = _scores(q, kt, offs_m, offs_n, mask_row_ptr, smm, smn, start, L_q, L_k, scale, softcap, window,
-                           CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED)  # fmt: skip
+            s, t = _scores(
+                q,
+                kt,
+                offs_m,
+                offs_n,
+                mask_row_ptr,
+                smm,
+                smn,
+                start,
+                L_q,
+                L_k,
+                scale,
+                softcap,
+                window,
+                CAUSAL,
+                HAS_WINDOW,
+                SOFTCAP,
+                MASK_KIND,
+                PRECISION,
+                INTERPRETED,
+            )
             p = tl.exp2(s * LOG2E - lse2[:, None])
             dv = _dot(tl.trans(p.to(do.dtype)), do, dv, PRECISION, INTERPRETED)
             dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION, INTERPRETED)
@@ -335,12 +543,52 @@ def _attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _attention_bwd_dq_kernel(
-    Q, K, V, Mask, KeyStart, DO, Lse, Delta, DQ,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, smb, smh, smm, smn, sdqb, sdqh, sdqm,
-    H, GROUP, L_q, L_k, D, scale, softcap, window,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
+    Q,
+    K,
+    V,
+    Mask,
+    KeyStart,
+    DO,
+    Lse,
+    Delta,
+    DQ,
+    sqb,
+    sqh,
+    sqm,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sdb,
+    sdh,
+    sdm,
+    smb,
+    smh,
+    smm,
+    smn,
+    sdqb,
+    sdqh,
+    sdqm,
+    H,
+    GROUP,
+    L_q,
+    L_k,
+    D,
+    scale,
+    softcap,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """One program per (query block, batch, head): dQ over the key blocks of the forward's grid."""
     bh, b, h, hk, m0 = _query_program(H, GROUP, BLOCK_M)
     b64 = b.to(tl.int64)
@@ -360,8 +608,27 @@ def _attention_bwd_dq_kernel(
         in_n = offs_n < L_k
         kt = tl.load(k_base + offs_n[None, :].to(tl.int64) * skn + offs_d[:, None], mask=in_n[None, :] & in_d[:, None], other=0.0)
         vt = tl.load(v_base + offs_n[None, :].to(tl.int64) * svn + offs_d[:, None], mask=in_n[None, :] & in_d[:, None], other=0.0)
-        s, t = _scores(q, kt, offs_m, offs_n, mask_row_ptr, smm, smn, start, L_q, L_k, scale, softcap, window,
-                       CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED)  # fmt: skip
+        s, t = _scores(
+            q,
+            kt,
+            offs_m,
+            offs_n,
+            mask_row_ptr,
+            smm,
+            smn,
+            start,
+            L_q,
+            L_k,
+            scale,
+            softcap,
+            window,
+            CAUSAL,
+            HAS_WINDOW,
+            SOFTCAP,
+            MASK_KIND,
+            PRECISION,
+            INTERPRETED,
+        )
         p = tl.exp2(s * LOG2E - lse2[:, None])
         dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION, INTERPRETED)
         ds = p * (dp - delta[:, None])

@@ -114,11 +114,53 @@ def _linear_cross_entropy_chunk_kernel(
         s_z = tl.where(valid, s_z, 0.0)
         a = (1.0 - smoothing) * w_t * s_ce
         for i in range(0, n_full):
-            ce_grad_block(base, bias_ptr, cw_ptr, i * BLOCK_V + cols0, V, t_safe, a, mx, log_s, lse_ce, s_ce, s_z, w_sum,
-                          smoothing / V, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+            ce_grad_block(
+                base,
+                bias_ptr,
+                cw_ptr,
+                i * BLOCK_V + cols0,
+                V,
+                t_safe,
+                a,
+                mx,
+                log_s,
+                lse_ce,
+                s_ce,
+                s_z,
+                w_sum,
+                smoothing / V,
+                z_loss,
+                cap,
+                HAS_BIAS,
+                HAS_CW,
+                SMOOTH,
+                SOFTCAP,
+                False,
+            )
         if tail:
-            ce_grad_block(base, bias_ptr, cw_ptr, n_full * BLOCK_V + cols0, V, t_safe, a, mx, log_s, lse_ce, s_ce, s_z,
-                          w_sum, smoothing / V, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+            ce_grad_block(
+                base,
+                bias_ptr,
+                cw_ptr,
+                n_full * BLOCK_V + cols0,
+                V,
+                t_safe,
+                a,
+                mx,
+                log_s,
+                lse_ce,
+                s_ce,
+                s_z,
+                w_sum,
+                smoothing / V,
+                z_loss,
+                cap,
+                HAS_BIAS,
+                HAS_CW,
+                SMOOTH,
+                SOFTCAP,
+                True,
+            )
 
 
 @triton.jit(do_not_specialize=["N", "ignore_index"])

@@ -123,8 +123,50 @@ def _lce_slice_grad_kernel(
     cols0 = tl.arange(0, BLOCK_V)
     n_full = Vs // BLOCK_V
     for i in range(0, n_full):
-        ce_grad_block(base, bias_ptr, cw_slice, i * BLOCK_V + cols0, Vs, t_loc, a, lse_ce, 0.0, lse_ce, s_ce, s_z, w_sum,
-                      eps_v, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, False)  # fmt: skip
+        ce_grad_block(
+            base,
+            bias_ptr,
+            cw_slice,
+            i * BLOCK_V + cols0,
+            Vs,
+            t_loc,
+            a,
+            lse_ce,
+            0.0,
+            lse_ce,
+            s_ce,
+            s_z,
+            w_sum,
+            eps_v,
+            z_loss,
+            cap,
+            HAS_BIAS,
+            HAS_CW,
+            SMOOTH,
+            SOFTCAP,
+            False,
+        )
     if Vs % BLOCK_V != 0:
-        ce_grad_block(base, bias_ptr, cw_slice, n_full * BLOCK_V + cols0, Vs, t_loc, a, lse_ce, 0.0, lse_ce, s_ce, s_z,
-                      w_sum, eps_v, z_loss, cap, HAS_BIAS, HAS_CW, SMOOTH, SOFTCAP, True)  # fmt: skip
+        ce_grad_block(
+            base,
+            bias_ptr,
+            cw_slice,
+            n_full * BLOCK_V + cols0,
+            Vs,
+            t_loc,
+            a,
+            lse_ce,
+            0.0,
+            lse_ce,
+            s_ce,
+            s_z,
+            w_sum,
+            eps_v,
+            z_loss,
+            cap,
+            HAS_BIAS,
+            HAS_CW,
+            SMOOTH,
+            SOFTCAP,
+            True,
+        )

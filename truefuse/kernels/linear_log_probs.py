@@ -128,8 +128,8 @@ def _linear_log_probs_chunk_kernel(
         a = tl.where(valid, tl.load(a_ptr + row), 0.0)
         c = tl.where(valid, tl.load(c_ptr + row), 0.0)
         for i in range(0, n_full):
-            _grad_block(base, bias_ptr, i * BLOCK_V + cols0, V, t_safe, a, c, mx, log_s, ent, cap, temp,
-                        HAS_BIAS, SOFTCAP, False)  # fmt: skip
+            _grad_block(base, bias_ptr, i * BLOCK_V + cols0, V, t_safe, a, c, mx, log_s, ent, cap, temp, HAS_BIAS, SOFTCAP, False)
         if tail:
-            _grad_block(base, bias_ptr, n_full * BLOCK_V + cols0, V, t_safe, a, c, mx, log_s, ent, cap, temp,
-                        HAS_BIAS, SOFTCAP, True)  # fmt: skip
+            _grad_block(
+                base, bias_ptr, n_full * BLOCK_V + cols0, V, t_safe, a, c, mx, log_s, ent, cap, temp, HAS_BIAS, SOFTCAP, True
+            )

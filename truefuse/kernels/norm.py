@@ -80,9 +80,27 @@ def _fwd_wb(w_ptr, b_ptr, cols, mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr, 
 
 
 @triton.jit
-def _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
-             IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-             RSTD_IN: tl.constexpr, ROUND_NORMED: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+def _fwd_row(
+    x,
+    w,
+    b,
+    row,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    stride_y,
+    cols,
+    mask,
+    N,
+    eps,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    RSTD_IN: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
+    DT: tl.constexpr,
+):
     """One row of the forward: ``x`` the row in fp32 (masked lanes 0), ``w`` / ``b`` the weight and
     bias rows in fp32 or their own dtype (upcast here: the same values; placeholders without HAS_W /
     HAS_B), ``row`` int64. LayerNorm's two reductions (mean, then variance) stay two: one pass
@@ -156,28 +174,79 @@ def _norm_fwd_kernel(
         pid = tl.program_id(0)
         P = tl.num_programs(0)
         first = pid.to(tl.int64)
-        x_nxt = tl.load(x_ptr + first * stride_x + cols, mask=cols < tl.where(first < M, N, 0), other=0.0,
-                        eviction_policy=EVICT)  # fmt: skip
+        x_nxt = tl.load(x_ptr + first * stride_x + cols, mask=cols < tl.where(first < M, N, 0), other=0.0, eviction_policy=EVICT)
         for r in range(pid, M, P):
             row = tl.cast(r, tl.int64)
             x = x_nxt.to(tl.float32)
             nxt = row + P
-            x_nxt = tl.load(x_ptr + nxt * stride_x + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0,
-                            eviction_policy=EVICT)  # fmt: skip
-            _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
-                     IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT)  # fmt: skip
+            x_nxt = tl.load(x_ptr + nxt * stride_x + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0, eviction_policy=EVICT)
+            _fwd_row(
+                x,
+                w,
+                b,
+                row,
+                y_ptr,
+                mean_ptr,
+                rstd_ptr,
+                stride_y,
+                cols,
+                mask,
+                N,
+                eps,
+                IS_RMS,
+                HAS_W,
+                HAS_B,
+                ZERO_CENTERED,
+                RSTD_IN,
+                ROUND_NORMED,
+                DT,
+            )
     else:
         row = tl.program_id(0).to(tl.int64)
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        _fwd_row(x, w, b, row, y_ptr, mean_ptr, rstd_ptr, stride_y, cols, mask, N, eps,
-                 IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, RSTD_IN, ROUND_NORMED, DT)  # fmt: skip
+        _fwd_row(
+            x,
+            w,
+            b,
+            row,
+            y_ptr,
+            mean_ptr,
+            rstd_ptr,
+            stride_y,
+            cols,
+            mask,
+            N,
+            eps,
+            IS_RMS,
+            HAS_W,
+            HAS_B,
+            ZERO_CENTERED,
+            RSTD_IN,
+            ROUND_NORMED,
+            DT,
+        )
 
 
 # M: not specialised (a persistent launch's loop bound; one kernel for every row count)
 @triton.jit(do_not_specialize=["M"])
-def _ln_fwd_staged_kernel(x_desc, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, stride_y, M, N, eps,
-                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                          BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+def _ln_fwd_staged_kernel(
+    x_desc,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    stride_y,
+    M,
+    N,
+    eps,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """LayerNorm's forward with its rows brought in by TMA (``x_desc``: a (1, BLOCK_N) block of
     the (M, N) x; columns past N read as zeros) through a software-pipelined loop: STAGES rows in
     flight per program in shared memory, where ``_norm_fwd_kernel`` holds one prefetched row in
@@ -318,8 +387,7 @@ def _norm_bwd_kernel(
             nrows = rows + ROWS
             nm2 = (nrows < row_end)[:, None] & cmask[None, :]
             x_nxt = tl.load(x_ptr + nrows[:, None] * stride_x + cols[None, :], mask=nm2, other=0.0, eviction_policy=EVICT)
-            dy_nxt = tl.load(dy_ptr + nrows[:, None] * stride_dy + cols[None, :], mask=nm2, other=0.0,
-                             eviction_policy=EVICT)  # fmt: skip
+            dy_nxt = tl.load(dy_ptr + nrows[:, None] * stride_dy + cols[None, :], mask=nm2, other=0.0, eviction_policy=EVICT)
         else:
             x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m2, other=0.0, eviction_policy=EVICT)
             dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=m2, other=0.0, eviction_policy=EVICT)
@@ -350,12 +418,30 @@ def _norm_bwd_kernel(
 
 # M, rows_per_program: not specialised (one kernel for every row count)
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
-def _norm_bwd_staged_kernel(x_desc, dy_desc, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
-                            stride_dx, M, N, rows_per_program,
-                            IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                            BLOCK_N: tl.constexpr, STAGES: tl.constexpr, INNER: tl.constexpr,
-                            PDL: tl.constexpr = False, ONE_REDUCE: tl.constexpr = False,
-                            REMAT: tl.constexpr = False):  # fmt: skip
+def _norm_bwd_staged_kernel(
+    x_desc,
+    dy_desc,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_part_ptr,
+    db_part_ptr,
+    stride_dx,
+    M,
+    N,
+    rows_per_program,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+    INNER: tl.constexpr,
+    PDL: tl.constexpr = False,
+    ONE_REDUCE: tl.constexpr = False,
+    REMAT: tl.constexpr = False,
+):
     """``_norm_bwd_kernel``'s rows (program p: rows [p·rows_per_program, ...) ∩ [0, M), one at a
     time) with x and dy brought in by TMA through a software-pipelined loop: STAGES rows of both in
     flight per program in shared memory, where the pointer kernel holds one prefetched row in
@@ -424,8 +510,19 @@ def _bwd_part_load(x_ptr, dy_ptr, row, stride_x, stride_dy, c, lim, EVICT: tl.co
 
 
 @triton.jit
-def _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                   REMAT: tl.constexpr = False):  # fmt: skip
+def _bwd_part_math(
+    x,
+    dy,
+    w_ptr,
+    c,
+    m,
+    mean,
+    rstd,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    REMAT: tl.constexpr = False,
+):
     """``_row_terms`` of one column part of a row, x̂ zeroed past N (LayerNorm); w loaded here (an
     L1 hit after the first row)."""
     w = 0.0
@@ -440,9 +537,27 @@ def _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS: tl.constexpr, HAS_W: 
 
 
 @triton.jit
-def _bwd_part_dx(x, dy, w_ptr, dx_ptr, row, stride_dx, c, m, mean, rstd, c1, c2, dw, db,
-                 IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                 REMAT: tl.constexpr = False):  # fmt: skip
+def _bwd_part_dx(
+    x,
+    dy,
+    w_ptr,
+    dx_ptr,
+    row,
+    stride_dx,
+    c,
+    m,
+    mean,
+    rstd,
+    c1,
+    c2,
+    dw,
+    db,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    REMAT: tl.constexpr = False,
+):
     """One column part's dx (stored) and weight / bias-gradient terms (added to dw / db), from the
     row's c1, c2 and the first pass's x and dy (its x̂ and w·dy recomputed from them: the same
     values, merged by the compiler)."""
@@ -457,12 +572,31 @@ def _bwd_part_dx(x, dy, w_ptr, dx_ptr, row, stride_dx, c, m, mean, rstd, c1, c2,
 # M, rows_per_program: not specialised (one kernel for every row count)
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _norm_bwd_split_kernel(
-    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
-    stride_dy, stride_x, stride_dx, M, N, rows_per_program,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr = True, PDL: tl.constexpr = False,
-    ONE_REDUCE: tl.constexpr = False, REMAT: tl.constexpr = False,
-):  # fmt: skip
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_part_ptr,
+    db_part_ptr,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    M,
+    N,
+    rows_per_program,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    PREFETCH: tl.constexpr = True,
+    PDL: tl.constexpr = False,
+    ONE_REDUCE: tl.constexpr = False,
+    REMAT: tl.constexpr = False,
+):
     """The backward of ``_norm_bwd_kernel`` (one row at a time) with the row in two column parts,
     A = [0, BLOCK_A) and B = [BLOCK_A, BLOCK_A + BLOCK_B): the rows above 8192 (``ops/norm.py::
     bwd_config``), and a hidden size that is not a power of two pads less (5120 = 4096 + 1024
@@ -509,10 +643,48 @@ def _norm_bwd_split_kernel(
             s1b, s2b = _ln_sums(xhb * wdyb, wdyb, 0, ONE_REDUCE)
             c1 = (s1a + s1b) / N
             c2 = (s2a + s2b) / N
-        dwa, dba = _bwd_part_dx(xa, dya, w_ptr, dx_ptr, row, stride_dx, ca, ma, mean, rstd, c1, c2, dwa, dba,
-                                IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, REMAT)  # fmt: skip
-        dwb, dbb = _bwd_part_dx(xb, dyb, w_ptr, dx_ptr, row, stride_dx, cb, mb, mean, rstd, c1, c2, dwb, dbb,
-                                IS_RMS, HAS_W, HAS_B, ZERO_CENTERED, REMAT)  # fmt: skip
+        dwa, dba = _bwd_part_dx(
+            xa,
+            dya,
+            w_ptr,
+            dx_ptr,
+            row,
+            stride_dx,
+            ca,
+            ma,
+            mean,
+            rstd,
+            c1,
+            c2,
+            dwa,
+            dba,
+            IS_RMS,
+            HAS_W,
+            HAS_B,
+            ZERO_CENTERED,
+            REMAT,
+        )
+        dwb, dbb = _bwd_part_dx(
+            xb,
+            dyb,
+            w_ptr,
+            dx_ptr,
+            row,
+            stride_dx,
+            cb,
+            mb,
+            mean,
+            rstd,
+            c1,
+            c2,
+            dwb,
+            dbb,
+            IS_RMS,
+            HAS_W,
+            HAS_B,
+            ZERO_CENTERED,
+            REMAT,
+        )
     if HAS_W:
         tl.store(dw_part_ptr + pid * N + ca, dwa, mask=ma)
         tl.store(dw_part_ptr + pid * N + cb, dwb, mask=mb)
@@ -522,8 +694,18 @@ def _norm_bwd_split_kernel(
 
 
 @triton.jit(do_not_specialize=["P"])
-def _sum_partials_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                         TWO: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
+def _sum_partials_kernel(
+    part_ptr,
+    out_ptr,
+    part2_ptr,
+    out2_ptr,
+    P,
+    N,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TWO: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+):
     """``out[n] = Σ_p part[p, n]`` in fp32, rounded once to out's dtype (and with TWO the same of
     ``part2`` into ``out2``: LayerNorm's weight and bias gradients in one launch). Tiles of BLOCK_P
     partial rows are loaded at once (many loads in flight); the order is fixed by P alone (deterministic)."""

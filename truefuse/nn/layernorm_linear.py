@@ -100,9 +100,15 @@ class LayerNormLinear(WgradModule):
     def forward_ref(self, x: torch.Tensor):
         """The unfused composition (``ops.linear.layernorm_linear_ref``) with this module's parameters."""
         out, ln_out = layernorm_linear_ref(
-            x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias,
-            normalization=self.normalization, eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
-        )  # fmt: skip
+            x,
+            self.layer_norm_weight,
+            self.layer_norm_bias,
+            self.weight,
+            self.bias,
+            normalization=self.normalization,
+            eps=self.eps,
+            zero_centered_gamma=self.zero_centered_gamma,
+        )
         return (out, ln_out) if self.return_layernorm_output else out
 
     def extra_repr(self) -> str:

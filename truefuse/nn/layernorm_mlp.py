@@ -85,10 +85,18 @@ class LayerNormMLP(WgradModule):
     def forward_ref(self, x: torch.Tensor) -> torch.Tensor:
         """The unfused composition (``ops.linear.layernorm_mlp_ref``) with this module's parameters."""
         return layernorm_mlp_ref(
-            x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias,
-            normalization=self.normalization, activation=self.activation, eps=self.eps,
+            x,
+            self.layer_norm_weight,
+            self.layer_norm_bias,
+            self.fc1_weight,
+            self.fc1_bias,
+            self.fc2_weight,
+            self.fc2_bias,
+            normalization=self.normalization,
+            activation=self.activation,
+            eps=self.eps,
             zero_centered_gamma=self.zero_centered_gamma,
-        )  # fmt: skip
+        )
 
     def extra_repr(self) -> str:
         return (

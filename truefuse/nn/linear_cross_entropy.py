@@ -88,9 +88,14 @@ class LinearCrossEntropyLoss(DelayedWgrad):
         if self._wgrad.hooks and isinstance(linear_weight, torch.Tensor) and linear_weight.requires_grad:
             self._watch_wgrad(linear_weight)
         return linear_cross_entropy_with(
-            self.options, input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
+            self.options,
+            input,
+            linear_weight,
+            target,
+            linear_bias=linear_bias,
+            weight=self.weight,
             wgrad_state=self._wgrad,
-        )  # fmt: skip
+        )
 
     def extra_repr(self) -> str:
         o = self.options

@@ -52,10 +52,25 @@ def allreduce_add_rmsnorm_fwd(state, x, residual, weight, eps: float, two_stage_
         )
     normed, out, rstd = launch(
         allreduce_add_rmsnorm_op,
-        x, residual, weight, state.buffer_ptrs, state.signal_ptrs, state.epoch, state.done, state.half_bytes,
-        state.ll_offset, state.ll_slot_bytes, state.maxp, state.rank, state.world_size, state.poll_width, state.sms,
-        float(eps), int(two_stage_bytes), bool(want_rstd and weight is not None),
-    )  # fmt: skip
+        x,
+        residual,
+        weight,
+        state.buffer_ptrs,
+        state.signal_ptrs,
+        state.epoch,
+        state.done,
+        state.half_bytes,
+        state.ll_offset,
+        state.ll_slot_bytes,
+        state.maxp,
+        state.rank,
+        state.world_size,
+        state.poll_width,
+        state.sms,
+        float(eps),
+        int(two_stage_bytes),
+        bool(want_rstd and weight is not None),
+    )
     # an op returns no None: its empty placeholders stand for "not computed"
     return (normed if weight is not None else None), out, (rstd if want_rstd and weight is not None else None)
 
@@ -110,19 +125,61 @@ def allreduce_add_rmsnorm_op(
     # in registers (capped at 128 it spilled ~500 bytes a thread to local memory)
     cap = 128 if programs > sms else None
     _allreduce_add_rmsnorm_kernel[(programs,)](
-        x, residual if residual is not None else x, weight if weight is not None else x, out,
-        normed if weight is not None else out, buffer_ptrs, signal_ptrs, epoch, done,
-        half_bytes // x.element_size(), half_bytes // 8, ll_offset // 8, M, N, share, float(eps),
-        rank, W=W, WP=poll_width, MAXP=maxp, HAS_RES=residual is not None, HAS_NORM=weight is not None,
-        TWO_STAGE=two_stage, PUSH=nbytes <= knobs.push_max_bytes, LL=ll, BLOCK_N=block,
-        INTERPRETED=get_config().triton_interpret, rstd_ptr=rstd if want_rstd else None, num_warps=warps, maxnreg=cap,
-    )  # fmt: skip
+        x,
+        residual if residual is not None else x,
+        weight if weight is not None else x,
+        out,
+        normed if weight is not None else out,
+        buffer_ptrs,
+        signal_ptrs,
+        epoch,
+        done,
+        half_bytes // x.element_size(),
+        half_bytes // 8,
+        ll_offset // 8,
+        M,
+        N,
+        share,
+        float(eps),
+        rank,
+        W=W,
+        WP=poll_width,
+        MAXP=maxp,
+        HAS_RES=residual is not None,
+        HAS_NORM=weight is not None,
+        TWO_STAGE=two_stage,
+        PUSH=nbytes <= knobs.push_max_bytes,
+        LL=ll,
+        BLOCK_N=block,
+        INTERPRETED=get_config().triton_interpret,
+        rstd_ptr=rstd if want_rstd else None,
+        num_warps=warps,
+        maxnreg=cap,
+    )
     return normed, out, rstd
 
 
 @allreduce_add_rmsnorm_op.register_fake
-def _(x, residual, weight, buffer_ptrs, signal_ptrs, epoch, done, half_bytes, ll_offset, ll_slot_bytes, maxp, rank,
-      world_size, poll_width, sms, eps, two_stage_bytes, want_rstd):  # fmt: skip
+def _(
+    x,
+    residual,
+    weight,
+    buffer_ptrs,
+    signal_ptrs,
+    epoch,
+    done,
+    half_bytes,
+    ll_offset,
+    ll_slot_bytes,
+    maxp,
+    rank,
+    world_size,
+    poll_width,
+    sms,
+    eps,
+    two_stage_bytes,
+    want_rstd,
+):
     M = x.shape[0]
     normed = torch.empty_like(x) if weight is not None else x.new_empty(0)
     return normed, torch.empty_like(x), x.new_empty((M if want_rstd else 0,), dtype=torch.float32)

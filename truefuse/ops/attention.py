@@ -26,9 +26,19 @@ MAX_KERNEL_HEAD_DIM = 256
 
 
 def attention_ref(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-    *, softcap=None, window=None, key_start=None,
-) -> torch.Tensor:  # fmt: skip
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    softcap=None,
+    window=None,
+    key_start=None,
+) -> torch.Tensor:
     """Attention as plain PyTorch computes it, in the inputs' dtype: ``softmax(mask(softcap(q kᵀ ·
     scale))) v`` (SDPA's math, with truefuse's extensions).
 
@@ -83,9 +93,14 @@ def _common(q, k, window, softcap, is_causal, attn_mask):
     cfg = attention_config(_block_d(q.shape[-1]), q.dtype, interpreted)
     mask, kind, ms = _mask_args(attn_mask, q)
     flags = dict(
-        BLOCK_D=_block_d(q.shape[-1]), CAUSAL=is_causal, HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
-        MASK_KIND=kind, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRETED=interpreted,
-    )  # fmt: skip
+        BLOCK_D=_block_d(q.shape[-1]),
+        CAUSAL=is_causal,
+        HAS_WINDOW=window > 0,
+        SOFTCAP=softcap > 0,
+        MASK_KIND=kind,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRETED=interpreted,
+    )
     return cfg, mask, ms, flags
 
 
@@ -111,16 +126,50 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
     split = n_chunks > 1 and Lq <= cfg.block_m and (flags["INTERPRETED"] or programs < sm_count(q.device.index or 0))
     part = q.new_empty((n_chunks, B * H, Lq, flags["BLOCK_D"] + 2) if split else (1,), dtype=torch.float32)
     _attention_fwd_kernel[(_cdiv(Lq, cfg.block_m), B * H, n_chunks if split else 1)](
-        q, k, v, mask, key_start, out, lse, part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms,
-        H, H // Hk, Lq, Lk, D, scale, softcap, window, n_chunks,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, **flags,
-        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        mask,
+        key_start,
+        out,
+        lse,
+        part,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *out.stride()[:3],
+        *ms,
+        H,
+        H // Hk,
+        Lq,
+        Lk,
+        D,
+        scale,
+        softcap,
+        window,
+        n_chunks,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        CHUNK=cfg.chunk,
+        SPLIT=split,
+        **flags,
+        num_warps=cfg.fwd_warps,
+        num_stages=cfg.fwd_stages,
+    )
     if split:
         _attention_fwd_merge_kernel[(_cdiv(Lq, cfg.block_m), B * H)](
-            part, out, lse, *out.stride()[:3], H, Lq, D, n_chunks, BLOCK_M=cfg.block_m, BLOCK_D=flags["BLOCK_D"],
+            part,
+            out,
+            lse,
+            *out.stride()[:3],
+            H,
+            Lq,
+            D,
+            n_chunks,
+            BLOCK_M=cfg.block_m,
+            BLOCK_D=flags["BLOCK_D"],
             num_warps=cfg.fwd_warps,
-        )  # fmt: skip
+        )
     return out, lse
 
 
@@ -139,27 +188,88 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
     cfg, mask, ms, flags = _common(q, k, window, softcap, is_causal, attn_mask)
     delta = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     _attention_bwd_delta_kernel[(_cdiv(Lq, cfg.dq_m), B * H)](
-        out, do, delta, *out.stride()[:3], *do.stride()[:3], H, Lq, D, BLOCK_M=cfg.dq_m, BLOCK_D=flags["BLOCK_D"],
-    )  # fmt: skip
+        out,
+        do,
+        delta,
+        *out.stride()[:3],
+        *do.stride()[:3],
+        H,
+        Lq,
+        D,
+        BLOCK_M=cfg.dq_m,
+        BLOCK_D=flags["BLOCK_D"],
+    )
     common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *ms)
     _attention_bwd_dkdv_kernel[(_cdiv(Lk, cfg.dkdv_n), B * Hk)](
-        q, k, v, mask, key_start, do, lse, delta, dk, dv, *common, *dk.stride()[:3], *dv.stride()[:3],
-        H, Hk, H // Hk, Lq, Lk, D, scale, softcap, window,
-        BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, **flags, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        mask,
+        key_start,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        *common,
+        *dk.stride()[:3],
+        *dv.stride()[:3],
+        H,
+        Hk,
+        H // Hk,
+        Lq,
+        Lk,
+        D,
+        scale,
+        softcap,
+        window,
+        BLOCK_M=cfg.dkdv_m,
+        BLOCK_N=cfg.dkdv_n,
+        **flags,
+        num_warps=cfg.bwd_warps,
+        num_stages=cfg.bwd_stages,
+    )
     _attention_bwd_dq_kernel[(_cdiv(Lq, cfg.dq_m), B * H)](
-        q, k, v, mask, key_start, do, lse, delta, dq, *common, *dq.stride()[:3],
-        H, H // Hk, Lq, Lk, D, scale, softcap, window,
-        BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, **flags, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        mask,
+        key_start,
+        do,
+        lse,
+        delta,
+        dq,
+        *common,
+        *dq.stride()[:3],
+        H,
+        H // Hk,
+        Lq,
+        Lk,
+        D,
+        scale,
+        softcap,
+        window,
+        BLOCK_M=cfg.dq_m,
+        BLOCK_N=cfg.dq_n,
+        **flags,
+        num_warps=cfg.bwd_warps,
+        num_stages=cfg.bwd_stages,
+    )
     return dq, dk, dv
 
 
 @torch.library.custom_op("truefuse::attention_fwd", mutates_args=())
 def attention_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, key_start: torch.Tensor,
-    scale: float, is_causal: bool, window: int, softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    key_start: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    window: int,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the forward kernel; ``window`` 0 and ``softcap`` 0.0 mean none."""
     return attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap)
 
@@ -172,9 +282,19 @@ def _(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap):
 
 @torch.library.custom_op("truefuse::attention_bwd", mutates_args=())
 def attention_bwd_op(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    attn_mask: torch.Tensor | None, key_start: torch.Tensor, scale: float, is_causal: bool, window: int, softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    key_start: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    window: int,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv for the output gradient ``do``."""
     if do.stride(-1) != 1:
         do = do.contiguous()

@@ -112,9 +112,24 @@ def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool =
         grid, block = _launch_shape(M, F)
         a = y if recompute else dg
         _gated_activation_bwd_kernel[grid](
-            dy, g, u, dg, du, a, dy.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0), a.stride(0), F,
-            ACT=ACT_CODES[act], GATED=gated, STORE_ACT=recompute, BLOCK=block,
-        )  # fmt: skip
+            dy,
+            g,
+            u,
+            dg,
+            du,
+            a,
+            dy.stride(0),
+            g.stride(0),
+            u.stride(0),
+            dg.stride(0),
+            du.stride(0),
+            a.stride(0),
+            F,
+            ACT=ACT_CODES[act],
+            GATED=gated,
+            STORE_ACT=recompute,
+            BLOCK=block,
+        )
     return (dx, y) if recompute else dx
 
 

@@ -417,7 +417,7 @@ def _gemm(a, b, **kw):
 
 def _execute(
     a, b, out, odt, accumulate, bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits, per_group, bi
-):  # fmt: skip
+):
     grouped = splits is not None
     if out is not None:
         _check_out_not_aliased(out, a=a, b=b, bias=bias, pre_activation=pre_activation)
@@ -472,9 +472,19 @@ def gemm_op(
 
 @gemm_op.register_fake
 def _(
-    a, b, out_dtype, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits, per_group,
+    a,
+    b,
+    out_dtype,
+    bias,
+    activation,
+    pre_out,
+    grad_activation,
+    pre_activation,
+    grad_bias_out,
+    splits,
+    per_group,
     batch_invariant=False,
-):  # fmt: skip
+):
     return a.new_empty(_out_shape(a, b, splits), dtype=out_dtype)
 
 
@@ -515,9 +525,20 @@ def gemm_out_op(
 
 @gemm_out_op.register_fake
 def _(
-    a, b, out, accumulate, bias, activation, pre_out, grad_activation, pre_activation, grad_bias_out, splits, per_group,
+    a,
+    b,
+    out,
+    accumulate,
+    bias,
+    activation,
+    pre_out,
+    grad_activation,
+    pre_activation,
+    grad_bias_out,
+    splits,
+    per_group,
     batch_invariant=False,
-):  # fmt: skip
+):
     return None
 
 

@@ -47,11 +47,27 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype
     block_d = max(16, 1 << (half - 1).bit_length())
     block_h = max(1, min(1 << (H - 1).bit_length(), max(1, 4096 // block_d)))
     _rope_kernel[(B * T,)](
-        x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, BACKWARD=backward,
-        INTERPRETED=get_config().triton_interpret, num_warps=4,
-    )  # fmt: skip
+        x,
+        cos,
+        sin,
+        out,
+        T,
+        H,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        cos.stride(0),
+        cos.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        HALF=half,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BACKWARD=backward,
+        INTERPRETED=get_config().triton_interpret,
+        num_warps=4,
+    )
     return out
 
 

@@ -73,7 +73,7 @@ MODULES: dict[str, Callable[..., torch.nn.Module]] = {
         zero_centered_gamma=True,
         return_layernorm_output=True,
         **kw,
-    ),  # fmt: skip
+    ),
     "LayerNormMLP/gelu": lambda dt, dev, **kw: LayerNormMLP(_H, _F, device=dev, dtype=dt, **kw),
     "LayerNormMLP/rms_swiglu": lambda dt, dev, **kw: LayerNormMLP(
         _H, _F, bias=False, device=dev, dtype=dt, normalization="RMSNorm", activation="swiglu", **kw

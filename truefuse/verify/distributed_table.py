@@ -78,9 +78,18 @@ def case(m: int, hidden: int, dtype: torch.dtype, device, workspace=None, path: 
         cpu = bitwise_report(got.cpu(), want_cpu).equal and bitwise_report(residual_out.cpu(), want_cpu + residual.cpu()).equal
     outputs = (got, residual_out, normed)
     same_as_reference = reference is None or all(bitwise_report(a, b).equal for a, b in zip(outputs, reference, strict=True))
-    checks = {"sum": rep.equal, "all_ranks": same_everywhere, "residual_out": ok_res, "normed": ok_norm,
-              "zero_residual": ok_zero, "batch_invariant": invariant, "cpu_equal": cpu, "inputs_unchanged": untouched,
-              "grads": grads, "same_as_reference": same_as_reference}  # fmt: skip
+    checks = {
+        "sum": rep.equal,
+        "all_ranks": same_everywhere,
+        "residual_out": ok_res,
+        "normed": ok_norm,
+        "zero_residual": ok_zero,
+        "batch_invariant": invariant,
+        "cpu_equal": cpu,
+        "inputs_unchanged": untouched,
+        "grads": grads,
+        "same_as_reference": same_as_reference,
+    }
     return {
         "rows": m,
         "hidden": hidden,
@@ -92,7 +101,7 @@ def case(m: int, hidden: int, dtype: torch.dtype, device, workspace=None, path: 
         "checks": {name: ok for name, ok in checks.items() if not ok},  # the failed ones
         "passed": all(checks.values()),
         "outputs": outputs,
-    }  # fmt: skip
+    }
 
 
 def table(rank: int, world_size: int, device: str = "cpu", hiddens=(4096, 1001), rows=ROWS, dtypes=tuple(DTYPES)) -> list[dict]:

@@ -153,8 +153,10 @@ def specs(rank: int, world: int) -> list[Spec]:
 
         def plain(dtype, device, tp, gather=gather):
             lv = _leafify(cast(dtype, device, input=x))
-            p = {"weight": _param(shard(tp, W, lambda t: blk(t, 0)), device, dtype),
-                 "bias": _param(shard(tp, b, lambda t: blk(t, 0)), device, dtype)}  # fmt: skip
+            p = {
+                "weight": _param(shard(tp, W, lambda t: blk(t, 0)), device, dtype),
+                "bias": _param(shard(tp, b, lambda t: blk(t, 0)), device, dtype),
+            }
             y = F.linear(torch_region(lv["input"], "copy") if tp else lv["input"], p["weight"], p["bias"])
             if tp and gather:
                 y = torch_region(y, "gather")
@@ -163,9 +165,18 @@ def specs(rank: int, world: int) -> list[Spec]:
             got["dweight"], got["dbias"] = (view(tp, got[k], lambda t: blk(t, 0)) for k in ("dweight", "dbias"))
             return got
 
-        out.append(Spec("ColumnParallelLinear", "gather" if gather else "sharded", build, run, plain,
-                        lambda dtype, device: cast(dtype, device, input=x),
-                        ("out", "dinput") if gather else ("dinput",), wgrad=not gather))  # fmt: skip
+        out.append(
+            Spec(
+                "ColumnParallelLinear",
+                "gather" if gather else "sharded",
+                build,
+                run,
+                plain,
+                lambda dtype, device: cast(dtype, device, input=x),
+                ("out", "dinput") if gather else ("dinput",),
+                wgrad=not gather,
+            )
+        )
 
     # ---- row-parallel: input sharded (or scattered), output replicated, bias once ---------------------
     for parallel in (True, False):
@@ -181,8 +192,10 @@ def specs(rank: int, world: int) -> list[Spec]:
 
         def plain(dtype, device, tp, parallel=parallel):
             lv = _leafify(cast(dtype, device, input=blk(x_par, -1) if tp and parallel else x_par))
-            p = {"weight": _param(shard(tp, W_row, lambda t: blk(t, 1)), device, dtype),
-                 "bias": _param(b_row, device, dtype) if parallel else None}  # fmt: skip
+            p = {
+                "weight": _param(shard(tp, W_row, lambda t: blk(t, 1)), device, dtype),
+                "bias": _param(b_row, device, dtype) if parallel else None,
+            }
             inp = torch_region(lv["input"], "scatter") if tp and not parallel else lv["input"]
             y = F.linear(inp, p["weight"])
             if tp:
@@ -230,9 +243,17 @@ def specs(rank: int, world: int) -> list[Spec]:
         got["dinput"] = view(tp, got["dinput"], lambda t: blk(t, -1))
         return got
 
-    out.append(Spec("RowParallelLinear", "fused_residual_rmsnorm", build_fused, run_pair, plain_fused,
-                    lambda dtype, device: cast(dtype, device, input=blk(x_par, -1), residual=res),
-                    ("normed", "residual_out", "dresidual", "dnorm_weight")))  # fmt: skip
+    out.append(
+        Spec(
+            "RowParallelLinear",
+            "fused_residual_rmsnorm",
+            build_fused,
+            run_pair,
+            plain_fused,
+            lambda dtype, device: cast(dtype, device, input=blk(x_par, -1), residual=res),
+            ("normed", "residual_out", "dresidual", "dnorm_weight"),
+        )
+    )
 
     # ---- the MLP: column fc1 (gated layout), activation, row fc2 + fused tail ------------------------------
     for act, w1 in (("swiglu", W1), ("gelu", W1_gelu)):
@@ -246,9 +267,11 @@ def specs(rank: int, world: int) -> list[Spec]:
 
         def plain_mlp(dtype, device, tp, act=act, w1=w1, gated=gated, cut1=cut1):
             lv = _leafify(cast(dtype, device, input=x, residual=res))
-            p = {"fc1.weight": _param(shard(tp, w1, cut1), device, dtype),
-                 "fc2.weight": _param(shard(tp, W2, lambda t: blk(t, 1)), device, dtype),
-                 "fc2.norm_weight": _param(norm_w, device, dtype)}  # fmt: skip
+            p = {
+                "fc1.weight": _param(shard(tp, w1, cut1), device, dtype),
+                "fc2.weight": _param(shard(tp, W2, lambda t: blk(t, 1)), device, dtype),
+                "fc2.norm_weight": _param(norm_w, device, dtype),
+            }
             h = F.linear(torch_region(lv["input"], "copy") if tp else lv["input"], p["fc1.weight"])
             if dtype == torch.float64:  # the reference: truefuse's rule (fp32 math there is fp64 here)
                 h = gated_activation_ref(h, act) if gated else activation_ref(h, act)
@@ -260,9 +283,18 @@ def specs(rank: int, world: int) -> list[Spec]:
             got["dfc2.weight"] = view(tp, got["dfc2.weight"], lambda t: blk(t, 1))
             return got
 
-        out.append(Spec("TensorParallelMLP", act, build_mlp, run_pair, plain_mlp,
-                        lambda dtype, device: cast(dtype, device, input=x, residual=res),
-                        ("normed", "residual_out", "dinput", "dresidual", "dfc2.norm_weight"), wgrad=gated))  # fmt: skip
+        out.append(
+            Spec(
+                "TensorParallelMLP",
+                act,
+                build_mlp,
+                run_pair,
+                plain_mlp,
+                lambda dtype, device: cast(dtype, device, input=x, residual=res),
+                ("normed", "residual_out", "dinput", "dresidual", "dfc2.norm_weight"),
+                wgrad=gated,
+            )
+        )
     return out
 
 
@@ -271,8 +303,17 @@ def _torch_rms_norm(x, w):
 
 
 def _row(spec, dtype_name, path, check, tensor, contract, passed, **info) -> dict:
-    return {"op": spec.op, "case": spec.name, "dtype": dtype_name, "path": path, "check": check, "tensor": tensor,
-            "contract": contract, "passed": bool(passed), **info}  # fmt: skip
+    return {
+        "op": spec.op,
+        "case": spec.name,
+        "dtype": dtype_name,
+        "path": path,
+        "check": check,
+        "tensor": tensor,
+        "contract": contract,
+        "passed": bool(passed),
+        **info,
+    }
 
 
 def _fwd_bwd_rows(spec: Spec, dtype_name: str, device, workspace, path: str, reference: dict | None, keep: dict) -> list[dict]:
@@ -291,9 +332,23 @@ def _fwd_bwd_rows(spec: Spec, dtype_name: str, device, workspace, path: str, ref
         all_ranks = same_on_all_ranks(got[k]) if k in spec.replicated else None
         same_ref = None if reference is None else bitwise_report(got[k], reference[k]).equal
         passed = rep.passed and all_ranks is not False and same_ref is not False
-        rows.append(_row(spec, dtype_name, path, "fwd_bwd", k, "bounded", passed, error=rep.error,
-                         baseline_error=rep.baseline_error, ratio=rep.ratio, single_error=rel_error(single[k], ref64[k]),
-                         all_ranks=all_ranks, same_as_reference=same_ref))  # fmt: skip
+        rows.append(
+            _row(
+                spec,
+                dtype_name,
+                path,
+                "fwd_bwd",
+                k,
+                "bounded",
+                passed,
+                error=rep.error,
+                baseline_error=rep.baseline_error,
+                ratio=rep.ratio,
+                single_error=rel_error(single[k], ref64[k]),
+                all_ranks=all_ranks,
+                same_as_reference=same_ref,
+            )
+        )
     keep[(spec.op, spec.name, dtype_name)] = got
     return rows
 
@@ -331,9 +386,19 @@ def _wgrad_rows(spec: Spec, dtype_name: str, device, workspace, path: str) -> li
         differ = sorted(set(imm) ^ set(dly)) + [k for k, r in reps.items() if not r.equal]
         ok = not differ and pending == 1
         detail = ("differ: " + ", ".join(differ) if differ else "") + ("" if pending == 1 else f" pending_wgrad={pending}")
-        rows.append(_row(spec, dtype_name, path, f"delayed_vs_immediate_{'main_grad' if fused else 'grad'}",
-                         f"all {len(imm)}", "bitwise", ok, max_diff=max((r.max_diff for r in reps.values()), default=0.0),
-                         detail=detail.strip()))  # fmt: skip
+        rows.append(
+            _row(
+                spec,
+                dtype_name,
+                path,
+                f"delayed_vs_immediate_{'main_grad' if fused else 'grad'}",
+                f"all {len(imm)}",
+                "bitwise",
+                ok,
+                max_diff=max((r.max_diff for r in reps.values()), default=0.0),
+                detail=detail.strip(),
+            )
+        )
     # fused fp32 accumulation over 2 micro-batches (the same input twice: the sum of two gradients)
     m = spec.build(dtype, device, workspace=workspace, fuse_wgrad_accumulation=True)
     start = _attach_main_grads(m)
@@ -346,8 +411,20 @@ def _wgrad_rows(spec: Spec, dtype_name: str, device, workspace, path: str) -> li
         base = start[n] + plain[f"d{n}"].float() + plain[f"d{n}"].float()
         rep = bounded_report(p.main_grad, want, base)
         ok = rep.passed and p.grad is None  # fused, no grad_added_to_main_grad: nothing returned to autograd
-        rows.append(_row(spec, dtype_name, path, "main_grad_2_microbatches", f"{n}.main_grad", "bounded", ok,
-                         error=rep.error, baseline_error=rep.baseline_error, ratio=rep.ratio))  # fmt: skip
+        rows.append(
+            _row(
+                spec,
+                dtype_name,
+                path,
+                "main_grad_2_microbatches",
+                f"{n}.main_grad",
+                "bounded",
+                ok,
+                error=rep.error,
+                baseline_error=rep.baseline_error,
+                ratio=rep.ratio,
+            )
+        )
     return rows
 
 

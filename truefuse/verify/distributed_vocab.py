@@ -61,13 +61,28 @@ def run_loss(fn, x, W, t, b, up, reduction: str, **kw) -> dict:
     bl = None if b is None else b.clone().requires_grad_()
     out = fn(xl, Wl, t, linear_bias=bl, reduction=reduction, return_z_loss=True, return_token_accuracy=True, **kw)
     out.loss.backward(up.to(out.loss.dtype) if reduction == "none" else None)
-    return {"loss": out.loss.detach(), "z_loss": out.z_loss, "acc": out.token_accuracy, "dx": xl.grad, "dW": Wl.grad,
-            "db": None if bl is None else bl.grad}  # fmt: skip
+    return {
+        "loss": out.loss.detach(),
+        "z_loss": out.z_loss,
+        "acc": out.token_accuracy,
+        "dx": xl.grad,
+        "dW": Wl.grad,
+        "db": None if bl is None else bl.grad,
+    }
 
 
 def _row(case, dtype_name, check, tensor, contract, passed, **info) -> dict:
-    return {"op": OP, "case": case, "dtype": dtype_name, "path": "reference", "check": check, "tensor": tensor,
-            "contract": contract, "passed": bool(passed), **info}  # fmt: skip
+    return {
+        "op": OP,
+        "case": case,
+        "dtype": dtype_name,
+        "path": "reference",
+        "check": check,
+        "tensor": tensor,
+        "contract": contract,
+        "passed": bool(passed),
+        **info,
+    }
 
 
 def _fwd_bwd_rows(name: str, dtype_name: str, rank: int, world: int, N: int, device) -> list[dict]:
@@ -83,13 +98,15 @@ def _fwd_bwd_rows(name: str, dtype_name: str, rank: int, world: int, N: int, dev
         kw["weight"] = cw
     bias = b if spec.get("bias") else None
     reduction = kw.pop("reduction", "mean")
-    got = run_loss(vocab_parallel, x, W[rows_r], t, None if bias is None else bias[rows_r], up, reduction,
-                   vocab_slice=_SLICE, **kw)  # fmt: skip
+    got = run_loss(
+        vocab_parallel, x, W[rows_r], t, None if bias is None else bias[rows_r], up, reduction, vocab_slice=_SLICE, **kw
+    )
     base = run_loss(truefuse.linear_cross_entropy, x, W, t, bias, up, reduction, **kw)
     x64, W64 = x.cpu().double(), W.cpu().double()
     kw64 = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    ref = run_loss(linear_cross_entropy_ref, x64, W64, t.cpu(), None if bias is None else bias.cpu().double(), up.cpu(),
-                   reduction, **kw64)  # fmt: skip
+    ref = run_loss(
+        linear_cross_entropy_ref, x64, W64, t.cpu(), None if bias is None else bias.cpu().double(), up.cpu(), reduction, **kw64
+    )
     for k in ("dW", "db"):
         if base[k] is not None:
             base[k], ref[k] = base[k][rows_r], ref[k][rows_r]
@@ -97,8 +114,20 @@ def _fwd_bwd_rows(name: str, dtype_name: str, rank: int, world: int, N: int, dev
     for k in sorted(k for k, v in got.items() if v is not None):
         rep = bounded_report(got[k], ref[k], base[k])
         all_ranks = same_on_all_ranks(got[k]) if k in _REPLICATED else None
-        out.append(_row(name, dtype_name, "fwd_bwd", k, "bounded", rep.passed and all_ranks is not False, error=rep.error,
-                        baseline_error=rep.baseline_error, ratio=rep.ratio, all_ranks=all_ranks))  # fmt: skip
+        out.append(
+            _row(
+                name,
+                dtype_name,
+                "fwd_bwd",
+                k,
+                "bounded",
+                rep.passed and all_ranks is not False,
+                error=rep.error,
+                baseline_error=rep.baseline_error,
+                ratio=rep.ratio,
+                all_ranks=all_ranks,
+            )
+        )
     return out
 
 
@@ -131,8 +160,17 @@ def _wgrad_rows(dtype_name: str, rank: int, world: int, N: int, device) -> list[
     for fused in (False, True):
         imm, dly = step(fused, False), step(fused, True)
         differ = [n for n, a, b in zip(("dx", "dW"), imm[:2], dly[:2], strict=True) if not bitwise_report(a, b).equal]
-        out.append(_row("none_zloss", dtype_name, f"delayed_vs_immediate_{'main_grad' if fused else 'grad'}", "dx, dW",
-                        "bitwise", not differ, detail=("differ: " + ", ".join(differ)) if differ else ""))  # fmt: skip
+        out.append(
+            _row(
+                "none_zloss",
+                dtype_name,
+                f"delayed_vs_immediate_{'main_grad' if fused else 'grad'}",
+                "dx, dW",
+                "bitwise",
+                not differ,
+                detail=("differ: " + ", ".join(differ)) if differ else "",
+            )
+        )
     # two micro-batches into one main_grad; nothing returned to autograd
     mg = start.clone()
     grads = [step(True, False, main_grad=mg)[2] for _ in range(2)]
@@ -141,8 +179,19 @@ def _wgrad_rows(dtype_name: str, rank: int, world: int, N: int, device) -> list[
     want = start.cpu().double() + 2 * ref["dW"][rows_r]
     rep = bounded_report(mg, want, start + plain.float() + plain.float())
     ok = rep.passed and all(g is None for g in grads)
-    out.append(_row("none_zloss", dtype_name, "main_grad_2_microbatches", "main_grad", "bounded", ok, error=rep.error,
-                    baseline_error=rep.baseline_error, ratio=rep.ratio))  # fmt: skip
+    out.append(
+        _row(
+            "none_zloss",
+            dtype_name,
+            "main_grad_2_microbatches",
+            "main_grad",
+            "bounded",
+            ok,
+            error=rep.error,
+            baseline_error=rep.baseline_error,
+            ratio=rep.ratio,
+        )
+    )
     return out
 
 

@@ -161,9 +161,31 @@ def run_tiles(a: torch.Tensor, b: torch.Tensor, tiles: tuple[int, int, int, int]
     out = torch.empty(M, N, device=a.device, dtype=a.dtype)
     bm, bn, warps, stages = tiles
     _gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
-        a, b, out, a, out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1), a.stride(0), a.stride(1), ACCUMULATE=False, GRAD_ACT=0, GRAD_BIAS=False,
-        IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bc.BLOCK_K[bc.group(a.dtype)],
-        GROUP_M=bc.GROUP_M, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        a,
+        b,
+        out,
+        a,
+        out,
+        M,
+        N,
+        K,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        a.stride(0),
+        a.stride(1),
+        ACCUMULATE=False,
+        GRAD_ACT=0,
+        GRAD_BIAS=False,
+        IEEE=a.dtype == torch.float32,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bc.BLOCK_K[bc.group(a.dtype)],
+        GROUP_M=bc.GROUP_M,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out

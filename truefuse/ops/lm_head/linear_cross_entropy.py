@@ -337,9 +337,19 @@ def reduce_terms(ce, zl, reduction, scales, with_z: bool = True):
 
 
 def _from_logits(
-    logits, target, *, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, return_z_loss, return_token_accuracy,
+    logits,
+    target,
+    *,
+    weight,
+    reduction,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    return_z_loss,
+    return_token_accuracy,
     return_predicted_tokens=False,
-):  # fmt: skip
+):
     wide = logits.dtype
     t = target.reshape(-1)
     ignore_index = -100 if ignore_index is None else ignore_index  # torch's F.linear_cross_entropy's None
@@ -391,10 +401,18 @@ def linear_cross_entropy_ref(
     x = input.reshape(-1, input.shape[-1]).to(wide)
     logits = F.linear(x, linear_weight.to(wide), None if linear_bias is None else linear_bias.to(wide))
     return _from_logits(
-        logits, target, weight=weight, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
-        z_loss=z_loss, softcap=softcap, return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+        logits,
+        target,
+        weight=weight,
+        reduction=reduction,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
         return_predicted_tokens=return_predicted_tokens,
-    )  # fmt: skip
+    )
 
 
 def linear_cross_entropy_plain(input, linear_weight, target, *, linear_bias=None, **kw):

@@ -53,10 +53,24 @@ class CrossEntropyChunks:
         pred = None if self.pred is None else self.pred[rows]
         if self.kernel:
             return chunk_kernel(
-                logits, t, self.cw, ce, zl, ok, s_ce, s_z, V=self.V, ignore_index=o.ignore_index, w_sum=self.w_sum,
-                label_smoothing=o.label_smoothing, z_loss=o.z_loss, softcap=o.softcap, want_grad=want_grad, bias=bias,
+                logits,
+                t,
+                self.cw,
+                ce,
+                zl,
+                ok,
+                s_ce,
+                s_z,
+                V=self.V,
+                ignore_index=o.ignore_index,
+                w_sum=self.w_sum,
+                label_smoothing=o.label_smoothing,
+                z_loss=o.z_loss,
+                softcap=o.softcap,
+                want_grad=want_grad,
+                bias=bias,
                 pred=pred,
-            )  # fmt: skip
+            )
         self.finish()  # before the first chunk's math indexes with the targets
         z = logits.to(wide_dtype(logits))
         if bias is not None:
@@ -64,9 +78,19 @@ class CrossEntropyChunks:
         if o.softcap is not None:
             z = o.softcap * torch.tanh(z / o.softcap)
         c_ce, c_zl, c_ok, g = chunk_math(
-            z, t, t != o.ignore_index, self.cw, V=self.V, W_sum=self.w_sum, label_smoothing=o.label_smoothing,
-            z_loss=o.z_loss, softcap=o.softcap, s_ce=s_ce, s_z=s_z, want_grad=want_grad,
-        )  # fmt: skip
+            z,
+            t,
+            t != o.ignore_index,
+            self.cw,
+            V=self.V,
+            W_sum=self.w_sum,
+            label_smoothing=o.label_smoothing,
+            z_loss=o.z_loss,
+            softcap=o.softcap,
+            s_ce=s_ce,
+            s_z=s_z,
+            want_grad=want_grad,
+        )
         ce.copy_(c_ce), zl.copy_(c_zl), ok.copy_(c_ok)
         if pred is not None:
             pred.copy_(z.argmax(-1))  # torch.argmax: the first NaN, else the first maximum
@@ -133,9 +157,25 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s
 
 
 def chunk_kernel(
-    logits, t, cw, ce, zl, ok, s_ce, s_z, *, V, ignore_index, w_sum, label_smoothing, z_loss, softcap, want_grad, bias=None,
+    logits,
+    t,
+    cw,
+    ce,
+    zl,
+    ok,
+    s_ce,
+    s_z,
+    *,
+    V,
+    ignore_index,
+    w_sum,
+    label_smoothing,
+    z_loss,
+    softcap,
+    want_grad,
+    bias=None,
     pred=None,
-):  # fmt: skip
+):
     """:func:`chunk_math` for one chunk in one Triton kernel (``kernels/linear_cross_entropy.py``), on CUDA
     or for fp32 under the CPU interpreter.
 
@@ -154,9 +194,24 @@ def chunk_kernel(
         return None
     launch(
         lce_chunk_op,
-        logits, t, cw, ce, zl, ok, s_ce, s_z, bias, V, ignore_index, float(w_sum), float(label_smoothing), float(z_loss),
-        None if softcap is None else float(softcap), want_grad, pred,
-    )  # fmt: skip
+        logits,
+        t,
+        cw,
+        ce,
+        zl,
+        ok,
+        s_ce,
+        s_z,
+        bias,
+        V,
+        ignore_index,
+        float(w_sum),
+        float(label_smoothing),
+        float(z_loss),
+        None if softcap is None else float(softcap),
+        want_grad,
+        pred,
+    )
     return logits if want_grad else None
 
 
@@ -188,13 +243,33 @@ def lce_chunk_op(
     if C == 0:
         return
     _linear_cross_entropy_chunk_kernel[(C,)](
-        logits, logits.stride(0), bias if bias is not None else logits, t, cw if cw is not None else ce, ce, zl, ok,
-        pred if pred is not None else ok, s_ce.contiguous(), s_z.contiguous(), V, ignore_index, w_sum, label_smoothing,
-        z_loss, softcap or 1.0, HAS_BIAS=bias is not None, HAS_CW=cw is not None,
-        SMOOTH=label_smoothing > 0, SOFTCAP=softcap is not None, WANT_GRAD=want_grad, PER_TOKEN=s_ce.dim() == 1,
-        BLOCK_V=2048 if logits.is_cuda else 64, num_warps=8,  # 8 logits a thread: fastest at every V (H200)
+        logits,
+        logits.stride(0),
+        bias if bias is not None else logits,
+        t,
+        cw if cw is not None else ce,
+        ce,
+        zl,
+        ok,
+        pred if pred is not None else ok,
+        s_ce.contiguous(),
+        s_z.contiguous(),
+        V,
+        ignore_index,
+        w_sum,
+        label_smoothing,
+        z_loss,
+        softcap or 1.0,
+        HAS_BIAS=bias is not None,
+        HAS_CW=cw is not None,
+        SMOOTH=label_smoothing > 0,
+        SOFTCAP=softcap is not None,
+        WANT_GRAD=want_grad,
+        PER_TOKEN=s_ce.dim() == 1,
+        BLOCK_V=2048 if logits.is_cuda else 64,
+        num_warps=8,  # 8 logits a thread: fastest at every V (H200)
         WANT_PRED=pred is not None,
-    )  # fmt: skip
+    )
 
 
 @lce_chunk_op.register_fake

@@ -333,10 +333,27 @@ def lce_slice_stats_op(
         m.fill_(float("-inf")), s.zero_(), arg.fill_(v0), wz.zero_(), zt.zero_(), has_t.zero_()
         return
     _lce_slice_stats_kernel[(N,)](
-        logits, logits.stride(0), bias if bias is not None else logits, cw if cw is not None else m, t, m, s, arg, wz,
-        zt, has_t, Vs, v0, softcap or 1.0, HAS_BIAS=bias is not None, HAS_CW=cw is not None, SMOOTH=smooth,
-        SOFTCAP=softcap is not None, BLOCK_V=_block_v(logits), num_warps=8,
-    )  # fmt: skip
+        logits,
+        logits.stride(0),
+        bias if bias is not None else logits,
+        cw if cw is not None else m,
+        t,
+        m,
+        s,
+        arg,
+        wz,
+        zt,
+        has_t,
+        Vs,
+        v0,
+        softcap or 1.0,
+        HAS_BIAS=bias is not None,
+        HAS_CW=cw is not None,
+        SMOOTH=smooth,
+        SOFTCAP=softcap is not None,
+        BLOCK_V=_block_v(logits),
+        num_warps=8,
+    )
 
 
 @lce_slice_stats_op.register_fake
@@ -476,9 +493,22 @@ def slice_grad_kernel(logits, bias, cw, t, lse, s_ce, s_z, v0: int, V: int, w_su
     """:func:`slice_grad_math` in one Triton kernel, written over ``logits`` (N, Vs) in their
     dtype; returns them. ``cw``: the whole vocabulary's fp32 class weights, or None."""
     launch(
-        lce_slice_grad_op, logits, bias, cw, t, lse, s_ce, s_z, v0, V, opts.ignore_index, float(w_sum),
-        opts.label_smoothing, opts.z_loss, opts.softcap,
-    )  # fmt: skip
+        lce_slice_grad_op,
+        logits,
+        bias,
+        cw,
+        t,
+        lse,
+        s_ce,
+        s_z,
+        v0,
+        V,
+        opts.ignore_index,
+        float(w_sum),
+        opts.label_smoothing,
+        opts.z_loss,
+        opts.softcap,
+    )
     return logits
 
 
@@ -507,11 +537,30 @@ def lce_slice_grad_op(
     if N == 0 or Vs == 0:
         return
     _lce_slice_grad_kernel[(N,)](
-        logits, logits.stride(0), bias if bias is not None else logits, cw if cw is not None else lse, t, lse,
-        s_ce.contiguous(), s_z.contiguous(), Vs, v0, V, ignore_index, w_sum, label_smoothing, z_loss, softcap or 1.0,
-        HAS_BIAS=bias is not None, HAS_CW=cw is not None, SMOOTH=label_smoothing > 0, SOFTCAP=softcap is not None,
-        PER_TOKEN=s_ce.dim() == 1, BLOCK_V=_block_v(logits), num_warps=8,
-    )  # fmt: skip
+        logits,
+        logits.stride(0),
+        bias if bias is not None else logits,
+        cw if cw is not None else lse,
+        t,
+        lse,
+        s_ce.contiguous(),
+        s_z.contiguous(),
+        Vs,
+        v0,
+        V,
+        ignore_index,
+        w_sum,
+        label_smoothing,
+        z_loss,
+        softcap or 1.0,
+        HAS_BIAS=bias is not None,
+        HAS_CW=cw is not None,
+        SMOOTH=label_smoothing > 0,
+        SOFTCAP=softcap is not None,
+        PER_TOKEN=s_ce.dim() == 1,
+        BLOCK_V=_block_v(logits),
+        num_warps=8,
+    )
 
 
 @lce_slice_grad_op.register_fake

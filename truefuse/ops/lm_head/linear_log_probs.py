@@ -179,9 +179,20 @@ class LogProbChunks:
             if logits.shape[0] == 0:
                 return None
             launch(
-                log_probs_chunk_op, logits, t, lp, ent, a if want_grad else None, c if want_grad else None, bias,
-                self.V, o.ignore_index, o.temperature, o.softcap, want_grad,
-            )  # fmt: skip
+                log_probs_chunk_op,
+                logits,
+                t,
+                lp,
+                ent,
+                a if want_grad else None,
+                c if want_grad else None,
+                bias,
+                self.V,
+                o.ignore_index,
+                o.temperature,
+                o.softcap,
+                want_grad,
+            )
             return logits if want_grad else None
         self.finish()  # before the first chunk's math indexes with the targets
         z = logits.to(wide_dtype(logits))
@@ -224,11 +235,24 @@ def log_probs_chunk_op(
     if C == 0:
         return
     _linear_log_probs_chunk_kernel[(C,)](
-        logits, logits.stride(0), bias if bias is not None else logits, t, lp, ent,
-        a.contiguous() if a is not None else lp, c.contiguous() if c is not None else lp, V, ignore_index,
-        temperature, softcap or 1.0, HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
-        WANT_GRAD=want_grad, BLOCK_V=2048 if logits.is_cuda else 64, num_warps=8,
-    )  # fmt: skip
+        logits,
+        logits.stride(0),
+        bias if bias is not None else logits,
+        t,
+        lp,
+        ent,
+        a.contiguous() if a is not None else lp,
+        c.contiguous() if c is not None else lp,
+        V,
+        ignore_index,
+        temperature,
+        softcap or 1.0,
+        HAS_BIAS=bias is not None,
+        SOFTCAP=softcap is not None,
+        WANT_GRAD=want_grad,
+        BLOCK_V=2048 if logits.is_cuda else 64,
+        num_warps=8,
+    )
 
 
 @log_probs_chunk_op.register_fake
