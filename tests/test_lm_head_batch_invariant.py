@@ -1,7 +1,7 @@
 """The chunked LM head in batch-invariant mode (docs/design.md §1): a token's loss, log-prob,
 entropy and input gradient are the same bits whether it comes alone, in a slice or in the whole
-call, with several chunks and a vocabulary the default mode would split. The GEMM is forced to a
-row-invariant path (tests/row_gemm.py): the planner's batch-invariant GEMM is tested with it."""
+call, with several chunks and a vocabulary the default mode would split. The head's GEMMs take the
+planner's batch-invariant plan under the switch (docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch
 
 import truefuse
 import truefuse.ops.lm_head.chunked_head as chunked_head
-import truefuse.ops.lm_head.chunked_head_gemms as head_gemms
-from tests.row_gemm import force_row_gemm
 from truefuse.config import tuning
 from truefuse.ops.lm_head.chunked_head import default_chunk, invariant_chunk
 from truefuse.ops.lm_head.chunked_head_gemms import vocab_split
@@ -37,10 +35,9 @@ def _per_token(op, x, W, t, b, up):
     [("linear_log_probs", torch.float32), ("linear_log_probs", torch.bfloat16), ("linear_cross_entropy", torch.bfloat16)],
     ids=["log_probs_fp32_kernel", "log_probs_bf16_torch", "cross_entropy_bf16_torch"],
 )
-def test_rows_of_a_slice_equal_the_whole_call(op, dtype, monkeypatch):
+def test_rows_of_a_slice_equal_the_whole_call(op, dtype):
     """fp32 on the CPU runs the Triton loss kernels (interpreter; the cross-entropy's is the same
     one program per row, left out for time), bf16 their PyTorch math."""
-    force_row_gemm(monkeypatch, head_gemms)
     x, W, t, b = make_inputs(dtype, torch.device("cpu"), N=12, H=8, V=70, bias=True)
     # chunks of 8 tokens (no weight gradient: no accumulator); the default mode would split the
     # vocabulary of 8-token chunks (8 x 70 x 8 >= 3000 multiply-adds) and not of one token's
