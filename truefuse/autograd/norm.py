@@ -13,7 +13,7 @@ import torch
 
 from truefuse.ops.norm import (
     HF_NORM_STYLES,
-    hf_rstd,
+    hf_statistics,
     layer_norm_ref,
     norm_fwd_op,
     rms_norm_hf_fwd_op,
@@ -103,7 +103,8 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
     """A transformers RMSNorm's forward, bit for bit, with truefuse's fused backward.
 
     The statistics are the stock module's own expression (``hf_rstd``: torch reduces, so the bits
-    are torch's); the kernel applies them and the weight with the stock rounding of ``style``
+    are torch's; in batch-invariant mode on CUDA the norm kernel's, ``hf_statistics``); the kernel
+    applies them and the weight with the stock rounding of ``style``
     (``llama``: weight × round(x·rstd); ``gemma``: round(x·rstd·(1 + weight)); see
     ``ops.norm.HF_NORM_STYLES``), and the backward is one kernel from the saved rstd instead of
     autograd's chain of eight ops and their saved fp32 copies.
@@ -125,6 +126,6 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
     if not use_kernel(x):
         return rms_norm_hf_ref(x, weight, eps, style=style)
     with torch.no_grad():  # the op's backward differentiates through the statistics itself
-        rstd = hf_rstd(x, eps).reshape(-1)
+        rstd = hf_statistics(x, eps).reshape(-1)
     y = rms_norm_hf_fwd_op(x.reshape(-1, x.shape[-1]).contiguous(), weight, rstd, style)
     return y.view(x.shape)

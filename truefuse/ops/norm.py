@@ -81,18 +81,22 @@ HF_NORM_STYLES = ("llama", "gemma")
 
 def hf_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     """The stock modules' statistics, by their own expression (so the reduction order is torch's):
-    ``rsqrt(mean(x.float()²) + eps)``, (...) fp32 with x's leading shape.
+    ``rsqrt(mean(x.float()²) + eps)``, (...) fp32 with x's leading shape."""
+    xf = x.to(torch.float32)
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps).squeeze(-1)
 
-    In batch-invariant mode on CUDA, the norm kernel's statistics instead (``1 / sqrt_rn(Σx²/N + eps)``,
-    the same roundings in another summation order): torch's CUDA reduction takes its launch
+
+def hf_statistics(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The statistics ``rms_norm_hf``'s kernel applies: :func:`hf_rstd` (stock's bits), except in
+    batch-invariant mode on CUDA, where they are the norm kernel's (``1 / sqrt_rn(Σx²/N + eps)``, the
+    same roundings in another summation order): torch's CUDA reduction takes its launch
     configuration from the number of rows, and with few rows splits each row's sum over more threads,
     so a row's bits changed with the batch (docs/design.md §1). On the CPU torch's row sums were the
     same bits at every row count measured (tests/test_batch_invariant.py), so stock's stay."""
     if x.is_cuda and is_batch_invariant() and use_kernel(x):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         return norm_fwd(x2, None, None, eps, rms=True, zero_centered_gamma=False)[2].view(x.shape[:-1])
-    xf = x.to(torch.float32)
-    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps).squeeze(-1)
+    return hf_rstd(x, eps)
 
 
 def rms_norm_hf_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, style: str = "llama") -> torch.Tensor:
