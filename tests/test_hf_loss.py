@@ -535,3 +535,32 @@ def test_forward_keeps_no_targets_alive(monkeypatch):
     patched(input_ids=ids, labels=labels).loss.backward()
     gc.collect()
     assert refs and all(r() is None for r in refs)
+
+
+def test_bad_labels_from_the_check_ahead_of_the_decoder(monkeypatch):
+    """On CUDA the labels' range check starts before the decoder and is waited for after the loss,
+    which then skips its own wait (``targets_checked``: the host keeps its lead over the GPU). Played
+    on the CPU: the check ahead must be what raises, the loss's own check being skipped."""
+    import truefuse.ops.lm_head.linear_cross_entropy as ops_lce
+
+    _, patched = _models("llama")
+    ids, _, labels = _batch()
+    monkeypatch.setattr(hf_loss, "_early_range_check", lambda t: False)
+    monkeypatch.setattr(hf_loss, "_label_check_ahead", lambda labels: True)
+    started = []
+    real = ops_lce.check_targets
+
+    def spy(t, *a, **k):
+        started.append(tuple(t.shape))
+        return real(t, *a, **k)
+
+    monkeypatch.setattr(ops_lce, "check_targets", spy)
+    good = patched(input_ids=ids, labels=labels).loss
+    assert started == [tuple(labels[..., 1:].shape)]  # the one check, on what the shift keeps
+    torch.testing.assert_close(good, _models("llama")[0](input_ids=ids, labels=labels).loss, rtol=1e-5, atol=0)
+    labels[0, 7] = V + 3
+    with pytest.raises(ValueError, match=rf"labels holds {V + 3}, outside \[0, vocab_size={V}\)"):
+        patched(input_ids=ids, labels=labels)
+    # the check ahead is the only one: without it the bad label goes through (read as class 0)
+    monkeypatch.setattr(ops_lce, "check_targets", lambda *a, **k: (lambda: None))
+    patched(input_ids=ids, labels=labels)

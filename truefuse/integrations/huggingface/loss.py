@@ -31,6 +31,7 @@ Importable without transformers: it is imported lazily, when a forward runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -250,9 +251,35 @@ def _tokens_shape(input_ids, inputs_embeds):
     return None
 
 
-def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict) -> torch.Tensor:
-    """ForCausalLMLoss of ``lm_head(hidden)`` (softcapped for Gemma) through the fused op."""
+def _label_check_ahead(labels: torch.Tensor) -> bool:
+    """Start the fused loss's target check before the decoder (CUDA: it is waited for only after
+    the loss), rather than in the loss (off CUDA, where :func:`_early_range_check` checks first)."""
+    return labels.is_cuda
+
+
+def _start_label_check(self, labels, kwargs, logits_to_keep):
+    """On CUDA, for the fused loss: start the range check of the targets (``labels[..., 1:]``, what
+    the shift keeps, or ``shift_labels``) before the decoder runs, and return its finish (None where
+    the loss checks them itself). The loss then does not wait for a check of its own, queued after
+    the decoder: see ``ops/lm_head/linear_cross_entropy.py::targets_checked``."""
+    if torch.compiler.is_compiling() or not isinstance(labels, torch.Tensor) or not _label_check_ahead(labels):
+        return None
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0) or _fallback_reason(self) is not None:
+        return None
+    shift = kwargs.get("shift_labels")
+    src = labels[..., 1:] if shift is None else shift
+    if not isinstance(src, torch.Tensor) or src.device != labels.device or src.dtype not in (torch.int64, torch.int32):
+        return None
+    from truefuse.ops.lm_head.linear_cross_entropy import check_targets
+
+    return check_targets(src, self.lm_head.weight.shape[0], int(kwargs.get("ignore_index", -100)))
+
+
+def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict, early=None) -> torch.Tensor:
+    """ForCausalLMLoss of ``lm_head(hidden)`` (softcapped for Gemma) through the fused op.
+    ``early``: :func:`_start_label_check`'s finish, called after the loss is queued."""
     from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
+    from truefuse.ops.lm_head.linear_cross_entropy import targets_checked
 
     ignore_index = int(kwargs.get("ignore_index", -100))
     name, t = _targets(labels, kwargs, hidden.shape[:-1], ignore_index)
@@ -271,15 +298,18 @@ def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict) -> tor
             raise _range_error(name, bad, V, ignore_index)
     num_items = kwargs.get("num_items_in_batch")
     try:  # under torch.autocast the op casts its operands as F.linear does (autograd/_autocast.py)
-        loss = linear_cross_entropy(
-            x,
-            W,
-            t,
-            linear_bias=b,
-            reduction="mean" if num_items is None else "sum",
-            ignore_index=ignore_index,
-            softcap=_softcap(self, traits),
-        )
+        with targets_checked() if early is not None else contextlib.nullcontext():
+            loss = linear_cross_entropy(
+                x,
+                W,
+                t,
+                linear_bias=b,
+                reduction="mean" if num_items is None else "sum",
+                ignore_index=ignore_index,
+                softcap=_softcap(self, traits),
+            )
+        if early is not None:
+            early()
     except ValueError as e:
         # on CUDA the loss checks the targets without a host sync of its own (memory-safe, raised
         # before it returns): name the labels here
@@ -365,6 +395,7 @@ def _forward(self, args, kwargs):
     # every other argument goes to the base model as given, as stock passes it (a deprecated
     # name such as ``past_key_values`` on 5.24 included: the base model renames it, with
     # transformers' own warning, as stock's decorator does)
+    early = None if labels is None else _start_label_check(self, labels, kwargs, logits_to_keep)
     outputs = self.model(**model_kwargs, **kwargs)
 
     hidden = _slice_to_keep(outputs.last_hidden_state, logits_to_keep)
@@ -374,7 +405,7 @@ def _forward(self, args, kwargs):
     else:
         reason = _fallback_reason(self)
         if reason is None:
-            loss = _fused_loss(self, hidden, labels, kwargs, traits)
+            loss = _fused_loss(self, hidden, labels, kwargs, traits, early)
             want = return_logits if return_logits is not None else not self.training
             if want:
                 logits = _stock_logits(self, hidden, traits)

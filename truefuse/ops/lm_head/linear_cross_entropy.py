@@ -22,6 +22,8 @@ over the chunked LM head is ``ops/lm_head/linear_cross_entropy_chunk.py``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import operator
 from dataclasses import dataclass
@@ -202,10 +204,31 @@ def check_targets(target: torch.Tensor, V: int, ignore_index: int, valid: torch.
     return _check_finish(bad.any(), target, V, ignore_index)
 
 
+#: set by :func:`targets_checked`: the caller started its own :func:`check_targets` earlier
+_CHECKED_BY_CALLER = contextvars.ContextVar("truefuse_targets_checked", default=False)
+
+
+@contextlib.contextmanager
+def targets_checked():
+    """Within it, the losses do not wait for their own target check: the caller started
+    :func:`check_targets` on the same targets earlier (the Hugging Face forward does, before the
+    decoder runs) and calls its finish after the loss. Why: waiting on the loss's own check, queued
+    right before the loss, stops the host until the GPU has run the whole decoder forward; where the
+    host is the bottleneck (a step under FSDP2), the backward's launches then start from an empty
+    queue (2 H100s, the demo's GPU model: 218 against 202 ms a step; docs/benchmarks.md, FSDP2)."""
+    token = _CHECKED_BY_CALLER.set(True)
+    try:
+        yield
+    finally:
+        _CHECKED_BY_CALLER.reset(token)
+
+
 def _check_finish(flag: torch.Tensor, target: torch.Tensor, V: int, ignore_index: int):
     """:func:`check_targets`' callable from ``flag``, a 0-dim device tensor, nonzero when a target
     is bad (copied to pinned memory behind an event on CUDA; the first bad value is looked up only
-    then)."""
+    then). Under :func:`targets_checked`: nothing (the caller's check covers it)."""
+    if _CHECKED_BY_CALLER.get():
+        return _nothing
     if not target.is_cuda:
         any_bad = bool(flag)
         ready = None
@@ -224,6 +247,10 @@ def _check_finish(flag: torch.Tensor, target: torch.Tensor, V: int, ignore_index
             raise ValueError(f"target holds {first}, outside [0, {V}) and not ignore_index={ignore_index}")
 
     return finish
+
+
+def _nothing() -> None:
+    return None
 
 
 def target_prologue(t: torch.Tensor, V: int, ignore_index: int, reduction: str, cw: torch.Tensor | None, like: torch.Tensor):

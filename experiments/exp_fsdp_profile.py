@@ -1,0 +1,272 @@
+"""Where a training step goes under FSDP2: stock transformers vs ``apply_truefuse`` (vs Liger-Kernel
+when importable), each decoder layer and the root ``fully_shard``-ed, on every local GPU.
+
+Per run and rank: ms per step (after warm-up), then one step under
+``torch.cuda.set_sync_debug_mode("warn")`` (the host synchronisations and where they are called),
+then one profiled step (rank 0 records it): the top ops by self CPU and self CUDA time, the host time spent
+waiting in CUDA synchronisation calls, and how much of the step's wall time the GPU's compute
+stream is busy (the union of kernel intervals). Writes ``OUT/fsdp_<policy>.txt`` and ``.json``.
+
+Run: ``PYTHONPATH=. python experiments/exp_fsdp_profile.py OUT --policy mp`` on 2+ GPUs
+(``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1``); ``--policy bf16``
+for pure bf16 parameters; ``--small`` for hidden 1024, 4 layers, vocabulary 32000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gc
+import json
+import os
+import signal
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BIG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, heads=16, kv=8)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, heads=4, kv=2)
+SMALL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, heads=16, kv=8)
+
+
+def _no_target_wait(*args):
+    return lambda: None
+
+
+def _patch(name):
+    if name == "truefuse-nocheck":  # the loss's target check neither waited for nor raised: its cost
+        import truefuse.ops.lm_head.linear_cross_entropy as lce
+
+        lce._check_finish = _no_target_wait
+    if name.startswith("truefuse"):
+        from truefuse.integrations.huggingface import apply_truefuse
+
+        return apply_truefuse
+    if name == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        return lambda m: apply_liger_kernel_to_llama(model=m)
+    return None
+
+
+def _log(rank, msg):
+    print(f"[{time.strftime('%H:%M:%S')} rank{rank}] {msg}", flush=True)
+
+
+def _build(shape, policy, run, head_unit, dev):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv"],
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    dtype = torch.float32 if policy == "mp" else torch.bfloat16
+    with torch.device(dev):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    patch = _patch(run)
+    if patch is not None:
+        patch(model)
+    kw = {}
+    if policy == "mp":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    if head_unit:
+        fully_shard(model.lm_head, **kw)
+    fully_shard(model, **kw)
+    model.train()
+    return model
+
+
+def _busy_fraction(prof, wall_ms: float) -> float:
+    """Union of GPU kernel intervals over the profiled window / its wall time."""
+    spans = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            spans.append((e.time_range.start, e.time_range.end))
+    spans.sort()
+    busy, end = 0.0, -1.0
+    for s, t in spans:
+        if s > end:
+            busy += t - s
+            end = t
+        elif t > end:
+            busy += t - end
+            end = t
+    return busy / 1000.0 / wall_ms if wall_ms else 0.0
+
+
+def _sync(dev):
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev):
+    _log(rank, f"{run} {policy}: build")
+    model = _build(shape, policy, run, head_unit, dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator(dev).manual_seed(1 + rank)
+    ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=dev, generator=g)
+    losses = []
+
+    def step():
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    times = []
+    for i in range(warmup + steps):
+        _sync(dev)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = step()
+        losses.append(loss.item())
+        _sync(dev)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+        _log(rank, f"{run} step {i}: {(time.perf_counter() - t0) * 1e3:.1f} ms loss {losses[-1]:.4f}")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
+    # host synchronisations of one step, by call site
+    sites = collections.Counter()
+    _sync(dev)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if dev == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            loss = step()
+        finally:
+            if dev == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            sites[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
+    loss.item()
+    res = dict(run=run, policy=policy, ms=sorted(times)[len(times) // 2], ms_all=times, peak_gib=peak, losses=losses,
+               syncs=sum(sites.values()), sync_sites=sites.most_common(12))  # fmt: skip
+    _log(rank, f"{run}: {res['syncs']} syncs in one step; profiling")
+    # every rank runs the profiled steps (FSDP2's collectives need them all); rank 0 records them
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(dev)
+    dist.barrier()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    with profile(activities=acts) if rank == 0 else contextlib.nullcontext() as prof:
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        wall = (time.perf_counter() - t0) * 1e3
+    if rank == 0:
+        ka = prof.key_averages()
+        res["profile_wall_ms"] = wall
+        res["gpu_busy"] = _busy_fraction(prof, wall)
+        waits = {k.key: k.cpu_time_total / 1e3 for k in ka if "Synchronize" in k.key or "cudaStreamWait" in k.key}
+        res["sync_wait_ms_per_step"] = waits
+        res["top_cuda"] = ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
+        res["top_cpu"] = ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+        _log(rank, f"{run}: profiled, GPU busy {res['gpu_busy']:.0%}")
+    dist.barrier()
+    return res
+
+
+def _worker(rank, world, args, q):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(args.port))
+    dev = args.device
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    _log(rank, "process group up")
+    shape = TINY if args.tiny else SMALL if args.small else BIG
+    out = []
+    for run in args.runs.split(","):
+        if run == "liger":
+            try:
+                import liger_kernel  # noqa: F401
+            except ImportError:
+                continue
+        r = _one_run(rank, shape, args.policy, run, args.head_unit, args.seq, args.batch, args.steps, args.warmup, dev)
+        r["rank"] = rank
+        out.append(r)
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    q.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--policy", choices=["mp", "bf16"], default="mp")
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer toy (check the script on the CPU)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--world", type=int, default=0, help="ranks (default: the GPU count)")
+    p.add_argument("--head-unit", action="store_true")
+    p.add_argument("--runs", default="stock,truefuse,liger")
+    p.add_argument("--port", type=int, default=29533)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    world = args.world or torch.cuda.device_count()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, args, q), daemon=True) for r in range(world)]
+
+    def stop(*_):  # a timeout's SIGTERM: take the ranks down too (orphans would hold the GPUs)
+        for pr in procs:
+            pr.kill()
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, stop)
+    for pr in procs:
+        pr.start()
+    results = dict(q.get() for _ in procs)
+    for pr in procs:
+        pr.join()
+    tag = f"fsdp_{args.policy}{'_small' if args.small else ''}{'_head' if args.head_unit else ''}"
+    with open(os.path.join(args.out, tag + ".json"), "w") as f:
+        json.dump({"world": world, "args": vars(args), "results": results}, f, indent=1, default=str)
+    lines = [f"{tag}: world {world}, {args.batch}x{args.seq} tokens per rank"]
+    r0 = results[0]
+    base = next((r["ms"] for r in r0 if r["run"] == "stock"), None)
+    for r in r0:
+        other = [x for x in results[1] if x["run"] == r["run"]] if world > 1 else []
+        lines.append(
+            f"{r['run']:>9}: {r['ms']:7.1f} ms/step (rank1 {other[0]['ms'] if other else float('nan'):7.1f})"
+            f"  {base / r['ms'] if base else float('nan'):.2f}x stock  peak {r['peak_gib']:.1f} GiB"
+            f"  syncs/step {r['syncs']}  gpu busy {r.get('gpu_busy', 0):.0%}  loss0 {r['losses'][0]:.4f}"
+        )
+        lines.append(f"           sync sites: {r['sync_sites'][:6]}")
+        lines.append(f"           sync waits ms/step: {r.get('sync_wait_ms_per_step')}")
+    with open(os.path.join(args.out, tag + ".txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+        for r in r0:
+            f.write(f"\n==== {r['run']} top CUDA\n{r.get('top_cuda', '')}\n==== {r['run']} top CPU\n{r.get('top_cpu', '')}\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
