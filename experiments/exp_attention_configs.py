@@ -135,7 +135,7 @@ def main():
     det = (_rnd(g, 2, 8, 2048, 128), _rnd(g, 2, 2, 2048, 128), _rnd(g, 2, 2, 2048, 128), _rnd(g, 2, 8, 2048, 128))
     shapes = [(b, n) for n in (2048, 8192) for b in (1, 8, 32)]
     dec = {(b, n): (_rnd(g, b, 32, 1, 128), _rnd(g, b, 8, n, 128), _rnd(g, b, 8, n, 128)) for b, n in shapes}
-    rep = {key: [t.repeat_interleave(4, 1) for t in val] for key, val in train.items()}
+    rep = {key: (val[0], *(t.repeat_interleave(4, 1) for t in val[1:])) for key, val in train.items()}
     rep_dec = {key: (val[0], *(t.repeat_interleave(4, 1) for t in val[1:])) for key, val in dec.items()}
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
 
