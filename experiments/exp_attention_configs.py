@@ -2,7 +2,7 @@
 keep the bits (issue 33)?
 
 For each candidate (``ops/attention_config.py``'s tiles, replaced through
-``truefuse.ops.attention.attention_config``, and the loop variants of ``VARIANT``):
+``truefuse.ops.attention.attention_config``):
 
 * backward: two or more identical backward runs bitwise equal (random dO, B=2, 8/2 heads,
   L=2048, and verify's ones-dO case), where the differing dK elements sit, and fwd + bwd time at
@@ -12,7 +12,7 @@ For each candidate (``ops/attention_config.py``'s tiles, replaced through
 
 all against SDPA's flash backend in the same run, timed under CUDA graphs as
 ``python -m truefuse bench attention`` times them (the heads repeated outside the timing).
-Run: ``PYTHONPATH=. python experiments/exp_attention_configs.py [OUT_DIR]`` on one GPU (~4 min).
+Run: ``PYTHONPATH=. python experiments/exp_attention_configs.py [OUT_DIR [BUDGET_S]]`` on one GPU.
 """
 
 import dataclasses
@@ -33,26 +33,21 @@ from truefuse.verify import cases_attention
 BF = torch.bfloat16
 BASE = attention_config(128, BF, False)
 T0 = time.time()
-BUDGET_S = 200  # the sweep's share of a 300 s call; verify and the tests follow it
 
-# dK/dV tile (m, n, warps, stages), flat (g, m) loop, K/V loaded transposed through the strides
+# (dK/dV tile (m, n, warps, stages), dQ tile): the committed one first. The first call's sweep
+# (docs/results/attention/attention_sweep_h100_2026-11-26.json) also ran the loop variants since
+# removed: dK/dV as nested (head, rows) loops and with tl.trans of K and V, the forward as one
+# loop merging at chunk ends under an `if`
 BWD = [
-    ((32, 64, 4, 3), False, False),  # the tile whose bf16 dK was not reproducible
-    ((32, 64, 4, 3), True, True),
-    ((32, 64, 4, 1), False, False),
-    ((32, 64, 4, 2), False, False),
-    ((32, 64, 4, 3), False, True),
-    ((32, 64, 4, 3), True, False),
-    ((32, 64, 4, 2), True, True),
-    ((64, 64, 4, 3), True, True),
-    ((64, 64, 8, 2), True, True),
-    ((32, 128, 8, 2), True, True),
-    ((64, 128, 8, 2), True, True),
+    ((64, 64, 4, 3), (128, 64, 8, 2)),
+    ((32, 64, 4, 3), (128, 64, 8, 2)),  # bf16 dK not reproducible
+    ((32, 64, 4, 1), (128, 64, 8, 2)),
+    ((64, 64, 4, 2), (128, 64, 8, 2)),
+    ((64, 64, 4, 3), (64, 64, 4, 3)),
+    ((64, 64, 8, 2), (64, 64, 8, 2)),  # the tiles before
 ]
-DQ = [(64, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)]  # the first with every BWD row
-# prefill forward tile (m, warps, stages), flat chunk loop
-FWD = [((128, 8, 3), True), ((64, 4, 3), False), ((64, 4, 3), True), ((128, 8, 3), False), ((128, 8, 2), True)]
-DECODE = [(3, True), (3, False), (2, True)]  # (stages, flat) of the 64-row decode tile
+FWD = [(128, 8, 3), (64, 4, 3), (128, 8, 2), (128, 4, 3)]  # prefill forward tile (m, warps, stages)
+DECODE = [3, 2]  # stages of the 64-row decode tile
 
 
 def _t(fn):
@@ -60,9 +55,8 @@ def _t(fn):
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
-def _use(cfg, **variant):
+def _use(cfg):
     ops_attention.attention_config = lambda *a, cfg=cfg: cfg
-    ops_attention.VARIANT.update(variant)
 
 
 def _rnd(g, *s):
@@ -129,6 +123,7 @@ def _fails(case):
 
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else None
+    budget = float(sys.argv[2]) if len(sys.argv) > 2 else 200.0  # seconds; later candidates are skipped
     g = torch.Generator(device="cuda").manual_seed(0)
     train = {L: (_rnd(g, 4, 32, L, 128), _rnd(g, 4, 8, L, 128), _rnd(g, 4, 8, L, 128)) for L in (2048, 4096)}
     dy = _rnd(g, 4, 32, 4096, 128)
@@ -155,11 +150,10 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    def backward(tile, flat, load_t, dq):
+    def backward(tile, dq):
         cfg = dataclasses.replace(BASE, dkdv_m=tile[0], dkdv_n=tile[1], dkdv_warps=tile[2], dkdv_stages=tile[3])
-        cfg = dataclasses.replace(cfg, dq_m=dq[0], dq_n=dq[1], dq_warps=dq[2], dq_stages=dq[3])
-        _use(cfg, fwd_flat=True, dkdv_flat=flat, dkdv_load_t=load_t)
-        row = {"pass": "bwd", "dkdv": tile, "flat": flat, "load_t": load_t, "dq": dq}
+        _use(dataclasses.replace(cfg, dq_m=dq[0], dq_n=dq[1], dq_warps=dq[2], dq_stages=dq[3]))
+        row = {"pass": "bwd", "dkdv": tile, "dq": dq}
         try:
             row.update(_determinism(det))
             ms = _t(_fwd_bwd(*train[4096], dy, _ours))
@@ -168,27 +162,24 @@ def main():
             row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
         record(row)
 
-    for i, (tile, flat, load_t) in enumerate(BWD):
-        if time.time() - T0 > BUDGET_S * 0.45 and i > 2:
+    for tile, dq in BWD:
+        if time.time() - T0 < budget * 0.5:
+            backward(tile, dq)
+    for m, warps, stages in FWD:
+        if time.time() - T0 > budget * 0.8:
             break
-        backward(tile, flat, load_t, DQ[0])
-    for dq in DQ[1:]:
-        backward(*BWD[1], dq)
-    for (m, warps, stages), flat in FWD:
-        if time.time() - T0 > BUDGET_S * 0.85:
-            break
-        _use(dataclasses.replace(BASE, block_m=m, fwd_warps=warps, fwd_stages=stages), fwd_flat=flat)
-        row = {"pass": "fwd", "tile": (m, warps, stages), "flat": flat}
+        _use(dataclasses.replace(BASE, block_m=m, fwd_warps=warps, fwd_stages=stages))
+        row = {"pass": "fwd", "tile": (m, warps, stages)}
         row["bitwise_fails"] = _fails(cases_attention._batch_invariant) + _fails(cases_attention._decode_vs_prefill)
         for L in train:
             ms = _t(lambda L=L: _ours(*train[L]))
             row[f"L{L}_ms"], row[f"L{L}_vs_sdpa"] = ms, sd["fwd"][L] / ms
         record(row)
-    for stages, flat in DECODE:
-        if time.time() - T0 > BUDGET_S:
+    for stages in DECODE:
+        if time.time() - T0 > budget:
             break
-        _use(dataclasses.replace(BASE, fwd_stages=stages), fwd_flat=flat)
-        row = {"pass": "decode", "stages": stages, "flat": flat}
+        _use(dataclasses.replace(BASE, fwd_stages=stages))
+        row = {"pass": "decode", "stages": stages}
         for b, n in dec:
             ms = _t(lambda key=(b, n): _ours(*dec[key], causal=False))
             row[f"{b}x{n}"] = [ms, ms / sd["decode"][f"{b}x{n}"]]
@@ -200,7 +191,7 @@ def main():
             json.dump(results, f, indent=1)
     print(f"\n{'candidate':52} {'result'}")
     for r in rows:
-        name = " ".join(f"{k}={r[k]}" for k in ("pass", "dkdv", "flat", "load_t", "dq", "tile", "stages") if k in r)
+        name = " ".join(f"{k}={r[k]}" for k in ("pass", "dkdv", "dq", "tile", "stages") if k in r)
         keys = ("rand_frac", "ones_diff", "fwd_bwd_ms", "vs_sdpa", "bitwise_fails", "L2048_vs_sdpa", "L4096_vs_sdpa", "error")
         res = {k: (round(r[k], 3) if isinstance(r[k], float) else r[k]) for k in keys if k in r}
         if r["pass"] == "decode":

@@ -253,7 +253,6 @@ def _row_state(
     MASK_KIND: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    FLAT: tl.constexpr,
 ):
     """The rows' state over the key blocks [lo, hi) (on the grid start + j·BLOCK_N): the keys go in
     chunks of CHUNK from ``start``, each chunk's online softmax from the empty state, merged into
@@ -261,12 +260,13 @@ def _row_state(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_c = tl.zeros([BLOCK_M], tl.float32)
-    acc_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if FLAT:
-        # one loop over the blocks, so the software pipeline does not drain at every chunk's end
-        for n0 in range(lo, hi, BLOCK_N):
+    # one loop per chunk: a single loop over the blocks that merges at chunk ends under an `if`
+    # ran 1.2x slower (H100, L=4096, docs/benchmarks.md "Attention")
+    for c0 in range(start + (lo - start) // CHUNK * CHUNK, hi, CHUNK):
+        m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_c = tl.zeros([BLOCK_M], tl.float32)
+        acc_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(tl.maximum(c0, lo), tl.minimum(c0 + CHUNK, hi), BLOCK_N):
             m_c, l_c, acc_c = _block_step(
                 q,
                 k_base,
@@ -297,48 +297,7 @@ def _row_state(
                 PRECISION,
                 INTERPRETED,
             )
-            if ((n0 - start) % CHUNK == CHUNK - BLOCK_N) | (n0 + BLOCK_N >= hi):
-                m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c)
-                m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                l_c = tl.zeros([BLOCK_M], tl.float32)
-                acc_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    else:
-        for c0 in range(start + (lo - start) // CHUNK * CHUNK, hi, CHUNK):
-            m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_c = tl.zeros([BLOCK_M], tl.float32)
-            acc_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for n0 in range(tl.maximum(c0, lo), tl.minimum(c0 + CHUNK, hi), BLOCK_N):
-                m_c, l_c, acc_c = _block_step(
-                    q,
-                    k_base,
-                    v_base,
-                    skn,
-                    svn,
-                    n0,
-                    offs_m,
-                    offs_d,
-                    in_d,
-                    mask_row_ptr,
-                    smm,
-                    smn,
-                    start,
-                    L_q,
-                    L_k,
-                    scale,
-                    softcap,
-                    window,
-                    m_c,
-                    l_c,
-                    acc_c,
-                    BLOCK_N,
-                    CAUSAL,
-                    HAS_WINDOW,
-                    SOFTCAP,
-                    MASK_KIND,
-                    PRECISION,
-                    INTERPRETED,
-                )
-            m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c)
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c)
     return m_i, l_i, acc
 
 
@@ -400,7 +359,6 @@ def _attention_fwd_kernel(
     MASK_KIND: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    FLAT: tl.constexpr,
 ):
     """The forward (``_row_state``). SPLIT=False: one program takes every chunk of its rows
     (prefill). SPLIT=True (decode: too few query programs to fill the GPU): the grid's third axis
@@ -453,7 +411,6 @@ def _attention_fwd_kernel(
         MASK_KIND,
         PRECISION,
         INTERPRETED,
-        FLAT,
     )
     if SPLIT:
         row = ((tl.program_id(2) * tl.num_programs(1) + bh).to(tl.int64) * L_q + offs_m) * (BLOCK_D + 2)
@@ -639,8 +596,6 @@ def _attention_bwd_dkdv_kernel(
     MASK_KIND: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    FLAT: tl.constexpr,
-    LOAD_T: tl.constexpr,
 ):
     """One program per (key block, batch, kv head): dK and dV summed over the group's query heads
     in head order, then over the query blocks in row order (deterministic)."""
@@ -654,14 +609,9 @@ def _attention_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     in_d = offs_d < D
     in_n = offs_n < L_k
-    k_base = K + b64 * skb + hk.to(tl.int64) * skh
-    v_base = V + b64 * svb + hk.to(tl.int64) * svh
-    if LOAD_T:
-        kt = _cols(k_base, offs_n, skn, offs_d, in_n, in_d)
-        vt = _cols(v_base, offs_n, svn, offs_d, in_n, in_d)
-    else:
-        kt = tl.trans(_rows(k_base, offs_n, skn, offs_d, in_n[:, None] & in_d[None, :]))
-        vt = tl.trans(_rows(v_base, offs_n, svn, offs_d, in_n[:, None] & in_d[None, :]))
+    # K and V transposed through the strides; no tl.trans of a loop-invariant tile
+    kt = _cols(K + b64 * skb + hk.to(tl.int64) * skh, offs_n, skn, offs_d, in_n, in_d)
+    vt = _cols(V + b64 * svb + hk.to(tl.int64) * svh, offs_n, svn, offs_d, in_n, in_d)
     start = tl.load(KeyStart + b)
     # query rows that can see these keys: causal rows >= n0; window rows < n0 + BLOCK_N - 1 + window - (L_k - L_q)
     m_lo = 0
@@ -672,95 +622,52 @@ def _attention_bwd_dkdv_kernel(
         m_hi = tl.minimum(L_q, tl.maximum(n0 + BLOCK_N - 1 + window - (L_k - L_q), 0))
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    if FLAT:
-        n_m = tl.cdiv(tl.maximum(m_hi - m_lo, 0), BLOCK_M)
-        for it in range(0, GROUP * n_m):
-            g = it // n_m
-            dk, dv = _dkdv_step(
-                Q,
-                DO,
-                Mask,
-                Lse,
-                Delta,
-                b64,
-                hk * GROUP + g,
-                H,
-                m_lo + (it - g * n_m) * BLOCK_M,
-                kt,
-                vt,
-                offs_n,
-                offs_d,
-                in_d,
-                sqb,
-                sqh,
-                sqm,
-                sdb,
-                sdh,
-                sdm,
-                smb,
-                smh,
-                smm,
-                smn,
-                start,
-                L_q,
-                L_k,
-                scale,
-                softcap,
-                window,
-                dk,
-                dv,
-                BLOCK_M,
-                CAUSAL,
-                HAS_WINDOW,
-                SOFTCAP,
-                MASK_KIND,
-                PRECISION,
-                INTERPRETED,
-            )
-    else:
-        for g in range(0, GROUP):
-            for m0 in range(m_lo, m_hi, BLOCK_M):
-                dk, dv = _dkdv_step(
-                    Q,
-                    DO,
-                    Mask,
-                    Lse,
-                    Delta,
-                    b64,
-                    hk * GROUP + g,
-                    H,
-                    m0,
-                    kt,
-                    vt,
-                    offs_n,
-                    offs_d,
-                    in_d,
-                    sqb,
-                    sqh,
-                    sqm,
-                    sdb,
-                    sdh,
-                    sdm,
-                    smb,
-                    smh,
-                    smm,
-                    smn,
-                    start,
-                    L_q,
-                    L_k,
-                    scale,
-                    softcap,
-                    window,
-                    dk,
-                    dv,
-                    BLOCK_M,
-                    CAUSAL,
-                    HAS_WINDOW,
-                    SOFTCAP,
-                    MASK_KIND,
-                    PRECISION,
-                    INTERPRETED,
-                )
+    # one loop over (head, query block), head-major: the order of the nested loops, without the
+    # software pipeline draining at every head
+    n_m = tl.cdiv(tl.maximum(m_hi - m_lo, 0), BLOCK_M)
+    for it in range(0, GROUP * n_m):
+        g = it // n_m
+        dk, dv = _dkdv_step(
+            Q,
+            DO,
+            Mask,
+            Lse,
+            Delta,
+            b64,
+            hk * GROUP + g,
+            H,
+            m_lo + (it - g * n_m) * BLOCK_M,
+            kt,
+            vt,
+            offs_n,
+            offs_d,
+            in_d,
+            sqb,
+            sqh,
+            sqm,
+            sdb,
+            sdh,
+            sdm,
+            smb,
+            smh,
+            smm,
+            smn,
+            start,
+            L_q,
+            L_k,
+            scale,
+            softcap,
+            window,
+            dk,
+            dv,
+            BLOCK_M,
+            CAUSAL,
+            HAS_WINDOW,
+            SOFTCAP,
+            MASK_KIND,
+            PRECISION,
+            INTERPRETED,
+        )
     dk = dk * scale
     kv_msk = in_n[:, None] & in_d[None, :]
     tl.store(

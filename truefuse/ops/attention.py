@@ -24,9 +24,6 @@ from truefuse.ops.attention_mask import score_mask
 #: widest head dim of the kernels (Gemma 2's 256)
 MAX_KERNEL_HEAD_DIM = 256
 
-#: EXPERIMENT ONLY (issue 33 sweep): loop structure variants, removed once chosen
-VARIANT = dict(fwd_flat=True, dkdv_flat=True, dkdv_load_t=True)
-
 
 def attention_ref(
     query,
@@ -156,7 +153,6 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
         CHUNK=cfg.chunk,
         SPLIT=split,
         **flags,
-        FLAT=VARIANT["fwd_flat"],
         num_warps=warps,
         num_stages=cfg.fwd_stages,
     )
@@ -230,8 +226,6 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         BLOCK_M=cfg.dkdv_m,
         BLOCK_N=cfg.dkdv_n,
         **flags,
-        FLAT=VARIANT["dkdv_flat"],
-        LOAD_T=VARIANT["dkdv_load_t"],
         num_warps=cfg.dkdv_warps,
         num_stages=cfg.dkdv_stages,
     )
