@@ -462,89 +462,6 @@ def _attention_bwd_delta_kernel(
 
 
 @triton.jit
-def _dkdv_step(
-    Q,
-    DO,
-    Mask,
-    Lse,
-    Delta,
-    b64,
-    h,
-    H,
-    m0,
-    kt,
-    vt,
-    offs_n,
-    offs_d,
-    in_d,
-    sqb,
-    sqh,
-    sqm,
-    sdb,
-    sdh,
-    sdm,
-    smb,
-    smh,
-    smm,
-    smn,
-    start,
-    L_q,
-    L_k,
-    scale,
-    softcap,
-    window,
-    dk,
-    dv,
-    BLOCK_M: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    MASK_KIND: tl.constexpr,
-    PRECISION: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-):
-    """dK and dV of the key block (``kt``, ``vt``: (BLOCK_D, BLOCK_N)) plus query head ``h``'s rows
-    [m0, m0 + BLOCK_M)."""
-    h64 = h.to(tl.int64)
-    bh = b64 * H + h
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    in_m = offs_m < L_q
-    q = _rows(Q + b64 * sqb + h64 * sqh, offs_m, sqm, offs_d, in_m[:, None] & in_d[None, :])
-    do = _rows(DO + b64 * sdb + h64 * sdh, offs_m, sdm, offs_d, in_m[:, None] & in_d[None, :])
-    lse2 = tl.load(Lse + bh * L_q + offs_m, mask=in_m, other=float("inf"))
-    delta = tl.load(Delta + bh * L_q + offs_m, mask=in_m, other=0.0)
-    s, t = _scores(
-        q,
-        kt,
-        offs_m,
-        offs_n,
-        Mask + b64 * smb + h64 * smh,
-        smm,
-        smn,
-        start,
-        L_q,
-        L_k,
-        scale,
-        softcap,
-        window,
-        CAUSAL,
-        HAS_WINDOW,
-        SOFTCAP,
-        MASK_KIND,
-        PRECISION,
-        INTERPRETED,
-    )
-    p = tl.exp2(s * LOG2E - lse2[:, None])
-    dv = _dot(tl.trans(p.to(do.dtype)), do, dv, PRECISION, INTERPRETED)
-    dp = _dot(do, vt, tl.zeros([BLOCK_M, kt.shape[1]], tl.float32), PRECISION, INTERPRETED)
-    ds = p * (dp - delta[:, None])
-    if SOFTCAP:
-        ds = ds * (1.0 - t * t)
-    dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, PRECISION, INTERPRETED)
-    return dk, dv
-
-
-@triton.jit
 def _attention_bwd_dkdv_kernel(
     Q,
     K,
@@ -627,29 +544,21 @@ def _attention_bwd_dkdv_kernel(
     n_m = tl.cdiv(tl.maximum(m_hi - m_lo, 0), BLOCK_M)
     for it in range(0, GROUP * n_m):
         g = it // n_m
-        dk, dv = _dkdv_step(
-            Q,
-            DO,
-            Mask,
-            Lse,
-            Delta,
-            b64,
-            hk * GROUP + g,
-            H,
-            m_lo + (it - g * n_m) * BLOCK_M,
+        h = hk * GROUP + g
+        h64 = h.to(tl.int64)
+        bh = b64 * H + h
+        offs_m = m_lo + (it - g * n_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_m = offs_m < L_q
+        q = _rows(Q + b64 * sqb + h64 * sqh, offs_m, sqm, offs_d, in_m[:, None] & in_d[None, :])
+        do = _rows(DO + b64 * sdb + h64 * sdh, offs_m, sdm, offs_d, in_m[:, None] & in_d[None, :])
+        lse2 = tl.load(Lse + bh * L_q + offs_m, mask=in_m, other=float("inf"))
+        delta = tl.load(Delta + bh * L_q + offs_m, mask=in_m, other=0.0)
+        s, t = _scores(
+            q,
             kt,
-            vt,
+            offs_m,
             offs_n,
-            offs_d,
-            in_d,
-            sqb,
-            sqh,
-            sqm,
-            sdb,
-            sdh,
-            sdm,
-            smb,
-            smh,
+            Mask + b64 * smb + h64 * smh,
             smm,
             smn,
             start,
@@ -658,9 +567,6 @@ def _attention_bwd_dkdv_kernel(
             scale,
             softcap,
             window,
-            dk,
-            dv,
-            BLOCK_M,
             CAUSAL,
             HAS_WINDOW,
             SOFTCAP,
@@ -668,6 +574,13 @@ def _attention_bwd_dkdv_kernel(
             PRECISION,
             INTERPRETED,
         )
+        p = tl.exp2(s * LOG2E - lse2[:, None])
+        dv = _dot(tl.trans(p.to(do.dtype)), do, dv, PRECISION, INTERPRETED)
+        dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION, INTERPRETED)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, PRECISION, INTERPRETED)
     dk = dk * scale
     kv_msk = in_n[:, None] & in_d[None, :]
     tl.store(
