@@ -150,7 +150,80 @@ def _merge(m1, l1, acc1, m2, l2, acc2):
 
 
 @triton.jit
-def _chunk_state(
+def _cols(base, offs, stride, offs_d, in_rows, in_d):
+    """The (BLOCK_D, rows) transpose of rows ``offs`` (int64 offsets), loaded through the strides
+    (zeros outside ``in_rows`` and ``in_d``): a dot's second operand without a ``tl.trans``."""
+    return tl.load(base + offs[None, :].to(tl.int64) * stride + offs_d[:, None], mask=in_rows[None, :] & in_d[:, None], other=0.0)
+
+
+@triton.jit
+def _block_step(
+    q,
+    k_base,
+    v_base,
+    skn,
+    svn,
+    n0,
+    offs_m,
+    offs_d,
+    in_d,
+    mask_row_ptr,
+    smm,
+    smn,
+    start,
+    L_q,
+    L_k,
+    scale,
+    softcap,
+    window,
+    m_i,
+    l_i,
+    acc,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """The online softmax's step over the key block [n0, n0 + BLOCK_N) from the state (m, l, acc)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    in_n = offs_n < L_k
+    kt = _cols(k_base, offs_n, skn, offs_d, in_n, in_d)
+    s, _ = _scores(
+        q,
+        kt,
+        offs_m,
+        offs_n,
+        mask_row_ptr,
+        smm,
+        smn,
+        start,
+        L_q,
+        L_k,
+        scale,
+        softcap,
+        window,
+        CAUSAL,
+        HAS_WINDOW,
+        SOFTCAP,
+        MASK_KIND,
+        PRECISION,
+        INTERPRETED,
+    )
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2((m_i - m_safe) * LOG2E)
+    v = _rows(v_base, offs_n, svn, offs_d, in_n[:, None] & in_d[None, :])
+    p = tl.exp2((s - m_safe[:, None]) * LOG2E).to(v.dtype)
+    l_i = l_i * alpha + _row_sum(p, PRECISION, INTERPRETED)
+    acc = _dot(p, v, acc * alpha[:, None], PRECISION, INTERPRETED)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _row_state(
     q,
     k_base,
     v_base,
@@ -163,8 +236,8 @@ def _chunk_state(
     smm,
     smn,
     start,
-    c_lo,
-    c_hi,
+    lo,
+    hi,
     L_q,
     L_k,
     scale,
@@ -173,6 +246,7 @@ def _chunk_state(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -180,43 +254,50 @@ def _chunk_state(
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """The online softmax over the key blocks [c_lo, c_hi) of one chunk, from the empty state."""
+    """The rows' state over the key blocks [lo, hi) (on the grid start + j·BLOCK_N): the keys go in
+    chunks of CHUNK from ``start``, each chunk's online softmax from the empty state, merged into
+    the rows' state at the chunk's end, in chunk order."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(c_lo, c_hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_n = offs_n < L_k
-        kt = tl.load(k_base + offs_n[None, :].to(tl.int64) * skn + offs_d[:, None], mask=in_n[None, :] & in_d[:, None], other=0.0)
-        s, _ = _scores(
-            q,
-            kt,
-            offs_m,
-            offs_n,
-            mask_row_ptr,
-            smm,
-            smn,
-            start,
-            L_q,
-            L_k,
-            scale,
-            softcap,
-            window,
-            CAUSAL,
-            HAS_WINDOW,
-            SOFTCAP,
-            MASK_KIND,
-            PRECISION,
-            INTERPRETED,
-        )
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2((m_i - m_safe) * LOG2E)
-        v = _rows(v_base, offs_n, svn, offs_d, in_n[:, None] & in_d[None, :])
-        p = tl.exp2((s - m_safe[:, None]) * LOG2E).to(v.dtype)
-        l_i = l_i * alpha + _row_sum(p, PRECISION, INTERPRETED)
-        acc = _dot(p, v, acc * alpha[:, None], PRECISION, INTERPRETED)
-        m_i = m_new
+    # one loop per chunk: a single loop over the blocks that merges at chunk ends under an `if`
+    # ran 1.2x slower (H100, L=4096, docs/benchmarks.md "Attention")
+    for c0 in range(start + (lo - start) // CHUNK * CHUNK, hi, CHUNK):
+        m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_c = tl.zeros([BLOCK_M], tl.float32)
+        acc_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(tl.maximum(c0, lo), tl.minimum(c0 + CHUNK, hi), BLOCK_N):
+            m_c, l_c, acc_c = _block_step(
+                q,
+                k_base,
+                v_base,
+                skn,
+                svn,
+                n0,
+                offs_m,
+                offs_d,
+                in_d,
+                mask_row_ptr,
+                smm,
+                smn,
+                start,
+                L_q,
+                L_k,
+                scale,
+                softcap,
+                window,
+                m_c,
+                l_c,
+                acc_c,
+                BLOCK_N,
+                CAUSAL,
+                HAS_WINDOW,
+                SOFTCAP,
+                MASK_KIND,
+                PRECISION,
+                INTERPRETED,
+            )
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c)
     return m_i, l_i, acc
 
 
@@ -267,7 +348,6 @@ def _attention_fwd_kernel(
     scale,
     softcap,
     window,
-    n_chunks,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -280,12 +360,12 @@ def _attention_fwd_kernel(
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """The forward. Keys go in chunks of CHUNK keys from key_start, each chunk's state from the
-    empty one, merged into the row's state in chunk order. SPLIT=False: one program takes every
-    chunk of its rows (prefill). SPLIT=True (decode: too few query programs to fill the GPU): the
-    grid's third axis is the chunk; each program writes its chunk's state to ``Part``
-    (n_chunks, B·H, L_q, BLOCK_D + 2) and ``_attention_fwd_merge_kernel`` merges them in the same
-    order with the same ``_merge``, so both give the same bits."""
+    """The forward (``_row_state``). SPLIT=False: one program takes every chunk of its rows
+    (prefill). SPLIT=True (decode: too few query programs to fill the GPU): the grid's third axis
+    is the chunk; each program writes its chunk's state, merged into the empty state as prefill
+    merges its first chunk, to ``Part`` (n_chunks, B·H, L_q, BLOCK_D + 2), and
+    ``_attention_fwd_merge_kernel`` merges them in the same order with the same ``_merge``
+    (merging into the empty state twice gives the bits of once), so both give the same bits."""
     bh, b, h, hk, m0 = _query_program(H, GROUP, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -299,77 +379,46 @@ def _attention_fwd_kernel(
     lo, hi = _key_range(start, m0, L_q, L_k, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     if SPLIT:
         c0 = start + tl.program_id(2) * CHUNK
-        m_i, l_i, acc = _chunk_state(
-            q,
-            k_base,
-            v_base,
-            skn,
-            svn,
-            offs_m,
-            offs_d,
-            in_d,
-            mask_row_ptr,
-            smm,
-            smn,
-            start,
-            tl.maximum(c0, lo),
-            tl.minimum(c0 + CHUNK, hi),
-            L_q,
-            L_k,
-            scale,
-            softcap,
-            window,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            CAUSAL,
-            HAS_WINDOW,
-            SOFTCAP,
-            MASK_KIND,
-            PRECISION,
-            INTERPRETED,
-        )
+        lo = tl.maximum(c0, lo)
+        hi = tl.minimum(c0 + CHUNK, hi)
+    m_i, l_i, acc = _row_state(
+        q,
+        k_base,
+        v_base,
+        skn,
+        svn,
+        offs_m,
+        offs_d,
+        in_d,
+        mask_row_ptr,
+        smm,
+        smn,
+        start,
+        lo,
+        hi,
+        L_q,
+        L_k,
+        scale,
+        softcap,
+        window,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        CHUNK,
+        CAUSAL,
+        HAS_WINDOW,
+        SOFTCAP,
+        MASK_KIND,
+        PRECISION,
+        INTERPRETED,
+    )
+    if SPLIT:
         row = ((tl.program_id(2) * tl.num_programs(1) + bh).to(tl.int64) * L_q + offs_m) * (BLOCK_D + 2)
         in_m = offs_m < L_q
         tl.store(Part + row[:, None] + offs_d[None, :], acc, mask=in_m[:, None])
         tl.store(Part + row + BLOCK_D, m_i, mask=in_m)
         tl.store(Part + row + BLOCK_D + 1, l_i, mask=in_m)
     else:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for c0 in range(start + (lo - start) // CHUNK * CHUNK, hi, CHUNK):
-            m_c, l_c, acc_c = _chunk_state(
-                q,
-                k_base,
-                v_base,
-                skn,
-                svn,
-                offs_m,
-                offs_d,
-                in_d,
-                mask_row_ptr,
-                smm,
-                smn,
-                start,
-                tl.maximum(c0, lo),
-                tl.minimum(c0 + CHUNK, hi),
-                L_q,
-                L_k,
-                scale,
-                softcap,
-                window,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_D,
-                CAUSAL,
-                HAS_WINDOW,
-                SOFTCAP,
-                MASK_KIND,
-                PRECISION,
-                INTERPRETED,
-            )
-            m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c)
         _finish(m_i, l_i, acc, Out, Lse, b64, h, bh, offs_m, offs_d, in_d, sob, soh, som, L_q)
 
 
@@ -474,9 +523,12 @@ def _attention_bwd_dkdv_kernel(
     b64 = b.to(tl.int64)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    k, v, offs_d, in_d, kv_msk = _tile_pair(K, skb, skh, skn, V, svb, svh, svn, b64, hk, offs_n, L_k, D, BLOCK_D)
-    kt = tl.trans(k)
-    vt = tl.trans(v)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_d = offs_d < D
+    in_n = offs_n < L_k
+    # K and V transposed through the strides; no tl.trans of a loop-invariant tile
+    kt = _cols(K + b64 * skb + hk.to(tl.int64) * skh, offs_n, skn, offs_d, in_n, in_d)
+    vt = _cols(V + b64 * svb + hk.to(tl.int64) * svh, offs_n, svn, offs_d, in_n, in_d)
     start = tl.load(KeyStart + b)
     # query rows that can see these keys: causal rows >= n0; window rows < n0 + BLOCK_N - 1 + window - (L_k - L_q)
     m_lo = 0
@@ -487,48 +539,50 @@ def _attention_bwd_dkdv_kernel(
         m_hi = tl.minimum(L_q, tl.maximum(n0 + BLOCK_N - 1 + window - (L_k - L_q), 0))
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for g in range(0, GROUP):
+    # one loop over (head, query block), head-major: the order of the nested loops, without the
+    # software pipeline draining at every head
+    n_m = tl.cdiv(tl.maximum(m_hi - m_lo, 0), BLOCK_M)
+    for it in range(0, GROUP * n_m):
+        g = it // n_m
         h = hk * GROUP + g
+        h64 = h.to(tl.int64)
         bh = b64 * H + h
-        q_base = Q + b64 * sqb + h.to(tl.int64) * sqh
-        do_base = DO + b64 * sdb + h.to(tl.int64) * sdh
-        mask_row_ptr = Mask + b64 * smb + h.to(tl.int64) * smh
-        for m0 in range(m_lo, m_hi, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            in_m = offs_m < L_q
-            q = _rows(q_base, offs_m, sqm, offs_d, in_m[:, None] & in_d[None, :])
-            do = _rows(do_base, offs_m, sdm, offs_d, in_m[:, None] & in_d[None, :])
-            lse2 = tl.load(Lse + bh * L_q + offs_m, mask=in_m, other=float("inf"))
-            delta = tl.load(Delta + bh * L_q + offs_m, mask=in_m, other=0.0)
-            s, t = _scores(
-                q,
-                kt,
-                offs_m,
-                offs_n,
-                mask_row_ptr,
-                smm,
-                smn,
-                start,
-                L_q,
-                L_k,
-                scale,
-                softcap,
-                window,
-                CAUSAL,
-                HAS_WINDOW,
-                SOFTCAP,
-                MASK_KIND,
-                PRECISION,
-                INTERPRETED,
-            )
-            p = tl.exp2(s * LOG2E - lse2[:, None])
-            dv = _dot(tl.trans(p.to(do.dtype)), do, dv, PRECISION, INTERPRETED)
-            dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION, INTERPRETED)
-            ds = p * (dp - delta[:, None])
-            if SOFTCAP:
-                ds = ds * (1.0 - t * t)
-            dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, PRECISION, INTERPRETED)
+        offs_m = m_lo + (it - g * n_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_m = offs_m < L_q
+        q = _rows(Q + b64 * sqb + h64 * sqh, offs_m, sqm, offs_d, in_m[:, None] & in_d[None, :])
+        do = _rows(DO + b64 * sdb + h64 * sdh, offs_m, sdm, offs_d, in_m[:, None] & in_d[None, :])
+        lse2 = tl.load(Lse + bh * L_q + offs_m, mask=in_m, other=float("inf"))
+        delta = tl.load(Delta + bh * L_q + offs_m, mask=in_m, other=0.0)
+        s, t = _scores(
+            q,
+            kt,
+            offs_m,
+            offs_n,
+            Mask + b64 * smb + h64 * smh,
+            smm,
+            smn,
+            start,
+            L_q,
+            L_k,
+            scale,
+            softcap,
+            window,
+            CAUSAL,
+            HAS_WINDOW,
+            SOFTCAP,
+            MASK_KIND,
+            PRECISION,
+            INTERPRETED,
+        )
+        p = tl.exp2(s * LOG2E - lse2[:, None])
+        dv = _dot(tl.trans(p.to(do.dtype)), do, dv, PRECISION, INTERPRETED)
+        dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION, INTERPRETED)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, PRECISION, INTERPRETED)
     dk = dk * scale
+    kv_msk = in_n[:, None] & in_d[None, :]
     tl.store(
         DK + b64 * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None].to(tl.int64) * sdkn + offs_d[None, :],
         dk.to(DK.dtype.element_ty),
@@ -606,8 +660,8 @@ def _attention_bwd_dq_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_n = offs_n < L_k
-        kt = tl.load(k_base + offs_n[None, :].to(tl.int64) * skn + offs_d[:, None], mask=in_n[None, :] & in_d[:, None], other=0.0)
-        vt = tl.load(v_base + offs_n[None, :].to(tl.int64) * svn + offs_d[:, None], mask=in_n[None, :] & in_d[:, None], other=0.0)
+        kt = _cols(k_base, offs_n, skn, offs_d, in_n, in_d)
+        vt = _cols(v_base, offs_n, svn, offs_d, in_n, in_d)
         s, t = _scores(
             q,
             kt,

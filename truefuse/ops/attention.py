@@ -18,7 +18,7 @@ from truefuse.config import get_config
 from truefuse.ops._custom_op import register_backward
 from truefuse.ops._triton import sm_count, triton_runs
 from truefuse.ops.attention_blocked import score_transform
-from truefuse.ops.attention_config import attention_config
+from truefuse.ops.attention_config import attention_config, forward_tile
 from truefuse.ops.attention_mask import score_mask
 
 #: widest head dim of the kernels (Gemma 2's 256)
@@ -122,10 +122,11 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
         return out, lse.fill_(float("inf"))
     cfg, mask, ms, flags = _common(q, k, window, softcap, is_causal, attn_mask)
     n_chunks = _cdiv(Lk, cfg.chunk)
-    programs = _cdiv(Lq, cfg.block_m) * B * H
-    split = n_chunks > 1 and Lq <= cfg.block_m and (flags["INTERPRETED"] or programs < sm_count(q.device.index or 0))
+    block_m, warps = forward_tile(cfg, Lq)
+    programs = _cdiv(Lq, block_m) * B * H
+    split = n_chunks > 1 and Lq <= block_m and (flags["INTERPRETED"] or programs < sm_count(q.device.index or 0))
     part = q.new_empty((n_chunks, B * H, Lq, flags["BLOCK_D"] + 2) if split else (1,), dtype=torch.float32)
-    _attention_fwd_kernel[(_cdiv(Lq, cfg.block_m), B * H, n_chunks if split else 1)](
+    _attention_fwd_kernel[(_cdiv(Lq, block_m), B * H, n_chunks if split else 1)](
         q,
         k,
         v,
@@ -147,17 +148,16 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
         scale,
         softcap,
         window,
-        n_chunks,
-        BLOCK_M=cfg.block_m,
+        BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         CHUNK=cfg.chunk,
         SPLIT=split,
         **flags,
-        num_warps=cfg.fwd_warps,
+        num_warps=warps,
         num_stages=cfg.fwd_stages,
     )
     if split:
-        _attention_fwd_merge_kernel[(_cdiv(Lq, cfg.block_m), B * H)](
+        _attention_fwd_merge_kernel[(_cdiv(Lq, block_m), B * H)](
             part,
             out,
             lse,
@@ -166,9 +166,9 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
             Lq,
             D,
             n_chunks,
-            BLOCK_M=cfg.block_m,
+            BLOCK_M=block_m,
             BLOCK_D=flags["BLOCK_D"],
-            num_warps=cfg.fwd_warps,
+            num_warps=warps,
         )
     return out, lse
 
@@ -226,8 +226,8 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         BLOCK_M=cfg.dkdv_m,
         BLOCK_N=cfg.dkdv_n,
         **flags,
-        num_warps=cfg.bwd_warps,
-        num_stages=cfg.bwd_stages,
+        num_warps=cfg.dkdv_warps,
+        num_stages=cfg.dkdv_stages,
     )
     _attention_bwd_dq_kernel[(_cdiv(Lq, cfg.dq_m), B * H)](
         q,
@@ -252,8 +252,8 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         BLOCK_M=cfg.dq_m,
         BLOCK_N=cfg.dq_n,
         **flags,
-        num_warps=cfg.bwd_warps,
-        num_stages=cfg.bwd_stages,
+        num_warps=cfg.dq_warps,
+        num_stages=cfg.dq_stages,
     )
     return dq, dk, dv
 

@@ -1,9 +1,11 @@
 """Launch table of the attention kernels (``kernels/attention.py``).
 
-Every entry is chosen from the head dimension (padded to a power of two) and the dtype only, never
-from the batch, the number of heads or the sequence lengths: the key block size orders each query
-row's reduction, so a shape-dependent choice would give a row different bits in prefill, in a
-padded batch and in decode (docs/design.md §1, batch invariance; docs/attention.md).
+The key block ``block_n`` and the chunk ``chunk`` are chosen from the head dimension (padded to a
+power of two) and the dtype only, never from the batch, the number of heads or the sequence
+lengths: they order each query row's reduction, so a shape-dependent choice would give a row
+different bits in prefill, in a padded batch and in decode (docs/design.md §1, batch invariance;
+docs/attention.md). The forward's query rows per program may follow the number of query rows
+(:func:`forward_tile`): a row's reduction order does not depend on them.
 """
 
 from __future__ import annotations
@@ -18,34 +20,43 @@ class AttentionConfig:
     """Tiles of the three passes.
 
     Attributes:
-        block_m, block_n: the forward's query rows per program and keys per step; ``block_n`` is
-            the fixed key block every query row reduces over (prefill and decode alike).
-        fwd_warps, fwd_stages: the forward's launch.
-        dkdv_m, dkdv_n: the dK/dV pass's query rows per step and keys per program.
-        dq_m, dq_n: the dQ pass's query rows per program and keys per step (``dq_n`` orders dQ's
-            reduction over the keys, so it too depends on the head dim and dtype only).
-        bwd_warps, bwd_stages: both backward passes' launch.
+        block_m, fwd_warps, fwd_stages: the forward's query rows per program and launch when there
+            are more than ``small_m`` query rows (prefill).
+        small_m, small_warps: the forward's rows per program and warps for at most ``small_m``
+            query rows (decode); rows per warp group kept at 64 on the GPU, so that each row's
+            dots run the same MMA instruction as in prefill.
+        block_n: the fixed key block every query row reduces over (prefill and decode alike).
         chunk: keys per chunk of the forward (a multiple of ``block_n``): each chunk's softmax
             state starts empty and the chunks merge in order, in one program (prefill) or split
             across programs and merged by a second kernel (decode), with the same bits.
+        dkdv_m, dkdv_n, dkdv_warps, dkdv_stages: the dK/dV pass's query rows per step, keys per
+            program and launch.
+        dq_m, dq_n, dq_warps, dq_stages: the dQ pass's query rows per program, keys per step and
+            launch (``dq_n`` orders dQ's reduction over the keys, so it too depends on the head
+            dim and dtype only).
     """
 
     block_m: int
-    block_n: int
     fwd_warps: int
     fwd_stages: int
+    small_m: int
+    small_warps: int
+    block_n: int
+    chunk: int
     dkdv_m: int
     dkdv_n: int
+    dkdv_warps: int
+    dkdv_stages: int
     dq_m: int
     dq_n: int
-    bwd_warps: int
-    bwd_stages: int
-    chunk: int
+    dq_warps: int
+    dq_stages: int
 
 
 # The interpreter runs CI's small fp32 shapes: small tiles keep its per-program cost low; chunks
-# of one block so that CI's 18-key sequences merge chunks (and decode splits them).
-_INTERPRETED = AttentionConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, 16)
+# of two 8-key blocks so that CI's 18-key sequences merge chunks at a chunk's end, not at every
+# block's (and decode splits them).
+_INTERPRETED = AttentionConfig(16, 1, 1, 16, 1, 8, 16, 16, 16, 1, 1, 16, 16, 1, 1)
 
 
 def attention_config(block_d: int, dtype: torch.dtype, interpreted: bool) -> AttentionConfig:
@@ -55,14 +66,18 @@ def attention_config(block_d: int, dtype: torch.dtype, interpreted: bool) -> Att
     if dtype == torch.float32:
         # fp32 tiles take twice the shared memory of bf16's
         if block_d <= 64:
-            return AttentionConfig(64, 32, 4, 2, 32, 64, 64, 32, 4, 2, 512)
-        return AttentionConfig(32, 32, 4, 2, 16, 32, 32, 16, 4, 2, 512)
+            return AttentionConfig(64, 4, 2, 64, 4, 32, 512, 32, 64, 4, 2, 64, 32, 4, 2)
+        return AttentionConfig(32, 4, 2, 32, 4, 32, 512, 16, 32, 4, 2, 32, 16, 4, 2)
     if block_d <= 128:
-        # H100, B=4, 32/8 heads, L=4096, causal (docs/benchmarks.md, Attention): forward 64x64
-        # tiles, 4 warps: 2.27 ms (SDPA flash 1.79), decode B=32 1.21 ms (SDPA 1.76); 128x64,
-        # 8 warps forwards in 1.96 ms but was not timed at decode under CUDA graphs. Backward
-        # 64x64, 8 warps (11.7 ms fwd+bwd, SDPA 6.85): the faster 32x64 (dK/dV), 4 warps (8.4 ms)
-        # gave dK that differed between two identical runs in bf16 (1 ulp, 19% of elements), so
-        # it is not used until that is understood
-        return AttentionConfig(64, 64, 4, 3, 64, 64, 64, 64, 8, 2, 512)
-    return AttentionConfig(64, 32, 8, 2, 64, 32, 64, 32, 8, 1, 512)
+        # H100, B=4, 32/8 heads, causal, bf16 (docs/benchmarks.md, Attention): forward 128x64, 8
+        # warps at 0.90x SDPA flash (64x64, 4 warps: 0.77x); decode 64 rows, 4 warps. dK/dV
+        # 64x64, 4 warps, 3 stages; dQ 128x64, 8 warps, 2 stages (dQ at 8 warps with 64 rows
+        # cost 2 ms of 10). A 32-row dK/dV tile is faster but its bf16 dK differed between two
+        # identical runs whenever num_stages > 1 (17% of elements at 3 stages)
+        return AttentionConfig(128, 8, 3, 64, 4, 64, 512, 64, 64, 4, 3, 128, 64, 8, 2)
+    return AttentionConfig(64, 8, 2, 64, 8, 32, 512, 64, 32, 8, 1, 64, 32, 8, 1)
+
+
+def forward_tile(cfg: AttentionConfig, L_q: int) -> tuple[int, int]:
+    """(query rows per program, warps) of the forward for ``L_q`` query rows."""
+    return (cfg.small_m, cfg.small_warps) if L_q <= cfg.small_m else (cfg.block_m, cfg.fwd_warps)
