@@ -117,7 +117,8 @@ def _profile(fn, title: str, rows: int = 22) -> tuple[str, dict]:
     kinds: dict[str, float] = {}
     busy = 0.0
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        # kernels only: a user annotation on the GPU row (``Optimizer.step#AdamW.step``) spans kernels
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             dur = e.time_range.elapsed_us() if hasattr(e, "time_range") else e.cuda_time_total
             busy += dur
             kinds[_kind(e.name)] = kinds.get(_kind(e.name), 0.0) + dur
