@@ -74,15 +74,18 @@ def as_cast(t, dtype: torch.dtype | None):
     return torch.empty((), dtype=dtype, device=t.device).expand(t.shape)
 
 
+_NOTHING = contextlib.nullcontext()  # reusable: one object, not one per call
+
+
 def _disabled(device_type: str | None):
     """``torch.autocast(device_type, enabled=False)`` where autocast is on there; else nothing."""
     if device_type is None:
-        return contextlib.nullcontext()
+        return _NOTHING
     try:
         on = torch.is_autocast_enabled(device_type)
     except RuntimeError:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, enabled=False) if on else contextlib.nullcontext()
+        return _NOTHING
+    return torch.autocast(device_type, enabled=False) if on else _NOTHING
 
 
 def autocast_disabled(method):

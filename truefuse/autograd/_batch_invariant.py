@@ -23,7 +23,10 @@ def in_forward_mode(backward):
 
     @functools.wraps(backward)
     def wrapped(ctx, *grads):
-        with batch_invariant(getattr(ctx, "batch_invariant", False)):
+        mode = getattr(ctx, "batch_invariant", False)
+        if mode == is_batch_invariant():
+            return backward(ctx, *grads)  # already in it: no context to enter (host time a call)
+        with batch_invariant(mode):
             return backward(ctx, *grads)
 
     return wrapped

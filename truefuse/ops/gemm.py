@@ -334,6 +334,10 @@ def gemm(
         written. Never "no algorithm": what a backend cannot fuse is split into the same math
         (see :func:`gemm_plan_for`).
     """
+    if activation is None and not (return_pre_activation or grad_bias) and pre_activation is None and m_splits is None:
+        done = _plain_gemm(a, b, out, out_dtype, accumulate, bias, grad_activation, batch_invariant)
+        if done is not None:
+            return done
     return _gemm(
         a,
         b,
@@ -350,6 +354,68 @@ def gemm(
         per_group=False,
         batch_invariant=batch_invariant,
     )
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: :func:`_plain_gemm`'s requests, by what they depend on there
+_PLAIN_REQUESTS: dict[tuple, GemmRequest] = {}
+
+
+def _shares(out: torch.Tensor, t: torch.Tensor) -> bool:
+    return t.numel() > 0 and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+
+
+def _plain_gemm(a, b, out, out_dtype, accumulate, bias, grad_activation, batch_invariant) -> torch.Tensor | None:
+    """``gemm``'s most common call (2-D operands, at most a bias, an ``out`` and ``accumulate``),
+    in eager mode, when every argument is plainly valid: the same request, plan and product as the
+    general path, without its checks' and plumbing's host time (a routed ``F.linear`` in
+    batch-invariant mode paid ~130 µs of host time a call on an H100 host, where a decode-sized
+    GEMM's kernel takes ~15 µs: docs/benchmarks.md, "Batch-invariant mode"). Returns None, having
+    done nothing, wherever anything is unusual: the general path then checks (and raises the error
+    naming the argument) and runs as always (tests/test_gemm_host.py)."""
+    if type(a) not in _PLAIN_TYPES or type(b) not in _PLAIN_TYPES or grad_activation is not None:
+        return None
+    dt, dev = a.dtype, a.device
+    if b.dtype is not dt or dt not in _FLOATS or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        return None
+    if b.device != dev or dev.type not in ("cpu", "cuda") or not (batch_invariant is None or type(batch_invariant) is bool):
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias, out)):
+        return None  # the general path refuses it
+    if torch.compiler.is_compiling():
+        return None  # traced: through the custom op (docs/design.md §6.7)
+    M, N = a.shape[0], b.shape[1]
+    odt = (dt if out_dtype is None else out_dtype) if out is None else out.dtype
+    if odt is not dt and not (odt is torch.float32 and dt is not torch.float64):
+        return None
+    if out is None:
+        if accumulate:
+            return None
+    elif (
+        type(out) not in _PLAIN_TYPES
+        or (out_dtype is not None and out_dtype is not odt)
+        or out.device != dev
+        or out.shape != (M, N)
+        or not out.is_contiguous()
+        or (out.numel() and any(t is not None and _shares(out, t) for t in (a, b, bias)))
+    ):
+        return None
+    if bias is not None and (
+        accumulate
+        or type(bias) not in _PLAIN_TYPES
+        or bias.device != dev
+        or bias.shape != (N,)
+        or (bias.dtype is not dt and bias.dtype is not odt)
+    ):
+        return None
+    bi = is_batch_invariant() if batch_invariant is None else batch_invariant
+    key = (dev.type, dt, odt, bool(accumulate), bias is not None, bi)
+    request = _PLAIN_REQUESTS.get(key)
+    if request is None:
+        request = _PLAIN_REQUESTS[key] = _request(a, b, odt, accumulate, bias, None, None, False, False, False, bi)
+    if out is None:
+        out = torch.empty((M, N), dtype=odt, device=dev)
+    return run(plan(request), GemmArgs(a, b, out, odt, bool(accumulate), bias, None, None, None, None, None), None, False)
 
 
 def gemm_groups(a: torch.Tensor, b: torch.Tensor, *, m_splits, per_group: bool, **kwargs) -> torch.Tensor | GemmOutput:

@@ -223,12 +223,32 @@ def _coverage(backend: str, table, feats: tuple[str, ...], request: GemmRequest,
     return tuple(fused)
 
 
+#: Plans made, by everything planning reads: the request, the overrides in force, the configuration
+#: and which backends are available on the request's device. A batch-invariant model plans every
+#: ``F.linear`` (and each backward GEMM): ~25 µs of host time a call before this cache, on the
+#: 2-core CI box (experiments/exp_bi_speed.py, docs/benchmarks.md "Batch-invariant mode").
+_PLANS: dict[tuple, GemmPlan] = {}
+_MAX_PLANS = 4096  # distinct requests are few (dtypes x flags x devices); overrides add some in tests
+
+
 def plan(request: GemmRequest) -> GemmPlan:
     """Choose the plan for ``request``: the first backend in preference order that runs the product.
 
     A backend that cannot write ``out_dtype`` from narrower inputs is still usable: the inputs are
     upcast to ``out_dtype`` first (the same products, fp32 accumulation) and ``out_dtype`` is split.
+    The same inputs give the same plan, so plans are kept (:data:`_PLANS`).
     """
+    dev = request.device
+    key = (request, _OVERRIDES.get(), get_config(), tuple(b.available(dev) for b in BACKENDS.values()))
+    chosen = _PLANS.get(key)
+    if chosen is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        chosen = _PLANS[key] = _plan(request)
+    return chosen
+
+
+def _plan(request: GemmRequest) -> GemmPlan:
     feats = request.features()
     names = backends_in_order(request.device)
     if request.batch_invariant:

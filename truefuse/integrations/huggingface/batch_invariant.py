@@ -34,10 +34,13 @@ _PLAIN = WgradState(owner="F.linear (batch-invariant)")
 _GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _routable(x, weight, bias) -> bool:
     """Whether truefuse's Linear computes this ``F.linear`` (plain dense tensors it takes); anything
     else (tensor subclasses, quantized weights, other devices) runs stock."""
-    plain = all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, weight, bias))
+    plain = type(x) in _PLAIN_TYPES and type(weight) in _PLAIN_TYPES and (bias is None or type(bias) in _PLAIN_TYPES)
     return (
         plain
         and weight.dim() == 2

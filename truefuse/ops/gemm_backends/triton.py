@@ -12,6 +12,7 @@ import torch
 
 from truefuse.config import get_config
 from truefuse.ops.gemm_backends._base import BF16, F16, F32, WIDEN, GemmArgs, GemmBackend, rows
+from truefuse.ops.gemm_bi_config import bucket, layout
 
 _FEATURES = ["mm", "accumulate", "grad_activation", "grad_bias"]
 # ``batch_invariant``: BLOCK_K fixed per dtype, no split-K, and in that mode a launch table
@@ -74,6 +75,21 @@ def bi_config(dtype: torch.dtype, M: int, form: str = "nt"):
     return _BI[key]
 
 
+#: launch keywords of the batch-invariant GEMM, by (dtype, M bucket, layout, interpreter): the table
+#: lookup and the keyword dict cost ~10 µs a call, which a decode-sized GEMM pays in full
+#: (docs/benchmarks.md, "Batch-invariant mode")
+_BI_META: dict = {}
+
+
+def _bi_meta(dtype: torch.dtype, M: int, form: str) -> dict:
+    key = (dtype, bucket(M), form, get_config().triton_interpret)
+    meta = _BI_META.get(key)
+    if meta is None:
+        cfg = bi_config(dtype, M, form)
+        meta = _BI_META[key] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return meta
+
+
 def _kernel(dtype: torch.dtype):
     """The Triton GEMM, autotuned over tile shapes only (BLOCK_K fixed per dtype)."""
     if dtype not in _TUNED:
@@ -110,10 +126,8 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
         gb_target = torch.empty(gb.shape, dtype=torch.float32, device=gb.device)
     if "batch_invariant" in fused:
         from truefuse.kernels.gemm import _gemm_kernel
-        from truefuse.ops.gemm_bi_config import layout
 
-        cfg = bi_config(a.dtype, M, layout(b))
-        meta = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        meta = _bi_meta(a.dtype, M, layout(b))
         kernel, grid = _gemm_kernel, (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
     else:
         kernel, meta = _kernel(a.dtype), {}
