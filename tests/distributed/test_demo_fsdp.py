@@ -171,3 +171,27 @@ def test_cli_refuses_profiling_without_ranks(capsys):
 
 def test_losses_are_finite(fsdp_run):
     assert all(math.isfinite(v) for run in fsdp_run[1]["runs"] for v in run["losses"])
+
+
+def test_merge_takes_the_slowest_rank_and_drops_a_failed_peer():
+    from truefuse.demo.fsdp import merge
+
+    def rec(name, step_s, mem, local):
+        return dict(
+            name=name,
+            losses=[1.0, 0.5],
+            step_s=step_s,
+            mem_bytes=mem,
+            patch_report=None,
+            n_params=7,
+            setup_s=0.1,
+            host_s=[0.01, 0.01],
+            extra={"local_losses": local, "warnings": []},
+        )
+
+    rank0 = [rec("stock", [1.0, 3.0], [5, 1], [1.1, 0.6]), {"name": "liger", "failed": "Traceback: boom"}]
+    rank1 = [rec("stock", [2.0, 1.0], [2, 9], [0.9, 0.4]), {"name": "liger", "failed": "Traceback: boom"}]
+    runs, failed = merge([rank0, rank1])
+    assert [r.name for r in runs] == ["stock"] and failed == {"liger": "Traceback: boom"}
+    assert runs[0].step_s == [2.0, 3.0] and runs[0].mem_bytes == [5, 9]
+    assert [r["local_losses"] for r in runs[0].extra["ranks"]] == [[1.1, 0.6], [0.9, 0.4]]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -91,8 +92,6 @@ def rank_main(rank: int, world: int, cfg: DemoConfig, model_config_dict: dict, b
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaConfig
 
-    from truefuse.demo.profile import after_run
-
     device = torch.device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(rank)  # nccl: one GPU per rank; the config's "cuda" is this rank's
@@ -104,31 +103,48 @@ def rank_main(rank: int, world: int, cfg: DemoConfig, model_config_dict: dict, b
     state = initial_state(cfg, model_config)
     records = []
     for name, patch in runs.items():
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer = FsdpTrainer(name, cfg, model_config, state, patch, mesh)
-            for i in range(cfg.steps):
-                trainer.step(batches[i])
-                if rank == 0 and not opts.get("quiet"):
-                    print(f"{name}: step {i + 1}/{cfg.steps}, loss {trainer.result.losses[-1]:.4f}", file=sys.stderr)
-        extra = after_run(trainer, batches, opts, rank)
-        extra["local_losses"] = trainer.local_losses
-        extra["warnings"] = sorted({str(w.message) for w in caught if "truefuse" in str(w.message)})
-        result = trainer.close()
-        result.extra.update(extra)
-        records.append(vars(result))
-        del trainer
+        try:
+            records.append(_one_run(name, patch, cfg, model_config, state, mesh, batches, opts, rank))
+        except Exception:
+            # a peer that fails (the same way on every rank: same code, same data) costs its row, not
+            # the table; stock is the yardstick and must run
+            if name == "stock":
+                raise
+            records.append({"name": name, "failed": traceback.format_exc(limit=-6)})
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return records
 
 
-def merge(per_rank: list[list[dict]]) -> list[RunResult]:
+def _one_run(name, patch, cfg, model_config, state, mesh, batches, opts, rank) -> dict:
+    from truefuse.demo.profile import after_run
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = FsdpTrainer(name, cfg, model_config, state, patch, mesh)
+        for i in range(cfg.steps):
+            trainer.step(batches[i])
+            if rank == 0 and not opts.get("quiet"):
+                print(f"{name}: step {i + 1}/{cfg.steps}, loss {trainer.result.losses[-1]:.4f}", file=sys.stderr)
+    extra = after_run(trainer, batches, opts, rank)
+    extra["local_losses"] = trainer.local_losses
+    extra["warnings"] = sorted({str(w.message) for w in caught if "truefuse" in str(w.message)})
+    result = trainer.close()
+    result.extra.update(extra)
+    return vars(result)
+
+
+def merge(per_rank: list[list[dict]]) -> tuple[list[RunResult], dict[str, str]]:
     """Rank 0's runs, with each step's time the slowest rank's, memory the largest rank's, and every
-    rank's losses, step times and warnings under ``extra["ranks"]``."""
-    runs = []
+    rank's losses, step times and warnings under ``extra["ranks"]``; and the runs that failed on a
+    rank (name -> that rank's traceback), left out of the runs."""
+    runs, failed = [], {}
     for recs in zip(*per_rank, strict=True):
+        broken = [r for r in recs if "failed" in r]
+        if broken:
+            failed[recs[0]["name"]] = broken[0]["failed"]
+            continue
         first = dict(recs[0])
         first["step_s"] = [max(ts) for ts in zip(*(r["step_s"] for r in recs), strict=True)]
         first["host_s"] = [max(ts) for ts in zip(*(r["host_s"] for r in recs), strict=True)]
@@ -139,7 +155,7 @@ def merge(per_rank: list[list[dict]]) -> list[RunResult]:
         first["extra"]["ranks"] = [{k: r[k] for k in keys} | {"local_losses": r["extra"]["local_losses"]} for r in recs]
         first["extra"]["warnings"] = sorted({w for r in recs for w in r["extra"]["warnings"]})
         runs.append(RunResult(**first))
-    return runs
+    return runs, failed
 
 
 def run_fsdp_demo(
@@ -185,7 +201,10 @@ def run_fsdp_demo(
     env = environment(torch.device("cuda", 0) if device.type == "cuda" else device)
     env["device"] = f"{cfg.world_size} x {env['device']}, FSDP2 ({backend})"
     result = DemoResult(cfg, facts, env, model_config.to_dict())
-    result.runs.extend(merge(per_rank))
+    runs, failed = merge(per_rank)
+    result.runs.extend(runs)
+    for name, tb in failed.items():
+        log(f"{name}: FAILED, left out of the table:\n{tb}")
     for run in result.runs:
         if run.patch_report is not None:
             log(f"{run.name}: {run.patch_report}")
