@@ -13,12 +13,15 @@ interpreter took ~60 s a step here, and the kernels have their own tests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import traceback
 import warnings
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -195,3 +198,40 @@ def test_merge_takes_the_slowest_rank_and_drops_a_failed_peer():
     assert [r.name for r in runs] == ["stock"] and failed == {"liger": "Traceback: boom"}
     assert runs[0].step_s == [2.0, 3.0] and runs[0].mem_bytes == [5, 9]
     assert [r["local_losses"] for r in runs[0].extra["ranks"]] == [[1.1, 0.6], [0.9, 0.4]]
+
+
+class _FakeTrainer:
+    """A trainer whose training work syncs twice and whose step syncs once more around it."""
+
+    cuda = True
+
+    def __init__(self):
+        self.result = SimpleNamespace(losses=[], step_s=[], host_s=[], mem_bytes=None)
+
+    def update(self, ids):
+        _syncing_op(2)
+        return ids
+
+    def step(self, ids):
+        self.update(ids)
+        _syncing_op(1)  # the demo's own (reading the loss)
+        self.result.losses.append(1.0)
+        return 1.0
+
+
+def test_sync_debug_counts_the_training_work_only(monkeypatch):
+    from truefuse.demo import profile
+
+    @contextlib.contextmanager
+    def on_cpu(enabled=True):
+        with sync_warnings() as sites:
+            yield sites
+
+    monkeypatch.setattr(profile, "count_syncs", on_cpu)
+    trainer = _FakeTrainer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the step's own sync, not counted
+        sites = profile.after_run(trainer, torch.zeros(1, 2, 3), {"sync_debug": True}, rank=0)["syncs"]
+    assert sum(sites.values()) == 2
+    assert trainer.result.losses == []  # the extra step leaves the run's record alone
+    assert "update" in type(trainer).__dict__ and "update" not in vars(trainer)  # the method is back

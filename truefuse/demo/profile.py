@@ -19,6 +19,7 @@ import gzip
 import os
 import re
 import shutil
+import time
 import traceback
 import warnings
 from collections import Counter
@@ -112,12 +113,22 @@ def _step_untimed(trainer, ids: torch.Tensor) -> None:
         trainer.local_losses[:] = local
 
 
-def write_profile(prof, out_dir: Path, name: str, cuda: bool) -> dict:
-    """``<name>_top.txt`` (and the gzipped trace when small enough) under ``out_dir``; their paths."""
+def write_profile(prof, out_dir: Path, name: str, cuda: bool, wall_s: float) -> dict:
+    """``<name>_top.txt`` (and the gzipped trace when small enough) under ``out_dir``: their paths,
+    and on CUDA the kernels' time per step against the profiled steps' wall time per step."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
     avgs = prof.key_averages()
+    files: dict = {"wall_ms_per_step": 1e3 * wall_s / PROFILE_STEPS}
     parts = []
+    if cuda:
+        # NCCL kernels count while they wait for the peer, and the profiler slows the host: a bound
+        us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in avgs)
+        files["kernel_ms_per_step"] = us / 1e3 / PROFILE_STEPS
+        parts.append(
+            f"# {name}: kernels {files['kernel_ms_per_step']:.1f} ms of {files['wall_ms_per_step']:.1f} ms wall a step "
+            "(under the profiler; NCCL kernels count while they wait)\n"
+        )
     sorts = (("self_device_time_total", "self device (CUDA) time"),) if cuda else ()
     for key, words in sorts + (("self_cpu_time_total", "self CPU time"),):
         try:
@@ -127,7 +138,7 @@ def write_profile(prof, out_dir: Path, name: str, cuda: bool) -> dict:
         parts.append(f"# {name}: {PROFILE_STEPS} steps, by {words}\n{table}\n")
     top = out_dir / f"{stem}_top.txt"
     top.write_text("\n".join(parts))
-    files = {"top": str(top)}
+    files["top"] = str(top)
     raw = out_dir / f"{stem}_trace.json"
     prof.export_chrome_trace(str(raw))
     gz = raw.with_suffix(".json.gz")
@@ -148,17 +159,37 @@ def after_run(trainer, batches: torch.Tensor, opts: dict, rank: int) -> dict:
     (the profile on rank 0 only; every rank takes the same steps)."""
     extra: dict = {}
     if opts.get("sync_debug"):
-        with count_syncs(trainer.cuda) as sites:
-            _step_untimed(trainer, batches[-1])
-        extra["syncs"] = None if sites is None else dict(sites)
+        extra["syncs"] = _count_update_syncs(trainer, batches[-1])
     if opts.get("profile_dir"):
         from torch.profiler import ProfilerActivity, profile
 
         _step_untimed(trainer, batches[-1])  # warm: nothing of the profiler's own start in the record
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.cuda else [])
         with profile(activities=activities) if rank == 0 else contextlib.nullcontext() as prof:
+            t0 = time.perf_counter()
             for i in range(PROFILE_STEPS):
                 _step_untimed(trainer, batches[-1 - i % len(batches)])
+            wall_s = time.perf_counter() - t0
         if rank == 0:
-            extra["profile"] = write_profile(prof, Path(opts["profile_dir"]), trainer.name, trainer.cuda)
+            extra["profile"] = write_profile(prof, Path(opts["profile_dir"]), trainer.name, trainer.cuda, wall_s)
     return extra
+
+
+def _count_update_syncs(trainer, ids: torch.Tensor) -> dict[str, int] | None:
+    """The syncs of one step's training work (``trainer.update``: forward, backward, clip, AdamW),
+    not the demo's own around it (its timing syncs, reading the loss, the ranks' mean loss)."""
+    found = {}
+    update = trainer.update
+
+    def counted(step_ids):
+        with count_syncs(trainer.cuda) as sites:
+            loss = update(step_ids)
+        found["sites"] = sites
+        return loss
+
+    trainer.update = counted
+    try:
+        _step_untimed(trainer, ids)
+    finally:
+        del trainer.update  # the class's method again
+    return None if found["sites"] is None else dict(found["sites"])

@@ -101,7 +101,7 @@ def fsdp_note(result: DemoResult) -> str:
     return (
         f"FSDP2 on {n} ranks, each on its own {result.config.batch} sequences: loss = mean of the ranks' losses (the same "
         "value on every rank), step ms = the slowest rank's, tokens/s over all ranks, peak GiB = the largest rank's; "
-        "host ms = time until the step's last launch returned (close to step ms: the GPU waited on the host)"
+        "host ms = time until the step's last launch returned (close to step ms with few syncs: the GPU waited on the host)"
     )
 
 
@@ -219,17 +219,21 @@ def write(result: DemoResult, rows: list[dict], out_dir: str | Path) -> list[Pat
 
 
 def print_syncs(result: DemoResult, n: int = 10) -> None:
-    """Each run's host synchronisations in its ``--sync-debug`` step (rank 0's), the ``n`` most
-    frequent call sites first (demo/profile.py says how a site is named)."""
+    """Each run's GPU kernel time a step under ``--profile`` and its host synchronisations in its
+    ``--sync-debug`` step (rank 0's), the ``n`` most frequent call sites first (demo/profile.py)."""
     from truefuse.demo.profile import top_syncs
 
     for run in result.runs:
+        prof = run.extra.get("profile", {})
+        if "kernel_ms_per_step" in prof:
+            kernels, wall = prof["kernel_ms_per_step"], prof["wall_ms_per_step"]
+            print(f"{run.name}: profile: GPU kernels {kernels:.1f} ms of {wall:.1f} ms a step (rank 0, under the profiler)")
         if "syncs" not in run.extra:
             continue
         sites = run.extra["syncs"]
         if sites is None:
             print(f"{run.name}: host syncs n/a (counted on CUDA only)")
             continue
-        print(f"{run.name}: {sum(sites.values())} host syncs in one step at {len(sites)} call sites (rank 0)")
+        print(f"{run.name}: {sum(sites.values())} host syncs in one step's training work at {len(sites)} call sites (rank 0)")
         for site, count in top_syncs(sites, n):
             print(f"  {count:5d}  {site}")
