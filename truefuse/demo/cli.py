@@ -95,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument(
         "--world-size",
         type=int,
+        metavar="N",
         help="train each run under FSDP2 on N local ranks (one GPU each, nccl; gloo on the CPU), each rank on its own "
         "--batch sequences of every step; default 1: the one-process demo",
     )
@@ -109,8 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument(
         "--sync-debug",
         action="store_true",
-        help="count host synchronisations in one extra step after each run (torch.cuda.set_sync_debug_mode('warn'); "
-        "CUDA only) and print each run's top 10 call sites",
+        help="count host synchronisations in the training work (forward, backward, clip, AdamW) of one extra step after "
+        "each run (torch.cuda.set_sync_debug_mode('warn'); CUDA only) and print each run's top 10 call sites",
     )
     f.add_argument(
         "--profile",
