@@ -86,7 +86,7 @@ def _one_process_curve(cache_dir: str) -> list[float]:
     from truefuse.demo.data import load_corpus, make_batches, tokenize_corpus
     from truefuse.demo.train import Trainer, initial_state, llama_config
 
-    cfg = make_config("cpu", device="cpu", **TINY)
+    cfg = make_config("cpu", device="cpu", **TINY)  # one process, WORLD x batch rows a step (made here, not by the demo)
     data = tokenize_corpus(load_corpus(cfg.corpus_bytes), cfg.vocab, cache_dir)
     batches = make_batches(data.tokens, cfg.steps, WORLD * cfg.batch, cfg.seq, cfg.seed)
     model_config = llama_config(cfg, data.vocab_size)

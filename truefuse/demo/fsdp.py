@@ -25,7 +25,17 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from truefuse.demo.train import DemoConfig, DemoResult, Patch, RunResult, Trainer, environment, initial_state, llama_config
+from truefuse.demo.train import (
+    DemoConfig,
+    DemoResult,
+    Patch,
+    RunResult,
+    Trainer,
+    environment,
+    initial_state,
+    llama_config,
+    prepare_data,
+)
 
 
 def mixed_precision(cfg: DemoConfig):
@@ -173,7 +183,6 @@ def run_fsdp_demo(
     partials of them): each rank applies them itself. ``sync_debug``: count host synchronisations
     in one extra step after each run; ``profile_dir``: profile a few extra steps on rank 0
     (demo/profile.py). Extra steps are neither timed nor in the curve."""
-    from truefuse.demo.data import describe, load_corpus, make_batches, tokenize_corpus
     from truefuse.distributed.launch import run_local
 
     if "stock" in peers:
@@ -185,12 +194,7 @@ def run_fsdp_demo(
     device = torch.device(cfg.device)
     if device.type == "cuda" and torch.cuda.device_count() < cfg.world_size:
         raise ValueError(f"world_size {cfg.world_size} needs {cfg.world_size} GPUs, found {torch.cuda.device_count()}")
-    corpus = load_corpus(cfg.corpus_bytes)
-    data = tokenize_corpus(corpus, cfg.vocab, cache_dir)
-    batches = make_batches(data.tokens, cfg.steps, cfg.world_size * cfg.batch, cfg.seq, cfg.seed)
-    facts = describe(corpus, data)
-    facts["epochs"] = round(cfg.steps * cfg.tokens_per_step / max(1, data.tokens.numel() // cfg.seq * cfg.seq), 3)
-    log(f"data: {facts['tokens']:,} tokens, BPE vocab {data.vocab_size}; {cfg.world_size} ranks x {cfg.batch} sequences a step")
+    data, batches, facts = prepare_data(cfg, cache_dir, log)
     model_config = llama_config(cfg, data.vocab_size)
     opts = {"sync_debug": sync_debug, "profile_dir": profile_dir, "quiet": quiet}
     runs = {"stock": None, **peers}

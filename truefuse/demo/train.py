@@ -403,6 +403,23 @@ def progress_bar(total: int, quiet: bool = False):
         yield on_step
 
 
+def prepare_data(cfg: DemoConfig, cache_dir: str | None, log: Callable[[str], None]):
+    """The corpus's tokens, the ``(steps, world_size * batch, seq)`` batches (every rank's rows of each
+    step) and the data's facts for the results file."""
+    from truefuse.demo.data import describe, load_corpus, make_batches, tokenize_corpus
+
+    corpus = load_corpus(cfg.corpus_bytes)
+    data = tokenize_corpus(corpus, cfg.vocab, cache_dir)
+    batches = make_batches(data.tokens, cfg.steps, cfg.world_size * cfg.batch, cfg.seq, cfg.seed)
+    facts = describe(corpus, data)
+    facts["epochs"] = round(cfg.steps * cfg.tokens_per_step / max(1, data.tokens.numel() // cfg.seq * cfg.seq), 3)
+    log(
+        f"data: {facts['files']} stdlib files ({facts['bytes']:,} bytes, {facts['first_file']} .. {facts['last_file']}), "
+        f"{facts['tokens']:,} tokens, BPE vocab {data.vocab_size} ({'cached' if data.cached else 'trained'} in {data.cache_dir})"
+    )
+    return data, batches, facts
+
+
 def run_demo(
     cfg: DemoConfig,
     peers: dict[str, Patch],
@@ -416,8 +433,6 @@ def run_demo(
     A peer whose patch changes process-wide state (Liger's RoPE replaces a transformers module
     function) needs ``schedule="sequential"`` and the last place, or it would leak into the runs before it.
     """
-    from truefuse.demo.data import describe, load_corpus, make_batches, tokenize_corpus
-
     if "stock" in peers:
         raise ValueError('"stock" is the unpatched reference run; give the peers other names')
     log = log or (lambda _msg: None)
@@ -426,15 +441,7 @@ def run_demo(
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda asked for, but torch sees no CUDA device")
-    corpus = load_corpus(cfg.corpus_bytes)
-    data = tokenize_corpus(corpus, cfg.vocab, cache_dir)
-    batches = make_batches(data.tokens, cfg.steps, cfg.batch, cfg.seq, cfg.seed)
-    facts = describe(corpus, data)
-    facts["epochs"] = round(cfg.steps * cfg.tokens_per_step / max(1, data.tokens.numel() // cfg.seq * cfg.seq), 3)
-    log(
-        f"data: {facts['files']} stdlib files ({facts['bytes']:,} bytes, {facts['first_file']} .. {facts['last_file']}), "
-        f"{facts['tokens']:,} tokens, BPE vocab {data.vocab_size} ({'cached' if data.cached else 'trained'} in {data.cache_dir})"
-    )
+    data, batches, facts = prepare_data(cfg, cache_dir, log)
     model_config = llama_config(cfg, data.vocab_size)
     state = initial_state(cfg, model_config)
     result = DemoResult(cfg, facts, environment(device), model_config.to_dict())
