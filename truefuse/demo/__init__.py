@@ -3,7 +3,8 @@ library's own sources twice, stock and patched with ``apply_truefuse``, from the
 same batches, and show loss curves, step time and memory side by side.
 
 ``data`` builds the corpus, tokenizer and batches; ``train`` runs the training; ``report`` prints the
-table and writes ``results.json`` and ``demo.png``; ``cli`` is the command. transformers and
+table and writes ``results.json`` and ``demo.png``; ``cli`` is the command; ``fsdp`` runs the same
+under FSDP2 on N local ranks (``--world-size N``) and ``profile`` counts host syncs and profiles a step. transformers and
 tokenizers (``pip install truefuse[hf]``) are imported only when a demo runs.
 """
 

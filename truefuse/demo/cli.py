@@ -13,7 +13,7 @@ HF_HINT = "pip install truefuse[hf]"
 
 #: command-line settings that override the --size preset (None: the preset's)
 _SETTINGS = ("dtype", "steps", "hidden", "layers", "heads", "kv_heads", "vocab", "seq", "batch", "lr", "corpus_bytes", "tol")
-_SETTINGS += ("seed", "schedule")
+_SETTINGS += ("seed", "schedule", "world_size", "fsdp_policy", "head_unit")
 
 
 def _fail(msg: str) -> int:
@@ -44,13 +44,17 @@ def stock_again(model):
 def liger_patch():
     """Liger-Kernel's Llama patch on the given model instance. Its RoPE patch replaces transformers'
     module-level function, so the liger run goes last (after stock and truefuse)."""
+    import liger_kernel.transformers  # noqa: F401  (fails here, not in a rank, when it is missing)
+
+    return _apply_liger
+
+
+def _apply_liger(model):
+    """Module-level (the FSDP2 ranks unpickle their patches)."""
     from liger_kernel.transformers import apply_liger_kernel_to_llama
 
-    def patch(model):
-        apply_liger_kernel_to_llama(model=model)
-        return "liger_kernel.transformers.apply_liger_kernel_to_llama(model=...) with its defaults"
-
-    return patch
+    apply_liger_kernel_to_llama(model=model)
+    return "liger_kernel.transformers.apply_liger_kernel_to_llama(model=...) with its defaults"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,6 +91,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="add a run of truefuse in batch-invariant mode, and stock run twice (how far stock is from itself)",
     )
+    f = p.add_argument_group("FSDP2 (--world-size N >= 2; also on the CPU, gloo)")
+    f.add_argument(
+        "--world-size",
+        type=int,
+        metavar="N",
+        help="train each run under FSDP2 on N local ranks (one GPU each, nccl; gloo on the CPU), each rank on its own "
+        "--batch sequences of every step; default 1: the one-process demo",
+    )
+    f.add_argument(
+        "--fsdp-policy",
+        choices=["mp", "bf16", "none"],
+        help="mp: fp32 parameters, MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), no autocast "
+        "(implies --dtype amp-bf16); bf16: pure bf16 parameters, no policy (implies --dtype bf16); none: --dtype's "
+        "parameters and autocast. Default: by --dtype (amp-bf16: mp, bf16: bf16, fp32: none)",
+    )
+    f.add_argument("--head-unit", action="store_true", help="also fully_shard(model.lm_head) as its own unit (before the root)")
+    f.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="count host synchronisations in the training work (forward, backward, clip, AdamW) of one extra step after "
+        "each run (torch.cuda.set_sync_debug_mode('warn'); CUDA only) and print each run's top 10 call sites",
+    )
+    f.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="record a few extra steps of each run with torch.profiler on rank 0: DIR/<run>_top.txt (self CUDA and self "
+        "CPU time, 40 rows each) and DIR/<run>_trace.json.gz (chrome trace, skipped over 16 MiB)",
+    )
     p.add_argument("--out", default="demo_out", help="folder for results.json and demo.png (default: ./demo_out)")
     p.add_argument("--cache-dir", help="tokenizer cache (default: $TRUEFUSE_CACHE_DIR or ~/.cache/truefuse)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -100,18 +132,26 @@ def main(args: argparse.Namespace) -> int:
         return _fail(f"needs transformers and tokenizers ({e.name or e} is missing): {HF_HINT}")
     if importlib.util.find_spec("matplotlib") is None:
         return _fail("needs matplotlib for its plot: pip install truefuse[bench]")
-    from truefuse.demo.report import print_table, summarize, write
+    from truefuse.demo.report import print_syncs, print_table, summarize, write
     from truefuse.demo.train import make_config, run_demo
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         return _fail("--device cuda asked for, but torch sees no CUDA device")
     size = args.size or ("gpu" if device == "cuda" else "cpu")
-    settings = {k: getattr(args, k) for k in _SETTINGS}
+    settings = {k: getattr(args, k, None) for k in _SETTINGS}
+    settings["head_unit"] = settings["head_unit"] or None
     try:
         cfg = make_config(size, device=device, **settings)
     except ValueError as e:
         return _fail(str(e))
+    fsdp = cfg.world_size > 1
+    if not fsdp and (getattr(args, "sync_debug", False) or getattr(args, "profile", None)):
+        return _fail("--sync-debug and --profile look at FSDP2 runs: give --world-size N (N >= 2)")
+    if fsdp and device == "cuda" and torch.cuda.device_count() < cfg.world_size:
+        return _fail(f"--world-size {cfg.world_size} needs {cfg.world_size} GPUs, torch sees {torch.cuda.device_count()}")
+    if fsdp and getattr(args, "batch_invariant", False):
+        return _fail("--batch-invariant is a one-process demo (no --world-size)")
 
     try:
         peers = {"truefuse": truefuse_patch()}
@@ -133,10 +173,20 @@ def main(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr)
 
-    result = run_demo(cfg, peers, cache_dir=args.cache_dir, quiet=args.quiet, log=log)
+    if fsdp:
+        from truefuse.demo.fsdp import run_fsdp_demo
+
+        result = run_fsdp_demo(cfg, peers, args.cache_dir, args.quiet, log, sync_debug=args.sync_debug, profile_dir=args.profile)
+        for run in result.runs:
+            for w in run.extra.get("warnings", []):
+                log(f"{run.name}: warning: {w}")
+    else:
+        result = run_demo(cfg, peers, cache_dir=args.cache_dir, quiet=args.quiet, log=log)
     rows = summarize(result)
     print_table(result, rows)
+    print_syncs(result)
     paths = write(result, rows, args.out)
     print("wrote " + ", ".join(str(p) for p in paths))
-    # the command fails when truefuse's curve leaves stock's by more than the tolerance
-    return 1 if any(r["run"] == "truefuse" and r["verdict"] == "DIFFERS" for r in rows) else 0
+    # the command fails when truefuse's curve leaves stock's by more than the tolerance (or it failed)
+    ok = any(r["run"] == "truefuse" for r in rows) and not any(r["run"] == "truefuse" and r["verdict"] == "DIFFERS" for r in rows)
+    return 0 if ok else 1

@@ -16,7 +16,11 @@ MEMORY_NOTE_CPU = "peak memory: n/a on the CPU (no per-run allocator peak there;
 
 
 def _mean_step_s(run: RunResult, skip: int) -> float:
-    times = run.step_s[min(skip, len(run.step_s) - 1) :]
+    return _mean_after(run.step_s, skip)
+
+
+def _mean_after(times: list[float], skip: int) -> float:
+    times = times[min(skip, len(times) - 1) :]
     return sum(times) / len(times)
 
 
@@ -50,6 +54,7 @@ def summarize(result: DemoResult) -> list[dict]:
                 "tokens_per_s": cfg.tokens_per_step / step,
                 "peak_mem_bytes": max(run.mem_bytes) if run.mem_bytes else None,
                 "speedup_vs_stock": stock_step / step,
+                "mean_host_s": _mean_after(run.host_s, cfg.timing_warmup) if run.host_s else None,
                 "n_params": run.n_params,
                 "setup_s": run.setup_s,
                 "patch_report": run.patch_report,
@@ -78,9 +83,25 @@ def speed_note(result: DemoResult) -> str:
 
 def title(result: DemoResult) -> str:
     c = result.config
+    tokens = f"{c.batch}x{c.seq}" if c.world_size == 1 else f"{c.world_size}x{c.batch}x{c.seq}"
+    dtype = c.dtype
+    if c.world_size > 1:
+        dtype += f", policy {c.fsdp_policy}" + (", lm_head its own unit" if c.head_unit else "")
     return (
         f"truefuse demo: Llama {c.layers}x{c.hidden} (heads {c.heads}/{c.kv_heads}, vocab {result.model_config['vocab_size']}), "
-        f"{c.batch}x{c.seq} tokens x {c.steps} steps, {c.dtype} on {result.environment['device']}"
+        f"{tokens} tokens x {c.steps} steps, {dtype} on {result.environment['device']}"
+    )
+
+
+def fsdp_note(result: DemoResult) -> str:
+    """What the columns mean over several ranks (empty on one)."""
+    n = result.config.world_size
+    if n == 1:
+        return ""
+    return (
+        f"FSDP2 on {n} ranks, each on its own {result.config.batch} sequences: loss = mean of the ranks' losses (the same "
+        "value on every rank), step ms = the slowest rank's, tokens/s over all ranks, peak GiB = the largest rank's; "
+        "host ms = time until the step's last launch returned (close to step ms with few syncs: the GPU waited on the host)"
     )
 
 
@@ -90,26 +111,26 @@ def print_table(result: DemoResult, rows: list[dict], console=None) -> None:
 
     cfg = result.config
     notes = [f"mean step time leaves out the first {cfg.timing_warmup} steps", memory_note(result), speed_note(result)]
+    notes.append(fsdp_note(result))
     t = Table(title=title(result), caption="; ".join(n for n in notes if n))
-    for col in (
-        "run",
-        "final loss",
-        "max |Δloss| vs stock",
-        f"curve (tol {cfg.tol:g})",
-        "step ms",
-        "tokens/s",
-        "peak GiB",
-        "speedup",
-    ):
+    host = cfg.world_size > 1
+    cols = ["run", "final loss", "max |Δloss| vs stock", f"curve (tol {cfg.tol:g})", "step ms"]
+    cols += ["host ms"] * host + ["tokens/s", "peak GiB", "speedup"]
+    for col in cols:
         t.add_column(col, justify="left" if col in ("run",) or col.startswith("curve") else "right")
     for r in rows:
         peak = "n/a" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**30:.2f}"
-        t.add_row(
+        cells = [
             r["run"],
             f"{r['final_loss']:.4f}",
             "-" if r["verdict"] == "reference" else f"{r['max_abs_diff_vs_stock']:.2e}",
             r["verdict"],
             f"{r['mean_step_s'] * 1e3:.1f}",
+        ]
+        if host:
+            cells.append("-" if r["mean_host_s"] is None else f"{r['mean_host_s'] * 1e3:.1f}")
+        t.add_row(
+            *cells,
             f"{r['tokens_per_s']:,.0f}",
             peak,
             f"{r['speedup_vs_stock']:.2f}x",
@@ -128,8 +149,17 @@ def to_json(result: DemoResult, rows: list[dict]) -> dict:
         "model_config": {k: v for k, v in result.model_config.items() if isinstance(v, (int, float, str, bool, type(None)))},
         "memory_note": memory_note(result),
         "speed_note": speed_note(result),
+        "fsdp_note": fsdp_note(result),
         "runs": [
-            {**by_name[run.name], "losses": run.losses, "step_s": run.step_s, "mem_bytes": run.mem_bytes} for run in result.runs
+            {
+                **by_name[run.name],
+                "losses": run.losses,
+                "step_s": run.step_s,
+                "host_s": run.host_s,
+                "mem_bytes": run.mem_bytes,
+                **({"extra": run.extra} if run.extra else {}),
+            }
+            for run in result.runs
         ],
     }
 
@@ -186,3 +216,24 @@ def write(result: DemoResult, rows: list[dict], out_dir: str | Path) -> list[Pat
     jpath = out / "results.json"
     jpath.write_text(json.dumps(to_json(result, rows), indent=1) + "\n")
     return [jpath, plot(result, rows, out / "demo.png")]
+
+
+def print_syncs(result: DemoResult, n: int = 10) -> None:
+    """Each run's GPU kernel time a step under ``--profile`` and its host synchronisations in its
+    ``--sync-debug`` step (rank 0's), the ``n`` most frequent call sites first (demo/profile.py)."""
+    from truefuse.demo.profile import top_syncs
+
+    for run in result.runs:
+        prof = run.extra.get("profile", {})
+        if "kernel_ms_per_step" in prof:
+            kernels, wall = prof["kernel_ms_per_step"], prof["wall_ms_per_step"]
+            print(f"{run.name}: profile: GPU kernels {kernels:.1f} ms of {wall:.1f} ms a step (rank 0, under the profiler)")
+        if "syncs" not in run.extra:
+            continue
+        sites = run.extra["syncs"]
+        if sites is None:
+            print(f"{run.name}: host syncs n/a (counted on CUDA only)")
+            continue
+        print(f"{run.name}: {sum(sites.values())} host syncs in one step's training work at {len(sites)} call sites (rank 0)")
+        for site, count in top_syncs(sites, n):
+            print(f"  {count:5d}  {site}")

@@ -59,10 +59,17 @@ class DemoConfig:
     # alike); "sequential": one run after the other (each run's CUDA peak memory is its own);
     # "auto": interleaved on the CPU, sequential on CUDA
     schedule: str = "auto"
+    # FSDP2 (demo/fsdp.py): ranks, each taking its own `batch` sequences of every step; the policy
+    # ("mp": fp32 parameters, bf16 compute, fp32 reduce; "bf16": bf16 parameters; "none"), and
+    # whether lm_head is its own unit. "auto" follows dtype (FSDP_POLICIES)
+    world_size: int = 1
+    fsdp_policy: str = "auto"
+    head_unit: bool = False
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch * self.seq
+        """Over all ranks: each of the ``world_size`` ranks trains on its own ``batch`` x ``seq`` tokens."""
+        return self.world_size * self.batch * self.seq
 
 
 PRESETS: dict[str, DemoConfig] = {
@@ -89,6 +96,11 @@ PRESETS: dict[str, DemoConfig] = {
 }
 
 SCHEDULES = ("auto", "interleaved", "sequential")
+
+#: --fsdp-policy -> the dtype it implies when --dtype is not given, and the dtypes it accepts
+FSDP_POLICIES = {"mp": ("amp-bf16", ("amp-bf16", "fp32")), "bf16": ("bf16", ("bf16",)), "none": (None, tuple(DTYPES))}
+#: dtype -> the policy that "auto" resolves to
+_AUTO_POLICY = {"amp-bf16": "mp", "bf16": "bf16", "fp32": "none"}
 
 #: default tolerance per dtype when the dtype is changed from the preset's
 _TOL = {"fp32": 1e-3, "bf16": 5e-2, "amp-bf16": 5e-2}
@@ -121,10 +133,12 @@ def make_config(size: str, **overrides) -> DemoConfig:
         raise ValueError(f"unknown schedule {given['schedule']!r}; known: {', '.join(SCHEDULES)}")
     if given.get("schedule", base.schedule) == "auto":
         given["schedule"] = _auto_schedule(given.get("device", base.device))
+    _fsdp_settings(given, base)
     if "dtype" in given and "tol" not in given:
         given["tol"] = _TOL[given["dtype"]]
     cfg = replace(base, **given)
-    for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "steps", "corpus_bytes"):
+    names = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "steps", "corpus_bytes")
+    for name in names + ("world_size",):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
     if cfg.hidden % cfg.heads or cfg.heads % cfg.kv_heads:
@@ -132,6 +146,29 @@ def make_config(size: str, **overrides) -> DemoConfig:
             f"hidden {cfg.hidden}, heads {cfg.heads}, kv_heads {cfg.kv_heads}: need hidden % heads == heads % kv_heads == 0"
         )
     return cfg
+
+
+def _fsdp_settings(given: dict, base: DemoConfig) -> None:
+    """Resolve ``fsdp_policy`` in ``given``: an explicit policy brings its dtype when none is given
+    and refuses a dtype it cannot train ("mp" casts fp32 parameters; "bf16" has bf16 ones); "auto"
+    follows the dtype. Without ranks (world_size 1) the policy is "none"."""
+    policy = given.get("fsdp_policy", base.fsdp_policy)
+    if policy != "auto" and policy not in FSDP_POLICIES:
+        raise ValueError(f"unknown fsdp_policy {policy!r}; known: auto, {', '.join(FSDP_POLICIES)}")
+    if given.get("world_size", base.world_size) == 1:
+        if policy not in ("auto", "none") or given.get("head_unit"):
+            raise ValueError("fsdp_policy and head_unit need world_size >= 2 (FSDP2 runs)")
+        given["fsdp_policy"] = "none"
+        return
+    if policy == "auto":
+        given["fsdp_policy"] = _AUTO_POLICY[given.get("dtype", base.dtype)]
+        return
+    implied, accepted = FSDP_POLICIES[policy]
+    if "dtype" not in given and implied is not None:
+        given["dtype"] = implied
+    dtype = given.get("dtype", base.dtype)
+    if dtype not in accepted:
+        raise ValueError(f"fsdp_policy {policy!r} trains {' or '.join(accepted)} parameters, not dtype {dtype!r}")
 
 
 def _auto_schedule(device: str) -> str:
@@ -156,6 +193,8 @@ class RunResult:
     patch_report: str | None
     n_params: int
     setup_s: float  # build the model, load the initial state, patch, make the optimizer
+    host_s: list[float] = field(default_factory=list)  # each step's host time until its last launch returned
+    extra: dict = field(default_factory=dict)  # FSDP2: per-rank records, sync counts, profile files
 
 
 @dataclass
@@ -239,6 +278,7 @@ class Trainer:
         model = _build(model_config, device, param_dtype)
         model.load_state_dict(state)
         report = patch(model) if patch is not None else None
+        model = self.wrap(model)
         model.train()
         # the optimizer is built after the patch: a patch may replace modules and their parameters
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -258,17 +298,36 @@ class Trainer:
             setup_s=time.perf_counter() - self.t_start,
         )
 
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """After the patch, before the optimizer: the FSDP2 trainer shards the model here."""
+        return model
+
     def step(self, ids: torch.Tensor) -> float:
         """One optimizer step on ``ids`` (labels = ids: the model shifts them); returns the loss."""
-        device, cfg = self.device, self.cfg
+        device = self.device
         _set_rng_state(device, self.rng)
         ids = ids.to(device)
         _sync(device)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
+        loss = self.update(ids)
+        # every kernel of the step is queued: host time ~ step time means the GPU waited on the host
+        self.result.host_s.append(time.perf_counter() - t0)
+        value = loss.item()
+        _sync(device)
+        self.result.step_s.append(time.perf_counter() - t0)
+        self.result.losses.append(value)
+        if self.cuda:
+            self.result.mem_bytes.append(torch.cuda.max_memory_allocated(device))
+        self.rng = _rng_state(device)
+        return value
+
+    def update(self, ids: torch.Tensor) -> torch.Tensor:
+        """Forward, backward, clip, AdamW and the schedule on ``ids`` (on the device); the loss, unread."""
+        cfg = self.cfg
         autocast = (
-            torch.autocast(device.type, dtype=self.autocast_dtype)
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
             if self.autocast_dtype is not None
             else contextlib.nullcontext()
         )
@@ -280,14 +339,7 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        value = loss.item()
-        _sync(device)
-        self.result.step_s.append(time.perf_counter() - t0)
-        self.result.losses.append(value)
-        if self.cuda:
-            self.result.mem_bytes.append(torch.cuda.max_memory_allocated(device))
-        self.rng = _rng_state(device)
-        return value
+        return loss
 
     def close(self) -> RunResult:
         """Free the model and optimizer; the run's record."""
@@ -351,6 +403,23 @@ def progress_bar(total: int, quiet: bool = False):
         yield on_step
 
 
+def prepare_data(cfg: DemoConfig, cache_dir: str | None, log: Callable[[str], None]):
+    """The corpus's tokens, the ``(steps, world_size * batch, seq)`` batches (every rank's rows of each
+    step) and the data's facts for the results file."""
+    from truefuse.demo.data import describe, load_corpus, make_batches, tokenize_corpus
+
+    corpus = load_corpus(cfg.corpus_bytes)
+    data = tokenize_corpus(corpus, cfg.vocab, cache_dir)
+    batches = make_batches(data.tokens, cfg.steps, cfg.world_size * cfg.batch, cfg.seq, cfg.seed)
+    facts = describe(corpus, data)
+    facts["epochs"] = round(cfg.steps * cfg.tokens_per_step / max(1, data.tokens.numel() // cfg.seq * cfg.seq), 3)
+    log(
+        f"data: {facts['files']} stdlib files ({facts['bytes']:,} bytes, {facts['first_file']} .. {facts['last_file']}), "
+        f"{facts['tokens']:,} tokens, BPE vocab {data.vocab_size} ({'cached' if data.cached else 'trained'} in {data.cache_dir})"
+    )
+    return data, batches, facts
+
+
 def run_demo(
     cfg: DemoConfig,
     peers: dict[str, Patch],
@@ -364,8 +433,6 @@ def run_demo(
     A peer whose patch changes process-wide state (Liger's RoPE replaces a transformers module
     function) needs ``schedule="sequential"`` and the last place, or it would leak into the runs before it.
     """
-    from truefuse.demo.data import describe, load_corpus, make_batches, tokenize_corpus
-
     if "stock" in peers:
         raise ValueError('"stock" is the unpatched reference run; give the peers other names')
     log = log or (lambda _msg: None)
@@ -374,15 +441,7 @@ def run_demo(
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda asked for, but torch sees no CUDA device")
-    corpus = load_corpus(cfg.corpus_bytes)
-    data = tokenize_corpus(corpus, cfg.vocab, cache_dir)
-    batches = make_batches(data.tokens, cfg.steps, cfg.batch, cfg.seq, cfg.seed)
-    facts = describe(corpus, data)
-    facts["epochs"] = round(cfg.steps * cfg.tokens_per_step / max(1, data.tokens.numel() // cfg.seq * cfg.seq), 3)
-    log(
-        f"data: {facts['files']} stdlib files ({facts['bytes']:,} bytes, {facts['first_file']} .. {facts['last_file']}), "
-        f"{facts['tokens']:,} tokens, BPE vocab {data.vocab_size} ({'cached' if data.cached else 'trained'} in {data.cache_dir})"
-    )
+    data, batches, facts = prepare_data(cfg, cache_dir, log)
     model_config = llama_config(cfg, data.vocab_size)
     state = initial_state(cfg, model_config)
     result = DemoResult(cfg, facts, environment(device), model_config.to_dict())
