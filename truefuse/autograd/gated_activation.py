@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.autograd._eager_op import call
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated2_fwd_op, gated_activation_ref, gated_fwd_op, use_kernel
 
 
@@ -29,7 +30,7 @@ def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None)
     if not use_kernel(x):
         return gated_activation_ref(x, name)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = gated_fwd_op(x2, name)
+    y = call(gated_fwd_op, x2, name)
     return y.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
@@ -47,4 +48,4 @@ def _gated_two(gate: torch.Tensor, up: torch.Tensor, name: str) -> torch.Tensor:
     g2, u2 = gate.reshape(-1, F), up.reshape(-1, F)
     g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
     u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
-    return gated2_fwd_op(g2, u2, name).view(gate.shape)
+    return call(gated2_fwd_op, g2, u2, name).view(gate.shape)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.autograd._eager_op import call
 from truefuse.ops.norm import (
     HF_NORM_STYLES,
     hf_statistics,
@@ -55,7 +56,7 @@ def _run(x, weight, bias, eps, rms: bool, zero_centered_gamma: bool):
             return rms_norm_ref(x, weight, eps, zero_centered_gamma=zero_centered_gamma)
         return layer_norm_ref(x, weight, bias, eps, zero_centered_gamma=zero_centered_gamma)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = norm_fwd_op(x2, weight, bias, float(eps), rms, zero_centered_gamma)[0]
+    y = call(norm_fwd_op, x2, weight, bias, float(eps), rms, zero_centered_gamma)[0]
     return y.view(x.shape)
 
 
@@ -127,5 +128,5 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         return rms_norm_hf_ref(x, weight, eps, style=style)
     with torch.no_grad():  # the op's backward differentiates through the statistics itself
         rstd = hf_statistics(x, eps).reshape(-1)
-    y = rms_norm_hf_fwd_op(x.reshape(-1, x.shape[-1]).contiguous(), weight, rstd, style)
+    y = call(rms_norm_hf_fwd_op, x.reshape(-1, x.shape[-1]).contiguous(), weight, rstd, style)
     return y.view(x.shape)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.autograd._eager_op import call
 from truefuse.ops.rope import rope_fwd_op, rope_ref, use_kernel
 
 
@@ -30,7 +31,7 @@ def _one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cos, sin = cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1)
     if cos.stride(-1) != 1 or cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    return rope_fwd_op(x, cos, sin)
+    return call(rope_fwd_op, x, cos, sin)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):

@@ -11,6 +11,7 @@ backward works. (Autograd Functions refuse the same way: ``autograd/_double_back
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -63,11 +64,52 @@ def no_double_backward(op, name: str | Callable, ref: str = "") -> None:
     op.register_autograd(_no_double_backward, setup_context=_setup)
 
 
+class EagerSpec(NamedTuple):
+    """What ``autograd/_eager_op.py`` needs to run a forward op in eager mode without the
+    dispatcher: the op's ``setup_context`` and ``backward`` (the ones registered on it) and
+    ``names(ctx) -> (op, ref)`` for its double-backward refusal."""
+
+    setup_context: Callable
+    backward: Callable
+    names: Callable
+
+
 def register_backward(
-    fwd_op, backward: Callable, setup_context: Callable, *, bwd_ops: Iterable = (), name: str | Callable = "", ref: str = ""
+    fwd_op,
+    backward: Callable,
+    setup_context: Callable,
+    *,
+    bwd_ops: Iterable = (),
+    name: str | Callable = "",
+    ref: str = "",
+    eager_names: Callable | None = None,
 ) -> None:
     """``fwd_op.register_autograd(backward, setup_context=setup_context)`` and
-    :func:`no_double_backward` (``name``, ``ref``) on each of ``bwd_ops`` (the ops ``backward`` calls)."""
+    :func:`no_double_backward` (``name``, ``ref``) on each of ``bwd_ops`` (the ops ``backward`` calls).
+
+    ``fwd_op`` (made with :func:`custom_op`, so it has a ``body``) also gets ``eager``, an
+    :class:`EagerSpec`, for ``autograd/_eager_op.py::call``; ``eager_names(ctx) -> (op, ref)`` names
+    the op in its refusal where ``name`` reads the backward op's inputs (the norms)."""
     fwd_op.register_autograd(backward, setup_context=setup_context)
     for op in bwd_ops:
         no_double_backward(op, name, ref)
+    if eager_names is None:
+        eager_names = _static_names(name, ref)
+    fwd_op.eager = EagerSpec(setup_context, backward, eager_names)
+
+
+def _static_names(name, ref) -> Callable:
+    def names(ctx) -> tuple[str, str]:
+        return name, ref
+
+    return names
+
+
+def bwd_call(ctx, op, *args):
+    """A registered backward's call of its backward op ``op`` (made with :func:`custom_op`): its
+    body directly under ``autograd/_eager_op.py`` (which refuses double backward itself, the
+    dispatcher's round trips being what it saves), else through the dispatcher (torch.compile's
+    traced backward, and the op's own autograd path with its double-backward stub)."""
+    if getattr(ctx, "truefuse_eager", False):
+        return op.body(*args)
+    return op(*args)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops._custom_op import custom_op, register_backward
+from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.activation import activation_ref
@@ -149,7 +149,7 @@ def _(x, name):
     return x.new_empty((x.shape[0], F))
 
 
-@torch.library.custom_op("truefuse::gated_activation_bwd", mutates_args=())
+@custom_op("truefuse::gated_activation_bwd", mutates_args=())
 def gated_bwd_op(dy: torch.Tensor, x: torch.Tensor, name: str) -> torch.Tensor:
     """:func:`gated_bwd` as an op: returns the gradient of ``x``."""
     return gated_bwd(dy.contiguous(), x, name)
@@ -167,7 +167,7 @@ def _gated_setup(ctx, inputs, output):
 
 def _gated_backward(ctx, dy):
     (x,) = ctx.saved_tensors
-    return gated_bwd_op(dy, x, ctx.name), None
+    return bwd_call(ctx, gated_bwd_op, dy, x, ctx.name), None
 
 
 _REFUSAL = {"name": "gated_activation", "ref": "truefuse.ops.gated_activation.gated_activation_ref"}  # double backward
@@ -178,7 +178,7 @@ register_backward(gated_fwd_op, _gated_backward, _gated_setup, bwd_ops=(gated_bw
 # concatenation copy): the same kernels with two row-strided inputs.
 
 
-@torch.library.custom_op("truefuse::gated_activation2_fwd", mutates_args=())
+@custom_op("truefuse::gated_activation2_fwd", mutates_args=())
 def gated2_fwd_op(gate: torch.Tensor, up: torch.Tensor, name: str) -> torch.Tensor:
     """``act(gate) * up`` for (M, F) ``gate`` and ``up`` whose rows are contiguous."""
     return gated_fwd(gate, name, up)
@@ -189,7 +189,7 @@ def _(gate, up, name):
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("truefuse::gated_activation2_bwd", mutates_args=())
+@custom_op("truefuse::gated_activation2_bwd", mutates_args=())
 def gated2_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``gate`` and ``up``."""
     return gated_bwd(dy.contiguous(), gate, name, up=up)
@@ -209,7 +209,7 @@ def _gated2_setup(ctx, inputs, output):
 
 def _gated2_backward(ctx, dy):
     gate, up = ctx.saved_tensors
-    dg, du = gated2_bwd_op(dy, gate, up, ctx.name)
+    dg, du = bwd_call(ctx, gated2_bwd_op, dy, gate, up, ctx.name)
     return dg, du, None
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from truefuse.config import get_tuning, is_batch_invariant
-from truefuse.ops._custom_op import register_backward
+from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._triton import hopper, sm_count, triton_runs
 from truefuse.ops.gemm_exec import wide_dtype
 from truefuse.ops.norm_config import (
@@ -350,7 +350,7 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, par
 # the backward registered on the op. Optional outputs are empty tensors (an op returns no None).
 
 
-@torch.library.custom_op("truefuse::norm_fwd", mutates_args=())
+@custom_op("truefuse::norm_fwd", mutates_args=())
 def norm_fwd_op(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool, zero_centered_gamma: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -366,7 +366,7 @@ def _(x, weight, bias, eps, rms, zero_centered_gamma):
     return torch.empty_like(x), x.new_empty((0,) if rms else (M,), dtype=f32), x.new_empty((M,), dtype=f32)
 
 
-@torch.library.custom_op("truefuse::norm_bwd", mutates_args=())
+@custom_op("truefuse::norm_bwd", mutates_args=())
 def norm_bwd_op(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -409,25 +409,36 @@ def _norm_backward(ctx, dy, _dmean, _drstd):
     if dy is None:  # nothing flowed into y (grads are not materialized): no gradient
         return None, None, None, None, None, None
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = norm_bwd_op(dy, x, weight, bias, mean, rstd, ctx.rms, ctx.zero_centered_gamma)
+    dx, dw, db = bwd_call(ctx, norm_bwd_op, dy, x, weight, bias, mean, rstd, ctx.rms, ctx.zero_centered_gamma)
     return dx, (None if weight is None else dw), (None if bias is None else db), None, None, None
 
 
 def _norm_names(inputs) -> tuple[str, str]:
     """The public op behind a ``norm_bwd`` call, for its double-backward refusal (``rms`` is its
     7th input; ``rms_norm_hf`` and ``RMSNorm`` are ``rms_norm`` there)."""
-    op = "rms_norm" if inputs[6] else "layer_norm"
+    return _norm_op_names(inputs[6])
+
+
+def _norm_op_names(rms: bool) -> tuple[str, str]:
+    op = "rms_norm" if rms else "layer_norm"
     return op, f"truefuse.ops.norm.{op}_ref"
 
 
-register_backward(norm_fwd_op, _norm_backward, _norm_setup, bwd_ops=(norm_bwd_op,), name=_norm_names)
+register_backward(
+    norm_fwd_op,
+    _norm_backward,
+    _norm_setup,
+    bwd_ops=(norm_bwd_op,),
+    name=_norm_names,
+    eager_names=lambda ctx: _norm_op_names(ctx.rms),
+)
 
 
 # The stock-rounding RMSNorm (``rms_norm_hf``): the statistics come in (torch's, for their bits),
 # the kernel applies them and the weight; the backward is the norm's own with that rstd.
 
 
-@torch.library.custom_op("truefuse::rms_norm_hf_fwd", mutates_args=())
+@custom_op("truefuse::rms_norm_hf_fwd", mutates_args=())
 def rms_norm_hf_fwd_op(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, style: str) -> torch.Tensor:
     """y of :func:`rms_norm_hf_ref` for a contiguous (M, N) ``x`` and its (M,) fp32 ``rstd`` (``hf_rstd``)."""
     y, _, _ = norm_fwd(
@@ -461,8 +472,9 @@ def _hf_setup(ctx, inputs, output):
 
 def _hf_backward(ctx, dy):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw, _ = norm_bwd_op(dy, x, weight, None, rstd.new_empty(0), rstd, True, ctx.zero_centered_gamma)
+    dx, dw, _ = bwd_call(ctx, norm_bwd_op, dy, x, weight, None, rstd.new_empty(0), rstd, True, ctx.zero_centered_gamma)
     return dx, dw, None, None
 
 
-register_backward(rms_norm_hf_fwd_op, _hf_backward, _hf_setup)
+# its double-backward refusal: norm_bwd_op's, which names rms_norm (the eager path names the same)
+register_backward(rms_norm_hf_fwd_op, _hf_backward, _hf_setup, eager_names=lambda ctx: _norm_op_names(True))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.config import get_config
-from truefuse.ops._custom_op import register_backward
+from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._triton import triton_runs
 
 
@@ -71,7 +71,7 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype
     return out
 
 
-@torch.library.custom_op("truefuse::rope_fwd", mutates_args=())
+@custom_op("truefuse::rope_fwd", mutates_args=())
 def rope_fwd_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """:func:`rope_ref` through the kernel (bitwise)."""
     return rope_launch(x, cos, sin, torch.result_type(x, cos), backward=False)
@@ -82,7 +82,7 @@ def _(x, cos, sin):
     return torch.empty_like(x, dtype=torch.result_type(x, cos))
 
 
-@torch.library.custom_op("truefuse::rope_bwd", mutates_args=())
+@custom_op("truefuse::rope_bwd", mutates_args=())
 def rope_bwd_op(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
     """The gradient of ``x`` for the output gradient ``dy``, in x's dtype, with autograd's roundings."""
     if dy.stride(-1) != 1:
@@ -103,7 +103,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy):
     cos, sin = ctx.saved_tensors
-    return rope_bwd_op(dy, cos, sin, ctx.x_dtype), None, None
+    return bwd_call(ctx, rope_bwd_op, dy, cos, sin, ctx.x_dtype), None, None
 
 
 register_backward(

@@ -1,0 +1,70 @@
+"""Eager mode's way into truefuse's one-kernel custom ops (docs/design.md §6.7).
+
+The ``torch.library`` custom ops are what torch.compile and export trace. Called in eager mode, one
+goes through the dispatcher's autograd key, torch.library's Python wrappers and the dispatcher
+again to its body, and its backward op the same way: about 200-500 µs of host time (profiled) per
+norm backward on an H100 for 20-40 µs of GPU work (``truefuse::norm_bwd`` plus its autograd
+wrapper under FSDP2, 2 H100s; docs/benchmarks.md, FSDP2). Where the host is what a step waits for
+(FSDP2's hooks, a small model, ``generate``) that host time is the step's.
+
+:func:`call` runs the same registered pieces (the op's body, its ``setup_context``, its backward,
+whose backward op runs as its body through ``ops/_custom_op.py::bwd_call``) in one plain autograd
+Function, with the double-backward refusal of :func:`refuses_double_backward`. The same Python
+bodies and kernels: the same bits. The dispatcher stays wherever it does something: while
+torch.compile traces, under a dispatch mode (fake tensors, flop counters), for tensor subclasses
+(DTensor).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from truefuse.autograd._double_backward import refuses_double_backward
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _names(ctx) -> tuple[str, str]:
+    return ctx.truefuse_op.eager.names(ctx)
+
+
+def _backward(ctx, *grads):
+    return ctx.truefuse_op.eager.backward(ctx, *grads)
+
+
+_refusing_backward = refuses_double_backward(_names)(_backward)
+
+
+class _EagerOp(torch.autograd.Function):
+    """``op.body(*args)`` with ``op``'s registered autograd (``op.eager``: ``ops/_custom_op.py``)."""
+
+    @staticmethod
+    def forward(op, *args):
+        return op.body(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        op = inputs[0]
+        ctx.truefuse_op = op
+        ctx.truefuse_eager = True  # its backward calls backward ops' bodies (ops/_custom_op.py::bwd_call)
+        op.eager.setup_context(ctx, inputs[1:], output)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = _refusing_backward(ctx, *grads)
+        return (None, *(out if isinstance(out, tuple) else (out,)))
+
+
+def call(op, *args):
+    """``op(*args)`` (a custom op with a registered backward: ``ops/_custom_op.py::register_backward``)
+    without the dispatcher in eager mode; through it while tracing, under a dispatch mode, or for a
+    tensor subclass argument."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return op(*args)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if any(type(t) not in _PLAIN for t in tensors):
+        return op(*args)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _EagerOp.apply(op, *args)
+    return op.body(*args)
