@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated2_fwd_op, gated_activation_ref, gated_fwd_op, use_kernel
 
 
@@ -20,6 +21,7 @@ def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None)
     Returns:
         (..., F) in ``x.dtype``: fp32 math, one rounding (``gated_activation_ref``, bounded contract).
     """
+    refuse_dtensor("gated_activation", x=x, up=up)
     if name not in GATED_ACTIVATIONS:
         raise ValueError(f"gated activation {name!r} is not supported; choose one of {tuple(GATED_ACTIVATIONS)}")
     if up is not None:

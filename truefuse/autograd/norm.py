@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops.norm import (
     HF_NORM_STYLES,
     hf_statistics,
@@ -25,7 +26,8 @@ from truefuse.ops.norm import (
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check(x, params: dict[str, torch.Tensor | None], eps) -> None:
+def _check(op: str, x, params: dict[str, torch.Tensor | None], eps) -> None:
+    refuse_dtensor(op, x=x, **params)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOATS:
@@ -73,7 +75,7 @@ def rms_norm(
     Differentiable in ``x`` and ``weight``; the weight gradient is summed in fp32 and rounded once to
     ``weight.dtype``. Matches :func:`truefuse.ops.norm.rms_norm_ref` (bounded contract).
     """
-    _check(x, {"weight": weight}, eps)
+    _check("rms_norm", x, {"weight": weight}, eps)
     return _run(x, weight, None, eps, True, zero_centered_gamma)
 
 
@@ -95,7 +97,7 @@ def layer_norm(
 
     Matches :func:`truefuse.ops.norm.layer_norm_ref` (bounded contract).
     """
-    _check(x, {"weight": weight, "bias": bias}, eps)
+    _check("layer_norm", x, {"weight": weight, "bias": bias}, eps)
     return _run(x, weight, bias, eps, False, zero_centered_gamma)
 
 
@@ -118,7 +120,7 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         (..., H): ``promote(x.dtype, weight.dtype)`` for ``llama``, x's dtype for ``gemma`` (as stock).
         Forward bitwise equal to :func:`truefuse.ops.norm.rms_norm_hf_ref`; gradients bounded.
     """
-    _check(x, {"weight": weight}, eps)
+    _check("rms_norm_hf", x, {"weight": weight}, eps)
     if style not in HF_NORM_STYLES:
         raise ValueError(f"style must be one of {HF_NORM_STYLES}, got {style!r}")
     if weight is None:
