@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops._dtensor import refuse_dtensor
+from truefuse.ops._dtensor import on_local_rows
 from truefuse.ops.norm import (
     HF_NORM_STYLES,
     hf_statistics,
@@ -26,8 +26,7 @@ from truefuse.ops.norm import (
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check(op: str, x, params: dict[str, torch.Tensor | None], eps) -> None:
-    refuse_dtensor(op, x=x, **params)
+def _check(x, params: dict[str, torch.Tensor | None], eps) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOATS:
@@ -75,7 +74,12 @@ def rms_norm(
     Differentiable in ``x`` and ``weight``; the weight gradient is summed in fp32 and rounded once to
     ``weight.dtype``. Matches :func:`truefuse.ops.norm.rms_norm_ref` (bounded contract).
     """
-    _check("rms_norm", x, {"weight": weight}, eps)
+    y = on_local_rows(
+        "rms_norm", lambda x, w: rms_norm(x, w, eps, zero_centered_gamma=zero_centered_gamma), {"x": x}, {"weight": weight}
+    )
+    if y is not None:
+        return y
+    _check(x, {"weight": weight}, eps)
     return _run(x, weight, None, eps, True, zero_centered_gamma)
 
 
@@ -97,7 +101,15 @@ def layer_norm(
 
     Matches :func:`truefuse.ops.norm.layer_norm_ref` (bounded contract).
     """
-    _check("layer_norm", x, {"weight": weight, "bias": bias}, eps)
+    y = on_local_rows(
+        "layer_norm",
+        lambda x, w, b: layer_norm(x, w, b, eps, zero_centered_gamma=zero_centered_gamma),
+        {"x": x},
+        {"weight": weight, "bias": bias},
+    )
+    if y is not None:
+        return y
+    _check(x, {"weight": weight, "bias": bias}, eps)
     return _run(x, weight, bias, eps, False, zero_centered_gamma)
 
 
@@ -120,7 +132,10 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         (..., H): ``promote(x.dtype, weight.dtype)`` for ``llama``, x's dtype for ``gemma`` (as stock).
         Forward bitwise equal to :func:`truefuse.ops.norm.rms_norm_hf_ref`; gradients bounded.
     """
-    _check("rms_norm_hf", x, {"weight": weight}, eps)
+    y = on_local_rows("rms_norm_hf", lambda x, w: rms_norm_hf(x, w, eps, style=style), {"x": x}, {"weight": weight})
+    if y is not None:
+        return y
+    _check(x, {"weight": weight}, eps)
     if style not in HF_NORM_STYLES:
         raise ValueError(f"style must be one of {HF_NORM_STYLES}, got {style!r}")
     if weight is None:

@@ -7,7 +7,6 @@ import math
 import torch
 
 from truefuse.autograd.norm import rms_norm
-from truefuse.ops._dtensor import refuse_dtensor
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -36,7 +35,6 @@ class RMSNorm(torch.nn.RMSNorm):
             torch.nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        refuse_dtensor("RMSNorm", input=x, weight=self.weight)
         k = len(self.normalized_shape)
         if tuple(x.shape[-k:]) != tuple(self.normalized_shape):
             raise ValueError(f"input has shape {tuple(x.shape)}; its last dimensions must be {tuple(self.normalized_shape)}")
