@@ -4,9 +4,11 @@ No truefuse kernel knows a DTensor's sharding. Before this check a DTensor reach
 failed deep inside (``truefuse.norm_fwd.default does not have a sharding strategy registered``,
 ``Attempted to access the data pointer on an invalid python storage``, ``mixed torch.Tensor and
 DTensor``) or, on the CPU where the reference ran, worked through DTensor's own ops: a different
-answer to "what happens" on each device. Every public op now calls :func:`refuse_dtensor` first
-and raises one ``TypeError`` naming itself and the argument, on every device, before any kernel.
-Under FSDP2 the ops see plain tensors (its forward unshards the parameters), so it passes there.
+answer to "what happens" on each device. Now, on every device and before any kernel, the
+row-wise ops (the norms, ``rms_norm_hf``, ``gated_activation``) run on each rank's rows where
+that is exact (:func:`on_local_rows`), and every other public op and module calls
+:func:`refuse_dtensor` first: one ``TypeError`` naming itself and the argument. Under FSDP2 the
+ops see plain tensors (its forward unshards the parameters), so neither fires there.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def on_local_rows(op: str, fn, rows: dict, params: dict, out_width: int | None =
 
     Exact, not bounded: each rank runs the op on whole rows, and no truefuse launch parameter that
     orders a row's reduction depends on the row count (docs/design.md §6.4), so the output and the
-    rows' gradients are the bits of the op on the whole tensor. A parameter's gradient is each rank's
+    rows' gradients are the bits of the op on the whole tensor (``rms_norm_hf``'s statistics on
+    CUDA outside batch-invariant mode are torch's reduction, as stock's: not checked there). A parameter's gradient is each rank's
     sum over its rows (``Partial``), which DTensor then adds across ranks: a different order of the
     same sum than one rank's. Refused with a ``TypeError`` naming the argument: rows that differ in
     placements or mesh, rows that are ``Partial`` (a pending sum: the norm of a sum is not the sum
