@@ -29,8 +29,8 @@ def dtensor_message(op: str, name: str, t: torch.Tensor) -> str:
     """The one refusal of every truefuse op (``op``: its public name, ``"rms_norm"``, ``"Linear"``)."""
     return (
         f"truefuse.{op} does not take DTensor inputs ({name} is a DTensor, placements {tuple(t.placements)}); "
-        f"its kernels run on plain tensors: run it on the local shards (torch.distributed.tensor.experimental.local_map, "
-        f"or .to_local() where each shard is a whole problem, e.g. rows of a row-wise op), or use the unfused reference"
+        "its kernels run on plain tensors: run it on the local shards (torch.distributed.tensor.experimental.local_map, "
+        "or .to_local() where each shard is a whole problem), or use the unfused reference"
     )
 
 
@@ -53,12 +53,13 @@ def on_local_rows(op: str, fn, rows: dict, params: dict, out_width: int | None =
     Exact, not bounded: each rank runs the op on whole rows, and no truefuse launch parameter that
     orders a row's reduction depends on the row count (docs/design.md §6.4), so the output and the
     rows' gradients are the bits of the op on the whole tensor (``rms_norm_hf``'s statistics on
-    CUDA outside batch-invariant mode are torch's reduction, as stock's: not checked there). A parameter's gradient is each rank's
-    sum over its rows (``Partial``), which DTensor then adds across ranks: a different order of the
-    same sum than one rank's. Refused with a ``TypeError`` naming the argument: rows that differ in
-    placements or mesh, rows that are ``Partial`` (a pending sum: the norm of a sum is not the sum
-    of norms) or sharded along the last dimension (a row's own), a parameter that is not a DTensor
-    replicated on the rows' mesh (a plain one would keep each rank's partial gradient unsummed).
+    CUDA outside batch-invariant mode are torch's reduction, as stock's: not checked there). A
+    parameter's gradient is each rank's sum over its rows (``Partial``), which DTensor then adds
+    across ranks: a different order of the same sum than one rank's. Refused with a ``TypeError``
+    naming the argument: rows that differ in placements or mesh, rows that are ``Partial`` (a
+    pending sum: the norm of a sum is not the sum of norms) or sharded along the last dimension (a
+    row's own), a parameter that is not a DTensor replicated on the rows' mesh (a plain one would
+    keep each rank's partial gradient unsummed).
 
     Args:
         op: the public name. rows: name -> (..., H) tensor, the first one setting placements.
