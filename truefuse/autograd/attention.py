@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops.attention import attention_fwd_op, use_kernel
 from truefuse.ops.attention_blocked import attention_blocked
 from truefuse.ops.attention_mask import first_valid_key
@@ -109,6 +110,7 @@ def attention(
     Returns:
         (B, Hq, Lq, D) in the inputs' dtype. A query row that sees no key gives zeros.
     """
+    refuse_dtensor("attention", query=query, key=key, value=value, attn_mask=attn_mask, key_start=key_start)
     _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, window, key_start)
     B, Hq, Lq, D = query.shape
     Lk = key.shape[2]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._eager_op import call
+from truefuse.ops._dtensor import on_local_rows
 from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated2_fwd_op, gated_activation_ref, gated_fwd_op, use_kernel
 
 
@@ -21,6 +22,11 @@ def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None)
     Returns:
         (..., F) in ``x.dtype``: fp32 math, one rounding (``gated_activation_ref``, bounded contract).
     """
+    rows = {"x": x} if up is None else {"x": x, "up": up}
+    width = (x.shape[-1] if up is not None else x.shape[-1] // 2) if isinstance(x, torch.Tensor) and x.dim() else None
+    y = on_local_rows("gated_activation", lambda *t: gated_activation(t[0], name, *t[1:]), rows, {}, width)
+    if y is not None:
+        return y
     if name not in GATED_ACTIVATIONS:
         raise ValueError(f"gated activation {name!r} is not supported; choose one of {tuple(GATED_ACTIVATIONS)}")
     if up is not None:

@@ -20,6 +20,7 @@ from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_back
 from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.config import is_batch_invariant
+from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.lm_head.chunked_head import HeadGrads, head_chunks, kept_weight_grad
 from truefuse.ops.lm_head.linear_cross_entropy import (
@@ -409,6 +410,9 @@ def linear_cross_entropy_with(
 ):
     """:func:`linear_cross_entropy` with its options held in ``opts`` (``LinearCrossEntropyLoss``
     keeps one)."""
+    refuse_dtensor(
+        "linear_cross_entropy", input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias, weight=weight
+    )
     # under torch.autocast F.linear's operands are cast to its dtype (the input here, differentiably;
     # the weight and bias inside the Function, which needs the parameters): checked as cast
     dtype = autocast_dtype(input.device) if isinstance(input, torch.Tensor) else None

@@ -22,6 +22,7 @@ from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_back
 from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
 from truefuse.config import is_batch_invariant
+from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.lm_head.chunked_head import head_chunks, kept_weight_grad
 from truefuse.ops.lm_head.linear_cross_entropy import check_args, target_prologue
@@ -158,6 +159,7 @@ def linear_log_probs(
         TypeError / ValueError naming the argument; ``ValueError`` for a target outside [0, V)
         other than ``ignore_index``.
     """
+    refuse_dtensor("linear_log_probs", input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias)
     opts = LinearLogProbsOptions(temperature, softcap, ignore_index, chunk_size, fp32_weight_grad)
     dtype = autocast_dtype(input.device) if isinstance(input, torch.Tensor) else None
     input = cast(input, dtype)

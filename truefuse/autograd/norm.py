@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._eager_op import call
+from truefuse.ops._dtensor import on_local_rows
 from truefuse.ops.norm import (
     HF_NORM_STYLES,
     hf_statistics,
@@ -74,6 +75,11 @@ def rms_norm(
     Differentiable in ``x`` and ``weight``; the weight gradient is summed in fp32 and rounded once to
     ``weight.dtype``. Matches :func:`truefuse.ops.norm.rms_norm_ref` (bounded contract).
     """
+    y = on_local_rows(
+        "rms_norm", lambda x, w: rms_norm(x, w, eps, zero_centered_gamma=zero_centered_gamma), {"x": x}, {"weight": weight}
+    )
+    if y is not None:
+        return y
     _check(x, {"weight": weight}, eps)
     return _run(x, weight, None, eps, True, zero_centered_gamma)
 
@@ -96,6 +102,14 @@ def layer_norm(
 
     Matches :func:`truefuse.ops.norm.layer_norm_ref` (bounded contract).
     """
+    y = on_local_rows(
+        "layer_norm",
+        lambda x, w, b: layer_norm(x, w, b, eps, zero_centered_gamma=zero_centered_gamma),
+        {"x": x},
+        {"weight": weight, "bias": bias},
+    )
+    if y is not None:
+        return y
     _check(x, {"weight": weight, "bias": bias}, eps)
     return _run(x, weight, bias, eps, False, zero_centered_gamma)
 
@@ -119,6 +133,9 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         (..., H): ``promote(x.dtype, weight.dtype)`` for ``llama``, x's dtype for ``gemma`` (as stock).
         Forward bitwise equal to :func:`truefuse.ops.norm.rms_norm_hf_ref`; gradients bounded.
     """
+    y = on_local_rows("rms_norm_hf", lambda x, w: rms_norm_hf(x, w, eps, style=style), {"x": x}, {"weight": weight})
+    if y is not None:
+        return y
     _check(x, {"weight": weight}, eps)
     if style not in HF_NORM_STYLES:
         raise ValueError(f"style must be one of {HF_NORM_STYLES}, got {style!r}")

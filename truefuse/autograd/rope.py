@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._eager_op import call
+from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops.rope import rope_fwd_op, rope_ref, use_kernel
 
 
@@ -47,6 +48,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
         The rotated q and k, bitwise the stock function's in the forward and the backward; dtype
         torch's promotion of q's and cos's (as stock).
     """
+    refuse_dtensor("apply_rotary_pos_emb", q=q, k=k, cos=cos, sin=sin)
     if unsqueeze_dim != 1:
         return rope_ref(q, cos, sin, unsqueeze_dim), rope_ref(k, cos, sin, unsqueeze_dim)
     _check("q", q, cos)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._double_backward import refuses_double_backward
+from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.lm_head.linear_cross_entropy import target_prologue
 from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOptions, LinearLogProbsOutput
@@ -59,6 +60,7 @@ def token_log_probs(
         TypeError / ValueError naming the argument before anything runs; ``ValueError`` for a
         target outside [0, V) other than ``ignore_index``.
     """
+    refuse_dtensor("token_log_probs", logits=logits, target=target)
     opts = LinearLogProbsOptions(temperature=temperature, ignore_index=ignore_index)
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")

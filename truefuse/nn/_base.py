@@ -19,6 +19,7 @@ from truefuse.autograd._wgrad import (
     on_accumulated,
     run_pending,
 )
+from truefuse.ops._dtensor import refuse_dtensor
 
 
 def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -143,6 +144,9 @@ class WgradModule(DelayedWgrad):
         one dtype, or both cast to it by torch.autocast); main_grad when fused."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        # parallelize_module's ColwiseParallel takes a truefuse.Linear (an nn.Linear) and makes its
+        # weight and input DTensors: refused by name here, not inside the GEMM
+        refuse_dtensor(type(self).__name__, input=x, **self._parameters)
         if x.dim() == 0 or x.shape[-1] != features:
             raise ValueError(f"input has shape {tuple(x.shape)}: its last dimension must be in_features={features}")
         # under torch.autocast both are cast to its dtype first (fp64 is not), as F.linear's are

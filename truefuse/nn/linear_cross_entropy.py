@@ -9,6 +9,7 @@ import torch
 from truefuse.autograd._wgrad import DEFAULT_MAX_PENDING_WGRAD, WgradState, check_max_pending
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy_with
 from truefuse.nn._base import DelayedWgrad
+from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOptions
 
 
@@ -85,6 +86,7 @@ class LinearCrossEntropyLoss(DelayedWgrad):
         return []  # the weights come with each forward, which watches them (_watch_wgrad)
 
     def forward(self, input, linear_weight, target, linear_bias=None):
+        refuse_dtensor("LinearCrossEntropyLoss", input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias)
         if self._wgrad.hooks and isinstance(linear_weight, torch.Tensor) and linear_weight.requires_grad:
             self._watch_wgrad(linear_weight)
         return linear_cross_entropy_with(

@@ -17,6 +17,7 @@ import torch
 
 from truefuse.config import is_batch_invariant
 from truefuse.ops._custom_op import custom_op, launch
+from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops.activation import activation_grad_ref, activation_ref, check_activation
 from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.gemm_exec import GemmArgs, run
@@ -334,6 +335,7 @@ def gemm(
         written. Never "no algorithm": what a backend cannot fuse is split into the same math
         (see :func:`gemm_plan_for`).
     """
+    refuse_dtensor("gemm", a=a, b=b, out=out, bias=bias, pre_activation=pre_activation, m_splits=m_splits)
     if activation is None and not (return_pre_activation or grad_bias) and pre_activation is None and m_splits is None:
         done = _plain_gemm(a, b, out, out_dtype, accumulate, bias, grad_activation, batch_invariant)
         if done is not None:

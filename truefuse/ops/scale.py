@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.ops._custom_op import custom_op, launch
+from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops._triton import sm_count, triton_runs
 
 
@@ -22,6 +23,7 @@ def scale_(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     ``tensor.mul_(factor)``. Elsewhere, or for another factor dtype, it is ``tensor.mul_(factor)``.
     The launch is the custom op ``truefuse::scale_`` (mutates ``tensor``; docs/design.md §6.7).
     """
+    refuse_dtensor("ops.scale_", tensor=tensor, factor=factor)
     launch(scale_op, tensor, factor)
     return tensor
 

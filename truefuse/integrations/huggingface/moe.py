@@ -93,6 +93,7 @@ from truefuse.config import is_batch_invariant
 from truefuse.integrations.huggingface.experts_op import experts_mlp
 from truefuse.integrations.huggingface.modules import gated_for, truefuse_subclass
 from truefuse.nn.grouped import check_grouped_path, resolve_grouped_path
+from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops.grouped_gemm import split_offsets
 
 #: The transformers experts classes :func:`patch_experts` takes (matched by class name, the module's
@@ -245,6 +246,12 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     Returns:
         (T, H) in ``hidden_states``' dtype: ``Σ_k top_k_weights[t, k] · expert_{index[t, k]}(x_t)``.
     """
+    refuse_dtensor(
+        f"GroupedMLP (the patched {getattr(type(self), '_truefuse_stock', type(self)).__name__})",
+        hidden_states=hidden_states,
+        gate_up_proj=self.gate_up_proj,
+        down_proj=self.down_proj,
+    )
     shape = hidden_states.shape
     x_all = hidden_states.reshape(-1, shape[-1])
     T, K, E = x_all.shape[0], top_k_index.shape[-1], self.num_experts

@@ -23,6 +23,37 @@ def _model_type(model: torch.nn.Module) -> str:
     return config.model_type
 
 
+def _refuse_tensor_parallel(model: torch.nn.Module) -> None:
+    """A ValueError before anything is patched when a parameter is a DTensor that FSDP2 does not
+    manage: a ``tp_plan`` / ``parallelize_module`` shard (issue 35). The fused loss reads
+    ``lm_head.weight`` itself, past the TP hooks that would gather its vocabulary shards, and the
+    experts their weights (docs/huggingface.md, "Tensor parallelism"). FSDP2's own DTensors (under a
+    ``fully_shard`` module, one ``Shard(0)``, replicated on an HSDP mesh's other dimension) are
+    plain tensors again when its forward runs: allowed."""
+    from truefuse.ops._dtensor import _dtensor_class
+
+    cls = _dtensor_class()
+    if cls is None:
+        return
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Replicate, Shard
+
+    fsdp = {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+
+    def fsdp_only(p) -> bool:  # type(...) is Shard: _StridedShard (FSDP over TP) is a subclass
+        shards = [pl for pl in p.placements if not isinstance(pl, Replicate)]
+        return id(p) in fsdp and len(shards) == 1 and type(shards[0]) is Shard and shards[0].dim == 0
+
+    for name, p in model.named_parameters():
+        if isinstance(p, cls) and not fsdp_only(p):
+            raise ValueError(
+                f"apply_truefuse does not patch a tensor-parallel model: parameter {name!r} is a DTensor "
+                f"(placements {tuple(p.placements)}; a tp_plan or parallelize_module sharded it), and truefuse's "
+                "fused loss and experts read their weights past the tensor-parallel hooks. Patch a model "
+                "without tensor parallelism (FSDP2's sharded parameters are not refused). Nothing was patched."
+            )
+
+
 def apply_truefuse(
     model: torch.nn.Module,
     *,
@@ -68,7 +99,8 @@ def apply_truefuse(
         module takes the ``experts_backend`` of the latest call).
 
     Raises:
-        ValueError for an unknown architecture or ``experts_backend``, or an ``experts_backend``
+        ValueError for an unknown architecture, a tensor-parallel model (a DTensor parameter that
+        FSDP2 does not manage: a ``tp_plan``), an unknown ``experts_backend``, or an ``experts_backend``
         that cannot run on the experts' weights where they are (``"triton"`` on the CPU without
         the interpreter, or in bf16 there), before anything is patched.
     """
@@ -77,6 +109,7 @@ def apply_truefuse(
     experts_backend = check_grouped_path(experts_backend, False, True, arg="experts_backend")
     model_type = _model_type(model)
     arch = architecture_of(model_type)
+    _refuse_tensor_parallel(model)
     report = PatchReport(model_type)
     norm_cls, mlp_cls = arch.cls(arch.norm), arch.cls(arch.mlp) if arch.mlp else None
     experts_cls = arch.cls(arch.experts) if arch.experts else None
