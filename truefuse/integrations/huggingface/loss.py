@@ -168,13 +168,11 @@ def _stock_logits(self, hidden: torch.Tensor, traits: dict) -> torch.Tensor:
 
 def _fallback_reason(self) -> str | None:
     """Why the fused loss cannot stand in for the stock one on this model (None: it can)."""
-    head = getattr(self, "lm_head", None)
-    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
-        return f"lm_head is {type(head).__name__}, not a plain torch.nn.Linear"
-    if head._forward_hooks or head._forward_pre_hooks:
-        return "lm_head has forward hooks (e.g. offloading or sharding)"
-    if head.weight.device.type == "meta":
-        return "lm_head.weight is on the meta device"
+    from truefuse.integrations.huggingface.head import head_reason
+
+    reason = head_reason(getattr(self, "lm_head", None))
+    if reason is not None:
+        return reason
     if hasattr(self, "_loss_function"):  # what PreTrainedModel.loss_function's setter sets
         return "model.loss_function was replaced"
     try:
@@ -253,13 +251,13 @@ def _tokens_shape(input_ids, inputs_embeds):
 def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict) -> torch.Tensor:
     """ForCausalLMLoss of ``lm_head(hidden)`` (softcapped for Gemma) through the fused op."""
     from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
+    from truefuse.integrations.huggingface.head import on_head
 
     ignore_index = int(kwargs.get("ignore_index", -100))
     name, t = _targets(labels, kwargs, hidden.shape[:-1], ignore_index)
     x = hidden.reshape(-1, hidden.shape[-1])
     t = t.reshape(-1).to(device=x.device)
-    W, b = self.lm_head.weight, self.lm_head.bias
-    V = W.shape[0]
+    V = self.lm_head.out_features  # the weight may be an FSDP2 shard until on_head's call
     if torch.compiler.is_compiling():
         # traced (torch.export, torch.compile): reading the labels on the host would be a
         # data-dependent guard (export fails on it, issue 31); the check goes into the program as a
@@ -270,16 +268,13 @@ def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict) -> tor
         if bad is not None:
             raise _range_error(name, bad, V, ignore_index)
     num_items = kwargs.get("num_items_in_batch")
+    loss_kw = dict(reduction="mean" if num_items is None else "sum", ignore_index=ignore_index, softcap=_softcap(self, traits))
+
+    def head_loss(x, W, b, t):
+        return linear_cross_entropy(x, W, t, linear_bias=b, **loss_kw)
+
     try:  # under torch.autocast the op casts its operands as F.linear does (autograd/_autocast.py)
-        loss = linear_cross_entropy(
-            x,
-            W,
-            t,
-            linear_bias=b,
-            reduction="mean" if num_items is None else "sum",
-            ignore_index=ignore_index,
-            softcap=_softcap(self, traits),
-        )
+        loss = on_head(self.lm_head, head_loss, x, t)  # an FSDP2 unit's own hooks run around it (head.py)
     except ValueError as e:
         # on CUDA the loss checks the targets without a host sync of its own (memory-safe, raised
         # before it returns): name the labels here
