@@ -6,6 +6,7 @@ parameter's gradient, MoE's auxiliary loss, the logits without labels, gradient 
 """
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -514,6 +515,27 @@ def test_fallback_to_stock_loss_function():
     assert any("loss_function was replaced" in str(x.message) for x in w)
     ref = stock(input_ids=ids).logits.float().square().mean()
     assert _rel(out.loss, ref) <= 1e-6 and out.logits is not None
+
+
+def test_fallback_for_a_head_that_hides_its_weight():
+    """A head with a forward hook that is not FSDP2's own, or a forward replaced on the instance (as
+    accelerate's hooks do; once unseen): the stock path, with the warning (integrations/huggingface/head.py).
+    FSDP2's own hooks take the fused path: tests/distributed/test_fsdp.py."""
+    stock, patched = _models("llama")
+    ids, _, labels = _batch()
+    ref = stock(input_ids=ids, labels=labels).loss
+    head = patched.lm_head
+    handle = head.register_forward_hook(lambda *a: None)
+    head_forward = functools.partial(torch.nn.Linear.forward, head)
+    for hide, says in ((None, "forward hooks other than FSDP2's own"), ("forward", "forward is replaced on the instance")):
+        if hide == "forward":
+            handle.remove()
+            head.forward = head_forward
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = patched(input_ids=ids, labels=labels)
+        assert [says in str(x.message) for x in w] == [True], [str(x.message) for x in w]
+        assert _rel(out.loss, ref) <= 1e-6 and out.logits is not None
 
 
 def test_forward_keeps_no_targets_alive(monkeypatch):
