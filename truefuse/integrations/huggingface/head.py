@@ -1,17 +1,21 @@
 """How the patched forward reaches ``lm_head``'s weight for the fused loss (and batch-invariant logits).
 
-A plain ``nn.Linear`` head, alone, inside DDP, or inside an FSDP2 unit that holds more than the head
-(``fully_shard(model)``: its weight is unsharded for the whole forward): the weight is read where
-it is. A head that is an FSDP2 unit of its own (``fully_shard(model.lm_head)``): the weight is
-sharded outside that unit's forward, so the fused computation runs *as* the head's forward, through
-the module call (:func:`on_head`), and FSDP2's own hooks do what they do for ``lm_head(hidden)``:
-unshard the weight (cast it by the ``MixedPrecisionPolicy``), register the backward hooks that
-unshard it again and reduce-scatter its gradient, reshard it. Tied embeddings follow (the head's
-weight is the embedding's parameter wherever FSDP2 put it).
+A plain ``nn.Linear`` head, alone, under DDP, or inside an FSDP2 unit that holds more than the head
+(``fully_shard(model)``: the weight is unsharded for the unit's whole forward): the weight is read
+where it is. A head that is an FSDP2 unit of its own (``fully_shard(model.lm_head)``, or grouped
+with tied embeddings, ``fully_shard([embed_tokens, lm_head])``): the weight is sharded outside the
+unit's forward, so the fused computation runs *as* the head's forward, through the module call
+(:func:`on_head`), and FSDP2's own hooks do what they do for ``lm_head(hidden)``: unshard the weight
+(cast by the ``MixedPrecisionPolicy``), reshard it after the forward, unshard it again in the
+backward and reduce-scatter its gradient right after the head's backward. (``head.unshard()`` and a
+direct call also reach the right gradient, through the root's end-of-backward callback, but keep
+the weight unsharded from the forward to the end of the backward and reduce it last: measured on 2
+gloo ranks, tests/distributed/test_fsdp.py checks the reshard between forward and backward.)
 
 :func:`head_reason` says why neither works (the patched forward then falls back to the stock logits
-with a warning): another module class, a forward replaced on the instance (accelerate's hooks), hooks
-that are not FSDP2's own (PEFT, offloading), a meta weight, or a DTensor weight that is not FSDP2's shard (tensor parallelism).
+with a warning): another module class (PEFT, quantized layers), a forward replaced on the instance
+(accelerate's hooks), forward hooks that are not FSDP2's own (offloading, adapters), module backward
+hooks, a meta weight, or a DTensor weight that is not FSDP2's shard (tensor parallelism).
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ def head_reason(head) -> str | None:
         return "lm_head's forward is replaced on the instance (e.g. accelerate's hooks)"
     if _foreign_hooks(head):
         return "lm_head has forward hooks other than FSDP2's own (e.g. offloading, adapters)"
+    if head._backward_hooks or head._backward_pre_hooks:  # module backward hooks need lm_head(x)'s graph
+        return "lm_head has module backward hooks"
     if head.weight.device.type == "meta":
         return "lm_head.weight is on the meta device"
     return _dtensor_reason(head)

@@ -21,10 +21,15 @@ Without labels the logits are always computed exactly as stock (generation, eval
 Note that ``return_dict=False`` drops ``None`` fields from the tuple, as stock's ``to_tuple``
 does: without logits, the tuple's second item is not the logits.
 
-The fused path needs a plain ``nn.Linear`` ``lm_head`` without hooks and the stock loss function:
-when ``lm_head`` is wrapped (e.g. PEFT ``modules_to_save`` or LoRA on the head, quantized layers,
-offloading hooks) or ``model.loss_function`` was replaced, the forward falls back to the stock
-computation (logits, then ``model.loss_function``) with a warning.
+The fused path needs a plain ``nn.Linear`` ``lm_head`` and the stock loss function. Under torch's
+data parallelism it stays fused (``head.py``, docs/huggingface.md "Under FSDP2 and DDP"): DDP, the
+head inside an FSDP2 unit, and the head as an FSDP2 unit of its own (alone, or grouped with tied
+embeddings), whose weight the loss reaches through the head's module call so that FSDP2's own hooks
+unshard it and reduce-scatter its gradient. When ``lm_head`` hides its weight (a module class of its
+own, e.g. PEFT ``modules_to_save`` or LoRA on the head, quantized layers; hooks that are not FSDP2's,
+e.g. offloading; a forward replaced on the instance, as accelerate's hooks do; a tensor-parallel
+DTensor weight) or ``model.loss_function`` was replaced, the forward falls back to the stock
+computation (logits, then ``model.loss_function``) with a warning naming the reason.
 
 Importable without transformers: it is imported lazily, when a forward runs.
 """
