@@ -518,8 +518,9 @@ def test_fallback_to_stock_loss_function():
 
 
 def test_fallback_for_a_head_that_hides_its_weight():
-    """A head with a forward hook that is not FSDP2's own, or a forward replaced on the instance (as
-    accelerate's hooks do; once unseen): the stock path, with the warning (integrations/huggingface/head.py).
+    """A head with a forward hook that is not FSDP2's own, a module backward hook, or a forward
+    replaced on the instance (as accelerate's hooks do; the last two once unseen): the stock path,
+    with the warning (integrations/huggingface/head.py).
     FSDP2's own hooks take the fused path: tests/distributed/test_fsdp.py."""
     stock, patched = _models("llama")
     ids, _, labels = _batch()
@@ -527,7 +528,15 @@ def test_fallback_for_a_head_that_hides_its_weight():
     head = patched.lm_head
     handle = head.register_forward_hook(lambda *a: None)
     head_forward = functools.partial(torch.nn.Linear.forward, head)
-    for hide, says in ((None, "forward hooks other than FSDP2's own"), ("forward", "forward is replaced on the instance")):
+    cases = (
+        (None, "forward hooks other than FSDP2's own"),
+        ("backward", "module backward hooks"),
+        ("forward", "forward is replaced on the instance"),
+    )
+    for hide, says in cases:
+        if hide == "backward":
+            handle.remove()
+            handle = head.register_full_backward_hook(lambda *a: None)
         if hide == "forward":
             handle.remove()
             head.forward = head_forward
