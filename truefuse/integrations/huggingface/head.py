@@ -20,17 +20,21 @@ hooks, a meta weight, or a DTensor weight that is not FSDP2's shard (tensor para
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
 
 
-def _fsdp_module_class():
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.fsdp import FSDPModule
+def _loaded(name: str, attr: str):
+    """``name.attr`` if the module ``name`` is imported, else None: an FSDP2 unit or a DTensor exists
+    only once its module is (importing torch.distributed.fsdp took 5 s on the 2-core dev machine)."""
+    mod = sys.modules.get(name)
+    return None if mod is None else getattr(mod, attr, None)
 
-    return FSDPModule
+
+def _fsdp_module_class():
+    return _loaded("torch.distributed.fsdp", "FSDPModule")
 
 
 def is_fsdp_unit(head) -> bool:
@@ -69,8 +73,8 @@ def _foreign_hooks(head) -> bool:
 
 
 def _dtensor_reason(head) -> str | None:
-    W = head.weight
-    if not (torch.distributed.is_available() and isinstance(W, torch.distributed.tensor.DTensor)):
+    W, dtensor = head.weight, _loaded("torch.distributed.tensor", "DTensor")
+    if dtensor is None or not isinstance(W, dtensor):
         return None
     sharded = [p for p in W.placements if not p.is_replicate()]
     if is_fsdp_unit(head) and len(sharded) <= 1:
