@@ -4,8 +4,9 @@
 FSDP2 (``fully_shard``) reduce-scatters each parameter's ``.grad`` at the end of its unit's backward;
 DDP all-reduces ``.grad`` from the parameter's gradient-accumulation hook. ``fuse_wgrad_accumulation``
 writes ``main_grad`` instead (never reduced: each rank keeps its own), and ``delay_wgrad_compute``
-adds to ``.grad`` in ``backward_dw()``, after the reduction ran (measured on 2 gloo ranks: weight
-gradients None under FSDP2, different on each rank under DDP; tests/distributed/test_fsdp.py).
+adds to ``.grad`` in ``backward_dw()``, after the reduction ran (measured on 2 gloo ranks before this
+refusal: delayed weight gradients None under FSDP2; under DDP fused ones zero in ``.grad`` with
+``main_grad`` unreduced, delayed ones different on each rank; tests/distributed/test_fsdp.py).
 """
 
 from __future__ import annotations
