@@ -6,6 +6,7 @@ parameter's gradient, MoE's auxiliary loss, the logits without labels, gradient 
 """
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -516,6 +517,36 @@ def test_fallback_to_stock_loss_function():
     assert _rel(out.loss, ref) <= 1e-6 and out.logits is not None
 
 
+def test_fallback_for_a_head_that_hides_its_weight():
+    """A head with a forward hook that is not FSDP2's own, a module backward hook, or a forward
+    replaced on the instance (as accelerate's hooks do; the last two once unseen): the stock path,
+    with the warning (integrations/huggingface/head.py).
+    FSDP2's own hooks take the fused path: tests/distributed/test_fsdp.py."""
+    stock, patched = _models("llama")
+    ids, _, labels = _batch()
+    ref = stock(input_ids=ids, labels=labels).loss
+    head = patched.lm_head
+    handle = head.register_forward_hook(lambda *a: None)
+    head_forward = functools.partial(torch.nn.Linear.forward, head)
+    cases = (
+        (None, "forward hooks other than FSDP2's own"),
+        ("backward", "module backward hooks"),
+        ("forward", "forward is replaced on the instance"),
+    )
+    for hide, says in cases:
+        if hide == "backward":
+            handle.remove()
+            handle = head.register_full_backward_hook(lambda *a: None)
+        if hide == "forward":
+            handle.remove()
+            head.forward = head_forward
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = patched(input_ids=ids, labels=labels)
+        assert [says in str(x.message) for x in w] == [True], [str(x.message) for x in w]
+        assert _rel(out.loss, ref) <= 1e-6 and out.logits is not None
+
+
 def test_forward_keeps_no_targets_alive(monkeypatch):
     """The shifted targets die with the step: the early range check once cached its answer per
     tensor (``functools.cache``), keeping every step's targets alive for the life of the process."""
@@ -562,5 +593,5 @@ def test_bad_labels_from_the_check_ahead_of_the_decoder(monkeypatch):
     with pytest.raises(ValueError, match=rf"labels holds {V + 3}, outside \[0, vocab_size={V}\)"):
         patched(input_ids=ids, labels=labels)
     # the check ahead is the only one: without it the bad label goes through (read as class 0)
-    monkeypatch.setattr(ops_lce, "check_targets", lambda *a, **k: (lambda: None))
+    monkeypatch.setattr(ops_lce, "check_targets", lambda *a, **k: lambda: None)
     patched(input_ids=ids, labels=labels)

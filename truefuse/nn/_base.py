@@ -19,6 +19,7 @@ from truefuse.autograd._wgrad import (
     on_accumulated,
     run_pending,
 )
+from truefuse.nn._data_parallel import reducing_wrapper, refusal
 from truefuse.ops._dtensor import refuse_dtensor
 
 
@@ -141,7 +142,8 @@ class WgradModule(DelayedWgrad):
 
     def _check_input(self, x: torch.Tensor, features: int, weight: torch.Tensor) -> None:
         """Clear errors before anything runs: x's type, last dimension and dtype (x and the weight in
-        one dtype, or both cast to it by torch.autocast); main_grad when fused."""
+        one dtype, or both cast to it by torch.autocast); fused or delayed weight gradients under
+        FSDP2 or DDP (refused); main_grad when fused."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
         # parallelize_module's ColwiseParallel takes a truefuse.Linear (an nn.Linear) and makes its
@@ -156,6 +158,12 @@ class WgradModule(DelayedWgrad):
             raise TypeError(f"input has dtype {x.dtype} but the module's parameters are {weight.dtype}{under}")
         if x.device != weight.device:
             raise ValueError(f"input is on {x.device} but the module's parameters are on {weight.device}")
+        if not self._wgrad.plain and torch.is_grad_enabled():
+            # fused or delayed weight gradients go where FSDP2 / DDP never reduce (nn/_data_parallel.py)
+            weights = [p for _, p in self.gemm_weights() if p.requires_grad]
+            wrapper = reducing_wrapper(self, weights) if weights else None
+            if wrapper is not None:
+                raise RuntimeError(refusal(self._wgrad.owner, wrapper, self.fuse_wgrad_accumulation))
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
             for name, p in self.gemm_weights():
                 if p.requires_grad:

@@ -69,5 +69,8 @@ def model_log_probs(
 
 def bi_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """``model.lm_head(hidden)`` by the head's own GEMM (the bits of ``model_log_probs``' chunks in
-    batch-invariant mode): what the patched forward returns as logits in that mode."""
-    return head_logits(hidden, model.lm_head.weight, model.lm_head.bias)
+    batch-invariant mode): what the patched forward returns as logits in that mode. Through
+    ``head.on_head``: an FSDP2 unit's hooks unshard the weight as for ``lm_head(hidden)``."""
+    from truefuse.integrations.huggingface.head import on_head
+
+    return on_head(model.lm_head, head_logits, hidden)

@@ -21,10 +21,15 @@ Without labels the logits are always computed exactly as stock (generation, eval
 Note that ``return_dict=False`` drops ``None`` fields from the tuple, as stock's ``to_tuple``
 does: without logits, the tuple's second item is not the logits.
 
-The fused path needs a plain ``nn.Linear`` ``lm_head`` without hooks and the stock loss function:
-when ``lm_head`` is wrapped (e.g. PEFT ``modules_to_save`` or LoRA on the head, quantized layers,
-offloading hooks) or ``model.loss_function`` was replaced, the forward falls back to the stock
-computation (logits, then ``model.loss_function``) with a warning.
+The fused path needs a plain ``nn.Linear`` ``lm_head`` and the stock loss function. Under torch's
+data parallelism it stays fused (``head.py``, docs/huggingface.md "Under FSDP2 and DDP"): DDP, the
+head inside an FSDP2 unit, and the head as an FSDP2 unit of its own (alone, or grouped with tied
+embeddings), whose weight the loss reaches through the head's module call so that FSDP2's own hooks
+unshard it and reduce-scatter its gradient. When ``lm_head`` hides its weight (a module class of its
+own, e.g. PEFT ``modules_to_save`` or LoRA on the head, quantized layers; hooks that are not FSDP2's,
+e.g. offloading; a forward replaced on the instance, as accelerate's hooks do; a tensor-parallel
+DTensor weight) or ``model.loss_function`` was replaced, the forward falls back to the stock
+computation (logits, then ``model.loss_function``) with a warning naming the reason.
 
 Importable without transformers: it is imported lazily, when a forward runs.
 """
@@ -169,13 +174,11 @@ def _stock_logits(self, hidden: torch.Tensor, traits: dict) -> torch.Tensor:
 
 def _fallback_reason(self) -> str | None:
     """Why the fused loss cannot stand in for the stock one on this model (None: it can)."""
-    head = getattr(self, "lm_head", None)
-    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
-        return f"lm_head is {type(head).__name__}, not a plain torch.nn.Linear"
-    if head._forward_hooks or head._forward_pre_hooks:
-        return "lm_head has forward hooks (e.g. offloading or sharding)"
-    if head.weight.device.type == "meta":
-        return "lm_head.weight is on the meta device"
+    from truefuse.integrations.huggingface.head import head_reason
+
+    reason = head_reason(getattr(self, "lm_head", None))
+    if reason is not None:
+        return reason
     if hasattr(self, "_loss_function"):  # what PreTrainedModel.loss_function's setter sets
         return "model.loss_function was replaced"
     try:
@@ -279,14 +282,14 @@ def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict, early=
     """ForCausalLMLoss of ``lm_head(hidden)`` (softcapped for Gemma) through the fused op.
     ``early``: :func:`_start_label_check`'s finish, called after the loss is queued."""
     from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
+    from truefuse.integrations.huggingface.head import on_head
     from truefuse.ops.lm_head.linear_cross_entropy import targets_checked
 
     ignore_index = int(kwargs.get("ignore_index", -100))
     name, t = _targets(labels, kwargs, hidden.shape[:-1], ignore_index)
     x = hidden.reshape(-1, hidden.shape[-1])
     t = t.reshape(-1).to(device=x.device)
-    W, b = self.lm_head.weight, self.lm_head.bias
-    V = W.shape[0]
+    V = self.lm_head.out_features  # the weight may be an FSDP2 shard until on_head's call
     if torch.compiler.is_compiling():
         # traced (torch.export, torch.compile): reading the labels on the host would be a
         # data-dependent guard (export fails on it, issue 31); the check goes into the program as a
@@ -297,17 +300,14 @@ def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict, early=
         if bad is not None:
             raise _range_error(name, bad, V, ignore_index)
     num_items = kwargs.get("num_items_in_batch")
+    loss_kw = dict(reduction="mean" if num_items is None else "sum", ignore_index=ignore_index, softcap=_softcap(self, traits))
+
+    def head_loss(x, W, b, t):
+        return linear_cross_entropy(x, W, t, linear_bias=b, **loss_kw)
+
     try:  # under torch.autocast the op casts its operands as F.linear does (autograd/_autocast.py)
         with targets_checked() if early is not None else contextlib.nullcontext():
-            loss = linear_cross_entropy(
-                x,
-                W,
-                t,
-                linear_bias=b,
-                reduction="mean" if num_items is None else "sum",
-                ignore_index=ignore_index,
-                softcap=_softcap(self, traits),
-            )
+            loss = on_head(self.lm_head, head_loss, x, t)  # an FSDP2 unit's own hooks run around it (head.py)
         if early is not None:
             early()
     except ValueError as e:
