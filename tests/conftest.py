@@ -13,6 +13,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from truefuse.config import get_config  # noqa: E402
+
+# read (and cached) now, for this process: a test that changes TRITON_INTERPRET for the processes it
+# spawns (tests/distributed/test_demo_fsdp.py) must not decide this worker's path for later tests
+get_config()
+
 
 @pytest.fixture
 def device() -> torch.device:
