@@ -149,6 +149,15 @@ def _hf(rank: int, world: int, mesh, calls: list) -> dict:
             "warnings": a[2] + b[2],
             "resharded_after_forward": b[3],
         }
+    # model_log_probs calls model.base_model outside the root unit's hooks: refused by name
+    from truefuse.integrations.huggingface import model_log_probs
+
+    for case in ("fsdp_root", "fsdp_head"):
+        try:
+            model_log_probs(_wrap(tiny_model("llama"), case, mesh), batches[0])
+            out[f"log_probs_{case}"] = "ran"
+        except TypeError as e:
+            out[f"log_probs_{case}"] = str(e)
     # a hook that is not FSDP2's own: the stock path, with the warning
     stock = tiny_model("llama")
     patched = copy.deepcopy(stock)
@@ -264,6 +273,13 @@ def test_patched_llama_follows_stock(per_rank, case):
         # a head unit's weight is freed between forward and backward (its FSDP2 hooks resharded
         # it): not left unsharded until the end of the backward
         assert r["resharded_after_forward"] == (case in ("fsdp_head", "fsdp_head_accum", "fsdp_group_tied")), (rank, r)
+
+
+def test_model_log_probs_refuses_fsdp2(per_rank):
+    """Not a DTensor error from deep inside the embedding: a refusal naming the function."""
+    for res in per_rank:
+        for case in ("fsdp_root", "fsdp_head"):
+            assert res["hf"][f"log_probs_{case}"].startswith("model_log_probs does not take an FSDP2"), case
 
 
 def test_foreign_head_hook_falls_back(per_rank):

@@ -52,6 +52,14 @@ def model_log_probs(
         raise ValueError(f"input_ids has {input_ids.shape[1]} tokens a row: at least 2 are needed for a next-token log-prob")
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; input_ids {tuple(input_ids.shape)}")
+    from truefuse.integrations.huggingface.head import is_fsdp_unit
+
+    if is_fsdp_unit(model) or is_fsdp_unit(getattr(model, "lm_head", None)):
+        raise TypeError(
+            "model_log_probs does not take an FSDP2-sharded model: it calls model.base_model and reads "
+            "lm_head.weight directly, outside the root unit's hooks that unshard them; compute "
+            "truefuse.linear_log_probs inside the model's forward instead"
+        )
     head = getattr(model, "lm_head", None)
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"model.lm_head is {type(head).__name__}, not a torch.nn.Linear")
