@@ -47,3 +47,13 @@ def test_apply_truefuse_attention_and_unpatch(torch_paths):
     assert model.config._attn_implementation == "truefuse" and "'sdpa' -> 'truefuse'" in str(report)
     unpatch_truefuse(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_report_names_the_sliding_window_limit(torch_paths):
+    """A sliding-window model on truefuse.attention: the window comes in transformers' mask (the
+    answer is right), but its rolling cache moves decode's key blocks, so the report says that
+    decode is not bitwise the prefill (docs/batch_invariance.md)."""
+    plain = apply_truefuse(tiny_model("mistral", num_hidden_layers=1, sliding_window=None), attention=True)
+    assert "sliding" not in plain.attention
+    windowed = apply_truefuse(tiny_model("mistral", num_hidden_layers=1, sliding_window=4), attention=True)
+    assert "sliding_window=4" in windowed.attention and "not bitwise" in str(windowed)

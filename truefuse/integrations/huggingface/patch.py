@@ -179,6 +179,13 @@ def _attention_patcher(model: torch.nn.Module, report: PatchReport):
         raise ValueError("apply_truefuse(attention=True) needs transformers' set_attn_implementation. Nothing was patched.")
     current = model.config._attn_implementation
     report.attention = f"truefuse.attention (attn_implementation {current!r} -> {attention.NAME!r})"
+    if getattr(model.config, "sliding_window", None) is not None:
+        # transformers' mask carries the window (the answer is right), but a sliding layer's cache
+        # keeps only the window's keys: decode's key blocks start elsewhere than prefill's
+        report.attention += (
+            f"; sliding-window layers (sliding_window={model.config.sliding_window}): KV-cache decode is not "
+            "bitwise the prefill past the window (docs/batch_invariance.md, limits)"
+        )
 
     def patch():
         if current != attention.NAME:
