@@ -57,3 +57,25 @@ def test_report_names_the_sliding_window_limit(torch_paths):
     assert "sliding" not in plain.attention
     windowed = apply_truefuse(tiny_model("mistral", num_hidden_layers=1, sliding_window=4), attention=True)
     assert "sliding_window=4" in windowed.attention and "not bitwise" in str(windowed)
+
+
+def test_static_cache_and_gradient_checkpointing(torch_paths):
+    """Issue 33's integration points: ``generate`` with a static cache gives the dynamic cache's
+    tokens, and gradient checkpointing (the attention recomputed in the backward) gives the same
+    gradients as without it, bit for bit."""
+    model = tiny_model("llama", num_hidden_layers=2, attn_implementation="truefuse").eval()
+    ids, mask = _batch()
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    dynamic = model.generate(ids, **kw)
+    static = model.generate(ids, cache_implementation="static", **kw)
+    assert torch.equal(static, dynamic)
+
+    def grads(checkpointing: bool):
+        m = tiny_model("llama", num_hidden_layers=2, attn_implementation="truefuse").train()
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m(ids, attention_mask=mask, labels=ids).loss.backward()
+        return {n: p.grad for n, p in m.named_parameters()}
+
+    plain, ckpt = grads(False), grads(True)
+    assert plain.keys() == ckpt.keys() and all(torch.equal(plain[n], ckpt[n]) for n in plain)
