@@ -261,13 +261,14 @@ def _label_check_ahead(labels: torch.Tensor) -> bool:
 
 
 def _start_label_check(self, labels, kwargs, logits_to_keep):
-    """On CUDA, for the fused loss: start the range check of the targets (``labels[..., 1:]``, what
-    the shift keeps, or ``shift_labels``) before the decoder runs, and return its finish (None where
-    the loss checks them itself). The loss then does not wait for a check of its own, queued after
-    the decoder: see ``ops/lm_head/linear_cross_entropy.py::targets_checked``."""
+    """On CUDA, for the fused loss (the caller checked :func:`_fallback_reason`): start the range
+    check of the targets (``labels[..., 1:]``, what the shift keeps, or ``shift_labels``) before the
+    decoder runs, and return its finish (None where the loss checks them itself). The loss then does
+    not wait for a check of its own, queued after the decoder: see
+    ``ops/lm_head/linear_cross_entropy.py::targets_checked``."""
     if torch.compiler.is_compiling() or not isinstance(labels, torch.Tensor) or not _label_check_ahead(labels):
         return None
-    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0) or _fallback_reason(self) is not None:
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         return None
     shift = kwargs.get("shift_labels")
     src = labels[..., 1:] if shift is None else shift
@@ -392,10 +393,11 @@ def _forward(self, args, kwargs):
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         model_kwargs["output_router_logits"] = output_router_logits
+    reason = None if labels is None else _fallback_reason(self)
+    early = None if labels is None or reason is not None else _start_label_check(self, labels, kwargs, logits_to_keep)
     # every other argument goes to the base model as given, as stock passes it (a deprecated
     # name such as ``past_key_values`` on 5.24 included: the base model renames it, with
     # transformers' own warning, as stock's decorator does)
-    early = None if labels is None else _start_label_check(self, labels, kwargs, logits_to_keep)
     outputs = self.model(**model_kwargs, **kwargs)
 
     hidden = _slice_to_keep(outputs.last_hidden_state, logits_to_keep)
@@ -403,7 +405,6 @@ def _forward(self, args, kwargs):
     if labels is None:
         logits = _stock_logits(self, hidden, traits)
     else:
-        reason = _fallback_reason(self)
         if reason is None:
             loss = _fused_loss(self, hidden, labels, kwargs, traits, early)
             want = return_logits if return_logits is not None else not self.training
