@@ -243,7 +243,29 @@ def _modules(rank: int, world: int, mesh) -> dict:
                     out[f"{kind}/{how}/{option}"] = "no error"
                 except RuntimeError as e:
                     out[f"{kind}/{how}/{option}"] = str(e)
+    # the loss module's own §2 options: its weight comes with each forward (a head DDP reduces)
+    import truefuse
+
+    head = torch.nn.Linear(16, 32, bias=False)
+    for option in ("fuse_wgrad_accumulation", "delay_wgrad_compute"):
+        loss = truefuse.LinearCrossEntropyLoss(**{option: True})
+        head.weight.main_grad = torch.zeros_like(head.weight)
+        model = torch.nn.parallel.DistributedDataParallel(_HeadLoss(head, loss))
+        try:
+            model(xs[rank], torch.arange(8) % 32).backward()
+            out[f"LinearCrossEntropyLoss/ddp/{option}"] = "no error"
+        except RuntimeError as e:
+            out[f"LinearCrossEntropyLoss/ddp/{option}"] = str(e)
     return out
+
+
+class _HeadLoss(torch.nn.Module):
+    def __init__(self, head, loss):
+        super().__init__()
+        self.head, self.loss = head, loss
+
+    def forward(self, x, target):
+        return self.loss(x, self.head.weight, target)
 
 
 def _everything(rank: int, world: int) -> dict:
@@ -300,3 +322,10 @@ def test_modules_plain_grad_and_refusals(per_rank, kind, how):
             msg = r[f"{kind}/{how}/{option}"]
             assert msg.startswith(f"{kind} under {wrapper}: {option}=True"), msg
             assert f"construct the module with {option}=False" in msg, msg
+
+
+@pytest.mark.parametrize("option", ["fuse_wgrad_accumulation", "delay_wgrad_compute"])
+def test_loss_module_refuses_its_wgrad_options_under_ddp(per_rank, option):
+    for res in per_rank:
+        got = res["modules"][f"LinearCrossEntropyLoss/ddp/{option}"]
+        assert got.startswith("LinearCrossEntropyLoss under DistributedDataParallel") and option in got, got

@@ -46,8 +46,7 @@ class _EagerOp(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         op = inputs[0]
-        ctx.truefuse_op = op
-        ctx.truefuse_eager = True  # its backward calls backward ops' bodies (ops/_custom_op.py::bwd_call)
+        ctx.truefuse_op = op  # also tells ops/_custom_op.py::bwd_call to run backward ops' bodies
         op.eager.setup_context(ctx, inputs[1:], output)
 
     @staticmethod

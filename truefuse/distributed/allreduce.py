@@ -16,6 +16,7 @@ from truefuse.autograd.norm import rms_norm
 from truefuse.config import get_tuning
 from truefuse.distributed._agree import agree, validating
 from truefuse.distributed.workspace import Workspace
+from truefuse.ops._custom_op import launch
 from truefuse.ops.allreduce import allreduce_add_rmsnorm_fwd
 from truefuse.ops.norm import norm_bwd_op, norm_fwd_op, use_kernel
 
@@ -128,7 +129,7 @@ class FusedAllreduceAddRMSNorm(torch.autograd.Function):
             out = allreduce_ref(x2, group=group)
             if res2 is not None:
                 out = out + res2
-            normed, _, rstd = norm_fwd_op(out, weight, None, eps, True, False)
+            normed, _, rstd = launch(norm_fwd_op, out, weight, None, eps, True, False)
         ctx.save_for_backward(out, weight, rstd if want_rstd else None)
         ctx.x_shape, ctx.has_res, ctx.has_norm = x.shape, residual is not None, normed is not None
         out = out.view(x.shape)
@@ -145,7 +146,9 @@ class FusedAllreduceAddRMSNorm(torch.autograd.Function):
             if out.numel() == 0:  # nothing to launch: the gradients of no elements
                 dx, dw = torch.zeros_like(out), (None if weight is None else torch.zeros_like(weight))
             else:  # the call truefuse.rms_norm's registered backward makes, on the same saved rstd
-                dx, dw, _ = norm_bwd_op(d_normed.reshape(out.shape), out, weight, None, rstd.new_empty(0), rstd, True, False)
+                dx, dw, _ = launch(
+                    norm_bwd_op, d_normed.reshape(out.shape), out, weight, None, rstd.new_empty(0), rstd, True, False
+                )
                 dw = None if weight is None else dw
             d = dx if d is None else d + dx
         if d is not None:

@@ -41,6 +41,16 @@ class DelayedWgrad(torch.nn.Module):
 
     _wgrad: WgradState
 
+    def _refuse_reducing_wrapper(self, weights: list[torch.Tensor]) -> None:
+        """Fused or delayed weight gradients (§2) go where FSDP2 / DDP never reduce: refused, in the
+        forward, when one of them reduces ``weights`` (nn/_data_parallel.py)."""
+        if self._wgrad.plain or not torch.is_grad_enabled():
+            return
+        weights = [p for p in weights if isinstance(p, torch.Tensor) and p.requires_grad]
+        wrapper = reducing_wrapper(self, weights) if weights else None
+        if wrapper is not None:
+            raise RuntimeError(refusal(self._wgrad.owner, wrapper, self._wgrad.fuse_wgrad_accumulation))
+
     def backward_dw(self) -> None:
         """Compute the weight gradients the last backward(s) deferred (``delay_wgrad_compute``).
 
@@ -158,12 +168,7 @@ class WgradModule(DelayedWgrad):
             raise TypeError(f"input has dtype {x.dtype} but the module's parameters are {weight.dtype}{under}")
         if x.device != weight.device:
             raise ValueError(f"input is on {x.device} but the module's parameters are on {weight.device}")
-        if not self._wgrad.plain and torch.is_grad_enabled():
-            # fused or delayed weight gradients go where FSDP2 / DDP never reduce (nn/_data_parallel.py)
-            weights = [p for _, p in self.gemm_weights() if p.requires_grad]
-            wrapper = reducing_wrapper(self, weights) if weights else None
-            if wrapper is not None:
-                raise RuntimeError(refusal(self._wgrad.owner, wrapper, self.fuse_wgrad_accumulation))
+        self._refuse_reducing_wrapper([p for _, p in self.gemm_weights()])
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
             for name, p in self.gemm_weights():
                 if p.requires_grad:

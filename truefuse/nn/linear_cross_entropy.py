@@ -87,6 +87,7 @@ class LinearCrossEntropyLoss(DelayedWgrad):
 
     def forward(self, input, linear_weight, target, linear_bias=None):
         refuse_dtensor("LinearCrossEntropyLoss", input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias)
+        self._refuse_reducing_wrapper([linear_weight])
         if self._wgrad.hooks and isinstance(linear_weight, torch.Tensor) and linear_weight.requires_grad:
             self._watch_wgrad(linear_weight)
         return linear_cross_entropy_with(

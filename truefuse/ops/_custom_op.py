@@ -94,6 +94,8 @@ def register_backward(
     for op in bwd_ops:
         no_double_backward(op, name, ref)
     if eager_names is None:
+        if callable(name):  # it reads the backward op's inputs, which the eager path never builds
+            raise TypeError(f"register_backward({fwd_op}): a callable name needs eager_names(ctx) too")
         eager_names = _static_names(name, ref)
     fwd_op.eager = EagerSpec(setup_context, backward, eager_names)
 
@@ -110,6 +112,6 @@ def bwd_call(ctx, op, *args):
     body directly under ``autograd/_eager_op.py`` (which refuses double backward itself, the
     dispatcher's round trips being what it saves), else through the dispatcher (torch.compile's
     traced backward, and the op's own autograd path with its double-backward stub)."""
-    if getattr(ctx, "truefuse_eager", False):
+    if getattr(ctx, "truefuse_op", None) is not None:  # set by autograd/_eager_op.py's Function
         return op.body(*args)
     return op(*args)
