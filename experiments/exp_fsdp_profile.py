@@ -57,7 +57,7 @@ def _log(rank, msg):
     print(f"[{time.strftime('%H:%M:%S')} rank{rank}] {msg}", flush=True)
 
 
-def _build(shape, policy, run, head_unit, dev):
+def _build(shape, policy, run, head_unit, dev, no_fsdp=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -78,6 +78,9 @@ def _build(shape, policy, run, head_unit, dev):
     if patch is not None:
         patch(model)
     kw = {}
+    if no_fsdp:  # the same model and step without FSDP2 (its hooks' host time, by difference)
+        model.train()
+        return model
     if policy == "mp":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -112,9 +115,9 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev):
+def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev, no_fsdp=False):
     _log(rank, f"{run} {policy}: build")
-    model = _build(shape, policy, run, head_unit, dev)
+    model = _build(shape, policy, run, head_unit, dev, no_fsdp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator(dev).manual_seed(1 + rank)
     ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=dev, generator=g)
@@ -128,12 +131,14 @@ def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev
         opt.zero_grad(set_to_none=True)
         return loss
 
-    times = []
+    times, host = [], []
     for i in range(warmup + steps):
         _sync(dev)
         dist.barrier()
         t0 = time.perf_counter()
         loss = step()
+        if i >= warmup:  # every kernel queued: host ≈ step time means the GPU waited on the host
+            host.append((time.perf_counter() - t0) * 1e3)
         losses.append(loss.item())
         _sync(dev)
         if i >= warmup:
@@ -156,7 +161,8 @@ def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev
         if "synchroniz" in str(w.message):
             sites[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
     loss.item()
-    res = dict(run=run, policy=policy, ms=sorted(times)[len(times) // 2], ms_all=times, peak_gib=peak, losses=losses,
+    res = dict(run=run, policy=policy, ms=sorted(times)[len(times) // 2], ms_all=times, host_ms=sorted(host)[len(host) // 2],
+               peak_gib=peak, losses=losses,
                syncs=sum(sites.values()), sync_sites=sites.most_common(12))  # fmt: skip
     _log(rank, f"{run}: {res['syncs']} syncs in one step; profiling")
     # every rank runs the profiled steps (FSDP2's collectives need them all); rank 0 records them
@@ -201,7 +207,9 @@ def _worker(rank, world, args, q):
                 import liger_kernel  # noqa: F401
             except ImportError:
                 continue
-        r = _one_run(rank, shape, args.policy, run, args.head_unit, args.seq, args.batch, args.steps, args.warmup, dev)
+        r = _one_run(
+            rank, shape, args.policy, run, args.head_unit, args.seq, args.batch, args.steps, args.warmup, dev, args.no_fsdp
+        )
         r["rank"] = rank
         out.append(r)
         gc.collect()
@@ -222,6 +230,7 @@ def main():
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--world", type=int, default=0, help="ranks (default: the GPU count)")
     p.add_argument("--head-unit", action="store_true")
+    p.add_argument("--no-fsdp", action="store_true", help="the same step without fully_shard (--policy bf16, --world 1)")
     p.add_argument("--runs", default="stock,truefuse,liger")
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--seq", type=int, default=2048)
@@ -231,6 +240,8 @@ def main():
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     world = args.world or torch.cuda.device_count()
+    if args.no_fsdp and (args.policy != "bf16" or world != 1):
+        p.error("--no-fsdp needs --policy bf16 and --world 1")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world, args, q), daemon=True) for r in range(world)]
@@ -247,6 +258,7 @@ def main():
     for pr in procs:
         pr.join()
     tag = f"fsdp_{args.policy}{'_small' if args.small else ''}{'_head' if args.head_unit else ''}"
+    tag += "_nofsdp" if args.no_fsdp else ""
     with open(os.path.join(args.out, tag + ".json"), "w") as f:
         json.dump({"world": world, "args": vars(args), "results": results}, f, indent=1, default=str)
     lines = [f"{tag}: world {world}, {args.batch}x{args.seq} tokens per rank"]
@@ -256,6 +268,7 @@ def main():
         other = [x for x in results[1] if x["run"] == r["run"]] if world > 1 else []
         lines.append(
             f"{r['run']:>9}: {r['ms']:7.1f} ms/step (rank1 {other[0]['ms'] if other else float('nan'):7.1f})"
+            f"  host {r['host_ms']:6.1f} ms"
             f"  {base / r['ms'] if base else float('nan'):.2f}x stock  peak {r['peak_gib']:.1f} GiB"
             f"  syncs/step {r['syncs']}  gpu busy {r.get('gpu_busy', 0):.0%}  loss0 {r['losses'][0]:.4f}"
         )
