@@ -115,10 +115,10 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev, no_fsdp=False):
+def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev, no_fsdp=False, optim="foreach"):
     _log(rank, f"{run} {policy}: build")
     model = _build(shape, policy, run, head_unit, dev, no_fsdp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if optim == "fused" else {}))
     g = torch.Generator(dev).manual_seed(1 + rank)
     ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=dev, generator=g)
     losses = []
@@ -208,7 +208,18 @@ def _worker(rank, world, args, q):
             except ImportError:
                 continue
         r = _one_run(
-            rank, shape, args.policy, run, args.head_unit, args.seq, args.batch, args.steps, args.warmup, dev, args.no_fsdp
+            rank,
+            shape,
+            args.policy,
+            run,
+            args.head_unit,
+            args.seq,
+            args.batch,
+            args.steps,
+            args.warmup,
+            dev,
+            args.no_fsdp,
+            args.optim,
         )
         r["rank"] = rank
         out.append(r)
@@ -230,6 +241,7 @@ def main():
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--world", type=int, default=0, help="ranks (default: the GPU count)")
     p.add_argument("--head-unit", action="store_true")
+    p.add_argument("--optim", choices=["foreach", "fused"], default="foreach", help="torch AdamW's implementation")
     p.add_argument("--no-fsdp", action="store_true", help="the same step without fully_shard (--policy bf16, --world 1)")
     p.add_argument("--runs", default="stock,truefuse,liger")
     p.add_argument("--port", type=int, default=29533)
@@ -258,7 +270,7 @@ def main():
     for pr in procs:
         pr.join()
     tag = f"fsdp_{args.policy}{'_small' if args.small else ''}{'_head' if args.head_unit else ''}"
-    tag += "_nofsdp" if args.no_fsdp else ""
+    tag += ("_nofsdp" if args.no_fsdp else "") + ("_fused" if args.optim == "fused" else "")
     with open(os.path.join(args.out, tag + ".json"), "w") as f:
         json.dump({"world": world, "args": vars(args), "results": results}, f, indent=1, default=str)
     lines = [f"{tag}: world {world}, {args.batch}x{args.seq} tokens per rank"]
