@@ -15,6 +15,7 @@ for pure bf16 parameters; ``--small`` for hidden 1024, 4 layers, vocabulary 3200
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import contextlib
 import gc
@@ -110,6 +111,47 @@ def _busy_fraction(prof, wall_ms: float) -> float:
     return busy / 1000.0 / wall_ms if wall_ms else 0.0
 
 
+def _idle_attribution(prof, min_gap_us: float = 50.0, top: int = 14) -> dict:
+    """Where the host was while the GPU sat idle: the GPU's idle gaps (between kernel intervals,
+    longer than ``min_gap_us``) and, per CPU op name at depth 0 and 1 of the host's op tree, the time
+    its interval overlaps those gaps (ms). A host-bound step shows here which work the GPU waited for."""
+    spans, cpu = [], []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            spans.append((e.time_range.start, e.time_range.end))
+        elif e.device_type == torch.autograd.DeviceType.CPU:
+            cpu.append(e)
+    spans.sort()
+    gaps, end = [], None
+    for s, t in spans:
+        if end is not None and s - end > min_gap_us:
+            gaps.append((end, s))
+        end = t if end is None else max(end, t)
+    out = {"gaps": len(gaps), "idle_ms": sum(b - a for a, b in gaps) / 1e3}
+    starts = [g[0] for g in gaps]
+
+    def depth(e):
+        d, p = 0, e.cpu_parent
+        while p is not None:
+            d, p = d + 1, p.cpu_parent
+        return d
+
+    for level in (0, 1, 2):
+        acc = collections.Counter()
+        for e in cpu:
+            if depth(e) != level:
+                continue
+            a, b = e.time_range.start, e.time_range.end
+            i = max(0, bisect.bisect_right(starts, a) - 1)
+            ov = 0.0
+            while i < len(gaps) and gaps[i][0] < b:
+                ov += max(0.0, min(b, gaps[i][1]) - max(a, gaps[i][0]))
+                i += 1
+            acc[e.name] += ov / 1e3
+        out[f"depth{level}"] = [(k, round(v, 2)) for k, v in acc.most_common(top) if v > 0]
+    return out
+
+
 def _sync(dev):
     if dev == "cuda":
         torch.cuda.synchronize()
@@ -180,6 +222,8 @@ def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev
         ka = prof.key_averages()
         res["profile_wall_ms"] = wall
         res["gpu_busy"] = _busy_fraction(prof, wall)
+        if dev == "cuda":
+            res["idle"] = _idle_attribution(prof)
         waits = {k.key: k.cpu_time_total / 1e3 for k in ka if "Synchronize" in k.key or "cudaStreamWait" in k.key}
         res["sync_wait_ms_per_step"] = waits
         res["top_cuda"] = ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
@@ -286,6 +330,11 @@ def main():
         )
         lines.append(f"           sync sites: {r['sync_sites'][:6]}")
         lines.append(f"           sync waits ms/step: {r.get('sync_wait_ms_per_step')}")
+        idle = r.get("idle")
+        if idle:
+            lines.append(f"           GPU idle: {idle['gaps']} gaps, {idle['idle_ms']:.1f} ms; host during them:")
+            for level in ("depth0", "depth1", "depth2"):
+                lines.append(f"             {level}: {idle[level]}")
     with open(os.path.join(args.out, tag + ".txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
         for r in r0:
