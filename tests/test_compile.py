@@ -75,9 +75,12 @@ def test_opcheck_gated2(device):
 def test_opcheck_rope(device):
     _dev(device)
     x = torch.randn(2, 3, 5, 16, device=device, requires_grad=True)
+    k = torch.randn(2, 1, 5, 16, device=device, requires_grad=True)
     cos, sin = torch.randn(2, 5, 16, device=device), torch.randn(2, 5, 16, device=device)
-    torch.library.opcheck(rope_fwd_op, (x, cos, sin))
-    torch.library.opcheck(rope_bwd_op, (torch.randn_like(x), cos, sin, torch.float32))
+    torch.library.opcheck(rope_fwd_op, (x, k, cos, sin))
+    gx, gk = torch.randn_like(x), torch.randn_like(k)
+    torch.library.opcheck(rope_bwd_op, (gx, gk, cos, sin, torch.float32, torch.float32))
+    torch.library.opcheck(rope_bwd_op, (None, gk, cos, sin, torch.float32, torch.float32))  # q's not asked
 
 
 def test_opcheck_scale(device):

@@ -45,6 +45,31 @@ def test_bitwise_forward_and_backward(qdt, cdt, cos_batch, device):
     assert torch.equal(leaves[0].grad, leaves[2].grad) and torch.equal(leaves[1].grad, leaves[3].grad)
 
 
+@pytest.mark.parametrize("used", ["q", "k"])
+def test_one_output_used_leaves_the_other_grad_none(used, device):
+    """q and k run as one op; an output the loss does not use gives its input no gradient (None, as
+    the stock expression), and the used one's gradient is stock's bits."""
+    q, k, cos, sin = _inputs(device, torch.float32, torch.float32)
+    ours = [t.detach().clone().requires_grad_() for t in (q, k)]
+    ref = [t.detach().clone().requires_grad_() for t in (q, k)]
+    i = "qk".index(used)
+    apply_rotary_pos_emb(*ours, cos, sin)[i].square().sum().backward()
+    rope_ref(ref[i], cos, sin).square().sum().backward()
+    assert ours[1 - i].grad is None
+    assert torch.equal(ours[i].grad, ref[i].grad)
+
+
+def test_only_q_differentiable(device):
+    """k without requires_grad (a frozen or detached key): q's gradient alone, stock's bits."""
+    q, k, cos, sin = _inputs(device, torch.float32, torch.float32)
+    q1, q2 = (q.detach().clone().requires_grad_() for _ in range(2))
+    qo, ko = apply_rotary_pos_emb(q1, k.detach(), cos, sin)
+    assert not ko.requires_grad
+    qo.sum().backward()
+    rope_ref(q2, cos, sin).sum().backward()
+    assert torch.equal(q1.grad, q2.grad)
+
+
 def test_differs_from_a_wrong_rotation(device):
     """The bitwise check above can fail: the opposite rotation differs."""
     q, k, cos, sin = _inputs(device, torch.float32, torch.float32)

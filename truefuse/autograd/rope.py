@@ -25,14 +25,8 @@ def _check(name: str, x, cos) -> None:
         raise ValueError(f"cos and sin must be (batch or 1, seq, head_dim) = {want}, got {tuple(cos.shape)} for {name}")
 
 
-def _one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if not use_kernel(x, cos) or x.stride(-1) != 1:
-        return rope_ref(x, cos, sin)
-    if cos.shape[0] != x.shape[0]:
-        cos, sin = cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1)
-    if cos.stride(-1) != 1 or cos.stride() != sin.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    return call(rope_fwd_op, x, cos, sin)
+def _kernel_ready(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    return use_kernel(x, cos) and x.stride(-1) == 1
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
@@ -55,4 +49,10 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
     _check("k", k, cos)
     if sin.shape != cos.shape:
         raise ValueError(f"sin has shape {tuple(sin.shape)}, cos {tuple(cos.shape)}: they must match")
-    return _one(q, cos, sin), _one(k, cos, sin)
+    if not (_kernel_ready(q, cos) and _kernel_ready(k, cos)) or q.shape[0] != k.shape[0]:
+        return rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+    if cos.shape[0] != q.shape[0]:
+        cos, sin = cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1)
+    if cos.stride(-1) != 1 or cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return call(rope_fwd_op, q, k, cos, sin)

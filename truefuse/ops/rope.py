@@ -72,38 +72,59 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype
 
 
 @custom_op("truefuse::rope_fwd", mutates_args=())
-def rope_fwd_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`rope_ref` through the kernel (bitwise)."""
-    return rope_launch(x, cos, sin, torch.result_type(x, cos), backward=False)
+def rope_fwd_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_ref` of ``q`` and of ``k`` through the kernel (bitwise): one op for the pair, so a
+    decoder layer pays one op's host time each way, not two (docs/design.md §6.7)."""
+    return (
+        rope_launch(q, cos, sin, torch.result_type(q, cos), backward=False),
+        rope_launch(k, cos, sin, torch.result_type(k, cos), backward=False),
+    )
 
 
 @rope_fwd_op.register_fake
-def _(x, cos, sin):
-    return torch.empty_like(x, dtype=torch.result_type(x, cos))
+def _(q, k, cos, sin):
+    return torch.empty_like(q, dtype=torch.result_type(q, cos)), torch.empty_like(k, dtype=torch.result_type(k, cos))
 
 
-@custom_op("truefuse::rope_bwd", mutates_args=())
-def rope_bwd_op(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
-    """The gradient of ``x`` for the output gradient ``dy``, in x's dtype, with autograd's roundings."""
+def _rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     return rope_launch(dy, cos, sin, x_dtype, backward=True)
 
 
+@custom_op("truefuse::rope_bwd", mutates_args=())
+def rope_bwd_op(
+    dq: torch.Tensor | None,
+    dk: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_dtype: torch.dtype,
+    k_dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """The gradients of ``q`` and ``k`` for the output gradients ``dq`` / ``dk``, in their dtypes, with
+    autograd's roundings: one per gradient given (a custom op returns no None), in that order."""
+    return [_rope_bwd(dy, cos, sin, dt) for dy, dt in ((dq, q_dtype), (dk, k_dtype)) if dy is not None]
+
+
 @rope_bwd_op.register_fake
-def _(dy, cos, sin, x_dtype):
-    return torch.empty_like(dy, dtype=x_dtype)
+def _(dq, dk, cos, sin, q_dtype, k_dtype):
+    return [torch.empty_like(dy, dtype=dt) for dy, dt in ((dq, q_dtype), (dk, k_dtype)) if dy is not None]
 
 
 def _setup(ctx, inputs, output):
-    x, cos, sin = inputs
+    q, k, cos, sin = inputs
     ctx.save_for_backward(cos, sin)
-    ctx.x_dtype = x.dtype
+    ctx.dtypes = (q.dtype, k.dtype)
+    ctx.wants = (q.requires_grad, k.requires_grad)  # not needs_input_grad: the eager path's has one more input
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: its input's .grad too, as stock
+    ctx.mark_non_differentiable(*(out for out, x in zip(output, (q, k), strict=True) if not x.requires_grad))
 
 
-def _backward(ctx, dy):
+def _backward(ctx, dq, dk):
     cos, sin = ctx.saved_tensors
-    return bwd_call(ctx, rope_bwd_op, dy, cos, sin, ctx.x_dtype), None, None
+    dq, dk = (g if want and g is not None else None for g, want in zip((dq, dk), ctx.wants, strict=True))
+    grads = iter(bwd_call(ctx, rope_bwd_op, dq, dk, cos, sin, *ctx.dtypes))
+    return (None if dq is None else next(grads)), (None if dk is None else next(grads)), None, None
 
 
 register_backward(
