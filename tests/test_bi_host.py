@@ -1,0 +1,113 @@
+"""Batch-invariant mode's host-time shortcuts (experiments/exp_bi_host_time.py) give the bits of the
+paths they shortcut, and a kept runner or plan is never reused for a call it does not fit: another
+shape, dtype, device, flag or override gets its own (``ops/gemm.py::_runner``, the no-grad
+``linear``)."""
+
+import pytest
+import torch
+
+import truefuse
+from truefuse.autograd._wgrad import WgradState
+from truefuse.autograd.linear import LinearFunction, linear
+from truefuse.ops import gemm as G
+from truefuse.ops.gemm_plan import Capability, backend_available, override_capabilities
+
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
+_STATE = WgradState(owner="test")
+
+
+def _t(shape, dtype=F32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _general(a, b, **kw):
+    return G._gemm(a, b, per_group=False, **kw)
+
+
+def _triton_bi():
+    """The Triton backend with a batch-invariant row on the CPU: the plan CUDA's forward gets."""
+    if not backend_available("triton", "cpu"):
+        pytest.skip("the Triton interpreter is off")
+    return override_capabilities(add=[Capability("batch_invariant", F32, F32, "cpu", backend="triton")])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("M", [1, 3, 17, 70])
+def test_triton_bi_runner_launches_without_the_executor_same_bits(M, bias, monkeypatch):
+    """The runner of the batch-invariant Triton plan launches the product itself (the executor is
+    not called) and gives the general path's bits, for both B layouts (forward ``x Wᵀ``, input
+    gradient ``dy W``) and every M bucket."""
+    x, w = _t((M, 40), seed=1), _t((24, 40), seed=2)
+    dy = _t((M, 24), seed=3)
+    bv = _t((24,), seed=4) if bias else None
+    with _triton_bi():
+        want_f = _general(x, w.t(), bias=bv, batch_invariant=True)
+        want_b = _general(dy, w, batch_invariant=True)
+        monkeypatch.setattr(G, "run", lambda *a, **k: pytest.fail("the Triton runner went through the executor"))
+        got_f = truefuse.gemm(x, w.t(), bias=bv, batch_invariant=True)
+        got_b = truefuse.gemm(dy, w, batch_invariant=True)
+    assert torch.equal(got_f, want_f) and torch.equal(got_b, want_b)
+
+
+def test_runner_cache_keys_flags_dtypes_and_overrides():
+    """Calls alternating what the runner is keyed on each get their own plan's result: the same
+    call in and out of the override (Triton BI / the CPU's row blocks), batch_invariant on and off,
+    fp32 and fp64, with and without a bias, another N and M, and out_dtype."""
+    x, w, bv = _t((37, 40), seed=5), _t((24, 40), seed=6), _t((24,), seed=7)
+    calls = [
+        (x, w.t(), {"batch_invariant": True}),
+        (x, w.t(), {"batch_invariant": False}),
+        (x, w.t(), {"batch_invariant": True, "bias": bv}),
+        (x.double(), w.t().double(), {"batch_invariant": True}),
+        (x[:5], w[:7].t(), {"batch_invariant": True}),
+        (x.to(BF16), w.t().to(BF16), {"batch_invariant": True, "out_dtype": F32}),
+    ]
+    for _ in range(2):  # the second round reads the runners the first one kept
+        for inside in (True, False, True):
+            ctx = _triton_bi() if inside else override_capabilities()
+            with ctx:
+                for a, b, kw in calls:
+                    want = _general(a, b, **kw)
+                    got = truefuse.gemm(a, b, **kw)
+                    assert got.dtype == want.dtype and torch.equal(got, want), (inside, a.dtype, kw.keys())
+
+
+def test_runner_follows_the_switch():
+    """``batch_invariant=None`` reads the switch at each call: a kept runner is not the other mode's."""
+    x, w = _t((37, 40), seed=8), _t((24, 40), seed=9)
+    with _triton_bi():
+        off = truefuse.gemm(x, w.t())
+        with truefuse.batch_invariant():
+            on = truefuse.gemm(x, w.t())
+        assert torch.equal(off, _general(x, w.t(), batch_invariant=False))
+        assert torch.equal(on, _general(x, w.t(), batch_invariant=True))
+
+
+@pytest.mark.parametrize("bi", [False, True])
+@pytest.mark.parametrize("shape", [(1, 40), (5, 40), (2, 3, 40)])
+def test_no_grad_linear_equals_the_function(shape, bi, monkeypatch):
+    """``linear`` without a graph to record runs the Function's forward GEMM without the Function:
+    the same bits as the Function's forward (which runs when a weight requires grad)."""
+    x, w, bv = _t(shape, seed=10), _t((24, 40), seed=11), _t((24,), seed=12)
+    wg = w.clone().requires_grad_()
+    with _triton_bi(), truefuse.batch_invariant(bi):
+        want = linear(x, wg, bv, state=_STATE).detach()
+        with torch.no_grad():
+            monkeypatch.setattr(LinearFunction, "apply", lambda *a: pytest.fail("no-grad linear built a Function"))
+            got_nograd = linear(x, wg, bv, state=_STATE)
+        got_frozen = linear(x, w, bv, state=_STATE)  # grad mode on, nothing requires grad
+    assert torch.equal(got_nograd, want) and torch.equal(got_frozen, want)
+    assert not got_nograd.requires_grad and got_nograd.shape == (*shape[:-1], 24)
+
+
+def test_linear_keeps_the_function_for_activation_and_autocast(monkeypatch):
+    """The no-grad shortcut is only for the plain product: an activation or autocast takes the Function."""
+    x, w = _t((5, 40), seed=13), _t((24, 40), seed=14)
+    seen = []
+    real = LinearFunction.apply
+    monkeypatch.setattr(LinearFunction, "apply", lambda *a: seen.append(a[3]) or real(*a))
+    with torch.no_grad():
+        linear(x, w, None, activation="gelu", state=_STATE)
+        with torch.autocast("cpu", dtype=BF16):
+            linear(x, w, None, state=_STATE)
+    assert seen == ["gelu", None]
