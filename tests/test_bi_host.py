@@ -111,3 +111,63 @@ def test_linear_keeps_the_function_for_activation_and_autocast(monkeypatch):
         with torch.autocast("cpu", dtype=BF16):
             linear(x, w, None, state=_STATE)
     assert seen == ["gelu", None]
+
+
+def _first_valid_key_before(attn_mask, B):
+    """``first_valid_key`` as it was (eleven ops), the oracle of the five-op form."""
+    from truefuse.ops.attention_mask import masked_out
+
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    seen = (~masked_out(m)).any(dim=2).any(dim=1)
+    first = torch.where(seen.any(-1), seen.to(torch.int8).argmax(-1), 0)
+    return first.to(torch.int32).expand(B).contiguous()
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 1, 9), (3, 2, 4, 9), (1, 1, 4, 9), (4, 9), (9,)])
+@pytest.mark.parametrize("kind", ["bool", "inf", "finfo"])
+def test_first_valid_key_same_as_before(shape, kind):
+    from truefuse.ops.attention_mask import first_valid_key
+
+    g = torch.Generator().manual_seed(len(shape))
+    keep = torch.rand(shape, generator=g) > 0.6
+    keep[..., :2] = False  # a left pad
+    if len(shape) == 4 and shape[0] == 3:
+        keep[1] = False  # a sequence that sees no key
+    mask = keep if kind == "bool" else torch.zeros(shape).masked_fill(~keep, float("-inf") if kind == "inf" else torch.finfo(F32).min)
+    got = first_valid_key(mask, 3, 9, mask.device)
+    want = _first_valid_key_before(mask, 3)
+    assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, want)
+
+
+def test_attention_eager_path_same_bits_as_the_dispatcher(monkeypatch):
+    """``truefuse.attention`` in eager mode runs the op's body and registered backward without the
+    dispatcher (``autograd/_eager_op.py``): the dispatcher's forward and gradients, bitwise."""
+    from truefuse.ops import attention as A
+    from truefuse.ops._triton import triton_runs
+
+    q = _t((2, 4, 18, 16), seed=20)
+    if not triton_runs(q):
+        pytest.skip("the Triton interpreter is off")
+    k, v, do = _t((2, 2, 18, 16), seed=21), _t((2, 2, 18, 16), seed=22), _t((2, 4, 18, 16), seed=23)
+    mask = torch.ones(2, 1, 18, 18, dtype=torch.bool).tril()
+    mask[1, ..., :3] = False
+
+    def run(use_dispatcher):
+        ts = [t.clone().requires_grad_() for t in (q, k, v)]
+        if use_dispatcher:
+            ks = torch.tensor([0, 3], dtype=torch.int32)
+            out = A.attention_fwd_op(*ts, mask.expand(2, 4, 18, 18), ks, 0.25, False, 0, 0.0)[0]
+        else:
+            out = truefuse.attention(*ts, attn_mask=mask, scale=0.25, enable_gqa=True)
+        out.backward(do)
+        return [out.detach(), *(t.grad for t in ts)]
+
+    want = run(True)
+    calls = []
+    body = A.attention_bwd_op.body
+    monkeypatch.setattr(A.attention_bwd_op, "body", lambda *a: calls.append(1) or body(*a))
+    got = run(False)
+    assert calls == [1]  # the backward op ran as its body
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
