@@ -171,3 +171,53 @@ def test_attention_eager_path_same_bits_as_the_dispatcher(monkeypatch):
     got = run(False)
     assert calls == [1]  # the backward op ran as its body
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_routing_swaps_f_linear_for_the_block_and_this_thread_only(monkeypatch):
+    """``running_batch_invariant()`` routes ``F.linear`` on its own thread only, runs truefuse's own
+    ``F.linear`` calls inside a routed call stock, and puts torch's function back when the last
+    block exits (nested, out of order, or by an exception)."""
+    import threading
+
+    import torch.nn.functional as F
+
+    from truefuse.integrations.huggingface import batch_invariant as bim
+
+    stock = torch._C._nn.linear
+    assert F.linear is stock
+    x, w = _t((5, 40), seed=30), _t((24, 40), seed=31)
+    with bim.running_batch_invariant() as mode:
+        y = F.linear(x, w)
+        seen = {}
+
+        def other():
+            seen["y"] = F.linear(x, w)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert mode.routed == 1 and torch.equal(seen["y"], stock(x, w))  # the other thread: stock
+        inner = bim._truefuse_linear
+
+        def nested(*a, **k):  # a truefuse layer calling F.linear inside the routed call: stock
+            assert F.linear(x, w) is not None
+            return inner(*a, **k)
+
+        monkeypatch.setattr(bim, "_truefuse_linear", nested)
+        F.linear(x, w)
+        assert mode.routed == 2 and mode.left == 0
+    assert F.linear is stock
+    with truefuse.batch_invariant():
+        assert torch.equal(y, linear(x, w, None, state=_STATE))
+
+    a, b = bim.BatchInvariantLinear(), bim.BatchInvariantLinear()
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)  # out of order, as two models' hooks may exit
+    F.linear(x, w)
+    assert (a.routed, b.routed) == (0, 1) and F.linear is not stock
+    b.__exit__(None, None, None)
+    assert F.linear is stock
+    with pytest.raises(RuntimeError, match="boom"), bim.running_batch_invariant():
+        raise RuntimeError("boom")
+    assert F.linear is stock and not truefuse.is_batch_invariant()
