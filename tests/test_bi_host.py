@@ -221,3 +221,14 @@ def test_routing_swaps_f_linear_for_the_block_and_this_thread_only(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"), bim.running_batch_invariant():
         raise RuntimeError("boom")
     assert F.linear is stock and not truefuse.is_batch_invariant()
+
+
+@pytest.mark.parametrize("dtype", [F32, F64, BF16])
+def test_torch_mm_runner_skips_the_executor_same_bits(dtype, monkeypatch):
+    """A bare product planned on ``torch`` (the weight gradient's GEMM) runs the backend's product
+    in its scope without the executor: the general path's bits."""
+    dy, x = _t((50, 24), dtype, seed=40), _t((50, 40), dtype, seed=41)
+    want = _general(dy.t(), x, batch_invariant=False)
+    monkeypatch.setattr(G, "run", lambda *a, **k: pytest.fail("the torch runner went through the executor"))
+    got = G.plain_gemm(dy.t(), x, batch_invariant=False)
+    assert got.dtype == want.dtype and torch.equal(got, want)

@@ -70,7 +70,8 @@ class LinearFunction(torch.autograd.Function):
                     # in the parameter's dtype: an fp32 weight under autocast gets the fp32 GEMM
                     # result of the cast operands, rounded once (_autocast.wgrad_dtype)
                     odt = wgrad_dtype(x.dtype, weight.dtype)
-                    return gemm(d.t(), x, out_dtype=odt, batch_invariant=False).to(weight.dtype)
+                    g = plain_gemm(d.t(), x, out_dtype=odt, batch_invariant=False)
+                    return g if g.dtype is weight.dtype else g.to(weight.dtype)
                 return gemm(d.t(), x, out=out, accumulate=accumulate, batch_invariant=False)
 
             dw = deliver_weight_grad(weight, ctx.weight_name, compute, ctx.state)

@@ -358,12 +358,22 @@ def gemm(
     )
 
 
-def plain_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``gemm(a, b, bias=bias)`` for callers inside truefuse (the Linear Function, the eager
-    no-grad linear): the plain call's path when it takes the arguments, else :func:`gemm` itself
-    (which checks them: DTensors, a traced call, anything unusual)."""
-    done = _plain_gemm(a, b, None, None, False, bias, None, None)
-    return done if done is not None else gemm(a, b, bias=bias)
+def plain_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    batch_invariant: bool | None = None,
+) -> torch.Tensor:
+    """``gemm(a, b, bias=bias, out_dtype=out_dtype, batch_invariant=batch_invariant)`` for callers
+    inside truefuse (the Linear Function, the eager no-grad linear): the plain call's path when it
+    takes the arguments, else :func:`gemm` itself (which checks them: DTensors, a traced call,
+    anything unusual)."""
+    done = _plain_gemm(a, b, None, out_dtype, False, bias, None, batch_invariant)
+    if done is not None:
+        return done
+    return gemm(a, b, bias=bias, out_dtype=out_dtype, batch_invariant=batch_invariant)
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -447,6 +457,8 @@ def _runner(chosen: GemmPlan):
     def general(a, b, out, odt, accumulate, bias):
         return run(chosen, GemmArgs(a, b, out, odt, accumulate, bias, None, None, None, None, None), None, False)
 
+    if chosen.backend == "torch" and not chosen.split and set(chosen.fused) <= {"mm", "out_dtype"}:
+        return _torch_mm_runner(chosen, general)
     if not (
         chosen.backend == "triton"
         and "batch_invariant" in chosen.fused
@@ -468,6 +480,25 @@ def _runner(chosen: GemmPlan):
         return out
 
     return triton_bi
+
+
+def _torch_mm_runner(chosen: GemmPlan, general):
+    """The runner of a bare product on the ``torch`` backend (the weight gradient in every mode,
+    fast mode's GEMMs): the backend's product in its scope, as ``gemm_exec.run`` calls it for such a
+    plan, without the executor's steps between."""
+    from truefuse.ops.gemm_backends import get_backend
+
+    backend = get_backend("torch")
+    product, scope, fused = backend.product, backend.scope, chosen.fused
+
+    def torch_mm(a, b, out, odt, accumulate, bias):
+        if accumulate or bias is not None or a.dtype is not chosen.compute_dtype:
+            return general(a, b, out, odt, accumulate, bias)
+        with scope(a.device):
+            product(GemmArgs(a, b, out, odt, False, None, None, None, None, None, None), a, b, fused, out, False)
+        return out
+
+    return torch_mm
 
 
 def gemm_groups(a: torch.Tensor, b: torch.Tensor, *, m_splits, per_group: bool, **kwargs) -> torch.Tensor | GemmOutput:
