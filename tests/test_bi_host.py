@@ -5,6 +5,7 @@ shape, dtype, device, flag or override gets its own (``ops/gemm.py::_runner``, t
 
 import pytest
 import torch
+from conftest import requires_cuda
 
 import truefuse
 from truefuse.autograd._wgrad import WgradState
@@ -135,29 +136,35 @@ def test_first_valid_key_same_as_before(shape, kind):
     keep[..., :2] = False  # a left pad
     if len(shape) == 4 and shape[0] == 3:
         keep[1] = False  # a sequence that sees no key
-    mask = keep if kind == "bool" else torch.zeros(shape).masked_fill(~keep, float("-inf") if kind == "inf" else torch.finfo(F32).min)
+    mask = (
+        keep
+        if kind == "bool"
+        else torch.zeros(shape).masked_fill(~keep, float("-inf") if kind == "inf" else torch.finfo(F32).min)
+    )
     got = first_valid_key(mask, 3, 9, mask.device)
     want = _first_valid_key_before(mask, 3)
     assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, want)
 
 
-def test_attention_eager_path_same_bits_as_the_dispatcher(monkeypatch):
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_attention_eager_path_same_bits_as_the_dispatcher(dtype, device, monkeypatch):
     """``truefuse.attention`` in eager mode runs the op's body and registered backward without the
     dispatcher (``autograd/_eager_op.py``): the dispatcher's forward and gradients, bitwise."""
     from truefuse.ops import attention as A
     from truefuse.ops._triton import triton_runs
 
-    q = _t((2, 4, 18, 16), seed=20)
+    q = _t((2, 4, 18, 16), dtype, seed=20).to(device)
     if not triton_runs(q):
-        pytest.skip("the Triton interpreter is off")
-    k, v, do = _t((2, 2, 18, 16), seed=21), _t((2, 2, 18, 16), seed=22), _t((2, 4, 18, 16), seed=23)
-    mask = torch.ones(2, 1, 18, 18, dtype=torch.bool).tril()
+        pytest.skip("no Triton kernel for this dtype here (the interpreter: fp32 only)")
+    k, v = _t((2, 2, 18, 16), dtype, seed=21).to(device), _t((2, 2, 18, 16), dtype, seed=22).to(device)
+    do = _t((2, 4, 18, 16), dtype, seed=23).to(device)
+    mask = torch.ones(2, 1, 18, 18, dtype=torch.bool, device=device).tril()
     mask[1, ..., :3] = False
 
     def run(use_dispatcher):
         ts = [t.clone().requires_grad_() for t in (q, k, v)]
         if use_dispatcher:
-            ks = torch.tensor([0, 3], dtype=torch.int32)
+            ks = torch.tensor([0, 3], dtype=torch.int32, device=device)
             out = A.attention_fwd_op(*ts, mask.expand(2, 4, 18, 18), ks, 0.25, False, 0, 0.0)[0]
         else:
             out = truefuse.attention(*ts, attn_mask=mask, scale=0.25, enable_gqa=True)
@@ -170,7 +177,7 @@ def test_attention_eager_path_same_bits_as_the_dispatcher(monkeypatch):
     monkeypatch.setattr(A.attention_bwd_op, "body", lambda *a: calls.append(1) or body(*a))
     got = run(False)
     assert calls == [1]  # the backward op ran as its body
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_routing_swaps_f_linear_for_the_block_and_this_thread_only(monkeypatch):
@@ -232,3 +239,36 @@ def test_torch_mm_runner_skips_the_executor_same_bits(dtype, monkeypatch):
     monkeypatch.setattr(G, "run", lambda *a, **k: pytest.fail("the torch runner went through the executor"))
     got = G.plain_gemm(dy.t(), x, batch_invariant=False)
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, F32])
+def test_runners_same_bits_gpu(dtype, monkeypatch):
+    """On CUDA: the batch-invariant Triton runner (forward ``x Wᵀ`` with a bias, input gradient
+    ``dy W``, every M bucket) and the torch runner (the weight gradient, bf16/fp16 -> fp32 too)
+    give the general path's bits, without the executor; the no-grad linear the Function's."""
+    dev = "cuda"
+    w, bv = _t((320, 256), dtype, 50).to(dev), _t((320,), dtype, 51).to(dev)
+    for M in (1, 16, 17, 64, 65, 300):
+        x, dy = _t((M, 256), dtype, 52).to(dev), _t((M, 320), dtype, 53).to(dev)
+        want = [
+            _general(x, w.t(), bias=bv, batch_invariant=True),
+            _general(dy, w, batch_invariant=True),
+            _general(dy.t(), x, batch_invariant=False),
+            _general(dy.t(), x, out_dtype=F32, batch_invariant=False),
+        ]
+        with monkeypatch.context() as m:
+            m.setattr(G, "run", lambda *a, **k: pytest.fail("a runner went through the executor"))
+            got = [
+                truefuse.gemm(x, w.t(), bias=bv, batch_invariant=True),
+                G.plain_gemm(dy, w, batch_invariant=True),
+                G.plain_gemm(dy.t(), x, batch_invariant=False),
+                G.plain_gemm(dy.t(), x, out_dtype=F32, batch_invariant=False),
+            ]
+        for i, (g, wnt) in enumerate(zip(got, want, strict=True)):
+            assert g.dtype == wnt.dtype and torch.equal(g, wnt), (M, i)
+        with truefuse.batch_invariant():
+            wg = w.clone().requires_grad_()
+            fn = linear(x, wg, bv, state=_STATE).detach()
+            with torch.no_grad():
+                assert torch.equal(linear(x, wg, bv, state=_STATE), fn), M

@@ -82,7 +82,7 @@ def _broadcast(shape, target) -> None:
     if len(shape) > len(target):
         torch.broadcast_shapes(shape, target)
         return
-    for s, t in zip(reversed(shape), reversed(target)):
+    for s, t in zip(reversed(shape), reversed(target), strict=False):
         if s != t and s != 1 and t != 1:
             raise RuntimeError(f"shapes {tuple(shape)} and {tuple(target)} do not broadcast")
 
