@@ -396,9 +396,12 @@ def _plain_gemm(a, b, out, out_dtype, accumulate, bias, grad_activation, batch_i
     dt, dev = a.dtype, a.device
     if b.dtype is not dt or dt not in _FLOATS or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         return None
-    if b.device != dev or dev.type not in ("cpu", "cuda") or not (batch_invariant is None or type(batch_invariant) is bool):
+    kind = dev.type
+    if b.device != dev or kind not in ("cpu", "cuda") or not (batch_invariant is None or type(batch_invariant) is bool):
         return None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias, out)):
+    if torch.is_grad_enabled() and (
+        a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad) or (out is not None and out.requires_grad)
+    ):
         return None  # the general path refuses it
     if torch.compiler.is_compiling():
         return None  # traced: through the custom op (docs/design.md §6.7)
@@ -430,7 +433,7 @@ def _plain_gemm(a, b, out, out_dtype, accumulate, bias, grad_activation, batch_i
     accumulate = bool(accumulate)
     if out is None:
         out = torch.empty((M, N), dtype=odt, device=dev)
-    key = (dev.type, dt, odt, accumulate, bias is not None, bi, *plan_context(dev.type))
+    key = (kind, dt, odt, accumulate, bias is not None, bi, *plan_context(kind))
     runner = _RUNNERS.get(key)
     if runner is None:
         if len(_RUNNERS) >= _MAX_RUNNERS:
