@@ -95,7 +95,11 @@ def autocast_disabled(method):
 
     @functools.wraps(method)
     def wrapper(ctx, *args, **kwargs):
-        device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+        first = args[0] if args else None  # a tensor in every Function today: no scan (host time)
+        if isinstance(first, torch.Tensor):
+            device_type = first.device.type
+        else:
+            device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
         with _disabled(device_type):
             return method(ctx, *args, **kwargs)
 

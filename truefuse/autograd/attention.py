@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from truefuse.autograd._eager_op import call
 from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops.attention import attention_fwd_op, use_kernel
 from truefuse.ops.attention_blocked import attention_blocked
@@ -55,7 +56,7 @@ def _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, 
         if attn_mask.requires_grad:
             raise ValueError("attention: attn_mask requires grad: a gradient of the mask is not computed")
         try:
-            torch.broadcast_shapes(attn_mask.shape, (B, Hq, Lq, key.shape[2]))
+            _broadcast(attn_mask.shape, (B, Hq, Lq, key.shape[2]))
         except RuntimeError:
             raise ValueError(
                 f"attention: attn_mask {tuple(attn_mask.shape)} does not broadcast to (batch, heads, L_q, L_k) = "
@@ -72,6 +73,18 @@ def _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, 
             raise ValueError(f"attention: key_start must be an integer tensor of shape (batch,) = ({B},)")
         if key_start.device != query.device:
             raise ValueError(f"attention: key_start is on {key_start.device}, query on {query.device}")
+
+
+def _broadcast(shape, target) -> None:
+    """``torch.broadcast_shapes(shape, target)``'s check (a RuntimeError where they do not
+    broadcast): in plain Python for at most 4 dimensions, where torch's took ~50 µs of a decode
+    call's host time on the 2-core CI box (experiments/exp_bi_host_time.py)."""
+    if len(shape) > len(target):
+        torch.broadcast_shapes(shape, target)
+        return
+    for s, t in zip(reversed(shape), reversed(target), strict=False):
+        if s != t and s != 1 and t != 1:
+            raise RuntimeError(f"shapes {tuple(shape)} and {tuple(target)} do not broadcast")
 
 
 def attention(
@@ -124,5 +137,7 @@ def attention(
     window, softcap = window or 0, float(softcap or 0.0)
     if use_kernel(query):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-        return attention_fwd_op(q, k, v, mask, ks, scale, bool(is_causal), window, softcap)[0]
+        # eager mode skips the dispatcher (autograd/_eager_op.py: the op's body and its registered
+        # backward; 196 µs of host time a decode call through it on an H100 host, docs/benchmarks.md)
+        return call(attention_fwd_op, q, k, v, mask, ks, scale, bool(is_causal), window, softcap)[0]
     return attention_blocked(query, key, value, mask, ks, scale, bool(is_causal), window, softcap)

@@ -16,7 +16,7 @@ from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops._dtypes import wgrad_dtype
 from truefuse.ops.activation import activation_grad_ref
 from truefuse.ops.bias_grad import split_bias_grad
-from truefuse.ops.gemm import gemm
+from truefuse.ops.gemm import gemm, plain_gemm
 
 
 class LinearFunction(torch.autograd.Function):
@@ -38,7 +38,7 @@ class LinearFunction(torch.autograd.Function):
         record(ctx)  # batch-invariant mode: the forward's, for the backward too (docs/design.md §1)
         pre = None
         if activation is None:
-            out = gemm(x, w.t(), bias=b)
+            out = plain_gemm(x, w.t(), b)
         else:
             out, pre, _ = gemm(x, w.t(), bias=b, activation=activation, return_pre_activation=True)
         ctx.save_for_backward(x, w, pre, weight)
@@ -53,7 +53,7 @@ class LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, w, pre, weight = ctx.saved_tensors
         d = dy if ctx.activation is None else activation_grad_ref(dy, pre, ctx.activation)
-        dx = gemm(d, w) if ctx.needs_input_grad[0] else None
+        dx = plain_gemm(d, w) if ctx.needs_input_grad[0] else None
         db = None
         if ctx.needs_input_grad[2]:
             # docs/design.md §3's split bias-gradient formula, the same whatever the backends fuse
@@ -70,7 +70,8 @@ class LinearFunction(torch.autograd.Function):
                     # in the parameter's dtype: an fp32 weight under autocast gets the fp32 GEMM
                     # result of the cast operands, rounded once (_autocast.wgrad_dtype)
                     odt = wgrad_dtype(x.dtype, weight.dtype)
-                    return gemm(d.t(), x, out_dtype=odt, batch_invariant=False).to(weight.dtype)
+                    g = plain_gemm(d.t(), x, out_dtype=odt, batch_invariant=False)
+                    return g if g.dtype is weight.dtype else g.to(weight.dtype)
                 return gemm(d.t(), x, out=out, accumulate=accumulate, batch_invariant=False)
 
             dw = deliver_weight_grad(weight, ctx.weight_name, compute, ctx.state)
@@ -92,5 +93,20 @@ def linear(
     (``_autocast``): ``x`` is cast here, differentiably, the weight and bias inside the Function."""
     dtype = autocast_dtype(x.device)
     x = cast(x, dtype)
-    y = LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, activation, state, weight_name, dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    if activation is None and dtype is None and not _records_graph(x, weight, bias):
+        # nothing to differentiate (``generate``, eval): the Function's forward GEMM itself, without
+        # the Function (~40 µs of host time a call on the 2-core CI box, where a decode-sized
+        # kernel takes ~15 µs on an H100; experiments/exp_bi_host_time.py). Same call, same bits
+        y = plain_gemm(x2, weight.t(), bias)
+    else:
+        y = LinearFunction.apply(x2, weight, bias, activation, state, weight_name, dtype)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _records_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :class:`LinearFunction` would record a graph (or is traced): grad mode on and an
+    operand requiring grad, or torch.compile tracing."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return True
+    return torch.compiler.is_compiling()

@@ -15,7 +15,7 @@ import math
 import torch
 
 from truefuse.config import get_config
-from truefuse.ops._custom_op import register_backward
+from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._triton import sm_count, triton_runs
 from truefuse.ops.attention_blocked import score_transform
 from truefuse.ops.attention_config import attention_config, forward_tile
@@ -258,7 +258,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
     return dq, dk, dv
 
 
-@torch.library.custom_op("truefuse::attention_fwd", mutates_args=())
+@custom_op("truefuse::attention_fwd", mutates_args=())
 def attention_fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -280,7 +280,7 @@ def _(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(B, H, Lq, dtype=torch.float32)
 
 
-@torch.library.custom_op("truefuse::attention_bwd", mutates_args=())
+@custom_op("truefuse::attention_bwd", mutates_args=())
 def attention_bwd_op(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -319,7 +319,7 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_mask, key_start = ctx.saved_tensors
     if dout is None:
         return None, None, None, None, None, None, None, None, None
-    dq, dk, dv = attention_bwd_op(dout, q, k, v, out, lse, attn_mask, key_start, *ctx.args)
+    dq, dk, dv = bwd_call(ctx, attention_bwd_op, dout, q, k, v, out, lse, attn_mask, key_start, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -40,6 +40,9 @@ def first_valid_key(attn_mask: torch.Tensor | None, B: int, Lk: int, device: tor
     m = attn_mask
     while m.dim() < 4:
         m = m.unsqueeze(0)
-    seen = (~masked_out(m)).any(dim=2).any(dim=1)  # (B or 1, Lk)
-    first = torch.where(seen.any(-1), seen.to(torch.int8).argmax(-1), 0)
-    return first.to(torch.int32).expand(B).contiguous()
+    # a bool mask is its own "seen"; argmax gives the first maximum, so 0 where no key is seen.
+    # Five small ops where there were eleven: each is host time in a decode step
+    # (experiments/exp_bi_host_time.py)
+    seen = (m if m.dtype == torch.bool else ~masked_out(m)).any(dim=(1, 2))  # (B or 1, Lk)
+    first = seen.to(torch.int8).argmax(-1).to(torch.int32)
+    return first if first.shape[0] == B else first.expand(B).contiguous()

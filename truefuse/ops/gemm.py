@@ -21,7 +21,7 @@ from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops.activation import activation_grad_ref, activation_ref, check_activation
 from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.gemm_exec import GemmArgs, run
-from truefuse.ops.gemm_plan import GemmPlan, GemmRequest, plan
+from truefuse.ops.gemm_plan import GemmPlan, GemmRequest, plan, plan_context
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -358,9 +358,25 @@ def gemm(
     )
 
 
+def plain_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    batch_invariant: bool | None = None,
+) -> torch.Tensor:
+    """``gemm(a, b, bias=bias, out_dtype=out_dtype, batch_invariant=batch_invariant)`` for callers
+    inside truefuse (the Linear Function, the eager no-grad linear): the plain call's path when it
+    takes the arguments, else :func:`gemm` itself (which checks them: DTensors, a traced call,
+    anything unusual)."""
+    done = _plain_gemm(a, b, None, out_dtype, False, bias, None, batch_invariant)
+    if done is not None:
+        return done
+    return gemm(a, b, bias=bias, out_dtype=out_dtype, batch_invariant=batch_invariant)
+
+
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-#: :func:`_plain_gemm`'s requests, by what they depend on there
-_PLAIN_REQUESTS: dict[tuple, GemmRequest] = {}
 
 
 def _shares(out: torch.Tensor, t: torch.Tensor) -> bool:
@@ -380,9 +396,12 @@ def _plain_gemm(a, b, out, out_dtype, accumulate, bias, grad_activation, batch_i
     dt, dev = a.dtype, a.device
     if b.dtype is not dt or dt not in _FLOATS or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         return None
-    if b.device != dev or dev.type not in ("cpu", "cuda") or not (batch_invariant is None or type(batch_invariant) is bool):
+    kind = dev.type
+    if b.device != dev or kind not in ("cpu", "cuda") or not (batch_invariant is None or type(batch_invariant) is bool):
         return None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias, out)):
+    if torch.is_grad_enabled() and (
+        a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad) or (out is not None and out.requires_grad)
+    ):
         return None  # the general path refuses it
     if torch.compiler.is_compiling():
         return None  # traced: through the custom op (docs/design.md §6.7)
@@ -411,13 +430,78 @@ def _plain_gemm(a, b, out, out_dtype, accumulate, bias, grad_activation, batch_i
     ):
         return None
     bi = is_batch_invariant() if batch_invariant is None else batch_invariant
-    key = (dev.type, dt, odt, bool(accumulate), bias is not None, bi)
-    request = _PLAIN_REQUESTS.get(key)
-    if request is None:
-        request = _PLAIN_REQUESTS[key] = _request(a, b, odt, accumulate, bias, None, None, False, False, False, bi)
+    accumulate = bool(accumulate)
     if out is None:
         out = torch.empty((M, N), dtype=odt, device=dev)
-    return run(plan(request), GemmArgs(a, b, out, odt, bool(accumulate), bias, None, None, None, None, None), None, False)
+    key = (kind, dt, odt, accumulate, bias is not None, bi, *plan_context(kind))
+    runner = _RUNNERS.get(key)
+    if runner is None:
+        if len(_RUNNERS) >= _MAX_RUNNERS:
+            _RUNNERS.clear()
+        request = _request(a, b, odt, accumulate, bias, None, None, False, False, False, bi)
+        runner = _RUNNERS[key] = _runner(plan(request))
+    return runner(a, b, out, odt, accumulate, bias)
+
+
+#: :func:`_plain_gemm`'s runners, by its request's fields and :func:`plan_context` (what the plan
+#: depends on): the request, the plan and its executor looked up per call cost ~25 µs of host time
+#: on the 2-core CI box, where a decode-sized batch-invariant GEMM's kernel takes ~15 µs on an
+#: H100 (experiments/exp_bi_host_time.py; docs/benchmarks.md, "Batch-invariant mode")
+_RUNNERS: dict[tuple, object] = {}
+_MAX_RUNNERS = 4096
+
+
+def _runner(chosen: GemmPlan):
+    """The call that runs ``chosen`` for :func:`_plain_gemm`: ``run(chosen, ...)``, or for the
+    batch-invariant Triton product with at most a split bias (the mode's every forward and input
+    gradient on CUDA) the very launch ``gemm_backends/triton.py::product`` makes, without the
+    executor's steps around it; the split bias is then added as ``gemm_exec._run_one`` adds it."""
+
+    def general(a, b, out, odt, accumulate, bias):
+        return run(chosen, GemmArgs(a, b, out, odt, accumulate, bias, None, None, None, None, None), None, False)
+
+    if chosen.backend == "torch" and not chosen.split and set(chosen.fused) <= {"mm", "out_dtype"}:
+        return _torch_mm_runner(chosen, general)
+    if not (
+        chosen.backend == "triton"
+        and "batch_invariant" in chosen.fused
+        and set(chosen.split) <= {"bias"}
+        and "accumulate" not in chosen.fused
+    ):
+        return general
+    from truefuse.ops.gemm_backends.triton import bi_launch
+
+    def triton_bi(a, b, out, odt, accumulate, bias):
+        if accumulate or a.dtype is not chosen.compute_dtype or a.shape[0] == 0 or b.shape[1] == 0:
+            return general(a, b, out, odt, accumulate, bias)
+        bi_launch(a, b, out)
+        if bias is not None:
+            if "bias" in chosen.split:
+                out.add_(bias.to(out.dtype))
+            else:  # pragma: no cover - the runner is made only for plans that split the bias
+                return general(a, b, out, odt, accumulate, bias)
+        return out
+
+    return triton_bi
+
+
+def _torch_mm_runner(chosen: GemmPlan, general):
+    """The runner of a bare product on the ``torch`` backend (the weight gradient in every mode,
+    fast mode's GEMMs): the backend's product in its scope, as ``gemm_exec.run`` calls it for such a
+    plan, without the executor's steps between."""
+    from truefuse.ops.gemm_backends import get_backend
+
+    backend = get_backend("torch")
+    product, scope, fused = backend.product, backend.scope, chosen.fused
+
+    def torch_mm(a, b, out, odt, accumulate, bias):
+        if accumulate or bias is not None or a.dtype is not chosen.compute_dtype:
+            return general(a, b, out, odt, accumulate, bias)
+        with scope(a.device):
+            product(GemmArgs(a, b, out, odt, False, None, None, None, None, None, None), a, b, fused, out, False)
+        return out
+
+    return torch_mm
 
 
 def gemm_groups(a: torch.Tensor, b: torch.Tensor, *, m_splits, per_group: bool, **kwargs) -> torch.Tensor | GemmOutput:

@@ -231,6 +231,13 @@ _PLANS: dict[tuple, GemmPlan] = {}
 _MAX_PLANS = 4096  # distinct requests are few (dtypes x flags x devices); overrides add some in tests
 
 
+def plan_context(device: str) -> tuple:
+    """Everything a plan depends on beside its request: the overrides in force, the configuration
+    and which backends are available on ``device`` (the key of :data:`_PLANS`, and of the plain
+    call's runners in ``ops/gemm.py``)."""
+    return (_OVERRIDES.get(), get_config(), tuple([b.available(device) for b in BACKENDS.values()]))
+
+
 def plan(request: GemmRequest) -> GemmPlan:
     """Choose the plan for ``request``: the first backend in preference order that runs the product.
 
@@ -238,8 +245,7 @@ def plan(request: GemmRequest) -> GemmPlan:
     upcast to ``out_dtype`` first (the same products, fp32 accumulation) and ``out_dtype`` is split.
     The same inputs give the same plan, so plans are kept (:data:`_PLANS`).
     """
-    dev = request.device
-    key = (request, _OVERRIDES.get(), get_config(), tuple(b.available(dev) for b in BACKENDS.values()))
+    key = (request, *plan_context(request.device))
     chosen = _PLANS.get(key)
     if chosen is None:
         if len(_PLANS) >= _MAX_PLANS:

@@ -8,7 +8,8 @@ While the model's forward runs (a forward pre-hook and an always-called forward 
   backward;
 * ``F.linear`` runs on ``truefuse``'s Linear Function, whose GEMMs are the planner's
   batch-invariant GEMM (forward and input gradient; the weight gradient on the plain plan, the same
-  bits run to run). Routed by a ``TorchFunctionMode``, not by changing any module's class: the
+  bits run to run). Routed by swapping ``torch.nn.functional.linear`` for the forward
+  (:class:`BatchInvariantLinear`), not by changing any module's class: the
   q/k/v/o/gate/up/down ``nn.Linear`` stay ``nn.Linear``, and a LoRA/PEFT wrapper on top (which
   calls its base layer and its adapters' ``F.linear``) runs batch-invariant as a whole;
 * the mixture-of-experts routers (:data:`ROUTER_CLASSES`) compute their logits in fp32 and break
@@ -20,10 +21,10 @@ Attention stays the model's ``attn_implementation`` (its batch invariance is iss
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.linear import linear as _truefuse_linear
@@ -51,28 +52,70 @@ def _routable(x, weight, bias) -> bool:
     )
 
 
-class BatchInvariantLinear(TorchFunctionMode):
-    """Routes ``F.linear(x, weight, bias)`` to truefuse's Linear (its GEMMs batch-invariant under
-    the switch); every other function runs as called. Counts what it routed and what it left."""
+#: ``torch.nn.functional.linear`` as torch defines it (a C function): what a call that is not
+#: routed runs, and what :func:`_uninstall` puts back
+_STOCK_LINEAR = F.linear
+_LOCAL = threading.local()  # .routers: the routers entered on this thread, innermost last
+_LOCK = threading.Lock()
+_ENTERED = [0]  # routers entered on every thread: F.linear is patched while it is > 0
+
+
+def _routed_linear(input, weight, bias=None):
+    """``torch.nn.functional.linear`` while a :class:`BatchInvariantLinear` is entered: on a thread
+    that entered one, a routable call runs truefuse's Linear and truefuse's own calls inside it run
+    stock (a None on the stack); every other call, and every call on another thread, runs stock."""
+    routers = getattr(_LOCAL, "routers", None)
+    if routers:
+        router = routers[-1]
+        if router is not None:
+            if _routable(input, weight, bias):
+                router.routed += 1
+                routers.append(None)
+                try:
+                    return _truefuse_linear(input, weight, bias, state=_PLAIN)
+                finally:
+                    routers.pop()
+            router.left += 1
+    return _STOCK_LINEAR(input, weight, bias)
+
+
+class BatchInvariantLinear:
+    """Routes ``F.linear(x, weight, bias)`` on the entering thread to truefuse's Linear (its GEMMs
+    batch-invariant under the switch); every other function runs as called. Counts what it routed
+    and what it left.
+
+    While one is entered anywhere, ``torch.nn.functional.linear`` is :func:`_routed_linear`, which
+    nn.Linear, LoRA adapters and the experts call through the module attribute; the last exit puts
+    torch's function back. It was a ``TorchFunctionMode``, which put every torch call of the
+    forward through Python: 274 calls a decoder layer per decode step of a tiny Llama (most of them
+    ``.shape``/``.dtype`` reads), ~3.5 µs each on the 2-core CI box (experiments/exp_bi_host_time.py,
+    docs/benchmarks.md "Batch-invariant mode"). Unlike the mode, ``torch._C._nn.linear`` called
+    directly is not routed, and a tensor subclass comparing ``func`` with the module attribute at
+    call time sees the wrapper."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.routed = 0
         self.left = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight, bias = _linear_args(*args, **kwargs)
-            if _routable(x, weight, bias):
-                self.routed += 1
-                return _truefuse_linear(x, weight, bias, state=_PLAIN)
-            self.left += 1
-        return func(*args, **kwargs)
+    def __enter__(self) -> BatchInvariantLinear:
+        routers = getattr(_LOCAL, "routers", None)
+        if routers is None:
+            routers = _LOCAL.routers = []
+        with _LOCK:
+            if _ENTERED[0] == 0:
+                F.linear = _routed_linear
+            _ENTERED[0] += 1
+        routers.append(self)
+        return self
 
-
-def _linear_args(input, weight, bias=None):
-    return input, weight, bias
+    def __exit__(self, *exc) -> None:
+        routers = _LOCAL.routers
+        # the innermost entry of this router (exits may come out of order through the model hooks)
+        del routers[len(routers) - 1 - routers[::-1].index(self)]
+        with _LOCK:
+            _ENTERED[0] -= 1
+            if _ENTERED[0] == 0 and F.linear is _routed_linear:
+                F.linear = _STOCK_LINEAR
 
 
 @contextlib.contextmanager

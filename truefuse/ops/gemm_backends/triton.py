@@ -159,6 +159,41 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
         gb.copy_(gb_target)
 
 
+def bi_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> None:
+    """:func:`product`'s batch-invariant launch for a bare product (no derivative prologue, no
+    bias-gradient, not accumulated; M and N not 0), with the same arguments: the plain call's
+    runner (``ops/gemm.py::_runner``) launches it without the plan's executor around it."""
+    from truefuse.kernels.gemm import _gemm_kernel
+
+    M, K = a.shape
+    N = b.shape[1]
+    sa, sb, st = a.stride(), b.stride(), target.stride()
+    meta = _bi_meta(a.dtype, M, "nt" if sb[0] == 1 and sb[1] != 1 else "nn")  # gemm_bi_config.layout
+    _gemm_kernel[(-(-M // meta["BLOCK_M"]) * -(-N // meta["BLOCK_N"]),)](
+        a,
+        b,
+        target,
+        a,
+        target,
+        M,
+        N,
+        K,
+        sa[0],
+        sa[1],
+        sb[0],
+        sb[1],
+        st[0],
+        st[1],
+        sa[0],
+        sa[1],
+        ACCUMULATE=False,
+        GRAD_ACT=0,
+        GRAD_BIAS=False,
+        IEEE=a.dtype == torch.float32,
+        **meta,
+    )
+
+
 BACKEND = GemmBackend(name="triton", capabilities=CAPABILITIES, available=available, product=product)
 
 
