@@ -98,7 +98,8 @@ def test_opcheck_lce_chunk(want_grad, device):
     ce, zl = torch.empty(C, device=device), torch.empty(C, device=device)
     ok = torch.empty(C, dtype=torch.bool, device=device)
     s = torch.tensor(0.25, device=device)
-    torch.library.opcheck(lce_chunk_op, (logits, t, None, ce, zl, ok, s, s, None, V, -100, float(V), 0.1, 1e-4, None, want_grad))
+    args = (logits, t, None, ce, zl, ok, s, s, None, V, -100, float(V), 0.1, 1e-4, None, want_grad, None)  # pred: no default
+    torch.library.opcheck(lce_chunk_op, args)
 
 
 @pytest.mark.parametrize("want_grad", [True, False])

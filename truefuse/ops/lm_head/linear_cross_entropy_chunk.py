@@ -233,7 +233,8 @@ def lce_chunk_op(
     z_loss: float,
     softcap: float | None,
     want_grad: bool,
-    pred: torch.Tensor | None = None,
+    pred: torch.Tensor | None,  # no default: torch 2.11's dispatcher drops a trailing argument equal to its
+    # default before the mutation bookkeeping indexes it (IndexError under torch.compile, H100)
 ) -> None:
     """The kernel launch of :func:`chunk_kernel` as a custom op (docs/design.md §6.7): writes
     ``ce``, ``zl``, ``ok``, ``pred`` (when given) and, when ``want_grad``, the d_logits over ``logits``."""
@@ -273,5 +274,5 @@ def lce_chunk_op(
 
 
 @lce_chunk_op.register_fake
-def _(logits, t, cw, ce, zl, ok, s_ce, s_z, bias, V, ignore_index, w_sum, label_smoothing, z_loss, softcap, want_grad, pred=None):
+def _(logits, t, cw, ce, zl, ok, s_ce, s_z, bias, V, ignore_index, w_sum, label_smoothing, z_loss, softcap, want_grad, pred):
     return None
