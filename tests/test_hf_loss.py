@@ -582,7 +582,8 @@ def test_bad_labels_from_the_check_ahead_of_the_decoder(monkeypatch):
     real = ops_lce.check_targets
 
     def spy(t, *a, **k):
-        started.append(tuple(t.shape))
+        if not ops_lce._CHECKED_BY_CALLER.get():  # a check that runs (the loss's own returns at once under it)
+            started.append(tuple(t.shape))
         return real(t, *a, **k)
 
     monkeypatch.setattr(ops_lce, "check_targets", spy)

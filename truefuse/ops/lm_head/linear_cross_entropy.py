@@ -193,7 +193,8 @@ def check_targets(target: torch.Tensor, V: int, ignore_index: int, valid: torch.
     stream. A full sync there left the GPU idle 0.25 / 0.44 ms a step at 8192 × 32000 / 128256 ×
     4096 (H200). Call it before anything indexes with the targets (the Triton loss kernel reads
     a bad one as column 0, so it may run first)."""
-    if _CHECKED_BY_CALLER.get():  # the caller's earlier check covers these targets: no kernels, no wait
+    if not torch.compiler.is_compiling() and _CHECKED_BY_CALLER.get():  # the caller's earlier check
+        # covers these targets: no kernels, no wait (dynamo cannot trace ContextVar.get: torch 2.11)
         return _nothing
     if valid is None:  # ``target != ignore_index``, when the caller has it already
         valid = target != ignore_index
