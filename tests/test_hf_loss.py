@@ -568,11 +568,20 @@ def test_forward_keeps_no_targets_alive(monkeypatch):
     assert refs and all(r() is None for r in refs)
 
 
-def test_bad_labels_from_the_check_ahead_of_the_decoder(monkeypatch):
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_bad_labels_from_the_check_ahead_of_the_decoder(monkeypatch, path):
     """On CUDA the labels' range check starts before the decoder and is waited for after the loss,
     which then skips its own wait (``targets_checked``: the host keeps its lead over the GPU). Played
-    on the CPU: the check ahead must be what raises, the loss's own check being skipped."""
+    on the CPU: the check ahead must be what raises, the loss's own check being skipped, on the
+    kernel path and on the torch path (which indexed the bad label before the check could raise)."""
+    import dataclasses
+
+    import truefuse.ops._triton as tr
     import truefuse.ops.lm_head.linear_cross_entropy as ops_lce
+
+    if path == "torch":  # the interpreter off: the loss's chunks run their PyTorch math
+        real_config = tr.get_config
+        monkeypatch.setattr(tr, "get_config", lambda: dataclasses.replace(real_config(), triton_interpret=False))
 
     _, patched = _models("llama")
     ids, _, labels = _batch()
@@ -593,6 +602,10 @@ def test_bad_labels_from_the_check_ahead_of_the_decoder(monkeypatch):
     labels[0, 7] = V + 3
     with pytest.raises(ValueError, match=rf"labels holds {V + 3}, outside \[0, vocab_size={V}\)"):
         patched(input_ids=ids, labels=labels)
-    # the check ahead is the only one: without it the bad label goes through (read as class 0)
+    # the check ahead is the only one: without it no range error of truefuse's (the kernel path, under
+    # the CPU interpreter here, reads the bad label as class 0; the torch path fails its own indexing)
     monkeypatch.setattr(ops_lce, "check_targets", lambda *a, **k: lambda: None)
-    patched(input_ids=ids, labels=labels)
+    try:
+        patched(input_ids=ids, labels=labels)
+    except RuntimeError as err:
+        assert "vocab_size" not in str(err), err

@@ -126,7 +126,9 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s
     mx = torch.where(finite, z.amax(-1), 0.0)
     y = z - mx[:, None]
     log_s = torch.where(finite, torch.log(torch.exp(y).sum(-1)), torch.nan)
-    t_safe = torch.where(valid, t, 0)
+    # a target outside [0, V) reads class 0, as the kernel does: memory-safe where the caller's range
+    # check is finished later (a patched HF model's, started before its decoder: targets_checked)
+    t_safe = torch.where(valid & (t >= 0) & (t < V), t, 0)
     y_t = y.gather(1, t_safe[:, None]).squeeze(1)
     w_t = cw[t_safe] if cw is not None else torch.ones_like(lse)
     eps = float(label_smoothing)
