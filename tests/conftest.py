@@ -11,6 +11,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from _interpreter_speedup import install as _install_interpreter_speedup  # noqa: E402
+
+# the interpreter without its repeated language patching (tests/_interpreter_speedup.py)
+_install_interpreter_speedup()
+
 import pytest  # noqa: E402
 
 from truefuse.config import get_config  # noqa: E402
