@@ -11,6 +11,22 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The CPU suite (a GPU machine keeps its threads for the float64 references): one thread a
+# process. pytest -n auto runs a worker per core, and the gloo tests several ranks on the 2 CI
+# cores; with torch's default of a thread per core as well, MKL/OpenMP threads waiting for each
+# other took ~20 ms a tiny GEMM instead of microseconds (tests/test_batch_invariant.py's fixture;
+# a tiny Qwen3-MoE's 20 training steps 15 s -> 0.3 s of CPU time). OMP_NUM_THREADS for the
+# processes the tests spawn (ranks, the CLI), which read it at start. Every comparison of bits is
+# within one process or between processes that have the same setting.
+if not torch.cuda.is_available():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
+from _interpreter_speedup import install as _install_interpreter_speedup  # noqa: E402
+
+# the interpreter without its repeated language patching (tests/_interpreter_speedup.py)
+_install_interpreter_speedup()
+
 import pytest  # noqa: E402
 
 from truefuse.config import get_config  # noqa: E402

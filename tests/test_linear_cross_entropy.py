@@ -135,7 +135,8 @@ def test_padded_rows_and_split_vocabulary_agree_with_one_gemm(device, monkeypatc
     import truefuse.ops.lm_head.chunked_head as head_mod
     import truefuse.ops.lm_head.chunked_head_gemms as gemms_mod
 
-    x, W, t, b = make_inputs(torch.float32, device, bias=True)
+    # 21 tokens: chunk_size=16 still runs a whole chunk and a tail (the interpreter: one program per token)
+    x, W, t, b = make_inputs(torch.float32, device, N=21, bias=True)
     if not triton_runs(x):
         pytest.skip("the logits are padded for the Triton kernel only")
     splits = []
@@ -215,7 +216,7 @@ def test_module_matches_function(device):
 
 def test_weight_grad_accumulated_in_the_weight_dtype(device):
     """fp32_weight_grad=False: one rounding per chunk; with a single chunk it is the same GEMM."""
-    x, W, t, _ = make_inputs(torch.float32, device)
+    x, W, t, _ = make_inputs(torch.float32, device, N=21)  # chunk_size=16: a whole chunk and a tail
     grads = []
     for fp32, chunk in ((True, 1000), (False, 1000), (False, 16)):
         Wl = W.clone().requires_grad_()

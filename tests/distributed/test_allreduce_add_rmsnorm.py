@@ -4,9 +4,9 @@ docs/design.md §4 (printed), and bad input as the same clear error on every ran
 import pytest
 import torch
 import torch.distributed as dist
+from _interpreter_speedup import run_local
 
 from truefuse.distributed import Workspace, allreduce, allreduce_add_rmsnorm
-from truefuse.distributed.launch import run_local
 from truefuse.verify.distributed_table import format_table, table
 
 #: the tables' row counts on the CPU, where only the reference path runs (the kernels' paths are

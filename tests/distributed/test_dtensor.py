@@ -24,8 +24,7 @@ import dataclasses
 import re
 
 import torch
-
-from truefuse.distributed.launch import run_local
+from _interpreter_speedup import run_local
 
 
 def _op_cases(mesh=None) -> dict:

@@ -28,8 +28,7 @@ import warnings
 
 import pytest
 import torch
-
-from truefuse.distributed.launch import run_local
+from _interpreter_speedup import run_local
 
 # find_spec, not importorskip: only the ranks need transformers (its import is 3 s of this test's CPU)
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")

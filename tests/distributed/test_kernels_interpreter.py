@@ -33,6 +33,9 @@ def _rank(r, W, cases, queue):
     costs ~2.7 s of the CI's 2 cores, the calls ~1-2 s); each case's buffers and pads are its own."""
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported in this process
     import triton
+    from _interpreter_speedup import install
+
+    install()  # conftest's interpreter speed-up, in this spawned process
 
     from truefuse.kernels.allreduce import _allreduce_add_rmsnorm_kernel
     from truefuse.ops.norm_config import block_and_warps

@@ -18,8 +18,8 @@ import threading
 
 import torch
 import torch.distributed as dist
+from _interpreter_speedup import run_local
 
-from truefuse.distributed.launch import run_local
 from truefuse.testing import error_on_every_rank
 
 

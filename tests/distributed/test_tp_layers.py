@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _interpreter_speedup import run_local
 
 from truefuse.distributed import shard_columns, shard_rows, unshard_columns, unshard_rows
-from truefuse.distributed.launch import run_local
 from truefuse.testing import error_on_every_rank
 
 

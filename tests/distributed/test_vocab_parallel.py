@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _interpreter_speedup import run_local
 
-from truefuse.distributed.launch import run_local
 from truefuse.testing import error_on_every_rank
 
 

@@ -12,7 +12,7 @@ from truefuse.autograd._wgrad import WgradState, run_pending
 from truefuse.autograd.linear_log_probs import linear_log_probs
 from truefuse.ops.lm_head.linear_log_probs import linear_log_probs_plain, linear_log_probs_ref
 from truefuse.testing import bitwise_report, bounded_report
-from truefuse.verify.cases_linear_cross_entropy import make_inputs
+from truefuse.verify.cases_linear_cross_entropy import chunked_tokens, make_inputs
 from truefuse.verify.registry import register
 
 
@@ -74,7 +74,7 @@ def _fused_main_grad(dtype):
     """d_weight added into an fp32 main_grad (starting at 0) against the float64 reference."""
 
     def case(device):
-        x, W, t, _ = make_inputs(dtype, device)
+        x, W, t, _ = make_inputs(dtype, device, N=chunked_tokens(device))
         up = _upstream(t)
         reports = {}
         for chunk in (None, 16):
@@ -97,7 +97,7 @@ def _delayed_vs_immediate(dtype):
     """A delayed weight gradient (run by ``backward_dw()``) gives the immediate bits."""
 
     def case(device):
-        x, W, t, _ = make_inputs(dtype, device)
+        x, W, t, _ = make_inputs(dtype, device, N=chunked_tokens(device))
         up = _upstream(t)
         reports = {}
         for fused in (False, True):
