@@ -29,6 +29,8 @@ def install() -> None:
         return
     if getattr(interp, "_truefuse_fast_patch", False):
         return
+    if not (callable(getattr(interp, "_patch_lang", None)) and hasattr(interp, "GridExecutor")):
+        return  # another Triton's interpreter: run it as it is (slower, the same results)
     original_patch = interp._patch_lang
     original_call = interp.GridExecutor.__call__
     launches: list[list] = []  # per running launch: [the langs it patched, whether it has patched yet]
