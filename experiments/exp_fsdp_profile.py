@@ -93,40 +93,35 @@ def _build(shape, policy, run, head_unit, dev, no_fsdp=False):
     return model
 
 
+def _kernel_spans(prof) -> list[tuple[float, float]]:
+    """The profiled window's GPU kernel intervals, merged where they overlap, in time order (µs)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0
+    )
+    merged: list[list[float]] = []
+    for s, t in spans:
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], t)
+        else:
+            merged.append([s, t])
+    return [(s, t) for s, t in merged]
+
+
 def _busy_fraction(prof, wall_ms: float) -> float:
     """Union of GPU kernel intervals over the profiled window / its wall time."""
-    spans = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
-            spans.append((e.time_range.start, e.time_range.end))
-    spans.sort()
-    busy, end = 0.0, -1.0
-    for s, t in spans:
-        if s > end:
-            busy += t - s
-            end = t
-        elif t > end:
-            busy += t - end
-            end = t
+    busy = sum(t - s for s, t in _kernel_spans(prof))
     return busy / 1000.0 / wall_ms if wall_ms else 0.0
 
 
 def _idle_attribution(prof, min_gap_us: float = 50.0, top: int = 14) -> dict:
     """Where the host was while the GPU sat idle: the GPU's idle gaps (between kernel intervals,
-    longer than ``min_gap_us``) and, per CPU op name at depth 0 and 1 of the host's op tree, the time
-    its interval overlaps those gaps (ms). A host-bound step shows here which work the GPU waited for."""
-    spans, cpu = [], []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
-            spans.append((e.time_range.start, e.time_range.end))
-        elif e.device_type == torch.autograd.DeviceType.CPU:
-            cpu.append(e)
-    spans.sort()
-    gaps, end = [], None
-    for s, t in spans:
-        if end is not None and s - end > min_gap_us:
-            gaps.append((end, s))
-        end = t if end is None else max(end, t)
+    longer than ``min_gap_us``) and, per CPU op name at depth 0, 1 and 2 of the host's op tree, the
+    time its interval overlaps those gaps (ms). A host-bound step shows here which work the GPU waited for."""
+    spans = _kernel_spans(prof)
+    gaps = [(a[1], b[0]) for a, b in zip(spans, spans[1:], strict=False) if b[0] - a[1] > min_gap_us]
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     out = {"gaps": len(gaps), "idle_ms": sum(b - a for a, b in gaps) / 1e3}
     starts = [g[0] for g in gaps]
 
@@ -136,19 +131,20 @@ def _idle_attribution(prof, min_gap_us: float = 50.0, top: int = 14) -> dict:
             d, p = d + 1, p.cpu_parent
         return d
 
-    for level in (0, 1, 2):
-        acc = collections.Counter()
-        for e in cpu:
-            if depth(e) != level:
-                continue
-            a, b = e.time_range.start, e.time_range.end
-            i = max(0, bisect.bisect_right(starts, a) - 1)
-            ov = 0.0
-            while i < len(gaps) and gaps[i][0] < b:
-                ov += max(0.0, min(b, gaps[i][1]) - max(a, gaps[i][0]))
-                i += 1
-            acc[e.name] += ov / 1e3
-        out[f"depth{level}"] = [(k, round(v, 2)) for k, v in acc.most_common(top) if v > 0]
+    acc = {level: collections.Counter() for level in (0, 1, 2)}
+    for e in cpu:
+        level = depth(e)
+        if level not in acc:
+            continue
+        a, b = e.time_range.start, e.time_range.end
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        ov = 0.0
+        while i < len(gaps) and gaps[i][0] < b:
+            ov += max(0.0, min(b, gaps[i][1]) - max(a, gaps[i][0]))
+            i += 1
+        acc[level][e.name] += ov / 1e3
+    for level, counts in acc.items():
+        out[f"depth{level}"] = [(k, round(v, 2)) for k, v in counts.most_common(top) if v > 0]
     return out
 
 

@@ -95,11 +95,9 @@ def autocast_disabled(method):
 
     @functools.wraps(method)
     def wrapper(ctx, *args, **kwargs):
-        first = args[0] if args else None  # a tensor in every Function today: no scan (host time)
-        if isinstance(first, torch.Tensor):
-            device_type = first.device.type
-        else:
-            device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+        # the first argument is a tensor in every Function today: read without a scan (host time)
+        tensors = args[:1] if args and isinstance(args[0], torch.Tensor) else args
+        device_type = next((a.device.type for a in tensors if isinstance(a, torch.Tensor)), None)
         with _disabled(device_type):
             return method(ctx, *args, **kwargs)
 

@@ -466,7 +466,7 @@ def _runner(chosen: GemmPlan):
         chosen.backend == "triton"
         and "batch_invariant" in chosen.fused
         and set(chosen.split) <= {"bias"}
-        and "accumulate" not in chosen.fused
+        and not {"accumulate", "bias"} & set(chosen.fused)
     ):
         return general
     from truefuse.ops.gemm_backends.triton import bi_launch
@@ -475,11 +475,8 @@ def _runner(chosen: GemmPlan):
         if accumulate or a.dtype is not chosen.compute_dtype or a.shape[0] == 0 or b.shape[1] == 0:
             return general(a, b, out, odt, accumulate, bias)
         bi_launch(a, b, out)
-        if bias is not None:
-            if "bias" in chosen.split:
-                out.add_(bias.to(out.dtype))
-            else:  # pragma: no cover - the runner is made only for plans that split the bias
-                return general(a, b, out, odt, accumulate, bias)
+        if bias is not None:  # split (the plan fuses none): added as gemm_exec._run_one adds it
+            out.add_(bias.to(out.dtype))
         return out
 
     return triton_bi

@@ -122,7 +122,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dq, dk):
     cos, sin = ctx.saved_tensors
-    dq, dk = (g if want and g is not None else None for g, want in zip((dq, dk), ctx.wants, strict=True))
+    dq, dk = (g if want else None for g, want in zip((dq, dk), ctx.wants, strict=True))
     grads = iter(bwd_call(ctx, rope_bwd_op, dq, dk, cos, sin, *ctx.dtypes))
     return (None if dq is None else next(grads)), (None if dk is None else next(grads)), None, None
 

@@ -111,7 +111,7 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
 
     from truefuse.kernels.activation import ACT_CODES
 
-    M, K = a.shape
+    M = a.shape[0]
     N = b.shape[1]
     grad_act = args.grad_activation if "grad_activation" in fused else None
     pre = args.pre_activation if grad_act else a
@@ -128,67 +128,43 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
         from truefuse.kernels.gemm import _gemm_kernel
 
         meta = _bi_meta(a.dtype, M, layout(b))
-        kernel, grid = _gemm_kernel, (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        kernel, grid = _gemm_kernel, _bi_grid(M, N, meta)
     else:
         kernel, meta = _kernel(a.dtype), {}
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    kernel[grid](
-        a,
-        b,
-        target,
-        pre,
-        gb_target if gb is not None else target,
-        M,
-        N,
-        K,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        target.stride(0),
-        target.stride(1),
-        pre.stride(0),
-        pre.stride(1),
-        ACCUMULATE=beta1,
-        GRAD_ACT=ACT_CODES[grad_act],
-        GRAD_BIAS=gb is not None,
-        IEEE=a.dtype == torch.float32,
-        **meta,
-    )
+    out2 = gb_target if gb is not None else target
+    _launch(kernel, grid, a, b, target, pre, out2, beta1, ACT_CODES[grad_act], gb is not None, meta)
     if gb_target is not gb:
         gb.copy_(gb_target)
 
 
 def bi_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> None:
     """:func:`product`'s batch-invariant launch for a bare product (no derivative prologue, no
-    bias-gradient, not accumulated; M and N not 0), with the same arguments: the plain call's
-    runner (``ops/gemm.py::_runner``) launches it without the plan's executor around it."""
+    bias-gradient, not accumulated; M and N not 0): the plain call's runner
+    (``ops/gemm.py::_runner``) launches it without the plan's executor around it."""
+    from truefuse.kernels.activation import ACT_CODES
     from truefuse.kernels.gemm import _gemm_kernel
 
+    M, N = a.shape[0], b.shape[1]
+    meta = _bi_meta(a.dtype, M, layout(b))
+    _launch(_gemm_kernel, _bi_grid(M, N, meta), a, b, target, a, target, False, ACT_CODES[None], False, meta)
+
+
+def _bi_grid(M: int, N: int, meta: dict) -> tuple[int]:
+    return (-(-M // meta["BLOCK_M"]) * -(-N // meta["BLOCK_N"]),)
+
+
+def _launch(kernel, grid, a, b, target, pre, out2, accumulate: bool, grad_act: int, grad_bias: bool, meta: dict) -> None:
+    """The GEMM kernel on (M, K) ``a`` and (K, N) ``b`` into ``target``; ``pre`` the derivative
+    prologue's pre-activation (``a`` where none), ``out2`` the bias gradient's output (``target``
+    where none)."""
     M, K = a.shape
-    N = b.shape[1]
-    sa, sb, st = a.stride(), b.stride(), target.stride()
-    meta = _bi_meta(a.dtype, M, "nt" if sb[0] == 1 and sb[1] != 1 else "nn")  # gemm_bi_config.layout
-    _gemm_kernel[(-(-M // meta["BLOCK_M"]) * -(-N // meta["BLOCK_N"]),)](
-        a,
-        b,
-        target,
-        a,
-        target,
-        M,
-        N,
-        K,
-        sa[0],
-        sa[1],
-        sb[0],
-        sb[1],
-        st[0],
-        st[1],
-        sa[0],
-        sa[1],
-        ACCUMULATE=False,
-        GRAD_ACT=0,
-        GRAD_BIAS=False,
+    args = (a, b, target, pre, out2, M, b.shape[1], K, *a.stride(), *b.stride(), *target.stride(), *pre.stride())
+    kernel[grid](
+        *args,
+        ACCUMULATE=accumulate,
+        GRAD_ACT=grad_act,
+        GRAD_BIAS=grad_bias,
         IEEE=a.dtype == torch.float32,
         **meta,
     )
