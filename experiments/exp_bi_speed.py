@@ -179,8 +179,8 @@ def run_config(name: str, c: dict, args, prof_lines: list[str]) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        train_s = _timed(step, args.warmup, args.iters)
-        if args.profile and vname != "stock":
+        train_s = _timed(step, args.warmup, args.iters) if args.train else float("nan")
+        if args.profile and args.train and vname != "stock":
             text, profiles[f"train {vname}"] = _profile(step, f"{name}: one training step, {vname}")
             prof_lines.append(text)
         del opt
@@ -198,6 +198,8 @@ def run_config(name: str, c: dict, args, prof_lines: list[str]) -> dict:
                     lambda: gen(new=8), f"{name}: generate 8 tokens, batch {c['batch']}, {vname}"
                 )
                 prof_lines.append(text)
+            if args.cprofile:
+                prof_lines.append(_cprofile(lambda: gen(new=8), f"{name}: generate 8 tokens, batch {c['batch']}, {vname}"))
         rows[vname] = {"train_tok_s": tokens / train_s, "gen_tok_s": c["batch"] * new / gen_s}
         del m
         gc.collect()
@@ -215,11 +217,32 @@ def run_config(name: str, c: dict, args, prof_lines: list[str]) -> dict:
     return out
 
 
+def _cprofile(fn, title: str, rows: int = 28) -> str:
+    """cProfile's top functions by own time over one call of ``fn`` (after a warm call): where a
+    host-bound ``generate`` spends its host time, by Python function."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize() if DEVICE == "cuda" else None
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(pr, stream=buf).sort_stats("cumtime").print_stats(rows)
+    return f"==== cProfile {title}\n" + buf.getvalue()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
     p.add_argument("--configs", default="small", help=f"comma-separated, of {sorted(CONFIGS)}")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--cprofile", action="store_true", help="Python's profile of one generate per run (host time by function)")
+    p.add_argument("--no-train", dest="train", action="store_false", help="generate only")
     p.add_argument("--tag", default="run")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)

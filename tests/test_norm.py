@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 import truefuse
-from truefuse.config import get_tuning
+from truefuse.config import get_tuning, tuning
 from truefuse.kernels.norm import _widen
 from truefuse.ops._triton import hopper
 from truefuse.ops.norm import bwd_staged, layer_norm_ref, ln_fwd_staged, norm_fwd, rms_norm_ref, rms_norm_torch, use_kernel
@@ -394,3 +394,31 @@ def test_backward_without_upstream_gradient(device):
     assert all(g is None for g in y.grad_fn.apply(None, None, None))
     dx = y.grad_fn.apply(torch.ones_like(y), None, None)[0]
     assert dx is not None and dx.shape == x.shape
+
+
+def test_rms_norm_hf_small_call_without_grad_runs_stock(device, monkeypatch):
+    """A decode-sized ``rms_norm_hf`` with nothing to differentiate runs the stock expression (the
+    same bits as the kernel: the contract's bitwise forward), not two launches; with a gradient
+    to take, above the knob, or in batch-invariant mode (its statistics are the kernel's) it
+    launches. The launches are counted through the op the kernel path calls."""
+    import truefuse.autograd.norm as autograd_norm
+
+    x = torch.randn(4, 64, device=device)
+    w = torch.rand(64, device=device) + 0.5
+    if not use_kernel(x):
+        pytest.skip("the reference runs here (no kernel to skip)")
+    calls = []
+    real_call = autograd_norm.call
+    monkeypatch.setattr(autograd_norm, "call", lambda *a: calls.append(a[0]) or real_call(*a))
+    with torch.no_grad():
+        stock_path = truefuse.rms_norm_hf(x, w)
+    assert calls == []
+    with tuning(hf_norm_stock_numel=x.numel() - 1), torch.no_grad():
+        kernel_path = truefuse.rms_norm_hf(x, w)
+    assert len(calls) == 1
+    assert_bitwise(stock_path, kernel_path, "stock expression vs kernel")
+    truefuse.rms_norm_hf(x.requires_grad_(), w)
+    assert len(calls) == 2
+    with truefuse.batch_invariant(), torch.no_grad():
+        truefuse.rms_norm_hf(x, w)
+    assert len(calls) == 3

@@ -164,6 +164,13 @@ class Tuning:
         "allreduce: most programs per launch; a Workspace's signal pad holds 2 regions of maxp x "
         "world_size flags, sized when it is made (a call with a larger maxp than its workspace's raises)",
     )
+    hf_norm_stock_numel: int = _knob(
+        1 << 18,
+        "rms_norm_hf with nothing to differentiate runs the stock expression itself (its own bits, so "
+        "the same) up to this many elements outside batch-invariant mode: a decode step's norm costs "
+        "68 us of host as stock's six ops, 173 us as statistics + kernel (H100 host, 4 x 2048 bf16; "
+        "experiments/exp_launch_host.py, docs/benchmarks.md)",
+    )
     max_kernel_n: int = _knob(
         16384,
         "largest hidden size the norm kernels take (a row lives in registers; wider rows use the "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._eager_op import call
+from truefuse.config import get_tuning, is_batch_invariant
 from truefuse.ops._dtensor import on_local_rows
 from truefuse.ops.norm import (
     HF_NORM_STYLES,
@@ -114,6 +115,15 @@ def layer_norm(
     return _run(x, weight, bias, eps, False, zero_centered_gamma)
 
 
+def _stock_cheaper(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``rms_norm_hf`` runs the stock expression itself: nothing to differentiate, a
+    decode-sized ``x`` (the ``hf_norm_stock_numel`` knob), outside batch-invariant mode (whose
+    statistics are the kernel's). The stock bits either way; fewer host µs here than two launches."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return x.numel() <= get_tuning().hf_norm_stock_numel and not is_batch_invariant()
+
+
 def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, style: str = "llama") -> torch.Tensor:
     """A transformers RMSNorm's forward, bit for bit, with truefuse's fused backward.
 
@@ -141,7 +151,7 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         raise ValueError(f"style must be one of {HF_NORM_STYLES}, got {style!r}")
     if weight is None:
         raise ValueError("weight must be a tensor: the stock modules always scale")
-    if not use_kernel(x):
+    if not use_kernel(x) or _stock_cheaper(x, weight):
         return rms_norm_hf_ref(x, weight, eps, style=style)
     with torch.no_grad():  # the op's backward differentiates through the statistics itself
         rstd = hf_statistics(x, eps).reshape(-1)
