@@ -5,9 +5,10 @@ launches inside them: ``JITFunction.run`` against a launch through the compiled 
 Decode-sized bf16 inputs (4 sequences, hidden 2048, 16/8 heads of 64), so that the GPU is never the
 bottleneck: each row is the host time of one call (µs, the best of 5 rounds of ``--calls`` calls,
 no synchronisation inside a round). For each truefuse op the Triton launches it makes are recorded
-and replayed three ways: ``jit.run`` (Triton's own path), ``handle`` (the compiled kernel's ``run``
-with the bound arguments precomputed: the floor of any launch), and ``handle+key`` (the same with
-a specialisation key computed in Python each call, what a launcher cache would pay).
+and replayed four ways: ``jit.run`` (Triton's own path), ``handle`` (the compiled kernel's ``run``
+with the bound arguments precomputed: the floor of any launch), ``handle+key`` (the same with
+Triton's specialisation flags computed in Python each call), and ``launch()`` (truefuse's
+``ops/_launch.py``, which the ops now call: the op rows include it).
 
 Run on a GPU: ``python experiments/exp_launch_host.py [--calls 2000] [--profile]``.
 """
@@ -31,6 +32,7 @@ def main() -> None:
     from truefuse.autograd.gated_activation import gated_activation
     from truefuse.autograd.norm import rms_norm, rms_norm_hf
     from truefuse.autograd.rope import apply_rotary_pos_emb
+    from truefuse.integrations.huggingface.attention import attention_forward
     from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
 
     dev, bf = "cuda", torch.bfloat16
@@ -45,6 +47,14 @@ def main() -> None:
     sin = torch.randn(B, 1, 64, device=dev, dtype=bf)
     g = torch.randn(B, 1, 5632, device=dev, dtype=bf)
     u = torch.randn(B, 1, 5632, device=dev, dtype=bf)
+
+    # decode attention: 16/8 heads of 64 against 256 cached keys, transformers' bool mask
+    qa = torch.randn(B, 16, 1, 64, device=dev, dtype=bf)
+    ka, va = (torch.randn(B, 8, 256, 64, device=dev, dtype=bf) for _ in range(2))
+    mask = torch.ones(B, 1, 1, 256, device=dev, dtype=torch.bool)
+    mask[0, ..., :5] = False
+    module = torch.nn.Module()
+    module.is_causal = True
 
     def stock_norm():
         h = x.to(torch.float32)
@@ -73,6 +83,8 @@ def main() -> None:
         "apply_rotary_pos_emb": (None, lambda: apply_rotary_pos_emb(q, k, cos, sin)),
         "silu(g)*u stock": (lambda: F.silu(g) * u, None),
         "swiglu": (None, lambda: gated_activation(g, "swiglu", u)),
+        "SDPA decode": (lambda: F.scaled_dot_product_attention(qa, ka, va, attn_mask=mask, enable_gqa=True), None),
+        "attention decode (HF)": (None, lambda: attention_forward(module, qa, ka, va, mask, scaling=0.125)),
         "torch.empty": (lambda: torch.empty(B, H, device=dev, dtype=bf), None),
     }
 
@@ -89,6 +101,9 @@ def main() -> None:
             torch.cuda.synchronize()
         return best
 
+    from truefuse.ops import _launch
+
+    triton_only = _launch._triton_only
     records: list = []
     orig_run = JITFunction.run
 
@@ -98,7 +113,7 @@ def main() -> None:
         return kernel
 
     torch.set_grad_enabled(False)
-    print(f"{'row':26s} {'host us':>9s}  launches: jit.run / handle / handle+key us")
+    print(f"{'row':26s} {'host us':>9s}  launches: jit.run / handle / handle+key / launch() us")
     for name, (stock, ours) in rows.items():
         fn = stock or ours
         us = host_us(fn)
@@ -106,10 +121,12 @@ def main() -> None:
         if ours is not None:
             records.clear()
             JITFunction.run = recording_run
+            _launch._triton_only = lambda: True  # every launch through JITFunction.run, to record it
             try:
                 ours()
             finally:
                 JITFunction.run = orig_run
+                _launch._triton_only = triton_only
             for jit, a, kw, grid, kernel in records:
                 line += "  " + _replay(jit, a, kw, grid, kernel, host_us, torch, knobs)
         print(line, flush=True)
@@ -134,7 +151,7 @@ def _replay(jit, a, kw, grid, kernel, host_us, torch, knobs) -> str:
     opts = {k: v for k, v in kw.items() if k not in {p.name for p in jit.params}}
     names = [p.name for p in jit.params]
     bound = list(a) + [kw[n] if n in kw else jit.params[i].default for i, n in enumerate(names) if i >= len(a)]
-    g = grid(dict(zip(names, bound))) if callable(grid) else grid
+    g = grid(dict(zip(names, bound, strict=False))) if callable(grid) else grid
     g0, g1, g2 = g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1
     dev = torch.cuda.current_device()
 
@@ -167,7 +184,13 @@ def _replay(jit, a, kw, grid, kernel, host_us, torch, knobs) -> str:
         kern.run(g0, g1, g2, stream, kern.function, kern.packed_metadata, None,
                  knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)  # fmt: skip
 
-    return f"{jit.fn.__name__}: {host_us(via_jit):.1f} / {host_us(via_handle):.1f} / {host_us(via_key):.1f}"
+    from truefuse.ops._launch import launch
+
+    def via_launch():
+        launch(jit, grid, *a, **kw)
+
+    times = (host_us(f) for f in (via_jit, via_handle, via_key, via_launch))
+    return f"{jit.fn.__name__}: " + " / ".join(f"{t:.1f}" for t in times)
 
 
 if __name__ == "__main__":

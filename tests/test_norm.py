@@ -422,3 +422,25 @@ def test_rms_norm_hf_small_call_without_grad_runs_stock(device, monkeypatch):
     with truefuse.batch_invariant(), torch.no_grad():
         truefuse.rms_norm_hf(x, w)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+@pytest.mark.parametrize("n", [64, 1000, 5120])
+def test_rms_norm_hf_bi_one_launch_same_bits(style, n, device):
+    """Batch-invariant mode's one-launch ``rms_norm_hf`` (no gradient: the kernel computes its
+    statistics and applies them) gives the bits of the two-launch path the mode differentiates
+    through (the kernel's statistics, then the stock-rounding kernel): hidden sizes of the
+    persistent and the one-program-per-row schedules."""
+    from truefuse.ops.norm import rms_norm_hf_bi, rms_norm_hf_fwd_op
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = (torch.randn(37, n, device=device) * 3).to(dtype)
+    w = (torch.rand(n, device=device) + 0.5).to(dtype)
+    if not use_kernel(x):
+        pytest.skip("the reference runs here")
+    rstd = norm_fwd(x, None, None, 1e-6, rms=True, zero_centered_gamma=False)[2]
+    two = rms_norm_hf_fwd_op(x, w, rstd, style)
+    assert_bitwise(rms_norm_hf_bi(x, w, 1e-6, style), two, "one launch vs statistics + apply")
+    if device == "cuda":  # the public op in the mode takes the one launch without a gradient
+        with truefuse.batch_invariant(), torch.no_grad():
+            assert_bitwise(truefuse.rms_norm_hf(x, w, 1e-6, style=style), two, "rms_norm_hf in the mode")

@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from truefuse.config import tuning  # noqa: E402
 from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
+from truefuse.config import tuning  # noqa: E402
 from truefuse.integrations.huggingface import (  # noqa: E402
     ARCHITECTURES,
     ClassPatch,

@@ -19,6 +19,7 @@ from truefuse.ops.norm import (
     hf_statistics,
     layer_norm_ref,
     norm_fwd_op,
+    rms_norm_hf_bi,
     rms_norm_hf_fwd_op,
     rms_norm_hf_ref,
     rms_norm_ref,
@@ -115,11 +116,15 @@ def layer_norm(
     return _run(x, weight, bias, eps, False, zero_centered_gamma)
 
 
+def _differentiated(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+
+
 def _stock_cheaper(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``rms_norm_hf`` runs the stock expression itself: nothing to differentiate, a
     decode-sized ``x`` (the ``hf_norm_stock_numel`` knob), outside batch-invariant mode (whose
     statistics are the kernel's). The stock bits either way; fewer host µs here than two launches."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if _differentiated(x, weight):
         return False
     return x.numel() <= get_tuning().hf_norm_stock_numel and not is_batch_invariant()
 
@@ -153,6 +158,8 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         raise ValueError("weight must be a tensor: the stock modules always scale")
     if not use_kernel(x) or _stock_cheaper(x, weight):
         return rms_norm_hf_ref(x, weight, eps, style=style)
+    if x.is_cuda and is_batch_invariant() and not _differentiated(x, weight) and not torch.compiler.is_compiling():
+        return rms_norm_hf_bi(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps, style).view(x.shape)
     with torch.no_grad():  # the op's backward differentiates through the statistics itself
         rstd = hf_statistics(x, eps).reshape(-1)
     y = call(rms_norm_hf_fwd_op, x.reshape(-1, x.shape[-1]).contiguous(), weight, rstd, style)

@@ -46,13 +46,19 @@ def _pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
+def rms_rstd(x, N, eps):
+    """1 / sqrt(mean(x²) + eps) of one fp32 row in registers, correctly rounded square root."""
+    return 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / N + eps)
+
+
+@triton.jit
 def rms_norm_row(x, w, N, eps, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     """RMSNorm of one fp32 row held in registers, by the rounding rule above (before the final
     rounding). Shared with the fused allreduce + RMSNorm kernel so both give the same bits: the
     caller must launch with the same BLOCK_N and num_warps as ``ops.norm`` chooses. ``w``: the
     weight row in fp32, loaded by the caller (the allreduce kernel once per program, ahead of any
     store: a load after a store that may alias it waits one more round trip); unused without HAS_W."""
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / N + eps)
+    rstd = rms_rstd(x, N, eps)
     y = x * rstd
     if HAS_W:
         if ZERO_CENTERED:
@@ -100,6 +106,7 @@ def _fwd_row(
     RSTD_IN: tl.constexpr,
     ROUND_NORMED: tl.constexpr,
     DT: tl.constexpr,
+    HF_STATS: tl.constexpr = False,
 ):
     """One row of the forward: ``x`` the row in fp32 (masked lanes 0), ``w`` / ``b`` the weight and
     bias rows in fp32 or their own dtype (upcast here: the same values; placeholders without HAS_W /
@@ -113,10 +120,14 @@ def _fwd_row(
         mean = tl.sum(x, axis=0) / N
         xc = tl.where(mask, x - mean, 0.0)
         tl.store(mean_ptr + row, mean)
-    if RSTD_IN:
-        # a caller's rstd (a stock module's statistics, for its bits: ops/norm.py::rms_norm_hf_ref);
+    if RSTD_IN or HF_STATS:
+        # a caller's rstd (a stock module's statistics, for its bits: ops/norm.py::rms_norm_hf_ref),
+        # or, HF_STATS, this kernel's own (batch-invariant mode's rms_norm_hf in one launch);
         # ROUND_NORMED rounds x * rstd to x's dtype before the weight, as Llama's RMSNorm does
-        rstd = tl.load(rstd_ptr + row)
+        if RSTD_IN:
+            rstd = tl.load(rstd_ptr + row)
+        else:
+            rstd = rms_rstd(xc, N, eps)
         y = xc * rstd
         if ROUND_NORMED:
             y = y.to(DT).to(tl.float32)
@@ -158,6 +169,7 @@ def _norm_fwd_kernel(
     EVICT: tl.constexpr = "",
     PDL: tl.constexpr = False,
     WB: tl.constexpr = "reg",
+    HF_STATS: tl.constexpr = False,
 ):
     """PERSISTENT: ``num_programs`` programs, program p norms rows p, p + P, ... (M rows), the next
     row's load issued before this row's math; else one program per row. Each row is normed by the
@@ -200,6 +212,7 @@ def _norm_fwd_kernel(
                 RSTD_IN,
                 ROUND_NORMED,
                 DT,
+                HF_STATS,
             )
     else:
         row = tl.program_id(0).to(tl.int64)
@@ -224,6 +237,7 @@ def _norm_fwd_kernel(
             RSTD_IN,
             ROUND_NORMED,
             DT,
+            HF_STATS,
         )
 
 

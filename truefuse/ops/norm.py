@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from truefuse.config import get_tuning, is_batch_invariant
 from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
+from truefuse.ops._launch import launch
 from truefuse.ops._triton import hopper, sm_count, triton_runs
 from truefuse.ops.gemm_exec import wide_dtype
 from truefuse.ops.norm_config import (
@@ -99,6 +100,25 @@ def hf_statistics(x: torch.Tensor, eps: float) -> torch.Tensor:
     return hf_rstd(x, eps)
 
 
+def rms_norm_hf_bi(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str) -> torch.Tensor:
+    """``rms_norm_hf``'s forward in batch-invariant mode with nothing to differentiate, in one launch:
+    the kernel's own statistics (:func:`hf_statistics`' bits there: the same code, ``rms_rstd``, in the
+    same launch configuration, which depends on the hidden size only) applied with the stock rounding
+    of ``style``. A contiguous (M, N) ``x`` on CUDA; (M, N) out, dtype as :func:`rms_norm_hf_ref`'s."""
+    y, _, _ = norm_fwd(
+        x,
+        weight,
+        None,
+        eps,
+        rms=True,
+        zero_centered_gamma=style == "gemma",
+        round_normed=style == "llama",
+        out_dtype=_hf_out_dtype(x, weight, style),
+        hf_stats=True,
+    )
+    return y
+
+
 def rms_norm_hf_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, style: str = "llama") -> torch.Tensor:
     """A transformers RMSNorm's forward, as its module writes it (the bitwise reference of ``rms_norm_hf``).
 
@@ -108,7 +128,8 @@ def rms_norm_hf_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
             the scale is ``1 + weight`` and the output has x's dtype.
         style: one of :data:`HF_NORM_STYLES`.
     """
-    h = x.to(torch.float32) * hf_rstd(x, eps).unsqueeze(-1)
+    xf = x.to(torch.float32)  # the statistics' expression is hf_rstd's, inlined: one fp32 copy, as stock
+    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if style == "llama":
         return weight * h.to(x.dtype)
     return (h * (1.0 + weight.float())).type_as(x)
@@ -142,11 +163,24 @@ def _pdl_kw(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
-def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: bool, rstd=None, round_normed=False, out_dtype=None):
+def norm_fwd(
+    x,
+    weight,
+    bias,
+    eps: float,
+    *,
+    rms: bool,
+    zero_centered_gamma: bool,
+    rstd=None,
+    round_normed=False,
+    out_dtype=None,
+    hf_stats=False,
+):
     """Launch the forward kernel on a contiguous (M, N) ``x``.
 
     ``rstd`` (M,) fp32, given: the kernel takes it instead of its own statistics (RMSNorm only);
-    ``round_normed`` then rounds ``x * rstd`` to x's dtype before the weight; ``out_dtype``: y's
+    ``round_normed`` then rounds ``x * rstd`` to x's dtype before the weight; ``hf_stats``: the
+    kernel's own statistics applied as a given rstd is (``rms_norm_hf_bi``); ``out_dtype``: y's
     dtype (default x's). Returns ``(y, mean, rstd)``: y (M, N); mean (M,) fp32 (None for RMSNorm);
     rstd (M,) fp32.
     """
@@ -155,8 +189,8 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
     M, N = x.shape
     y = torch.empty_like(x, dtype=out_dtype or x.dtype)
     rstd_in = rstd is not None
-    if rstd_in and not rms:
-        raise ValueError("a given rstd is for RMSNorm only")
+    if (rstd_in or hf_stats) and not rms:
+        raise ValueError("a given rstd or hf_stats is for RMSNorm only")
     if rstd is None:
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     mean = None if rms else torch.empty(M, dtype=torch.float32, device=x.device)
@@ -173,7 +207,9 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
         warps, per_sm, wb = ln_fwd_config(N)
     per_sm = per_sm if x.is_cuda else 0
     programs = min(M, per_sm * sm_count(x.device.index or 0)) if per_sm else M
-    _norm_fwd_kernel[(programs,)](
+    launch(
+        _norm_fwd_kernel,
+        (programs,),
         x,
         weight if weight is not None else x,
         bias if bias is not None else x,
@@ -191,6 +227,7 @@ def norm_fwd(x, weight, bias, eps: float, *, rms: bool, zero_centered_gamma: boo
         BLOCK_N=block,
         RSTD_IN=rstd_in,
         ROUND_NORMED=bool(round_normed),
+        HF_STATS=bool(hf_stats) and not rstd_in,
         M=M,
         PERSISTENT=bool(per_sm),
         PDL=pdl and pdl_trigger("fwd", N, rms),
@@ -288,10 +325,10 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     if staged is not None:
         bwd_staged(dy, x, tail, M, N, rows_per_program, programs, staged, {**flags, **math})
     elif cfg.parts is None:
-        _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch)
+        launch(_norm_bwd_kernel, (programs,), *args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch)
     else:
         a, b = cfg.parts
-        _norm_bwd_split_kernel[(programs,)](*args, **flags, **math, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
+        launch(_norm_bwd_split_kernel, (programs,), *args, **flags, **math, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
     if has_w and has_bias:
         dw, db = _sum_partials(dw_part, weight.dtype, pdl, db_part, bias.dtype)
     else:
@@ -330,7 +367,9 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, par
     block_p, block, warps = sum_config(N, part2 is not None)
     if not part.is_cuda:  # the CPU interpreter: each column's sum is the same at any BLOCK_N, and each program costs its Python
         block = max(block, 256)
-    _sum_partials_kernel[(-(-N // block),)](
+    launch(
+        _sum_partials_kernel,
+        (-(-N // block),),
         part,
         out,
         part if part2 is None else part2,
