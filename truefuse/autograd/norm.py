@@ -158,9 +158,10 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         raise ValueError("weight must be a tensor: the stock modules always scale")
     if not use_kernel(x) or _stock_cheaper(x, weight):
         return rms_norm_hf_ref(x, weight, eps, style=style)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if x.is_cuda and is_batch_invariant() and not _differentiated(x, weight) and not torch.compiler.is_compiling():
-        return rms_norm_hf_bi(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps, style).view(x.shape)
+        return rms_norm_hf_bi(x2, weight, eps, style)[0].view(x.shape)  # one launch
     with torch.no_grad():  # the op's backward differentiates through the statistics itself
-        rstd = hf_statistics(x, eps).reshape(-1)
-    y = call(rms_norm_hf_fwd_op, x.reshape(-1, x.shape[-1]).contiguous(), weight, rstd, style)
+        rstd = hf_statistics(x2, weight, eps, style)
+    y = call(rms_norm_hf_fwd_op, x2, weight, rstd, style)
     return y.view(x.shape)

@@ -16,7 +16,6 @@ import torch
 
 from truefuse.config import get_config
 from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
-from truefuse.ops._launch import launch
 from truefuse.ops._triton import sm_count, triton_runs
 from truefuse.ops.attention_blocked import score_transform
 from truefuse.ops.attention_config import attention_config, forward_tile
@@ -127,9 +126,7 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
     programs = _cdiv(Lq, block_m) * B * H
     split = n_chunks > 1 and Lq <= block_m and (flags["INTERPRETED"] or programs < sm_count(q.device.index or 0))
     part = q.new_empty((n_chunks, B * H, Lq, flags["BLOCK_D"] + 2) if split else (1,), dtype=torch.float32)
-    launch(
-        _attention_fwd_kernel,
-        (_cdiv(Lq, block_m), B * H, n_chunks if split else 1),
+    _attention_fwd_kernel[(_cdiv(Lq, block_m), B * H, n_chunks if split else 1)](
         q,
         k,
         v,
@@ -160,9 +157,7 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
         num_stages=cfg.fwd_stages,
     )
     if split:
-        launch(
-            _attention_fwd_merge_kernel,
-            (_cdiv(Lq, block_m), B * H),
+        _attention_fwd_merge_kernel[(_cdiv(Lq, block_m), B * H)](
             part,
             out,
             lse,
@@ -192,9 +187,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         return dq.zero_(), dk.zero_(), dv.zero_()
     cfg, mask, ms, flags = _common(q, k, window, softcap, is_causal, attn_mask)
     delta = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
-    launch(
-        _attention_bwd_delta_kernel,
-        (_cdiv(Lq, cfg.dq_m), B * H),
+    _attention_bwd_delta_kernel[(_cdiv(Lq, cfg.dq_m), B * H)](
         out,
         do,
         delta,
@@ -207,9 +200,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         BLOCK_D=flags["BLOCK_D"],
     )
     common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *ms)
-    launch(
-        _attention_bwd_dkdv_kernel,
-        (_cdiv(Lk, cfg.dkdv_n), B * Hk),
+    _attention_bwd_dkdv_kernel[(_cdiv(Lk, cfg.dkdv_n), B * Hk)](
         q,
         k,
         v,
@@ -238,9 +229,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         num_warps=cfg.dkdv_warps,
         num_stages=cfg.dkdv_stages,
     )
-    launch(
-        _attention_bwd_dq_kernel,
-        (_cdiv(Lq, cfg.dq_m), B * H),
+    _attention_bwd_dq_kernel[(_cdiv(Lq, cfg.dq_m), B * H)](
         q,
         k,
         v,

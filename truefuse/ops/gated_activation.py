@@ -11,7 +11,6 @@ import torch
 
 from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops._launch import launch
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.activation import activation_ref
 
@@ -80,19 +79,8 @@ def gated_fwd(x: torch.Tensor, name: str, up: torch.Tensor | None = None) -> tor
     if M and F:
         grid, block = _launch_shape(M, F)
         u_ = u if gated else g
-        launch(
-            _gated_activation_fwd_kernel,
-            grid,
-            g,
-            u_,
-            y,
-            g.stride(0),
-            u_.stride(0),
-            y.stride(0),
-            F,
-            ACT=ACT_CODES[act],
-            GATED=gated,
-            BLOCK=block,
+        _gated_activation_fwd_kernel[grid](
+            g, u_, y, g.stride(0), u_.stride(0), y.stride(0), F, ACT=ACT_CODES[act], GATED=gated, BLOCK=block
         )
     return y
 
@@ -123,9 +111,7 @@ def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool =
     if M and F:
         grid, block = _launch_shape(M, F)
         a = y if recompute else dg
-        launch(
-            _gated_activation_bwd_kernel,
-            grid,
+        _gated_activation_bwd_kernel[grid](
             dy,
             g,
             u,

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from truefuse.config import get_tuning, is_batch_invariant
 from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
-from truefuse.ops._launch import launch
 from truefuse.ops._triton import hopper, sm_count, triton_runs
 from truefuse.ops.gemm_exec import wide_dtype
 from truefuse.ops.norm_config import (
@@ -87,25 +86,27 @@ def hf_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps).squeeze(-1)
 
 
-def hf_statistics(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """The statistics ``rms_norm_hf``'s kernel applies: :func:`hf_rstd` (stock's bits), except in
-    batch-invariant mode on CUDA, where they are the norm kernel's (``1 / sqrt_rn(Σx²/N + eps)``, the
-    same roundings in another summation order): torch's CUDA reduction takes its launch
-    configuration from the number of rows, and with few rows splits each row's sum over more threads,
-    so a row's bits changed with the batch (docs/design.md §1). On the CPU torch's row sums were the
-    same bits at every row count measured (tests/test_batch_invariant.py), so stock's stay."""
+def hf_statistics(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str) -> torch.Tensor:
+    """The statistics ``rms_norm_hf``'s kernel applies to a contiguous (M, N) ``x``: :func:`hf_rstd`
+    (stock's bits), except in batch-invariant mode on CUDA, where they are the norm kernel's
+    (:func:`rms_norm_hf_bi`: ``1 / sqrt_rn(Σx²/N + eps)``, the same roundings in another summation
+    order): torch's CUDA reduction takes its launch configuration from the number of rows, and with
+    few rows splits each row's sum over more threads, so a row's bits changed with the batch
+    (docs/design.md §1). On the CPU torch's row sums were the same bits at every row count measured
+    (tests/test_batch_invariant.py), so stock's stay. (M,) fp32."""
     if x.is_cuda and is_batch_invariant() and use_kernel(x):
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        return norm_fwd(x2, None, None, eps, rms=True, zero_centered_gamma=False)[2].view(x.shape[:-1])
+        return rms_norm_hf_bi(x, weight, eps, style)[1]
     return hf_rstd(x, eps)
 
 
-def rms_norm_hf_bi(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str) -> torch.Tensor:
-    """``rms_norm_hf``'s forward in batch-invariant mode with nothing to differentiate, in one launch:
-    the kernel's own statistics (:func:`hf_statistics`' bits there: the same code, ``rms_rstd``, in the
-    same launch configuration, which depends on the hidden size only) applied with the stock rounding
-    of ``style``. A contiguous (M, N) ``x`` on CUDA; (M, N) out, dtype as :func:`rms_norm_hf_ref`'s."""
-    y, _, _ = norm_fwd(
+def rms_norm_hf_bi(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm_hf``'s forward in batch-invariant mode in one launch: the kernel's own statistics
+    applied with the stock rounding of ``style``, on a contiguous (M, N) ``x`` on CUDA. Returns y (M,
+    N), dtype as :func:`rms_norm_hf_ref`'s, and rstd (M,) fp32. The mode's only statistics: without a
+    gradient y is the result, with one ``rms_norm_hf_fwd_op`` applies this rstd (the same bits: the
+    statistics' reduction compiles differently in another variant of the kernel, so both paths take
+    them from this one; tests/test_norm.py)."""
+    y, _, rstd = norm_fwd(
         x,
         weight,
         None,
@@ -116,7 +117,7 @@ def rms_norm_hf_bi(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str
         out_dtype=_hf_out_dtype(x, weight, style),
         hf_stats=True,
     )
-    return y
+    return y, rstd
 
 
 def rms_norm_hf_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, style: str = "llama") -> torch.Tensor:
@@ -207,9 +208,7 @@ def norm_fwd(
         warps, per_sm, wb = ln_fwd_config(N)
     per_sm = per_sm if x.is_cuda else 0
     programs = min(M, per_sm * sm_count(x.device.index or 0)) if per_sm else M
-    launch(
-        _norm_fwd_kernel,
-        (programs,),
+    _norm_fwd_kernel[(programs,)](
         x,
         weight if weight is not None else x,
         bias if bias is not None else x,
@@ -325,10 +324,10 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     if staged is not None:
         bwd_staged(dy, x, tail, M, N, rows_per_program, programs, staged, {**flags, **math})
     elif cfg.parts is None:
-        launch(_norm_bwd_kernel, (programs,), *args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch)
+        _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch)
     else:
         a, b = cfg.parts
-        launch(_norm_bwd_split_kernel, (programs,), *args, **flags, **math, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
+        _norm_bwd_split_kernel[(programs,)](*args, **flags, **math, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
     if has_w and has_bias:
         dw, db = _sum_partials(dw_part, weight.dtype, pdl, db_part, bias.dtype)
     else:
@@ -367,9 +366,7 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, par
     block_p, block, warps = sum_config(N, part2 is not None)
     if not part.is_cuda:  # the CPU interpreter: each column's sum is the same at any BLOCK_N, and each program costs its Python
         block = max(block, 256)
-    launch(
-        _sum_partials_kernel,
-        (-(-N // block),),
+    _sum_partials_kernel[(-(-N // block),)](
         part,
         out,
         part if part2 is None else part2,

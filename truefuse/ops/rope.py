@@ -11,7 +11,6 @@ import torch
 
 from truefuse.config import get_config
 from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
-from truefuse.ops._launch import launch
 from truefuse.ops._triton import triton_runs
 
 
@@ -47,9 +46,7 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype
     half = D // 2
     block_d = max(16, 1 << (half - 1).bit_length())
     block_h = max(1, min(1 << (H - 1).bit_length(), max(1, 4096 // block_d)))
-    launch(
-        _rope_kernel,
-        (B * T,),
+    _rope_kernel[(B * T,)](
         x,
         cos,
         sin,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from truefuse.config import get_config
-from truefuse.ops._launch import launch
 from truefuse.ops.gemm_backends._base import BF16, F16, F32, WIDEN, GemmArgs, GemmBackend, rows
 from truefuse.ops.gemm_bi_config import bucket, layout
 
@@ -161,9 +160,7 @@ def _launch(kernel, grid, a, b, target, pre, out2, accumulate: bool, grad_act: i
     where none)."""
     M, K = a.shape
     args = (a, b, target, pre, out2, M, b.shape[1], K, *a.stride(), *b.stride(), *target.stride(), *pre.stride())
-    launch(
-        kernel,
-        grid,
+    kernel[grid](
         *args,
         ACCUMULATE=accumulate,
         GRAD_ACT=grad_act,
