@@ -53,7 +53,73 @@ def _gemm_kernel(
     size_m = min(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
     pid_n = (pid % (GROUP_M * num_n)) // size_m
+    _gemm_tile(
+        a_ptr, b_ptr, c_ptr, p_ptr, gb_ptr, pid_m, pid_n, M, N, K,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_pk,
+        ACCUMULATE, GRAD_ACT, GRAD_BIAS, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
 
+
+@triton.jit
+def _gemm_segments_kernel(
+    a_ptr,
+    b0_ptr,
+    c0_ptr,
+    b1_ptr,
+    c1_ptr,
+    b2_ptr,
+    c2_ptr,
+    M,
+    N0,
+    N1,
+    N2,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``C_s = A @ B_s`` for up to three B_s (K×N_s, one layout) sharing A (the sibling projections
+    q/k/v or gate/up of one input): each tile lies in one segment and runs :func:`_gemm_tile`, the
+    plain kernel's tile, so each C_s has the bits of its own ``_gemm_kernel`` call with the same
+    tiles (``ops/gemm_backends/triton.py::bi_launch_segments``). C_s is contiguous (M×N_s). Unused
+    segments have N_s = 0."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    t = pid // num_m
+    t0 = tl.cdiv(N0, BLOCK_N)
+    t1 = tl.cdiv(N1, BLOCK_N)
+    if t < t0:
+        _gemm_tile(
+            a_ptr, b0_ptr, c0_ptr, a_ptr, c0_ptr, pid_m, t, M, N0, K,
+            stride_am, stride_ak, stride_bk, stride_bn, N0, 1, 0, 0,
+            False, 0, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    elif t < t0 + t1:
+        _gemm_tile(
+            a_ptr, b1_ptr, c1_ptr, a_ptr, c1_ptr, pid_m, t - t0, M, N1, K,
+            stride_am, stride_ak, stride_bk, stride_bn, N1, 1, 0, 0,
+            False, 0, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    else:
+        _gemm_tile(
+            a_ptr, b2_ptr, c2_ptr, a_ptr, c2_ptr, pid_m, t - t0 - t1, M, N2, K,
+            stride_am, stride_ak, stride_bk, stride_bn, N2, 1, 0, 0,
+            False, 0, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+
+
+@triton.jit
+def _gemm_tile(a_ptr, b_ptr, c_ptr, p_ptr, gb_ptr, pid_m, pid_n, M, N, K,
+               stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_pk,
+               ACCUMULATE: tl.constexpr, GRAD_ACT: tl.constexpr, GRAD_BIAS: tl.constexpr, IEEE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One (BLOCK_M × BLOCK_N) output tile: the K loop in BLOCK_K steps, then the epilogue."""
     rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K).to(tl.int64)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.linear import linear as _truefuse_linear
 from truefuse.config import batch_invariant
+from truefuse.integrations.huggingface.siblings import Siblings, find_groups, fused_call
 
 #: What F.linear's weight gradient goes through: the plain configuration (autograd's ``.grad``).
 _PLAIN = WgradState(owner="F.linear (batch-invariant)")
@@ -70,6 +71,10 @@ def _routed_linear(input, weight, bias=None):
         if router is not None:
             if _routable(input, weight, bias):
                 router.routed += 1
+                if router.siblings is not None:
+                    y = fused_call(router.siblings, input, weight, bias)
+                    if y is not None:
+                        return y
                 routers.append(None)
                 try:
                     return _truefuse_linear(input, weight, bias, state=_PLAIN)
@@ -93,9 +98,11 @@ class BatchInvariantLinear:
     directly is not routed, and a tensor subclass comparing ``func`` with the module attribute at
     call time sees the wrapper."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups=None) -> None:
         self.routed = 0
         self.left = 0
+        # sibling projections in one launch (siblings.py), for the model whose forward entered it
+        self.siblings = Siblings(groups) if groups else None
 
     def __enter__(self) -> BatchInvariantLinear:
         routers = getattr(_LOCAL, "routers", None)
@@ -119,15 +126,16 @@ class BatchInvariantLinear:
 
 
 @contextlib.contextmanager
-def running_batch_invariant():
-    """The mode and the routing of ``F.linear`` for a block (what the model's hooks enter)."""
-    with batch_invariant(), BatchInvariantLinear() as mode:
+def running_batch_invariant(groups=None):
+    """The mode and the routing of ``F.linear`` for a block (what the model's hooks enter), with
+    ``groups`` of sibling projections (``siblings.find_groups``) computed in one launch each."""
+    with batch_invariant(), BatchInvariantLinear(groups) as mode:
         yield mode
 
 
 def _pre_hook(module, args):
     stack = contextlib.ExitStack()
-    stack.enter_context(running_batch_invariant())
+    stack.enter_context(running_batch_invariant(module._truefuse_bi_groups))
     module._truefuse_bi_stacks.append(stack)
 
 
@@ -143,6 +151,7 @@ def enable(model: torch.nn.Module) -> None:
     if getattr(model, "_truefuse_bi_handles", None):
         return
     model._truefuse_bi_stacks = []
+    model._truefuse_bi_groups = find_groups(model)
     model._truefuse_bi_handles = (
         model.register_forward_pre_hook(_pre_hook),
         model.register_forward_hook(_post_hook, always_call=True),
@@ -153,7 +162,7 @@ def disable(model: torch.nn.Module) -> None:
     """Remove :func:`enable`'s hooks (no-op on a model without them)."""
     for h in getattr(model, "_truefuse_bi_handles", None) or ():
         h.remove()
-    for name in ("_truefuse_bi_handles", "_truefuse_bi_stacks"):
+    for name in ("_truefuse_bi_handles", "_truefuse_bi_stacks", "_truefuse_bi_groups"):
         if name in vars(model):
             delattr(model, name)
 

@@ -150,6 +150,36 @@ def bi_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> None:
     _launch(_gemm_kernel, _bi_grid(M, N, meta), a, b, target, a, target, False, ACT_CODES[None], False, meta)
 
 
+def bi_launch_segments(a: torch.Tensor, bs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    """:func:`bi_launch` of one (M, K) ``a`` against up to three (K, N_s) ``bs`` of one layout, into
+    contiguous (M, N_s) ``outs``, in one launch: each ``outs[s]`` gets the bits of
+    ``bi_launch(a, bs[s], outs[s])`` (the same tile from the same table entry, which depends on M and
+    the layout only; ``kernels/gemm.py::_gemm_segments_kernel``). M and every N_s not 0."""
+    from truefuse.kernels.gemm import _gemm_segments_kernel
+
+    M, K = a.shape
+    meta = {k: v for k, v in _bi_meta(a.dtype, M, layout(bs[0])).items() if k != "GROUP_M"}
+    ns = [b.shape[1] for b in bs] + [0] * (3 - len(bs))  # an unused segment: N = 0, no tiles
+    bs, outs = list(bs) + [bs[0]] * (3 - len(bs)), list(outs) + [outs[0]] * (3 - len(outs))
+    tiles = sum(-(-n // meta["BLOCK_N"]) for n in ns)
+    _gemm_segments_kernel[(-(-M // meta["BLOCK_M"]) * tiles,)](
+        a,
+        bs[0],
+        outs[0],
+        bs[1],
+        outs[1],
+        bs[2],
+        outs[2],
+        M,
+        *ns,
+        K,
+        *a.stride(),
+        *bs[0].stride(),
+        IEEE=a.dtype == torch.float32,
+        **meta,
+    )
+
+
 def _bi_grid(M: int, N: int, meta: dict) -> tuple[int]:
     return (-(-M // meta["BLOCK_M"]) * -(-N // meta["BLOCK_N"]),)
 

@@ -1,0 +1,124 @@
+"""Batch-invariant mode's sibling projections in one launch (``integrations/huggingface/siblings.py``):
+q/k/v and gate/up computed by one segmented launch give each call's own bits, and any call that does
+not fit (another input, a weight written since, a gradient, no Triton plan) runs as alone. On the CPU
+with the Triton backend's batch-invariant row added (the plan CUDA's forward gets), fp32 under the
+interpreter; on CUDA in bf16."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import truefuse.ops.gemm_backends.triton as triton_backend  # noqa: E402
+from tests.hf.tiny import tiny_model  # noqa: E402
+from truefuse.integrations.huggingface import apply_truefuse  # noqa: E402
+from truefuse.integrations.huggingface import siblings as S  # noqa: E402
+from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant  # noqa: E402
+from truefuse.ops.gemm_plan import Capability, backend_available, override_capabilities  # noqa: E402
+
+F32 = torch.float32
+
+
+@pytest.fixture
+def plan(device):
+    """The batch-invariant Triton plan on this device (on the CPU: added under the interpreter)."""
+    if device.type == "cpu":
+        if not backend_available("triton", "cpu"):
+            pytest.skip("the Triton interpreter is off")
+        with override_capabilities(add=[Capability("batch_invariant", F32, F32, "cpu", backend="triton")]):
+            yield F32
+    else:
+        yield torch.bfloat16
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    n = [0]
+    real = triton_backend.bi_launch_segments
+
+    def counted(*a):
+        n[0] += 1
+        return real(*a)
+
+    monkeypatch.setattr(triton_backend, "bi_launch_segments", counted)
+    return n
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_patched_model_same_bits_with_and_without_siblings(model_type, device, plan, launches):
+    """A BI model's forward (and on CUDA Llama's greedy ``generate``, decode-sized calls through a KV
+    cache): the same logits and tokens with the sibling launches as without them (qwen2: q/k/v
+    carry biases), one launch per group and forward."""
+    model = tiny_model(model_type, plan).to(device).eval()
+    apply_truefuse(model, batch_invariant=True)
+    alone = copy.deepcopy(model)
+    alone._truefuse_bi_groups = []  # every projection its own call
+    assert len(model._truefuse_bi_groups) == 2 * model.config.num_hidden_layers
+    ids = torch.randint(1, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        a, b = model(ids).logits, alone(ids).logits
+        assert launches[0] == len(model._truefuse_bi_groups)
+        if model_type == "llama" and device.type == "cuda":  # the CPU: the forward (decode sizes: below)
+            kw = dict(max_new_tokens=2, do_sample=False, pad_token_id=0)
+            assert torch.equal(model.generate(ids, **kw), alone.generate(ids, **kw))
+    assert torch.equal(a, b)
+
+
+def _attention_like(dtype, device, bias=False):
+    m = torch.nn.Module()
+    for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        lin = torch.nn.Linear(32, 16 if i else 48, bias=bias).to(device, dtype)
+        setattr(m, name, lin)
+    return m
+
+
+def test_calls_that_do_not_fit_run_alone(device, plan, launches):
+    """Kept outputs are used only for the same input tensor and an unwritten weight; out of order,
+    another input, a weight written in place between, or a gradient to take: each call its own."""
+    m = _attention_like(plan, device)
+    x = torch.randn(5, 32, device=device).to(plan)
+    with torch.no_grad(), running_batch_invariant():  # no groups: each call alone
+        want = {n: getattr(m, n)(x) for n in ("q_proj", "k_proj", "v_proj")}
+    groups = S.find_groups(m)
+    assert len(groups) == 1
+    with torch.no_grad():
+        with running_batch_invariant(groups):  # in order: one launch
+            got = {n: getattr(m, n)(x) for n in ("q_proj", "k_proj", "v_proj")}
+        assert launches[0] == 1 and all(torch.equal(got[n], want[n]) for n in got)
+        with running_batch_invariant(groups):  # k first: k alone, then q's launch keeps k and v
+            assert torch.equal(m.k_proj(x), want["k_proj"]) and launches[0] == 1
+            m.q_proj(x)
+            m.v_proj.weight.mul_(2)  # written after the launch: v recomputed (2x: exact in binary)
+            assert torch.equal(m.v_proj(x), want["v_proj"] * 2)
+            assert torch.equal(m.k_proj(x * 2), want["k_proj"] * 2)  # another input: alone
+        assert launches[0] == 2
+    x.requires_grad_()
+    with running_batch_invariant(groups):
+        m.q_proj(x)
+    assert launches[0] == 2
+
+
+def test_find_groups_leaves_wrapped_projections():
+    m = _attention_like(F32, "cpu")
+    m.k_proj = torch.nn.Sequential(m.k_proj)
+    assert S.find_groups(m) == []
+
+
+@pytest.mark.parametrize("M", [1, 40, 200, 300])
+def test_segments_launch_same_bits_as_each_launch(M, device, plan):
+    """``bi_launch_segments`` against ``bi_launch`` per weight, in every M bucket of the tile table
+    (and both segment counts), for the forward's layout (``x Wᵀ``)."""
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 64, generator=g).to(device, plan)
+    ws = [torch.randn(n, 64, generator=g).to(device, plan) for n in (96, 32, 40)]
+    for members in (ws, ws[:2]):
+        outs = [torch.empty(M, w.shape[0], device=device, dtype=plan) for w in members]
+        triton_backend.bi_launch_segments(x, [w.t() for w in members], outs)
+        for w, got in zip(members, outs, strict=True):
+            want = torch.empty_like(got)
+            triton_backend.bi_launch(x, w.t(), want)
+            assert torch.equal(got, want), (M, w.shape)

@@ -1,0 +1,92 @@
+"""Sibling projections in one launch: batch-invariant mode's ``q_proj``/``k_proj``/``v_proj`` and
+``gate_proj``/``up_proj`` without a gradient (docs/design.md §6.9).
+
+A decode step of a patched model is host time: each routed ``F.linear`` costs ~70 µs of host on an
+H100 host for ~10 µs of kernel (docs/benchmarks.md, "Batch-invariant mode"), seven a decoder layer.
+The attention's q, k and v projections read the same input, as do the MLP's gate and up. When the
+first of such a group is called, :func:`fused_call` computes every member's product in one launch
+(``gemm_backends/triton.py::bi_launch_segments``: each output has the bits of its own call) and
+keeps the others' outputs for their calls, which follow with the same input tensor. A call that
+does not match (another input, a weight written since, a gradient to take, autocast, a plan other
+than the batch-invariant Triton GEMM) runs as it would alone. The outputs are what each call would
+return: a new contiguous (..., N) tensor, its split bias added the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.autograd._autocast import autocast_dtype
+from truefuse.ops.gemm import runs_bi_triton
+
+#: Attribute names of the sibling ``nn.Linear`` children that read one input, per module kind.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def find_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, ...]]:
+    """The sibling groups of ``model``: plain ``nn.Linear`` children named as in :data:`GROUPS` of
+    one module (a wrapped one, e.g. a LoRA layer, is left out: its forward is more than the product)."""
+    groups = []
+    for module in model.modules():
+        for names in GROUPS:
+            members = tuple(getattr(module, n, None) for n in names)
+            if all(type(m) is torch.nn.Linear for m in members):
+                groups.append(members)
+    return groups
+
+
+class Siblings:
+    """One forward's sibling state: the groups by their first member's weight, and the outputs kept
+    for the calls to come (each with the input it was computed from and its weight's version)."""
+
+    __slots__ = ("firsts", "kept")
+
+    def __init__(self, groups) -> None:
+        self.firsts = {id(g[0].weight): g for g in groups}
+        self.kept: dict[int, tuple] = {}
+
+
+def fused_call(state: Siblings, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` in batch-invariant mode from the group's one launch, or None
+    (nothing done: the caller runs it as always)."""
+    kept = state.kept.pop(id(weight), None) if state.kept else None
+    if kept is not None:
+        kx, version, y = kept
+        if kx is x and version == weight._version:
+            return _finish(y, x, bias)
+    group = state.firsts.get(id(weight))
+    if group is None:
+        return None
+    weights = [m.weight for m in group]
+    if weights[0] is not weight or not _fusable(x, weights, [m.bias is not None for m in group]):
+        return None
+    from truefuse.ops.gemm_backends.triton import bi_launch_segments
+
+    x2 = x.reshape(-1, x.shape[-1])
+    outs = [torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
+    bi_launch_segments(x2, [w.t() for w in weights], outs)
+    for w, y in zip(weights[1:], outs[1:], strict=True):
+        state.kept[id(w)] = (x, w._version, y)
+    return _finish(outs[0], x, bias)
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, bias) -> torch.Tensor:
+    if bias is not None:  # as the plain call's runner adds a split bias (ops/gemm.py::_runner)
+        y.add_(bias.to(y.dtype))
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _fusable(x: torch.Tensor, weights: list[torch.Tensor], biased: list[bool]) -> bool:
+    """Whether each member's call would run the plain batch-invariant Triton product on ``x``."""
+    if torch.compiler.is_compiling() or autocast_dtype(x.device) is not None:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return False
+    K = x.shape[-1]
+    for w in weights:
+        if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dtype is not x.dtype or w.device != x.device:
+            return False
+        if w.dim() != 2 or w.shape[1] != K or not w.is_contiguous():
+            return False
+    x2 = x.reshape(-1, K)
+    return all(runs_bi_triton(x2, w.t(), b) for w, b in zip(weights, biased, strict=True))
