@@ -73,8 +73,10 @@ def variant(base, name: str):
     m = copy.deepcopy(base)
     if name == "truefuse":
         apply_truefuse(m)
-    elif name == "truefuse BI":
+    elif name.startswith("truefuse BI"):
         apply_truefuse(m, batch_invariant=True)  # attention on truefuse.attention too
+        if name == "truefuse BI 1by1":
+            m._truefuse_bi_groups = []  # each projection its own launch (integrations/huggingface/siblings.py)
     return m
 
 
@@ -168,8 +170,8 @@ def run_config(name: str, c: dict, args, prof_lines: list[str]) -> dict:
     base = build(c)
     ids = torch.randint(1, c["vocab"], (c["batch"], c["seq"]), device=DEVICE)
     prompts = ids[:, :64]
-    rows, profiles = {}, {}
-    for vname in ("stock", "truefuse", "truefuse BI"):
+    rows, profiles, gens = {}, {}, {}
+    for vname in ("stock", "truefuse", "truefuse BI") + (("truefuse BI 1by1",) if args.one_by_one else ()):
         m = variant(base, vname)
         m.train()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)  # the demo's and Trainer's default
@@ -201,10 +203,22 @@ def run_config(name: str, c: dict, args, prof_lines: list[str]) -> dict:
             if args.cprofile:
                 prof_lines.append(_cprofile(lambda: gen(new=8), f"{name}: generate 8 tokens, batch {c['batch']}, {vname}"))
         rows[vname] = {"train_tok_s": tokens / train_s, "gen_tok_s": c["batch"] * new / gen_s}
+        gens[vname] = gen
+        if args.gen_rounds:
+            continue  # kept for the interleaved rounds below
         del m
         gc.collect()
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+    if args.gen_rounds:  # each round times one generate of every run in turn: the host's drift hits all alike
+        times: dict = {v: [] for v in gens}
+        with torch.no_grad():
+            for _ in range(args.gen_rounds):
+                for v, gen in gens.items():
+                    times[v].append(_timed(gen, 0, 1))
+        for v, ts in times.items():
+            rows[v]["gen_tok_s"] = c["batch"] * args.new_tokens / sorted(ts)[len(ts) // 2]
+        gens.clear()
     out = {"config": c, "rows": rows, "profiles": profiles}
     if args.profile:
         out["linear_host_us"] = _linear_host_us(c["hidden"])
@@ -248,6 +262,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--gen-iters", type=int, default=3)
+    p.add_argument("--one-by-one", action="store_true", help="also BI with each sibling projection launched alone")
+    p.add_argument("--gen-rounds", type=int, default=0, help="then time generate round-robin over the runs (median of N)")
     p.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script (config tiny)")
     args = p.parse_args()
     global DEVICE

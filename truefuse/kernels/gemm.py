@@ -94,24 +94,18 @@ def _gemm_segments_kernel(
     t = pid // num_m
     t0 = tl.cdiv(N0, BLOCK_N)
     t1 = tl.cdiv(N1, BLOCK_N)
+    # the segment's operands chosen first, so the tile's loop (and its shared memory) is compiled once
     if t < t0:
-        _gemm_tile(
-            a_ptr, b0_ptr, c0_ptr, a_ptr, c0_ptr, pid_m, t, M, N0, K,
-            stride_am, stride_ak, stride_bk, stride_bn, N0, 1, 0, 0,
-            False, 0, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+        b_ptr, c_ptr, N, pid_n = b0_ptr, c0_ptr, N0, t
     elif t < t0 + t1:
-        _gemm_tile(
-            a_ptr, b1_ptr, c1_ptr, a_ptr, c1_ptr, pid_m, t - t0, M, N1, K,
-            stride_am, stride_ak, stride_bk, stride_bn, N1, 1, 0, 0,
-            False, 0, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+        b_ptr, c_ptr, N, pid_n = b1_ptr, c1_ptr, N1, t - t0
     else:
-        _gemm_tile(
-            a_ptr, b2_ptr, c2_ptr, a_ptr, c2_ptr, pid_m, t - t0 - t1, M, N2, K,
-            stride_am, stride_ak, stride_bk, stride_bn, N2, 1, 0, 0,
-            False, 0, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+        b_ptr, c_ptr, N, pid_n = b2_ptr, c2_ptr, N2, t - t0 - t1
+    _gemm_tile(
+        a_ptr, b_ptr, c_ptr, a_ptr, c_ptr, pid_m, pid_n, M, N, K,
+        stride_am, stride_ak, stride_bk, stride_bn, N, 1, 0, 0,
+        False, 0, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
 
 
 @triton.jit
