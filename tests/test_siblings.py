@@ -122,3 +122,27 @@ def test_segments_launch_same_bits_as_each_launch(M, device, plan):
             want = torch.empty_like(got)
             triton_backend.bi_launch(x, w.t(), want)
             assert torch.equal(got, want), (M, w.shape)
+
+
+def test_plan_check_follows_the_plan_context(launches):
+    """The kept plan check is keyed on what the plan depends on: the same group fuses under the
+    Triton row's override and runs each call alone (the CPU's own plan) outside it."""
+    if not backend_available("triton", "cpu"):
+        pytest.skip("the Triton interpreter is off")
+    m = _attention_like(F32, "cpu")
+    x = torch.randn(3, 32)
+    groups = S.find_groups(m)
+
+    def triton_row():
+        return override_capabilities(add=[Capability("batch_invariant", F32, F32, "cpu", backend="triton")])
+
+    with torch.no_grad():
+        with triton_row(), running_batch_invariant(groups):
+            m.q_proj(x)
+        assert launches[0] == 1
+        with running_batch_invariant(groups):  # the CPU's own plan: each call alone
+            m.q_proj(x)
+        assert launches[0] == 1
+        with triton_row(), running_batch_invariant(groups):
+            m.q_proj(x)
+        assert launches[0] == 2

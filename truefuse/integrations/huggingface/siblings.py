@@ -18,6 +18,7 @@ import torch
 
 from truefuse.autograd._autocast import autocast_dtype
 from truefuse.ops.gemm import runs_bi_triton
+from truefuse.ops.gemm_plan import plan_context
 
 #: Attribute names of the sibling ``nn.Linear`` children that read one input, per module kind.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -82,11 +83,23 @@ def _fusable(x: torch.Tensor, weights: list[torch.Tensor], biased: list[bool]) -
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
-    K = x.shape[-1]
+    K, dev = x.shape[-1], x.device
     for w in weights:
-        if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dtype is not x.dtype or w.device != x.device:
+        if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dtype is not x.dtype or w.device != dev:
             return False
-        if w.dim() != 2 or w.shape[1] != K or not w.is_contiguous():
+        if w.dim() != 2 or w.shape[1] != K or w.shape[0] == 0 or not w.is_contiguous():
             return False
-    x2 = x.reshape(-1, K)
-    return all(runs_bi_triton(x2, w.t(), b) for w, b in zip(weights, biased, strict=True))
+    if x.numel() == 0:
+        return False
+    # the plan depends on the dtype, the device, a bias and the plan context, never on the shapes
+    key = (x.dtype, dev.type, tuple(biased), *plan_context(dev.type))
+    ok = _PLANNED.get(key)
+    if ok is None:
+        if len(_PLANNED) >= 256:
+            _PLANNED.clear()
+        x2 = x.reshape(-1, K)
+        ok = _PLANNED[key] = all(runs_bi_triton(x2, w.t(), b) for w, b in zip(weights, biased, strict=True))
+    return ok
+
+
+_PLANNED: dict[tuple, bool] = {}  # _fusable's plan check, by what the plain call's plan depends on
