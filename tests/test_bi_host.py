@@ -146,6 +146,26 @@ def test_first_valid_key_same_as_before(shape, kind):
     assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, want)
 
 
+def test_first_valid_key_kept_on_the_mask_until_written(monkeypatch):
+    """A decoder's layers share one mask: the key start is computed once for it, and again for a
+    mask written in place since (its version), another batch size, or another mask."""
+    import truefuse.autograd.attention as A
+
+    calls = []
+    real = A.first_valid_key
+    monkeypatch.setattr(A, "first_valid_key", lambda *a: calls.append(1) or real(*a))
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., :3] = False
+    first = A._first_valid_key(mask, 2, 9, mask.device)
+    assert torch.equal(A._first_valid_key(mask, 2, 9, mask.device), first) and len(calls) == 1
+    mask[0, ..., :5] = False  # written in place: recomputed
+    again = A._first_valid_key(mask, 2, 9, mask.device)
+    assert len(calls) == 2 and again.tolist() == [5, 3]
+    A._first_valid_key(mask, 2, 9, mask.device)
+    A._first_valid_key(mask.clone(), 2, 9, mask.device)
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_attention_eager_path_same_bits_as_the_dispatcher(dtype, device, monkeypatch):
     """``truefuse.attention`` in eager mode runs the op's body and registered backward without the
