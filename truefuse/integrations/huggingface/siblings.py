@@ -1,5 +1,5 @@
 """Sibling projections in one launch: batch-invariant mode's ``q_proj``/``k_proj``/``v_proj`` and
-``gate_proj``/``up_proj`` without a gradient (docs/design.md §6.9).
+``gate_proj``/``up_proj`` without a gradient (docs/design.md §6.10).
 
 A decode step of a patched model is host time: each routed ``F.linear`` costs ~70 µs of host on an
 H100 host for ~10 µs of kernel (docs/benchmarks.md, "Batch-invariant mode"), seven a decoder layer.
