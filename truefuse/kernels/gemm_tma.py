@@ -29,6 +29,7 @@ def _gemm_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     WS: tl.constexpr = False,
+    IEEE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -52,7 +53,10 @@ def _gemm_tma_kernel(
                 b = b_desc.load([n0, k0]).T
             else:
                 b = b_desc.load([k0, n0])
-            acc = tl.dot(a, b, acc)
+            if IEEE:  # fp32 as the plain kernel runs it (the interpreter's check: the launcher takes bf16/fp16)
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
         rm = (m0 + rm_tile).to(tl.int64)
         rn = n0 + rn_tile
         c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :]

@@ -38,6 +38,14 @@ TABLE = {
 # END TABLE
 
 
+#: The persistent TMA kernel's tile (``kernels/gemm_tma.py``; BLOCK_M, BLOCK_N, warps, stages) for
+#: the last M bucket on Hopper, bf16/fp16, where the operands suit TMA (else the table's tile): on
+#: an H100 at M = 8192, Llama-8B shapes, 0.998-1.047× cuBLAS forward and 0.986-1.019× input gradient
+#: against the table tile's 1.143-1.225×, every candidate bitwise the reference tile's
+#: (experiments/exp_bi_gemm_tma.py, docs/benchmarks.md "Batch-invariant GEMM")
+TMA_TILE = {"nt": (128, 256, 8, 3), "nn": (128, 256, 8, 3)}
+
+
 def group(dtype: torch.dtype) -> str:
     """The table's dtype group: fp16 takes bf16's tiles."""
     return "fp32" if dtype == torch.float32 else "bf16"

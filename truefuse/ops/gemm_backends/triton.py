@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 
 from truefuse.config import get_config
+from truefuse.ops._triton import hopper, sm_count
 from truefuse.ops.gemm_backends._base import BF16, F16, F32, WIDEN, GemmArgs, GemmBackend, rows
-from truefuse.ops.gemm_bi_config import bucket, layout
+from truefuse.ops.gemm_bi_config import BLOCK_K as BI_BLOCK_K
+from truefuse.ops.gemm_bi_config import GROUP_M, M_BUCKETS, TMA_TILE, bucket, group, layout
 
 _FEATURES = ["mm", "accumulate", "grad_activation", "grad_bias"]
 # ``batch_invariant``: BLOCK_K fixed per dtype, no split-K, and in that mode a launch table
@@ -127,6 +129,9 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
     if "batch_invariant" in fused:
         from truefuse.kernels.gemm import _gemm_kernel
 
+        if not beta1 and grad_act is None and gb is None and _tma_fits(a, b, target, layout(b)):
+            _bi_tma_launch(a, b, target, layout(b))  # the same bits (gemm_bi_config.TMA_TILE)
+            return
         meta = _bi_meta(a.dtype, M, layout(b))
         kernel, grid = _gemm_kernel, _bi_grid(M, N, meta)
     else:
@@ -146,8 +151,58 @@ def bi_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> None:
     from truefuse.kernels.gemm import _gemm_kernel
 
     M, N = a.shape[0], b.shape[1]
-    meta = _bi_meta(a.dtype, M, layout(b))
+    form = layout(b)
+    if _tma_fits(a, b, target, form):
+        _bi_tma_launch(a, b, target, form)
+        return
+    meta = _bi_meta(a.dtype, M, form)
     _launch(_gemm_kernel, _bi_grid(M, N, meta), a, b, target, a, target, False, ACT_CODES[None], False, meta)
+
+
+def _tma_fits(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor, form: str) -> bool:
+    """Whether the persistent TMA kernel takes this bare batch-invariant product: Hopper, bf16/fp16,
+    the last M bucket, rows of ``a``, ``b``'s weight and ``target`` contiguous in their last
+    dimension with 16-byte aligned bases and row strides (TMA's rules). Its bits are the table
+    tile's (gemm_bi_config.TMA_TILE), so the choice never changes a result."""
+    if a.dtype not in (BF16, F16) or target.dtype is not a.dtype or bucket(a.shape[0]) != len(M_BUCKETS) - 1:
+        return False
+    if not hopper(a) or get_config().triton_interpret:
+        return False
+    w = b.t() if form == "nt" else b  # the weight as stored: (N, K) for x Wᵀ, (K, N) for dy W
+    for t in (a, w):
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+    return target.stride(1) == 1
+
+
+def _bi_tma_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor, form: str) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from truefuse.kernels.gemm_tma import _gemm_tma_kernel
+
+    (M, K), N = a.shape, b.shape[1]
+    bm, bn, warps, stages = TMA_TILE[form]
+    bk = BI_BLOCK_K[group(a.dtype)]
+    w = b.t() if form == "nt" else b
+    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk])
+    w_desc = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [bn, bk] if form == "nt" else [bk, bn])
+    tiles = -(-M // bm) * -(-N // bn)
+    _gemm_tma_kernel[(min(tiles, sm_count(a.device.index or 0)),)](
+        a_desc,
+        w_desc,
+        target,
+        M,
+        N,
+        K,
+        target.stride(0),
+        B_NK=form == "nt",
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=GROUP_M,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 def bi_launch_segments(a: torch.Tensor, bs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
