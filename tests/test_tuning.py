@@ -24,6 +24,7 @@ KNOBS = (
     "ll_max_bytes",
     "programs_per_sm",
     "maxp",
+    "hf_norm_stock_numel",
     "max_kernel_n",
 )
 
@@ -46,12 +47,13 @@ def test_knobs_and_defaults():
     assert tuple(f.name for f in dataclasses.fields(Tuning)) == KNOBS
     assert t == Tuning()
     assert (t.chunk_bytes, t.align, t.min_macs) == (512 << 20, 64, 1 << 32)
-    assert (t.push_max_bytes, t.ll_max_bytes, t.programs_per_sm, t.maxp, t.max_kernel_n) == (
+    assert (t.push_max_bytes, t.ll_max_bytes, t.programs_per_sm, t.maxp, t.max_kernel_n, t.hf_norm_stock_numel) == (
         256 << 10,
         128 << 10,
         2,
         512,
         16384,
+        1 << 18,
     )
     assert [t.two_stage_threshold(w) for w in (2, 4, 8, 3)] == [1 << 30, 1 << 20, 512 << 10, 512 << 10]
     assert all(len(d) > 20 and "\n" not in d for d in knob_docs().values())
