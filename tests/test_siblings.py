@@ -95,11 +95,18 @@ def test_calls_that_do_not_fit_run_alone(device, plan, launches):
             m.v_proj.weight.mul_(2)  # written after the launch: v recomputed (2x: exact in binary)
             assert torch.equal(m.v_proj(x), want["v_proj"] * 2)
             assert torch.equal(m.k_proj(x * 2), want["k_proj"] * 2)  # another input: alone
-        assert launches[0] == 2
+            m.q_proj(x)
+            x.mul_(2)  # the input written after the launch: k recomputed from it
+            assert torch.equal(m.k_proj(x), want["k_proj"] * 2)
+            x.div_(2)
+        assert launches[0] == 3
+        with torch.inference_mode(), running_batch_invariant(groups):  # no version counter: alone
+            m.q_proj(torch.randn(5, 32, device=device).to(plan))
+        assert launches[0] == 3
     x.requires_grad_()
     with running_batch_invariant(groups):
         m.q_proj(x)
-    assert launches[0] == 2
+    assert launches[0] == 3
 
 
 def test_find_groups_leaves_wrapped_projections():

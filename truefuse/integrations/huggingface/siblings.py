@@ -7,8 +7,8 @@ The attention's q, k and v projections read the same input, as do the MLP's gate
 first of such a group is called, :func:`fused_call` computes every member's product in one launch
 (``gemm_backends/triton.py::bi_launch_segments``: each output has the bits of its own call) and
 keeps the others' outputs for their calls, which follow with the same input tensor. A call that
-does not match (another input, a weight written since, a gradient to take, autocast, a plan other
-than the batch-invariant Triton GEMM) runs as it would alone. The outputs are what each call would
+does not match (another input, an input or weight written since, a gradient to take, autocast, an
+inference tensor, a plan other than the batch-invariant Triton GEMM) runs as it would alone. The outputs are what each call would
 return: a new contiguous (..., N) tensor, its split bias added the same way.
 """
 
@@ -52,8 +52,8 @@ def fused_call(state: Siblings, x: torch.Tensor, weight: torch.Tensor, bias) -> 
     (nothing done: the caller runs it as always)."""
     kept = state.kept.pop(id(weight), None) if state.kept else None
     if kept is not None:
-        kx, version, y = kept
-        if kx is x and version == weight._version:
+        kx, versions, y = kept
+        if kx is x and versions == (x._version, weight._version):
             return _finish(y, x, bias)
     group = state.firsts.get(id(weight))
     if group is None:
@@ -67,7 +67,7 @@ def fused_call(state: Siblings, x: torch.Tensor, weight: torch.Tensor, bias) -> 
     outs = [torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
     bi_launch_segments(x2, [w.t() for w in weights], outs)
     for w, y in zip(weights[1:], outs[1:], strict=True):
-        state.kept[id(w)] = (x, w._version, y)
+        state.kept[id(w)] = (x, (x._version, w._version), y)
     return _finish(outs[0], x, bias)
 
 
@@ -79,8 +79,8 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias) -> torch.Tensor:
 
 def _fusable(x: torch.Tensor, weights: list[torch.Tensor], biased: list[bool]) -> bool:
     """Whether each member's call would run the plain batch-invariant Triton product on ``x``."""
-    if torch.compiler.is_compiling() or autocast_dtype(x.device) is not None:
-        return False
+    if torch.compiler.is_compiling() or autocast_dtype(x.device) is not None or x.is_inference():
+        return False  # (an inference tensor keeps no version counter to tell a write after the launch)
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
     K, dev = x.shape[-1], x.device
