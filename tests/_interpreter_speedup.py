@@ -70,7 +70,76 @@ def install() -> None:
 
     interp._patch_lang = patch_lang
     interp.GridExecutor.__call__ = grid_call
+    _install_dtype_table(interp, tl)
+    _install_axis_reduce(interp, tl)
     interp._truefuse_fast_patch = True
+
+
+def _install_dtype_table(interp, tl) -> None:
+    """``_get_np_dtype`` from a table built once (Triton's builds its 19-entry dict on every call,
+    a tensor op calls it several times: ~7% of the interpreter's time); the same mapping."""
+    import numpy as np
+
+    original = interp._get_np_dtype
+    table = {t: original(t) for t in (tl.int1, tl.float16, tl.float32, tl.float64, tl.bfloat16)}
+    table |= {getattr(tl, n): original(getattr(tl, n)) for n in ("int8", "int16", "int32", "int64")}
+    table |= {getattr(tl, f"u{n}"): original(getattr(tl, f"u{n}")) for n in ("int8", "int16", "int32", "int64")}
+    u64 = np.dtype(np.uint64)
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return u64
+        found = table.get(tt_dtype)
+        return original(tt_dtype) if found is None else found  # fp8 and the rest: Triton's own
+
+    interp._get_np_dtype = get_np_dtype
+
+
+#: combine functions whose every output is the sum of its pair of inputs (``a0 + a1, b0 + b1``)
+_SUM_COMBINES = {"truefuse.kernels.norm._add2"}
+
+
+def _install_axis_reduce(interp, tl) -> None:
+    """``tl.reduce`` with a combine function of its own (LayerNorm's two sums in one reduction):
+    Triton's interpreter folds it one element at a time, a combine call per element (20 s of a
+    16384-wide backward's test). Here the same left fold along the axis, each combine call on every
+    output position at once: the same operations in the same order on each element, so the same bits
+    (tests/test_interpreter_speedup.py compares them). A combine of :data:`_SUM_COMBINES` (each
+    output the sum of its pair) on fp32 or fp64: numpy's running sum, the same left fold in C."""
+    import numpy as np
+
+    ops = interp.ReduceOps
+    ops._truefuse_element_reduce = ops.generic_reduce
+
+    def generic_reduce(self, input):
+        original_axis = self.axis
+        input, axis = self.unravel(input, self.axis)
+        data = [arg.handle.data for arg in input]
+        out_shape = data[0].shape[:axis] + data[0].shape[axis + 1 :]
+        acc = [np.take(d, 0, axis=axis).astype(d.dtype).reshape(out_shape) for d in data]
+        fn, steps = self.combine_fn.fn, data[0].shape[axis]
+        if f"{fn.__module__}.{fn.__name__}" in _SUM_COMBINES and all(d.dtype in (np.float32, np.float64) for d in data):
+            acc, steps = [np.take(np.add.accumulate(d, axis=axis), -1, axis=axis).reshape(out_shape) for d in data], 1
+        for k in range(1, steps):
+            accs = tuple(self.to_tensor(a, arg.dtype) for a, arg in zip(acc, input, strict=True))
+            items = tuple(self.to_tensor(np.take(d, k, axis=axis), arg.dtype) for d, arg in zip(data, input, strict=True))
+            got = self.combine_fn.fn(*accs, *items)
+            got = got if isinstance(got, tuple) else (got,)
+            for j, g in enumerate(got):
+                value = np.asarray(g.handle.data if isinstance(g, tl.core.tensor) else g).astype(acc[j].dtype)
+                acc[j] = value.reshape(out_shape) if value.size == acc[j].size else np.full(out_shape, value.item(), acc[j].dtype)
+        ret = []
+        for d, arg in zip(acc, input, strict=True):
+            if self.keep_dims:
+                d = np.expand_dims(d, axis) if original_axis is not None else d.reshape((1,) * len(data[0].shape))
+            elif original_axis is None:
+                d = d.item()
+            ret.append(self.to_tensor(d, arg.dtype))
+        return ret
+
+    ops.generic_reduce = generic_reduce
 
 
 def interpreted(rank: int, world_size: int, fn, *args):
