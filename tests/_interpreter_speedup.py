@@ -13,6 +13,11 @@ suite that was half of the interpreter's time (cProfile of the allreduce table: 
 patching, so a second one would find it done). The kernels run the same interpreted code on the same values: only
 the redundant re-patching is gone. The suite installs it in ``conftest.py``; a test whose spawned
 processes run kernels calls :func:`install` in them (conftest does not run there).
+
+:func:`install` also folds a custom-combine ``tl.reduce`` along its axis for every output at once
+(Triton's folds one element at a time) and builds ``_get_np_dtype``'s table once: the same values.
+:func:`run_local` and :func:`forkserver` start the tests' ranks from a server that has imported
+torch, Triton and truefuse once, instead of each rank importing them again.
 """
 
 from __future__ import annotations
@@ -149,7 +154,30 @@ def interpreted(rank: int, world_size: int, fn, *args):
 
 
 def run_local(world_size: int, fn, *args, **kwargs) -> list:
-    """``truefuse.distributed.launch.run_local`` with :func:`install` in every spawned process."""
+    """``truefuse.distributed.launch.run_local`` with :func:`install` in every rank, the ranks
+    forked from :func:`forkserver`'s server."""
     from truefuse.distributed.launch import run_local as launch
 
-    return launch(world_size, interpreted, fn, *args, **kwargs)
+    forkserver()
+    return launch(world_size, interpreted, fn, *args, start_method="forkserver", **kwargs)
+
+
+#: imported once in the fork server, before it forks any rank: a spawned rank imported them itself,
+#: ~4-5 s of CPU a rank (the suite starts ~40 ranks on the 2 CI cores). symbolic_shapes: sympy,
+#: which autograd imports at a rank's first backward (1 s)
+_PRELOAD = [
+    *("torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "triton.language", "triton.runtime.interpreter"),
+    *("truefuse", "truefuse.distributed", "truefuse.kernels.norm", "truefuse.verify.distributed_table"),
+    *("truefuse.verify.distributed_tp", "truefuse.verify.distributed_vocab"),
+]
+
+
+def forkserver():
+    """multiprocessing's "forkserver" context, its server to preload :data:`_PRELOAD` (one server a
+    pytest process, started at its first rank). It starts with this process's environment
+    (conftest's TRITON_INTERPRET and OMP_NUM_THREADS), which the ranks inherit from it."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _interpreter_speedup import forkserver
 
 from truefuse.distributed.allreduce import ordered_sum
 from truefuse.distributed.workspace import layout
@@ -120,7 +120,7 @@ def _run(W, cases, with_rstd=False):
     """Every rank's _CALLS kernel calls for each case (variant, M, N, programs, dtype), ranks as W
     spawned processes: per case (xs, res, w, outs, normed, rstds), and the ranks' epochs per case."""
     data = [(case, _inputs(W, case[1], case[2], case[4], with_rstd)) for case in cases]
-    ctx = mp.get_context("spawn")
+    ctx = forkserver()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, W, data, queue)) for r in range(W)]
     for p in procs:

@@ -25,15 +25,18 @@ def _worker(rank, world_size, init_file, backend, fn, args, queue, received):
     received.wait(timeout=120)
 
 
-def run_local(world_size: int, fn: Callable, *args, backend: str = "gloo", timeout_s: float = 300.0) -> list:
+def run_local(
+    world_size: int, fn: Callable, *args, backend: str = "gloo", timeout_s: float = 300.0, start_method: str = "spawn"
+) -> list:
     """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; returns their results by rank.
 
     ``fn`` must be importable (a module-level function) and its result picklable. A failure on any
-    rank raises ``RuntimeError`` with that rank's traceback.
+    rank raises ``RuntimeError`` with that rank's traceback. ``start_method``: multiprocessing's
+    (the CPU tests fork their ranks from a server that has imported torch once: "forkserver").
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     received = ctx.Event()
     with tempfile.TemporaryDirectory() as tmp:
