@@ -22,7 +22,7 @@ from conftest import requires_cuda
 
 import truefuse
 from truefuse.testing import assert_bitwise, assert_bounded, bounded_report
-from truefuse.verify.cases_linear import MODULES, attach_main_grads, build
+from truefuse.verify.cases_linear import MODULES, attach_main_grads, build, tokens
 
 CASES = [
     pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
@@ -38,7 +38,7 @@ def _inputs(m, device, dtype, seed=1):
     """x in fp32 (the parameters' dtype) and dy in the autocast dtype (the output's)."""
     g = torch.Generator().manual_seed(seed)
     features = m.gemm_weights()[0][1].shape[-1]
-    x = torch.randn(3, 41, features, generator=g).to(device)
+    x = torch.randn(*tokens(device), features, generator=g).to(device)
     with torch.no_grad(), torch.autocast(device, dtype):
         out = m.forward_ref(x)
     out = out[0] if isinstance(out, tuple) else out

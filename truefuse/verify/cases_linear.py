@@ -7,7 +7,7 @@
 * ``main_grad``: fused fp32 accumulation into a random ``main_grad``, bounded against float64 with
   "bf16 weight gradient, then an fp32 add" as the baseline.
 
-The helpers here (:data:`MODULES`, :func:`build`, :func:`inputs_for`, :func:`run_module`,
+The helpers here (:data:`MODULES`, :func:`build`, :func:`tokens`, :func:`inputs_for`, :func:`run_module`,
 :func:`to_float64`, :func:`attach_main_grads`) and the case builders (:func:`fwd_bwd_case`,
 :func:`delayed_vs_immediate_case`, :func:`main_grad_case`) are shared with the tests.
 """
@@ -27,8 +27,18 @@ from truefuse.testing import bitwise_report, bounded_report
 from truefuse.verify.registry import register
 
 _H, _F, _N = 96, 80, 72  # hidden, ffn, out features
-_TOKENS = (3, 41)  # leading dimensions of the input
-_SPLITS = [40, 0, 1, 82]  # groups of the 123 rows: an empty group and a group of one row
+
+
+def tokens(device) -> tuple[int, int]:
+    """The input's leading dimensions: 3 x 41 on a GPU; 3 x 7 on the CPU, whose interpreter runs
+    the norm and activation kernels a program per row (the norm backward's CPU grid still gets
+    several two-row tiles a program and a shorter last program)."""
+    return (3, 41) if torch.device(device).type == "cuda" else (3, 7)
+
+
+def splits(device) -> list[int]:
+    """The grouped modules' groups of the :func:`tokens` rows: an empty group and a group of one row."""
+    return [40, 0, 1, 82] if torch.device(device).type == "cuda" else [6, 0, 1, 14]
 
 
 class WithSplits(torch.nn.Module):
@@ -78,13 +88,17 @@ MODULES: dict[str, Callable[..., torch.nn.Module]] = {
     "LayerNormMLP/rms_swiglu": lambda dt, dev, **kw: LayerNormMLP(
         _H, _F, bias=False, device=dev, dtype=dt, normalization="RMSNorm", activation="swiglu", **kw
     ),
-    "GroupedLinear/per_group": lambda dt, dev, **kw: WithSplits(GroupedLinear(4, _H, _N, device=dev, dtype=dt, **kw), _SPLITS),
-    "GroupedLinear/packed": lambda dt, dev, **kw: WithSplits(
-        GroupedLinear(4, _H, _N, device=dev, dtype=dt, single_grouped_weight=True, **kw), _SPLITS
+    "GroupedLinear/per_group": lambda dt, dev, **kw: WithSplits(
+        GroupedLinear(4, _H, _N, device=dev, dtype=dt, **kw), splits(dev)
     ),
-    "GroupedMLP/per_group_swiglu": lambda dt, dev, **kw: WithSplits(GroupedMLP(4, _H, _F, device=dev, dtype=dt, **kw), _SPLITS),
+    "GroupedLinear/packed": lambda dt, dev, **kw: WithSplits(
+        GroupedLinear(4, _H, _N, device=dev, dtype=dt, single_grouped_weight=True, **kw), splits(dev)
+    ),
+    "GroupedMLP/per_group_swiglu": lambda dt, dev, **kw: WithSplits(
+        GroupedMLP(4, _H, _F, device=dev, dtype=dt, **kw), splits(dev)
+    ),
     "GroupedMLP/packed_gelu_bias": lambda dt, dev, **kw: WithSplits(
-        GroupedMLP(4, _H, _F, bias=True, device=dev, dtype=dt, activation="gelu", single_grouped_weight=True, **kw), _SPLITS
+        GroupedMLP(4, _H, _F, bias=True, device=dev, dtype=dt, activation="gelu", single_grouped_weight=True, **kw), splits(dev)
     ),
 }
 
@@ -106,7 +120,7 @@ def inputs_for(m: torch.nn.Module, dtype, device, seed: int = 1) -> tuple[torch.
     """(x, dy): a random input and upstream gradient of the module's output shape."""
     g = torch.Generator().manual_seed(seed)
     features = m.gemm_weights()[0][1].shape[-1]
-    x = torch.randn(*_TOKENS, features, generator=g).to(device, dtype)
+    x = torch.randn(*tokens(device), features, generator=g).to(device, dtype)
     with torch.no_grad():
         out = m.forward_ref(x)
     out = out[0] if isinstance(out, tuple) else out
