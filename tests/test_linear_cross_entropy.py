@@ -9,10 +9,16 @@ import truefuse
 from truefuse.config import get_tuning, tuning
 from truefuse.ops._triton import triton_runs
 from truefuse.ops.lm_head.linear_cross_entropy import linear_cross_entropy_ref
-from truefuse.verify.cases_linear_cross_entropy import check_lce, make_inputs
+from truefuse.verify.cases_linear_cross_entropy import check_lce, chunked_tokens, make_inputs
 from truefuse.verify.registry import all_cases
 
 DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _tokens_for_7(device) -> int:
+    """Tokens of the chunk_size=7 tests: make_inputs' 53 on a GPU; 17 under the CPU interpreter (a
+    program per token), which chunk_size=7 still splits into two whole chunks and a tail."""
+    return 53 if device.type == "cuda" else 17
 
 
 def _assert(reports):
@@ -34,7 +40,7 @@ def test_registered_cases(device):
 @pytest.mark.parametrize("ignore", ["some", "none", "all"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_reductions_and_ignore(reduction, ignore, dtype, device):
-    x, W, t, b = make_inputs(dtype, device, ignore=ignore, bias=True)
+    x, W, t, b = make_inputs(dtype, device, N=chunked_tokens(device), ignore=ignore, bias=True)  # chunk_size=16
     up = torch.randn(t.shape, generator=torch.Generator().manual_seed(3)) if reduction == "none" else None
     reports = check_lce(x, W, t, b, reduction=reduction, upstream=up, chunk_size=16)
     if ignore == "all":  # nothing counts: 0 and zero gradients (mean: never NaN, unlike torch)
@@ -50,19 +56,20 @@ def test_reductions_and_ignore(reduction, ignore, dtype, device):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_odd_sizes_and_leading_dims(dtype, device):
-    for N, H, V, lead in [(1, 40, 203, ()), (53, 33, 130, (2, 3)), (7, 17, 1, ())]:
+    n = 53 if device.type == "cuda" else 13  # the interpreter: a program per token (2 x 3 x 13 still 16 chunks)
+    for N, H, V, lead in [(1, 40, 203, ()), (n, 33, 130, (2, 3)), (7, 17, 1, ())]:
         x, W, t, b = make_inputs(dtype, device, N=N, H=H, V=V, lead=lead, ignore="none", bias=True)
         _assert(check_lce(x, W, t, b, chunk_size=5))
 
 
 @pytest.mark.parametrize("grads", [("input",), ("linear_weight",), ("linear_bias",)])
 def test_only_some_inputs_need_grad(grads, device):
-    x, W, t, b = make_inputs(torch.float32, device, bias=True)
+    x, W, t, b = make_inputs(torch.float32, device, N=chunked_tokens(device), bias=True)
     _assert(check_lce(x, W, t, b, grads=grads, chunk_size=16, z_loss=1e-3))
 
 
 def test_gradient_scales_with_grad_output_and_retain_graph(device):
-    x, W, t, _ = make_inputs(torch.float32, device)
+    x, W, t, _ = make_inputs(torch.float32, device, N=chunked_tokens(device))  # chunk_size=16
     x.requires_grad_()
     W.requires_grad_()
     loss = truefuse.linear_cross_entropy(x, W, t, chunk_size=16)
@@ -293,7 +300,7 @@ def test_fused_main_grad(device, reduction, chunk):
     """docs/design.md §2 for the loss's weight: the gradient (scaled by grad_output) is added into
     main_grad, autograd gets None; d_input is unchanged. One chunk (d_logits kept for the backward)
     and several (recomputed in the backward), every reduction."""
-    x, W, t, _ = make_inputs(torch.float32, device)
+    x, W, t, _ = make_inputs(torch.float32, device, N=_tokens_for_7(device))
     kw = {"reduction": reduction, "chunk_size": chunk, "z_loss": 1e-3}
     dx_want, dW_want = _plain_grads(x, W, t, **kw)
     xl, Wl = x.clone().requires_grad_(), W.clone().requires_grad_()
@@ -308,7 +315,7 @@ def test_fused_main_grad(device, reduction, chunk):
 
 @pytest.mark.parametrize("chunk", [None, 7])
 def test_fused_main_grad_megatron_attribute_overwrite_and_retain_graph(device, chunk):
-    x, W, t, _ = make_inputs(torch.float32, device)
+    x, W, t, _ = make_inputs(torch.float32, device, N=_tokens_for_7(device))
     _, dW_want = _plain_grads(x, W, t, chunk_size=chunk)
     Wl = W.clone().requires_grad_()
     Wl.main_grad = torch.full(W.shape, 7.0, device=device)
@@ -341,7 +348,7 @@ def test_fused_main_grad_missing_is_a_clear_error(device):
 def test_delayed_weight_grad_is_bitwise_the_immediate_one(device, fused, reduction, chunk):
     """docs/design.md §2: with delay_wgrad_compute the backward returns None for the weight and
     backward_dw() adds the same bits into .grad (or main_grad) as the immediate path."""
-    x, W, t, _ = make_inputs(torch.float32, device)
+    x, W, t, _ = make_inputs(torch.float32, device, N=_tokens_for_7(device))
     out = {}
     for delay in (False, True):
         m = truefuse.LinearCrossEntropyLoss(
