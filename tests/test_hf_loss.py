@@ -6,6 +6,7 @@ parameter's gradient, MoE's auxiliary loss, the logits without labels, gradient 
 """
 
 import copy
+import dataclasses
 import functools
 import warnings
 
@@ -41,11 +42,13 @@ def _torch_loss_path(request, monkeypatch):
     """On the CPU the loss runs its PyTorch chunk math (``chunk_math``), not the Triton kernel in
     the interpreter (~2 s a call here): the kernel's numerics are tests/test_linear_cross_entropy*'s
     business. Tests asking for the ``kernel_path`` fixture keep the kernel (the interpreter, under
-    TRITON_INTERPRET=1)."""
+    TRITON_INTERPRET=1). The interpreter off for truefuse's ops, as tests/hf's ``torch_paths`` does
+    (the loss is the only truefuse op these models run; the loss's modules read ``triton_runs``)."""
     if "kernel_path" not in request.fixturenames:
-        import truefuse.autograd.linear_cross_entropy as lce
+        import truefuse.ops._triton as tr
 
-        monkeypatch.setattr(lce, "triton_runs", lambda x: x.is_cuda and x.dtype != torch.float64, raising=False)
+        real = tr.get_config
+        monkeypatch.setattr(tr, "get_config", lambda: dataclasses.replace(real(), triton_interpret=False))
 
 
 def _config(name, **over):
@@ -569,13 +572,11 @@ def test_forward_keeps_no_targets_alive(monkeypatch):
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_bad_labels_from_the_check_ahead_of_the_decoder(monkeypatch, path):
+def test_bad_labels_from_the_check_ahead_of_the_decoder(monkeypatch, path, kernel_path):  # torch: turned off below
     """On CUDA the labels' range check starts before the decoder and is waited for after the loss,
     which then skips its own wait (``targets_checked``: the host keeps its lead over the GPU). Played
     on the CPU: the check ahead must be what raises, the loss's own check being skipped, on the
     kernel path and on the torch path (which indexed the bad label before the check could raise)."""
-    import dataclasses
-
     import truefuse.ops._triton as tr
     import truefuse.ops.lm_head.linear_cross_entropy as ops_lce
 
