@@ -213,7 +213,8 @@ def test_liger_peer_missing_is_a_clear_exit(monkeypatch, capsys):
 
 
 def test_import_truefuse_does_not_import_transformers():
-    code = "import sys, truefuse, truefuse.demo, truefuse.demo.cli; "
+    # parity_cli: every CLI command's parser imports it (its arguments), `verify` and `info` included
+    code = "import sys, truefuse, truefuse.demo, truefuse.demo.cli, truefuse.demo.parity_cli; "
     code += "print('transformers' in sys.modules, 'tokenizers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -11,7 +11,6 @@ import sys
 import torch
 
 from truefuse.config import batch_invariant
-from truefuse.demo import parity
 
 ARCHS = ("llama", "qwen3", "qwen3_moe")
 MODES = ("stock", "truefuse", "truefuse BI")
@@ -71,6 +70,8 @@ def variant(model, mode: str):
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    from truefuse.demo import parity  # imports transformers: here, not when the CLI builds its parser
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     base = build(args.arch, args.layers, args.hidden, args.vocab, dtype, device, args.seed)
