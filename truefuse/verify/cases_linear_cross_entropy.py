@@ -32,9 +32,9 @@ def make_inputs(dtype, device, N=53, H=40, V=203, lead=(), ignore="some", bias=F
 
 
 def chunked_tokens(device) -> int:
-    """Tokens of the cases that run the op unchunked and at chunk_size=16 (delayed against
-    immediate: 8 runs each; main_grad): make_inputs' 53 on a GPU; 21 under the CPU interpreter
-    (one program per token), which chunk_size=16 still splits into a whole chunk and a tail."""
+    """Tokens of the cases that run the op at chunk_size=16 (every option; delayed against
+    immediate: 8 runs each, unchunked too; main_grad): make_inputs' 53 on a GPU; 21 under the CPU
+    interpreter (one program per token), which chunk_size=16 still splits into a whole chunk and a tail."""
     return 53 if torch.device(device).type == "cuda" else 21
 
 
@@ -88,7 +88,7 @@ def _case(dtype, spec):
     def case(device):
         spec_ = dict(spec)
         bias = spec_.pop("bias", False)
-        x, W, t, b = make_inputs(dtype, device, bias=bias)
+        x, W, t, b = make_inputs(dtype, device, N=chunked_tokens(device), bias=bias)
         if spec_.get("weight") == "w":
             spec_["weight"] = torch.rand(W.shape[0], generator=torch.Generator().manual_seed(9)).to(device) + 0.5
         return check_lce(x, W, t, b, chunk_size=16, **spec_)

@@ -59,7 +59,7 @@ _CASES = {
 def _case(dtype, spec):
     def case(device):
         spec_ = dict(spec)
-        x, W, t, b = make_inputs(dtype, device, bias=spec_.pop("bias", False))
+        x, W, t, b = make_inputs(dtype, device, N=chunked_tokens(device), bias=spec_.pop("bias", False))
         return check_log_probs(x, W, t, b, chunk_size=16, **spec_)
 
     return case
