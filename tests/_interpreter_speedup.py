@@ -85,7 +85,9 @@ def _install_dtype_table(interp, tl) -> None:
     a tensor op calls it several times: ~7% of the interpreter's time); the same mapping."""
     import numpy as np
 
-    original = interp._get_np_dtype
+    original = getattr(interp, "_get_np_dtype", None)
+    if not callable(original):
+        return  # another Triton's interpreter: as it is
     table = {t: original(t) for t in (tl.int1, tl.float16, tl.float32, tl.float64, tl.bfloat16)}
     table |= {getattr(tl, n): original(getattr(tl, n)) for n in ("int8", "int16", "int32", "int64")}
     table |= {getattr(tl, f"u{n}"): original(getattr(tl, f"u{n}")) for n in ("int8", "int16", "int32", "int64")}
@@ -115,7 +117,9 @@ def _install_axis_reduce(interp, tl) -> None:
     output the sum of its pair) on fp32 or fp64: numpy's running sum, the same left fold in C."""
     import numpy as np
 
-    ops = interp.ReduceOps
+    ops = getattr(interp, "ReduceOps", None)
+    if not all(hasattr(ops, n) for n in ("generic_reduce", "unravel", "to_tensor")):
+        return  # another Triton's interpreter: as it is
     ops._truefuse_element_reduce = ops.generic_reduce
 
     def generic_reduce(self, input):
@@ -175,7 +179,8 @@ _PRELOAD = [
 def forkserver():
     """multiprocessing's "forkserver" context, its server to preload :data:`_PRELOAD` (one server a
     pytest process, started at its first rank). It starts with this process's environment
-    (conftest's TRITON_INTERPRET and OMP_NUM_THREADS), which the ranks inherit from it."""
+    (conftest's TRITON_INTERPRET and OMP_NUM_THREADS), which the ranks inherit from it: a test whose
+    ranks need another environment spawns them (launch.run_local's default), as test_demo_fsdp does."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
