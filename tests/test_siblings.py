@@ -100,6 +100,9 @@ def test_calls_that_do_not_fit_run_alone(device, plan, launches):
             assert torch.equal(m.k_proj(x), want["k_proj"] * 2)
             x.div_(2)
         assert launches[0] == 3
+        with running_batch_invariant(groups):  # many rows (the last M bucket): GPU time, each alone
+            m.q_proj(torch.randn(300, 32, device=device).to(plan))
+        assert launches[0] == 3
         with torch.inference_mode(), running_batch_invariant(groups):  # no version counter: alone
             m.q_proj(torch.randn(5, 32, device=device).to(plan))
         assert launches[0] == 3
@@ -132,8 +135,8 @@ def test_segments_launch_same_bits_as_each_launch(M, device, plan):
 
 
 def test_plan_check_follows_the_plan_context(launches):
-    """The kept plan check is keyed on what the plan depends on: the same group fuses under the
-    Triton row's override and runs each call alone (the CPU's own plan) outside it."""
+    """The plan check follows what the plan depends on (the kept runners' key): the same group fuses
+    under the Triton row's override and runs each call alone (the CPU's own plan) outside it."""
     if not backend_available("triton", "cpu"):
         pytest.skip("the Triton interpreter is off")
     m = _attention_like(F32, "cpu")

@@ -44,20 +44,22 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # grouped launch order: consecutive programs share B tiles in L2
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = banded_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     _gemm_tile(
         a_ptr, b_ptr, c_ptr, p_ptr, gb_ptr, pid_m, pid_n, M, N, K,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_pk,
         ACCUMULATE, GRAD_ACT, GRAD_BIAS, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
+
+
+@triton.jit
+def banded_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile ``tile`` in GROUP_M-row bands: consecutive tiles share
+    B's columns in L2. Which program computes a tile, never how."""
+    band = tile // (GROUP_M * num_n)
+    first_m = band * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % (GROUP_M * num_n)) % size_m, (tile % (GROUP_M * num_n)) // size_m
 
 
 @triton.jit

@@ -13,6 +13,8 @@ Which program computes a tile never changes how.
 import triton
 import triton.language as tl
 
+from truefuse.kernels.gemm import banded_tile
+
 
 @triton.jit
 def _gemm_tma_kernel(
@@ -38,12 +40,7 @@ def _gemm_tma_kernel(
     rm_tile = tl.arange(0, BLOCK_M)
     rn_tile = tl.arange(0, BLOCK_N)
     for tile in tl.range(pid, num_m * num_n, nprog, flatten=True, warp_specialize=WS):
-        # GROUP_M-row bands: consecutive tiles share B columns in L2
-        band = tile // (GROUP_M * num_n)
-        first_m = band * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pm = first_m + (tile % (GROUP_M * num_n)) % size_m
-        pn = (tile % (GROUP_M * num_n)) // size_m
+        pm, pn = banded_tile(tile, num_m, num_n, GROUP_M)
         m0 = pm * BLOCK_M
         n0 = pn * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -433,17 +433,18 @@ def _plain_gemm(a, b, out, out_dtype, accumulate, bias, grad_activation, batch_i
     accumulate = bool(accumulate)
     if out is None:
         out = torch.empty((M, N), dtype=odt, device=dev)
-    return _plain_runner(a, b, odt, accumulate, bias, bi)(a, b, out, odt, accumulate, bias)
+    return _plain_runner(a, b, odt, accumulate, bias is not None, bi)(a, b, out, odt, accumulate, bias)
 
 
-def _plain_runner(a, b, odt, accumulate: bool, bias, bi: bool):
+def _plain_runner(a, b, odt, accumulate: bool, has_bias: bool, bi: bool):
+    """The kept runner of the plain call's request (by :func:`plan_context` too)."""
     kind = a.device.type
-    key = (kind, a.dtype, odt, accumulate, bias is not None, bi, *plan_context(kind))
+    key = (kind, a.dtype, odt, accumulate, has_bias, bi, *plan_context(kind))
     runner = _RUNNERS.get(key)
     if runner is None:
         if len(_RUNNERS) >= _MAX_RUNNERS:
             _RUNNERS.clear()
-        request = _request(a, b, odt, accumulate, bias, None, None, False, False, False, bi)
+        request = _request(a, b, odt, accumulate, True if has_bias else None, None, None, False, False, False, bi)
         runner = _RUNNERS[key] = _runner(plan(request))
     return runner
 
@@ -452,8 +453,7 @@ def runs_bi_triton(a: torch.Tensor, b: torch.Tensor, has_bias: bool) -> bool:
     """Whether the plain batch-invariant call ``gemm(a, b[, bias])`` (2-D, a's dtype out, not
     accumulated) runs as ``gemm_backends/triton.py::bi_launch`` plus a split bias add: what a fused
     launch of several such products must reproduce (``integrations/huggingface/siblings.py``)."""
-    bias = a.new_empty(0) if has_bias else None
-    runner = _plain_runner(a, b, a.dtype, False, bias, True)
+    runner = _plain_runner(a, b, a.dtype, False, has_bias, True)
     return getattr(runner, "bi_launch", None) is a.dtype and a.shape[0] > 0 and b.shape[1] > 0
 
 

@@ -129,8 +129,8 @@ def rms_norm_hf_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
             the scale is ``1 + weight`` and the output has x's dtype.
         style: one of :data:`HF_NORM_STYLES`.
     """
-    xf = x.to(torch.float32)  # the statistics' expression is hf_rstd's, inlined: one fp32 copy, as stock
-    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xf = x.to(torch.float32)  # one fp32 copy, as stock (hf_rstd's own .to is then no copy)
+    h = xf * hf_rstd(xf, eps).unsqueeze(-1)
     if style == "llama":
         return weight * h.to(x.dtype)
     return (h * (1.0 + weight.float())).type_as(x)

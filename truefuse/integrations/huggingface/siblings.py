@@ -18,7 +18,7 @@ import torch
 
 from truefuse.autograd._autocast import autocast_dtype
 from truefuse.ops.gemm import runs_bi_triton
-from truefuse.ops.gemm_plan import plan_context
+from truefuse.ops.gemm_bi_config import M_BUCKETS, bucket
 
 #: Attribute names of the sibling ``nn.Linear`` children that read one input, per module kind.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -78,7 +78,8 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias) -> torch.Tensor:
 
 
 def _fusable(x: torch.Tensor, weights: list[torch.Tensor], biased: list[bool]) -> bool:
-    """Whether each member's call would run the plain batch-invariant Triton product on ``x``."""
+    """Whether each member's call would run the plain batch-invariant Triton product on ``x``, a
+    decode-sized one (the launch's host time is what the group saves)."""
     if torch.compiler.is_compiling() or autocast_dtype(x.device) is not None or x.is_inference():
         return False  # (an inference tensor keeps no version counter to tell a write after the launch)
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
@@ -89,17 +90,8 @@ def _fusable(x: torch.Tensor, weights: list[torch.Tensor], biased: list[bool]) -
             return False
         if w.dim() != 2 or w.shape[1] != K or w.shape[0] == 0 or not w.is_contiguous():
             return False
-    if x.numel() == 0:
-        return False
-    # the plan depends on the dtype, the device, a bias and the plan context, never on the shapes
-    key = (x.dtype, dev.type, tuple(biased), *plan_context(dev.type))
-    ok = _PLANNED.get(key)
-    if ok is None:
-        if len(_PLANNED) >= 256:
-            _PLANNED.clear()
-        x2 = x.reshape(-1, K)
-        ok = _PLANNED[key] = all(runs_bi_triton(x2, w.t(), b) for w, b in zip(weights, biased, strict=True))
-    return ok
-
-
-_PLANNED: dict[tuple, bool] = {}  # _fusable's plan check, by what the plain call's plan depends on
+    rows = x.numel() // K
+    if rows == 0 or bucket(rows) == len(M_BUCKETS) - 1:
+        return False  # many rows are GPU time, not host time: each on its own kernel (TMA on Hopper)
+    x2 = x.reshape(-1, K)
+    return all(runs_bi_triton(x2, weights[0].t(), b) for b in set(biased))

@@ -129,8 +129,8 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
     if "batch_invariant" in fused:
         from truefuse.kernels.gemm import _gemm_kernel
 
-        if not beta1 and grad_act is None and gb is None and _tma_fits(a, b, target, layout(b)):
-            _bi_tma_launch(a, b, target, layout(b))  # the same bits (gemm_bi_config.TMA_TILE)
+        if not beta1 and grad_act is None and gb is None:
+            bi_launch(a, b, target)  # a bare product: the plain call's launch (TMA where it fits)
             return
         meta = _bi_meta(a.dtype, M, layout(b))
         kernel, grid = _gemm_kernel, _bi_grid(M, N, meta)
