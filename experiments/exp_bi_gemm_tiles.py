@@ -12,6 +12,8 @@ for both layouts.
 
 ``python experiments/exp_bi_gemm_tiles.py OUT [--write]``: JSON and a table under OUT;
 ``--write`` rewrites the TABLE block of ``gemm_bi_config.py`` with the picks (copied to OUT too).
+``--decode``: the two decode buckets (M ≤ 64), bf16 only; picks by the CUDA-graph ratios (the
+kernels' own time: eager decode calls are bound by the launch's host time).
 ``--smoke``: tiny fp32 shapes under ``TRITON_INTERPRET=1`` on the CPU (the code paths only).
 """
 
@@ -27,14 +29,16 @@ import torch
 from truefuse.bench.harness import environment, measure
 from truefuse.ops import gemm_bi_config as bc
 from truefuse.ops.gemm import gemm
-from truefuse.ops.gemm_backends.triton import run_tiles
+from truefuse.ops.gemm_backends.triton import _BI_META, run_tiles
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (K, N)
 BUCKET_M = (16, 64, 256, 8192)
 CANDS = {
     "bf16": (
-        [(16, 32, 4, 4), (16, 32, 4, 6), (16, 64, 4, 4), (16, 64, 4, 6), (16, 128, 4, 4)],
-        [(16, 32, 4, 6), (32, 32, 4, 4), (32, 64, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4)],
+        [(16, 16, 2, 6), (16, 16, 2, 8), (16, 16, 2, 10), (16, 16, 4, 6), (16, 16, 4, 8), (16, 16, 4, 10),
+         (16, 32, 4, 6), (16, 32, 4, 8), (16, 32, 4, 10), (16, 64, 4, 4), (16, 64, 4, 6)],
+        [(16, 32, 4, 6), (32, 16, 4, 8), (32, 32, 4, 6), (64, 16, 4, 6), (64, 16, 4, 8), (64, 32, 4, 4),
+         (64, 32, 4, 6), (64, 32, 4, 8), (64, 64, 4, 4), (64, 64, 4, 6)],
         [(64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 4)],
         [(128, 128, 8, 4), (256, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 4)],
     ),
@@ -61,7 +65,7 @@ def _gmean(rows) -> float:
     return math.exp(sum(math.log(r["ratio"]) for r in rows) / len(rows)) if rows else float("nan")
 
 
-def sweep(g: str, forms, shapes, bucket_m, device, timing: dict, on_pick) -> tuple[list[dict], dict]:
+def sweep(g: str, forms, shapes, bucket_m, device, timing: dict, on_pick, graph_pick: bool = False) -> tuple[list[dict], dict]:
     dtype = torch.float32 if g == "fp32" else torch.bfloat16
     rows, picks = [], {}
     saved = dict(bc.TABLE)
@@ -74,12 +78,13 @@ def sweep(g: str, forms, shapes, bucket_m, device, timing: dict, on_pick) -> tup
                 a, b = _operands(form, M, K, N, dtype, device)
                 ref_bits = run_tiles(a, b, bc.REFERENCE[g])
                 cub = measure(lambda a=a, b=b: torch.mm(a, b), device, **timing).ms
-                graph = M <= 64 and si == 0 and device.type == "cuda"
+                graph = M <= 64 and device.type == "cuda"
                 cub_g = measure(lambda a=a, b=b: torch.mm(a, b), device, cuda_graph=True, **timing).ms if graph else None
                 for t in CANDS[g][bi]:
                     tiles = list(bc.TABLE[key])
                     tiles[bi] = t
                     bc.TABLE[key] = tuple(tiles)
+                    _BI_META.clear()  # the launcher keeps each bucket's tile after its first call
                     try:
                         same = bool(torch.equal(run_tiles(a, b, t), ref_bits))
                         fn = lambda a=a, b=b: gemm(a, b, batch_invariant=True)  # noqa: E731
@@ -98,12 +103,18 @@ def sweep(g: str, forms, shapes, bucket_m, device, timing: dict, on_pick) -> tup
                     bits = "=" if same else "DIFF"
                     print(f"{g} {form:>5} M {M:>5} K {K:>5} N {N:>5} {t!s:<18} bits {bits} x{row['ratio']:.3f}{gr}", flush=True)
                 bc.TABLE[key] = saved[key]
-            ok = {t: _gmean(rs) for t, rs in per_cand.items() if all(r["same_bits"] for r in rs)}
+                _BI_META.clear()
+            if graph_pick and bi < 2:
+                rs_of = {t: [{"ratio": r["graph_ratio"] or r["ratio"], "same_bits": r["same_bits"]} for r in rs] for t, rs in per_cand.items()}
+            else:
+                rs_of = per_cand
+            ok = {t: _gmean(rs) for t, rs in rs_of.items() if all(r["same_bits"] for r in rs)}
             picks[(form, bi)] = min(ok, key=ok.get) if ok else bc.REFERENCE[g]
             on_pick(rows, {(g, form, bi): picks[(form, bi)]})
     finally:
         bc.TABLE.clear()
         bc.TABLE.update(saved)
+        _BI_META.clear()
     return rows, picks
 
 
@@ -123,6 +134,7 @@ def write_table(picks: dict, path: Path) -> str:
     path.write_text(new)
     bc.TABLE.clear()
     bc.TABLE.update(table)
+    _BI_META.clear()
     return new
 
 
@@ -138,6 +150,10 @@ def main() -> None:
     else:
         device, timing = torch.device("cuda"), {"warmup_ms": 10, "rep_ms": 40}
         plan = [("bf16", ("fwd", "dgrad"), SHAPES, BUCKET_M), ("fp32", ("fwd",), ((4096, 4096),), BUCKET_M)]
+    if "--decode" in sys.argv:
+        global ORDER
+        ORDER = (0, 1)
+        plan = plan[:1]
     meta = environment()
     all_rows: list = []
     picks: dict = {}
@@ -151,7 +167,7 @@ def main() -> None:
             (out / "gemm_bi_config.py").write_text(write_table(picks, Path(bc.__file__)))
 
     for g, forms, shapes, ms in plan:
-        rows, _ = sweep(g, forms, shapes, ms, device, timing, on_pick)
+        rows, _ = sweep(g, forms, shapes, ms, device, timing, on_pick, graph_pick="--decode" in sys.argv)
         all_rows += rows
     print("\npicks (dtype, form, bucket -> tiles; ratio = geometric mean over the shapes):")
     for (g, form, bi), t in sorted(picks.items()):

@@ -149,8 +149,13 @@ def test_bi_table_fixed_block_k_and_every_m(monkeypatch):
     for dtype, block_k in ((BF16, 64), (torch.float16, 64), (F32, 32)):
         for form in ("nt", "nn"):
             for M in (*range(1, 300), 511, 512, 513, 4096, 8192, 10**6):
-                cfg = tb.bi_config(dtype, M, form)
-                assert cfg.kwargs["BLOCK_K"] == block_k, (dtype, form, M)
+                for N in (0, 4096, bc.WIDE_N, 14336):
+                    cfg = tb.bi_config(dtype, M, form, N)
+                    assert cfg.kwargs["BLOCK_K"] == block_k, (dtype, form, M, N)
+    # a wide output's decode tile comes from WIDE, the rest from the table
+    assert bc.bi_tiles(BF16, 1, "nn", 14336) == bc.WIDE[("bf16", "nn")][0] != bc.bi_tiles(BF16, 1, "nn", 4096)
+    assert bc.bi_tiles(BF16, 8192, "nn", 14336) == bc.TABLE[("bf16", "nn")][-1]
+    assert set(bc.WIDE[("bf16", "nn")]) <= set(bc.entries("bf16"))
     w = torch.ones(8, 4)
     assert bc.layout(w.t()) == "nt" and bc.layout(w) == "nn"
 
@@ -186,7 +191,8 @@ def test_bi_gemm_small_m_rows_equal_large_m_gpu(dtype):
     gen = torch.Generator(device="cuda").manual_seed(1)
     K, N = 1024, 4096
     w = torch.randn(N, K, generator=gen, device="cuda", dtype=dtype)
-    for b, width in ((w.t(), K), (w, N)):
+    wide = torch.randn(K, 14336, generator=gen, device="cuda", dtype=dtype)  # a WIDE decode tile's output
+    for b, width in ((w.t(), K), (w, N), (wide, K)):
         x = torch.randn(8192, width, generator=gen, device="cuda", dtype=dtype)
         full = gemm(x, b, batch_invariant=True)
         for m in (1, 2, 3, 8, 16, 17, 32, 40, 64, 65, 256, 257, 1000):

@@ -53,10 +53,25 @@ def _call(p: dict, a, w, x, provider: str):
     return lambda: gemm(a, b, batch_invariant=True)
 
 
-def _provider(name: str):
+#: bytes of operands a rotating provider cycles through: over twice the H100's 50 MB L2, so each call
+#: reads its weight from HBM, as a model's decode step does (one pass over every layer's weights)
+ROTATE_BYTES = 128 * 2**20
+
+
+def _provider(name: str, rotate: bool = False):
     def make(p, device):
-        a, w, x = _operands(p, device)
-        return _call(p, a, w, x, name)
+        if not rotate:
+            a, w, x = _operands(p, device)
+            return _call(p, a, w, x, name)
+        n = max(2, -(-ROTATE_BYTES // (2 * p["N"] * p["K"])))
+        calls = [_call(p, *_operands(p, device), name) for _ in range(n)]
+        turn = [0]
+
+        def fn():  # under graph capture each captured call gets the next operands
+            turn[0] = (turn[0] + 1) % n
+            return calls[turn[0]]()
+
+        return fn
 
     return make
 
@@ -68,6 +83,23 @@ def sweep(quick: bool) -> Sweep:
         name="bi_gemm",
         points=[{"form": f, "K": K, "N": N, "M": m} for K, N in shapes for f in ("fwd", "dgrad") for m in ms],
         providers={"cublas": _provider("cublas"), "bi": _provider("bi")},
+        reference="cublas",
+        x="M",
+        flops=lambda p: 2.0 * p["M"] * p["N"] * p["K"],
+    )
+
+
+def decode_graph_sweep(quick: bool, rotate: bool = True) -> Sweep:
+    """The decode points (M = 1…64) under CUDA-graph replay: the kernels' own time, without the
+    launch's host time that bounds an eager call of a few microseconds. ``rotate``
+    (``bi_gemm_decode_graph``): each call takes the next of several operand copies (``ROTATE_BYTES``),
+    so the weight comes from HBM as in a model; else (``bi_gemm_decode_graph_l2``) the same operands
+    every call, a 4096 × 4096 weight (32 MB) then stays in the 50 MB L2."""
+    shapes, ms = (((64, 96),), (1,)) if quick else (SHAPES, DECODE)
+    return Sweep(
+        name="bi_gemm_decode_graph" if rotate else "bi_gemm_decode_graph_l2",
+        points=[{"form": f, "K": K, "N": N, "M": m} for K, N in shapes for f in ("fwd", "dgrad") for m in ms],
+        providers={"cublas": _provider("cublas", rotate), "bi": _provider("bi", rotate)},
         reference="cublas",
         x="M",
         flops=lambda p: 2.0 * p["M"] * p["N"] * p["K"],
@@ -189,9 +221,10 @@ def main(out_dir: str) -> None:
     res = checks(device)
     (out / "bi_checks.json").write_text(json.dumps({"meta": meta, "checks": res}, indent=1))
     print(json.dumps(res))
-    sweeps = [sweep(False), wgrad_sweep(False)]
-    for sw in sweeps:
-        sw.run(device)
+    sweeps = [(sweep(False), False), (decode_graph_sweep(False), True), (decode_graph_sweep(False, False), True)]
+    sweeps.append((wgrad_sweep(False), False))
+    for sw, graph in sweeps:
+        sw.run(device, cuda_graph=graph)
         sw.save(out, meta)
         sw.print()
     bad = [k for k, v in res["table_same_bits"].items() if not v]

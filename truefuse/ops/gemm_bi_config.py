@@ -30,13 +30,21 @@ GROUP_M = 8
 
 # BEGIN TABLE
 TABLE = {
-    ("bf16", "nt"): ((16, 64, 4, 4), (16, 32, 4, 6), (128, 64, 4, 4), (256, 128, 8, 4)),
-    ("bf16", "nn"): ((16, 64, 4, 4), (16, 32, 4, 6), (128, 128, 8, 4), (128, 256, 8, 3)),
+    ("bf16", "nt"): ((16, 16, 2, 8), (64, 32, 4, 8), (128, 64, 4, 4), (256, 128, 8, 4)),
+    ("bf16", "nn"): ((16, 32, 4, 10), (64, 32, 4, 8), (128, 128, 8, 4), (128, 256, 8, 3)),
     ("fp32", "nt"): ((32, 32, 4, 3), (32, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 3)),
     ("fp32", "nn"): ((32, 32, 4, 3), (32, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 3)),
 }
 # END TABLE
 
+
+#: Decode tiles of the input gradient (layout ``"nn"``: B's N contiguous) for an output of at least
+#: ``WIDE_N`` columns, per decode bucket (M ≤ 16, M ≤ 64): 64-column tiles read B's rows in 128-byte
+#: runs and still give 224+ programs at N = 14336, where the table's 32-column tiles run at 1.24×
+#: cuBLAS against 0.93× (H100, CUDA graphs; experiments/exp_bi_gemm_tiles.py --decode). Bitwise the
+#: reference tile's like every entry.
+WIDE_N = 8192
+WIDE = {("bf16", "nn"): ((16, 64, 4, 4), (64, 64, 4, 4))}
 
 #: The persistent TMA kernel's tile (``kernels/gemm_tma.py``; BLOCK_M, BLOCK_N, warps, stages) for
 #: the last M bucket on Hopper, bf16/fp16, where the operands suit TMA (else the table's tile): on
@@ -64,11 +72,14 @@ def layout(b: torch.Tensor) -> str:
     return "nt" if b.stride(0) == 1 and b.stride(1) != 1 else "nn"
 
 
-def bi_tiles(dtype: torch.dtype, M: int, form: str) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) for ``M`` rows; BLOCK_K is ``BLOCK_K[group(dtype)]``."""
-    return TABLE[(group(dtype), form)][bucket(M)]
+def bi_tiles(dtype: torch.dtype, M: int, form: str, N: int = 0) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) for ``M`` rows of an N-column output; BLOCK_K is
+    ``BLOCK_K[group(dtype)]``. N (the weight's, never the batch's) picks a ``WIDE`` decode tile."""
+    key, b = (group(dtype), form), bucket(M)
+    wide = WIDE.get(key, ()) if N >= WIDE_N else ()
+    return wide[b] if b < len(wide) else TABLE[key][b]
 
 
 def entries(g: str) -> list[tuple[int, int, int, int]]:
     """Every distinct tile of dtype group ``g`` in the table (the GPU check's set)."""
-    return sorted({t for (gg, _), tiles in TABLE.items() if gg == g for t in tiles})
+    return sorted({t for table in (TABLE, WIDE) for (gg, _), tiles in table.items() if gg == g for t in tiles})

@@ -14,7 +14,7 @@ from truefuse.config import get_config
 from truefuse.ops._triton import hopper, sm_count
 from truefuse.ops.gemm_backends._base import BF16, F16, F32, WIDEN, GemmArgs, GemmBackend, rows
 from truefuse.ops.gemm_bi_config import BLOCK_K as BI_BLOCK_K
-from truefuse.ops.gemm_bi_config import GROUP_M, M_BUCKETS, TMA_TILE, bucket, group, layout
+from truefuse.ops.gemm_bi_config import GROUP_M, M_BUCKETS, TMA_TILE, WIDE_N, bucket, group, layout
 
 _FEATURES = ["mm", "accumulate", "grad_activation", "grad_bias"]
 # ``batch_invariant``: BLOCK_K fixed per dtype, no split-K, and in that mode a launch table
@@ -55,11 +55,12 @@ _TUNED: dict = {}
 _BI: dict = {}
 
 
-def bi_config(dtype: torch.dtype, M: int, form: str = "nt"):
-    """Batch-invariant mode's tile configuration for ``M`` rows (``truefuse/ops/gemm_bi_config.py``).
+def bi_config(dtype: torch.dtype, M: int, form: str = "nt", N: int = 0):
+    """Batch-invariant mode's tile configuration for ``M`` rows of an ``N``-column output
+    (``truefuse/ops/gemm_bi_config.py``).
 
     BLOCK_K is fixed per dtype in every entry and the K loop is one sequence, so the table's tile,
-    chosen from M and B's layout ``form``, only decides which program computes a row, never its
+    chosen from M, N and B's layout ``form``, only decides which program computes a row, never its
     reduction order; every entry is checked bitwise against the others on the GPU (docs/design.md
     §1). Under the interpreter: the one CPU configuration, whatever M."""
     import triton
@@ -68,7 +69,7 @@ def bi_config(dtype: torch.dtype, M: int, form: str = "nt"):
 
     if get_config().triton_interpret:
         return _configs(dtype)[0]
-    tiles = bc.bi_tiles(dtype, M, form)
+    tiles = bc.bi_tiles(dtype, M, form, N)
     key = (bc.group(dtype), tiles)
     if key not in _BI:
         block_m, block_n, warps, stages = tiles
@@ -83,11 +84,12 @@ def bi_config(dtype: torch.dtype, M: int, form: str = "nt"):
 _BI_META: dict = {}
 
 
-def _bi_meta(dtype: torch.dtype, M: int, form: str) -> dict:
-    key = (dtype, bucket(M), form, get_config().triton_interpret)
+def _bi_meta(dtype: torch.dtype, M: int, form: str, N: int = 0) -> dict:
+    wide = N >= WIDE_N
+    key = (dtype, bucket(M), form, wide, get_config().triton_interpret)
     meta = _BI_META.get(key)
     if meta is None:
-        cfg = bi_config(dtype, M, form)
+        cfg = bi_config(dtype, M, form, WIDE_N if wide else 0)
         meta = _BI_META[key] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return meta
 
@@ -132,7 +134,7 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
         if not beta1 and grad_act is None and gb is None:
             bi_launch(a, b, target)  # a bare product: the plain call's launch (TMA where it fits)
             return
-        meta = _bi_meta(a.dtype, M, layout(b))
+        meta = _bi_meta(a.dtype, M, layout(b), N)
         kernel, grid = _gemm_kernel, _bi_grid(M, N, meta)
     else:
         kernel, meta = _kernel(a.dtype), {}
@@ -155,7 +157,7 @@ def bi_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> None:
     if _tma_fits(a, b, target, form):
         _bi_tma_launch(a, b, target, form)
         return
-    meta = _bi_meta(a.dtype, M, form)
+    meta = _bi_meta(a.dtype, M, form, N)
     _launch(_gemm_kernel, _bi_grid(M, N, meta), a, b, target, a, target, False, ACT_CODES[None], False, meta)
 
 
@@ -209,7 +211,7 @@ def bi_launch_segments(a: torch.Tensor, bs: list[torch.Tensor], outs: list[torch
     """:func:`bi_launch` of one (M, K) ``a`` against up to three (K, N_s) ``bs`` of one layout, into
     contiguous (M, N_s) ``outs``, in one launch: each ``outs[s]`` gets the bits of
     ``bi_launch(a, bs[s], outs[s])`` (the same tile from the same table entry, which depends on M and
-    the layout only; ``kernels/gemm.py::_gemm_segments_kernel``). M and every N_s not 0."""
+    the layout only: no ``WIDE`` tile for the forward's layout, the siblings'; ``kernels/gemm.py::_gemm_segments_kernel``). M and every N_s not 0."""
     from truefuse.kernels.gemm import _gemm_segments_kernel
 
     M, K = a.shape
