@@ -22,8 +22,6 @@ def main() -> None:
 
     import torch
     from triton.testing import do_bench
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from truefuse.kernels.gemm_tma import _gemm_tma_kernel
     from truefuse.ops.gemm_backends.triton import run_tiles
 
@@ -43,7 +41,7 @@ def main() -> None:
                 a = torch.randn(M, K if layout == "nt" else N, device="cuda", generator=g).to(bf)
                 b = w.t() if layout == "nt" else w
                 try:
-                    run = _candidate(cand, layout, a, w, b, sms, run_tiles, TensorDescriptor, _gemm_tma_kernel)
+                    run = _candidate(cand, layout, a, w, b, sms, run_tiles, None, _gemm_tma_kernel)
                     got = run()
                 except Exception as e:  # a candidate this Triton cannot compile
                     print(f"# {layout} {cand} {K}x{N}: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -71,20 +69,21 @@ def _candidate(cand, layout, a, w, b, sms, run_tiles, TensorDescriptor, kernel):
     import torch
     import triton
 
+    from truefuse.ops.gemm_backends.triton import _tma_scratch
+
     if cand is None:
         return functools.partial(run_tiles, a, b, (256, 128, 8, 4) if layout == "nt" else (128, 256, 8, 3))
     bm, bn, warps, stages, ws = cand
     M, k_in = a.shape
     n_out = b.shape[1]
     N, K = w.shape
-    b_desc = TensorDescriptor(w, [N, K], [K, 1], [bn, 64] if layout == "nt" else [64, bn])
-    a_desc = TensorDescriptor(a, [M, k_in], [k_in, 1], [bm, 64])
     out = torch.empty(M, n_out, device=a.device, dtype=a.dtype)
     grid = (min(sms, triton.cdiv(M, bm) * triton.cdiv(n_out, bn)),)
     kw = dict(B_NK=layout == "nt", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, WS=ws, num_warps=warps, num_stages=stages)
 
-    def run():
-        kernel[grid](a_desc, b_desc, out, M, n_out, k_in, out.stride(0), **kw)
+    def run():  # the descriptors made on the device (kernels/gemm_tma.py)
+        with _tma_scratch(a.device):
+            kernel[grid](a, w, out, M, n_out, k_in, a.stride(0), w.stride(0), out.stride(0), **kw)
         return out
 
     return run

@@ -25,19 +25,16 @@ def test_tma_kernel_same_bits_as_the_plain_kernel_interpreted(layout):
 
     if not get_config().triton_interpret:
         pytest.skip("the Triton interpreter is off")
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from truefuse.kernels.gemm_tma import _gemm_tma_kernel
 
     a, w, b = _operands(70, 96, 80, layout, torch.float32, "cpu")
     M, K = a.shape
     N = b.shape[1]
     out = torch.empty(M, N)
-    a_desc = TensorDescriptor(a, [M, K], [K, 1], [32, 32])
-    w_desc = TensorDescriptor(w, list(w.shape), [w.shape[1], 1], [32, 32])
-    _gemm_tma_kernel[(3,)](
-        a_desc, w_desc, out, M, N, K, N, B_NK=layout == "nt", BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, IEEE=True
-    )
+    with T._tma_scratch("cpu"):
+        _gemm_tma_kernel[(3,)](
+            a, w, out, M, N, K, K, w.shape[1], N, B_NK=layout == "nt", BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, IEEE=True
+        )
     # the same tile: the interpreter's dot of another block shape rounds otherwise (numpy's BLAS)
     assert torch.equal(out, T.run_tiles(a, b, (32, 32, 4, 3)))
 

@@ -1,6 +1,11 @@
 """The batch-invariant GEMM for many rows on Hopper: persistent programs, operands through TMA
 tensor descriptors (issue 34: the plain kernel's forward reached 1.17× cuBLAS at 8192 rows).
 
+The descriptors are made on the device from pointers and strides (a 128-byte scratch each,
+``ops/gemm_backends/triton.py::_tma_scratch``): host-made ones cost Triton's launcher ~4× a plain
+launch's host time (encoded per call), which a host-bound training step pays twice per Linear
+(experiments/exp_bi_linear_host.py).
+
 ``C (M×N) = A (M×K) @ B (K×N)`` with B given as its descriptor's tiles: ``B_NK`` the (N, K) weight
 ``W`` of ``x Wᵀ`` (the forward, ``"nt"``), else the (K, N) ``W`` of ``dy W`` (the input gradient,
 ``"nn"``). Each output tile is reduced over K in BLOCK_K steps from k = 0 up, one ``tl.dot`` per
@@ -18,12 +23,14 @@ from truefuse.kernels.gemm import banded_tile
 
 @triton.jit
 def _gemm_tma_kernel(
-    a_desc,
-    b_desc,
+    a_ptr,
+    b_ptr,
     c_ptr,
     M,
     N,
     K,
+    stride_am,
+    stride_bw,
     stride_cm,
     B_NK: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -33,6 +40,11 @@ def _gemm_tma_kernel(
     WS: tl.constexpr = False,
     IEEE: tl.constexpr = False,
 ):
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_NK:  # the weight as stored, (N, K) or (K, N), stride_bw its row stride
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bw, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bw, 1], block_shape=[BLOCK_K, BLOCK_N])
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     num_m = tl.cdiv(M, BLOCK_M)

@@ -178,33 +178,54 @@ def _tma_fits(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor, form: str)
 
 
 def _bi_tma_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor, form: str) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from truefuse.kernels.gemm_tma import _gemm_tma_kernel
 
     (M, K), N = a.shape, b.shape[1]
     bm, bn, warps, stages = TMA_TILE[form]
-    bk = BI_BLOCK_K[group(a.dtype)]
-    w = b.t() if form == "nt" else b
-    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk])
-    w_desc = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [bn, bk] if form == "nt" else [bk, bn])
+    w = b.t() if form == "nt" else b  # the weight as stored: its rows contiguous (_tma_fits)
     tiles = -(-M // bm) * -(-N // bn)
-    _gemm_tma_kernel[(min(tiles, sm_count(a.device.index or 0)),)](
-        a_desc,
-        w_desc,
-        target,
-        M,
-        N,
-        K,
-        target.stride(0),
-        B_NK=form == "nt",
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=GROUP_M,
-        num_warps=warps,
-        num_stages=stages,
-    )
+    with _tma_scratch(a.device):
+        _gemm_tma_kernel[(min(tiles, sm_count(a.device.index or 0)),)](
+            a,
+            w,
+            target,
+            M,
+            N,
+            K,
+            a.stride(0),
+            w.stride(0),
+            target.stride(0),
+            B_NK=form == "nt",
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=BI_BLOCK_K[group(a.dtype)],
+            GROUP_M=GROUP_M,
+            num_warps=warps,
+            num_stages=stages,
+        )
+
+
+class _tma_scratch:
+    """Triton's global-scratch allocator for the launch (the device-made descriptors' 128 bytes
+    each), then whatever was set before: truefuse leaves Triton's process-wide setting alone."""
+
+    __slots__ = ("device", "token")
+
+    def __init__(self, device) -> None:
+        self.device = device
+
+    def _alloc(self, size: int, alignment: int, stream) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device=self.device)
+
+    def __enter__(self) -> None:
+        from triton.runtime import _allocation
+
+        self.token = _allocation._allocator.set(self._alloc)
+
+    def __exit__(self, *exc) -> None:
+        from triton.runtime import _allocation
+
+        _allocation._allocator.reset(self.token)
 
 
 def bi_launch_segments(a: torch.Tensor, bs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
