@@ -4,7 +4,7 @@ In the mode a row's bits must not depend on M. BLOCK_K is fixed per dtype in eve
 bf16/fp16, 32 for fp32), there is no split-K and no atomic: each output element is one K loop of
 BLOCK_K steps in one order, whatever tile computes it. The tile (BLOCK_M, BLOCK_N, warps, stages)
 only decides which program computes a row, so it may be chosen from M: on an H100 (triton 3.6)
-every tile tried, 16×32 to 256×128, 4 or 8 warps, 3-6 stages, mma and wgmma, gave the same bits
+every tile tried, 16×16 to 256×128, 2 to 8 warps, 3-10 stages, mma and wgmma, gave the same bits
 (docs/benchmarks.md, "Batch-invariant GEMM"). That is a measured property, not a guarantee of the
 compiler: every entry of this table is checked bitwise against the reference tile on the GPU
 (``tests/test_batch_invariant.py::test_bi_table_entries_same_bits_gpu``, ``bench_bi_gemm``'s
