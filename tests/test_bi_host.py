@@ -292,3 +292,59 @@ def test_runners_same_bits_gpu(dtype, monkeypatch):
             fn = linear(x, wg, bv, state=_STATE).detach()
             with torch.no_grad():
                 assert torch.equal(linear(x, wg, bv, state=_STATE), fn), M
+
+
+def _node(y) -> str:
+    """The Function node under ``linear``'s output view."""
+    fn = y.grad_fn
+    while type(fn).__name__ == "ViewBackward0":
+        fn = fn.next_functions[0][0]
+    return type(fn).__name__
+
+
+@pytest.mark.parametrize("bi", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 40), (5, 40), (2, 3, 40)])
+def test_plain_linear_function_same_bits_as_linear_function(shape, bias, bi, monkeypatch):
+    """The plain call's Function (no activation, no autocast, plain §2 state) gives LinearFunction's
+    bits for the output and every gradient, in and out of batch-invariant mode."""
+    import truefuse.autograd.linear as L
+
+    def run():
+        x = _t(shape, seed=20).requires_grad_()
+        w = _t((24, 40), seed=21).requires_grad_()
+        bv = _t((24,), seed=22).requires_grad_() if bias else None
+        with _triton_bi(), truefuse.batch_invariant(bi):
+            y = linear(x, w, bv, state=_STATE)
+        y.backward(_t(y.shape, seed=23))
+        return [y.detach(), x.grad, w.grad] + ([bv.grad] if bias else []), _node(y)
+
+    got, fn = run()
+    assert fn == "_PlainLinearFunctionBackward"
+    monkeypatch.setattr(L, "_plain_call", lambda *a: False)
+    want, fn = run()
+    assert fn == "LinearFunctionBackward"
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_plain_linear_function_only_for_the_plain_call():
+    """An activation, autocast, a delayed §2 state or a bias of another dtype (its error) take
+    LinearFunction; the double backward is refused as LinearFunction's is."""
+    x, w = _t((5, 40), seed=24).requires_grad_(), _t((24, 40), seed=25).requires_grad_()
+
+    def fn_name(**kw):
+        kw.setdefault("state", _STATE)
+        xx, ww, bb = kw.pop("x", x), kw.pop("w", w), kw.pop("b", None)
+        return _node(linear(xx, ww, bb, **kw))
+
+    assert fn_name() == "_PlainLinearFunctionBackward"
+    assert fn_name(activation="gelu") == "LinearFunctionBackward"
+    assert fn_name(state=WgradState(delay_wgrad_compute=True)) == "LinearFunctionBackward"
+    with pytest.raises(TypeError, match="bias has dtype"):  # not taken: the general path's error
+        fn_name(b=_t((24,), F64, seed=26))
+    with torch.autocast("cpu", dtype=BF16):
+        assert _node(linear(x, w, None, state=_STATE)) == "LinearFunctionBackward"
+    y = linear(x, w, None, state=_STATE)
+    (gx,) = torch.autograd.grad(y.square().sum(), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        gx.sum().backward()

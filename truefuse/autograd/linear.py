@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.autograd._autocast import autocast_disabled, autocast_dtype, cast
+from truefuse.autograd._autocast import _disabled, autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._batch_invariant import in_forward_mode, record
 from truefuse.autograd._double_backward import module_names, refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops._dtypes import wgrad_dtype
 from truefuse.ops.activation import activation_grad_ref
 from truefuse.ops.bias_grad import split_bias_grad
-from truefuse.ops.gemm import gemm, plain_gemm
+from truefuse.config import is_batch_invariant
+from truefuse.ops.gemm import checked_plain_gemm, gemm, plain_gemm
 
 
 class LinearFunction(torch.autograd.Function):
@@ -78,6 +79,54 @@ class LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
+class _PlainLinearFunction(torch.autograd.Function):
+    """:class:`LinearFunction` for its commonest call: no activation, no autocast, a plain §2 state
+    (the weight gradient returned to autograd), x, weight and bias plain tensors of one dtype and
+    device (:func:`_plain_call`). The same GEMM calls on the same operands in the same mode, so
+    the same bits (``tests/test_bi_host.py``), without the general Function's steps that do nothing
+    here: autocast casts and scopes in the forward, the mode entered for the backward (the mode is
+    passed to the GEMMs), the §2 delivery and the GEMMs' argument checks. A batch-invariant model
+    routes every ``F.linear`` here: ~770 µs of host a forward + backward at 8192 × 2048² on an
+    H100 host against stock's ~200 (experiments/exp_bi_linear_host.py), which a host-bound BI
+    training step pays 7 times a decoder layer."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, state: WgradState):
+        bi = ctx.batch_invariant = is_batch_invariant()
+        ctx.save_for_backward(x, weight)
+        ctx.state = state
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return checked_plain_gemm(x, weight.t(), bias, x.dtype, bi)
+
+    @staticmethod
+    @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "Linear"))
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        with _disabled(dy.device.type):  # as LinearFunction's: torch.mm of the weight gradient not autocast
+            dx = checked_plain_gemm(dy, weight, None, dy.dtype, ctx.batch_invariant) if ctx.needs_input_grad[0] else None
+            db = split_bias_grad(dy, ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+            # LinearFunction's weight gradient in the plain configuration: one dtype, so the
+            # parameter's (wgrad_dtype), on the plain plan in every mode (docs/design.md §1)
+            dw = checked_plain_gemm(dy.t(), x, None, weight.dtype, False) if ctx.needs_input_grad[1] else None
+        return dx, dw, db, None
+
+
+_PLAIN_LINEAR_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_call(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: WgradState) -> bool:
+    """Whether :class:`_PlainLinearFunction` computes this call (else :class:`LinearFunction`)."""
+    if not state.plain or type(x2) not in _PLAIN or type(weight) not in _PLAIN or torch.compiler.is_compiling():
+        return False
+    dt, dev = x2.dtype, x2.device
+    if weight.dtype is not dt or dt not in _PLAIN_LINEAR_DTYPES or weight.dim() != 2 or weight.device != dev:
+        return False
+    if dev.type not in ("cpu", "cuda") or x2.shape[1] != weight.shape[1]:
+        return False
+    return bias is None or (type(bias) in _PLAIN and bias.dtype is dt and bias.device == dev and bias.shape == weight.shape[:1])
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -99,6 +148,8 @@ def linear(
         # the Function (~40 µs of host time a call on the 2-core CI box, where a decode-sized
         # kernel takes ~15 µs on an H100; experiments/exp_bi_host_time.py). Same call, same bits
         y = plain_gemm(x2, weight.t(), bias)
+    elif activation is None and dtype is None and _plain_call(x2, weight, bias, state):
+        y = _PlainLinearFunction.apply(x2, weight, bias, state)
     else:
         y = LinearFunction.apply(x2, weight, bias, activation, state, weight_name, dtype)
     return y.view(*x.shape[:-1], weight.shape[0])

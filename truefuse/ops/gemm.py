@@ -379,6 +379,17 @@ def plain_gemm(
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def checked_plain_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, odt: torch.dtype, bi: bool) -> torch.Tensor:
+    """``plain_gemm(a, b, bias, out_dtype=odt, batch_invariant=bi)`` for a caller that has checked
+    what :func:`_plain_gemm` checks (2-D plain tensors of one floating dtype and device, ``b``'s rows
+    ``a``'s columns, ``bias`` (N,) of that dtype, ``odt`` that dtype or fp32, eager mode, nothing
+    requiring grad): the same kept runner on a fresh output, without the checks' host time
+    (``autograd/linear.py::_PlainLinearFunction``, three calls a Linear forward + backward)."""
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=odt, device=a.device)
+    return _plain_runner(a, b, odt, False, bias is not None, bi)(a, b, out, odt, False, bias)
+
+
+
 def _shares(out: torch.Tensor, t: torch.Tensor) -> bool:
     return t.numel() > 0 and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
 
