@@ -6,6 +6,10 @@ training) and 1, 2, 4, 8, 16, 32, 64 (decode):
 * ``fwd``: ``y = x Wᵀ`` (M×K by N×K), ``dgrad``: ``dx = dy W`` (M×N by N×K). Providers ``cublas``
   (``torch.mm``, the reference) and ``bi`` (``truefuse.gemm(..., batch_invariant=True)``: the
   Triton GEMM with the mode's launch table, ``truefuse/ops/gemm_bi_config.py``);
+* the decode points again under CUDA-graph replay (the kernels' own time: an eager decode call is
+  bound by its launch's host time): ``bi_gemm_decode_graph`` with each call on the next of several
+  operand copies (the weight from HBM, as in a model's decode step), ``bi_gemm_decode_graph_l2``
+  with the same operands every call (a 4096² weight then stays in L2);
 * ``wgrad``: ``dW = dyᵀ x`` at M = 8192. ``bi`` is what batch-invariant mode runs for a weight
   gradient (the plain plan: cuBLAS through ``truefuse.gemm``, the same bits run to run), and
   ``bi_triton`` the Triton GEMM with the mode's table.
