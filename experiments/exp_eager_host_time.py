@@ -30,9 +30,9 @@ def main() -> None:
     cos, sin = torch.randn(2, 32, 64), torch.randn(2, 32, 64)
     g, u = torch.randn(64, 512, requires_grad=True), torch.randn(64, 512, requires_grad=True)
 
-    def rope():
-        for t in ar.apply_rotary_pos_emb(q, k, cos, sin):
-            t.backward(torch.ones_like(t))
+    def rope():  # q and k come from one op (one node): one backward for both
+        outs = ar.apply_rotary_pos_emb(q, k, cos, sin)
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
     fns = {
         "rms_norm_hf": lambda: an.rms_norm_hf(x, w, 1e-6, style="llama").backward(torch.ones(2, 32, H)),
