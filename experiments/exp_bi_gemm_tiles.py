@@ -65,12 +65,12 @@ def _gmean(rows) -> float:
     return math.exp(sum(math.log(r["ratio"]) for r in rows) / len(rows)) if rows else float("nan")
 
 
-def sweep(g: str, forms, shapes, bucket_m, device, timing: dict, on_pick, graph_pick: bool = False) -> tuple[list[dict], dict]:
+def sweep(g: str, forms, shapes, bucket_m, device, timing: dict, on_pick, order=ORDER, graph_pick: bool = False) -> tuple[list[dict], dict]:
     dtype = torch.float32 if g == "fp32" else torch.bfloat16
     rows, picks = [], {}
     saved = dict(bc.TABLE)
     try:
-        for bi, form in [(bi, form) for bi in ORDER for form in forms]:
+        for bi, form in [(bi, form) for bi in order for form in forms]:
             key = (g, LAYOUT[form])
             M = bucket_m[bi]
             per_cand: dict = {}
@@ -150,9 +150,8 @@ def main() -> None:
     else:
         device, timing = torch.device("cuda"), {"warmup_ms": 10, "rep_ms": 40}
         plan = [("bf16", ("fwd", "dgrad"), SHAPES, BUCKET_M), ("fp32", ("fwd",), ((4096, 4096),), BUCKET_M)]
-    if "--decode" in sys.argv:
-        global ORDER
-        ORDER = (0, 1)
+    decode = "--decode" in sys.argv
+    if decode:
         plan = plan[:1]
     meta = environment()
     all_rows: list = []
@@ -167,7 +166,7 @@ def main() -> None:
             (out / "gemm_bi_config.py").write_text(write_table(picks, Path(bc.__file__)))
 
     for g, forms, shapes, ms in plan:
-        rows, _ = sweep(g, forms, shapes, ms, device, timing, on_pick, graph_pick="--decode" in sys.argv)
+        rows, _ = sweep(g, forms, shapes, ms, device, timing, on_pick, (0, 1) if decode else ORDER, graph_pick=decode)
         all_rows += rows
     print("\npicks (dtype, form, bucket -> tiles; ratio = geometric mean over the shapes):")
     for (g, form, bi), t in sorted(picks.items()):

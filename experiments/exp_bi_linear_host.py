@@ -13,50 +13,22 @@ Run: ``PYTHONPATH=. python experiments/exp_bi_linear_host.py OUT_DIR`` (CUDA).
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 
-def _host_us(fn, calls: int = 30) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
+def _host_us(fn) -> float:
+    from exp_launch_host import host_time_us
 
-
-def _cprofile(fn, title: str, n: int, rows: int = 30) -> str:
-    fn()
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        fn()
-    pr.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(rows)
-    pstats.Stats(pr, stream=buf).sort_stats("cumtime").print_stats(rows)
-    return f"==== cProfile {title} ({n} calls)\n" + buf.getvalue()
+    return host_time_us(fn, 30, warmup=5)
 
 
 def main(out: Path) -> None:
     from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
 
-    sys.path.insert(0, str(Path(__file__).parent))
     import exp_bi_speed as bs
 
     out.mkdir(parents=True, exist_ok=True)
@@ -93,7 +65,7 @@ def main(out: Path) -> None:
     }
     lines = [f"{k}: {v:.1f} us host" for k, v in res.items()]
     print("\n".join(lines), flush=True)
-    text = ["\n".join(lines), _cprofile(bi, "BI F.linear fwd+bwd", 30)]
+    text = ["\n".join(lines), bs._cprofile(lambda: [bi() for _ in range(30)], "BI F.linear fwd+bwd, 30 calls")]
     c = bs.CONFIGS["demo"]
     m = bs.variant(bs.build(c), "truefuse BI")
     m.train()
@@ -108,9 +80,10 @@ def main(out: Path) -> None:
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    text.append(_cprofile(step, "one BI training step of the demo model", 1, rows=45))
+    text.append(bs._cprofile(step, "one BI training step of the demo model", rows=45))
     (out / "bi_linear_host.txt").write_text("\n\n".join(text))
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))  # exp_bi_speed, exp_launch_host
     main(Path(sys.argv[1] if len(sys.argv) > 1 else "bi_linear_host"))

@@ -302,22 +302,30 @@ def _node(y) -> str:
     return type(fn).__name__
 
 
+@pytest.mark.parametrize("wgrad", ["plain", "delayed", "main_grad"])
 @pytest.mark.parametrize("bi", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 40), (5, 40), (2, 3, 40)])
-def test_plain_linear_function_same_bits_as_linear_function(shape, bias, bi, monkeypatch):
-    """The plain call's Function (no activation, no autocast, plain §2 state) gives LinearFunction's
-    bits for the output and every gradient, in and out of batch-invariant mode."""
+def test_plain_linear_function_same_bits_as_linear_function(shape, bias, bi, wgrad, monkeypatch):
+    """The plain call's Function (no activation, no autocast) gives LinearFunction's bits for the
+    output and every gradient, in and out of batch-invariant mode, under each §2 configuration
+    (the weight gradient returned, queued until ``run_pending``, added into fp32 ``main_grad``)."""
     import truefuse.autograd.linear as L
+    from truefuse.autograd._wgrad import run_pending
 
     def run():
         x = _t(shape, seed=20).requires_grad_()
         w = _t((24, 40), seed=21).requires_grad_()
         bv = _t((24,), seed=22).requires_grad_() if bias else None
+        state = WgradState(delay_wgrad_compute=wgrad == "delayed", fuse_wgrad_accumulation=wgrad == "main_grad")
+        if wgrad == "main_grad":
+            w.main_grad = _t((24, 40), seed=24)
         with _triton_bi(), truefuse.batch_invariant(bi):
-            y = linear(x, w, bv, state=_STATE)
+            y = linear(x, w, bv, state=state)
         y.backward(_t(y.shape, seed=23))
-        return [y.detach(), x.grad, w.grad] + ([bv.grad] if bias else []), _node(y)
+        run_pending(state)
+        wg = w.main_grad if wgrad == "main_grad" else w.grad
+        return [y.detach(), x.grad, wg] + ([bv.grad] if bias else []), _node(y)
 
     got, fn = run()
     assert fn == "_PlainLinearFunctionBackward"
@@ -328,8 +336,8 @@ def test_plain_linear_function_same_bits_as_linear_function(shape, bias, bi, mon
 
 
 def test_plain_linear_function_only_for_the_plain_call():
-    """An activation, autocast, a delayed §2 state or a bias of another dtype (its error) take
-    LinearFunction; the double backward is refused as LinearFunction's is."""
+    """An activation, autocast or a bias of another dtype (its error) take LinearFunction, any §2
+    configuration the plain call's Function; the double backward is refused as LinearFunction's is."""
     x, w = _t((5, 40), seed=24).requires_grad_(), _t((24, 40), seed=25).requires_grad_()
 
     def fn_name(**kw):
@@ -339,7 +347,7 @@ def test_plain_linear_function_only_for_the_plain_call():
 
     assert fn_name() == "_PlainLinearFunctionBackward"
     assert fn_name(activation="gelu") == "LinearFunctionBackward"
-    assert fn_name(state=WgradState(delay_wgrad_compute=True)) == "LinearFunctionBackward"
+    assert fn_name(state=WgradState(delay_wgrad_compute=True)) == "_PlainLinearFunctionBackward"
     with pytest.raises(TypeError, match="bias has dtype"):  # not taken: the general path's error
         fn_name(b=_t((24,), F64, seed=26))
     with torch.autocast("cpu", dtype=BF16):

@@ -17,7 +17,8 @@ from truefuse.ops._dtypes import wgrad_dtype
 from truefuse.ops.activation import activation_grad_ref
 from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.config import is_batch_invariant
-from truefuse.ops.gemm import checked_plain_gemm, gemm, plain_gemm
+from truefuse.ops.gemm import _FLOATS, checked_plain_gemm, gemm, plain_gemm
+from truefuse.ops.gemm import _PLAIN_TYPES as _PLAIN
 
 
 class LinearFunction(torch.autograd.Function):
@@ -61,40 +62,50 @@ class LinearFunction(torch.autograd.Function):
             db = split_bias_grad(d, ctx.bias_dtype)
         dw = None
         if ctx.needs_input_grad[1]:
-
-            def compute(out, accumulate):
-                # batch_invariant=False: a weight gradient sums over the tokens, so no row of it belongs
-                # to one token; what batch-invariant mode asks of it is the same bits run to run,
-                # which the fast plan gives (cuBLAS / CPU BLAS: one fixed algorithm per shape, no
-                # atomics; docs/design.md §1)
-                if out is None:
-                    # in the parameter's dtype: an fp32 weight under autocast gets the fp32 GEMM
-                    # result of the cast operands, rounded once (_autocast.wgrad_dtype)
-                    odt = wgrad_dtype(x.dtype, weight.dtype)
-                    g = plain_gemm(d.t(), x, out_dtype=odt, batch_invariant=False)
-                    return g if g.dtype is weight.dtype else g.to(weight.dtype)
-                return gemm(d.t(), x, out=out, accumulate=accumulate, batch_invariant=False)
-
-            dw = deliver_weight_grad(weight, ctx.weight_name, compute, ctx.state)
+            dw = deliver_weight_grad(weight, ctx.weight_name, _wgrad_compute(d, x, weight, plain_gemm), ctx.state)
         return dx, dw, db, None, None, None, None
 
 
+def _wgrad_compute(d: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, product):
+    """The weight-gradient GEMM ``dᵀ @ x`` that :func:`deliver_weight_grad` runs (§2's
+    ``WgradCompute``), ``product(a, b, out_dtype=)`` the call for a fresh gradient."""
+
+    @torch.no_grad()  # under delay it runs after the backward, from backward_dw(), on saved x
+    def compute(out, accumulate):
+        # batch_invariant=False: a weight gradient sums over the tokens, so no row of it belongs
+        # to one token; what batch-invariant mode asks of it is the same bits run to run,
+        # which the fast plan gives (cuBLAS / CPU BLAS: one fixed algorithm per shape, no
+        # atomics; docs/design.md §1)
+        if out is None:
+            # in the parameter's dtype: an fp32 weight under autocast gets the fp32 GEMM
+            # result of the cast operands, rounded once (_autocast.wgrad_dtype)
+            g = product(d.t(), x, out_dtype=wgrad_dtype(x.dtype, weight.dtype), batch_invariant=False)
+            return g if g.dtype is weight.dtype else g.to(weight.dtype)
+        return gemm(d.t(), x, out=out, accumulate=accumulate, batch_invariant=False)
+
+    return compute
+
+
+def _checked_product(a, b, *, out_dtype, batch_invariant):
+    return checked_plain_gemm(a, b, None, out_dtype, batch_invariant)
+
+
 class _PlainLinearFunction(torch.autograd.Function):
-    """:class:`LinearFunction` for its commonest call: no activation, no autocast, a plain §2 state
-    (the weight gradient returned to autograd), x, weight and bias plain tensors of one dtype and
-    device (:func:`_plain_call`). The same GEMM calls on the same operands in the same mode, so
-    the same bits (``tests/test_bi_host.py``), without the general Function's steps that do nothing
+    """:class:`LinearFunction` for its commonest call: no activation, no autocast, x, weight and bias
+    plain tensors of one dtype and device (:func:`_plain_call`). The same GEMM calls on the same
+    operands in the same mode, the weight gradient through the same §2 delivery, so the same bits
+    and contract (``tests/test_bi_host.py``), without the general Function's steps that do nothing
     here: autocast casts and scopes in the forward, the mode entered for the backward (the mode is
-    passed to the GEMMs), the §2 delivery and the GEMMs' argument checks. A batch-invariant model
+    passed to the GEMMs) and the GEMMs' argument checks. A batch-invariant model
     routes every ``F.linear`` here: ~770 µs of host a forward + backward at 8192 × 2048² on an
     H100 host against stock's ~200 (experiments/exp_bi_linear_host.py), which a host-bound BI
     training step pays 7 times a decoder layer."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, state: WgradState):
+    def forward(ctx, x, weight, bias, state: WgradState, weight_name: str):
         bi = ctx.batch_invariant = is_batch_invariant()
         ctx.save_for_backward(x, weight)
-        ctx.state = state
+        ctx.state, ctx.weight_name = state, weight_name
         ctx.bias_dtype = None if bias is None else bias.dtype
         return checked_plain_gemm(x, weight.t(), bias, x.dtype, bi)
 
@@ -105,22 +116,20 @@ class _PlainLinearFunction(torch.autograd.Function):
         with _disabled(dy.device.type):  # as LinearFunction's: torch.mm of the weight gradient not autocast
             dx = checked_plain_gemm(dy, weight, None, dy.dtype, ctx.batch_invariant) if ctx.needs_input_grad[0] else None
             db = split_bias_grad(dy, ctx.bias_dtype) if ctx.needs_input_grad[2] else None
-            # LinearFunction's weight gradient in the plain configuration: one dtype, so the
-            # parameter's (wgrad_dtype), on the plain plan in every mode (docs/design.md §1)
-            dw = checked_plain_gemm(dy.t(), x, None, weight.dtype, False) if ctx.needs_input_grad[1] else None
-        return dx, dw, db, None
+            dw = None
+            if ctx.needs_input_grad[1]:
+                compute = _wgrad_compute(dy, x, weight, _checked_product)
+                dw = deliver_weight_grad(weight, ctx.weight_name, compute, ctx.state)
+        return dx, dw, db, None, None
 
 
-_PLAIN_LINEAR_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _plain_call(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: WgradState) -> bool:
-    """Whether :class:`_PlainLinearFunction` computes this call (else :class:`LinearFunction`)."""
-    if not state.plain or type(x2) not in _PLAIN or type(weight) not in _PLAIN or torch.compiler.is_compiling():
+def _plain_call(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :class:`_PlainLinearFunction` computes this call (else :class:`LinearFunction`): what
+    ``checked_plain_gemm`` asks its callers to have checked."""
+    if type(x2) not in _PLAIN or type(weight) not in _PLAIN or torch.compiler.is_compiling():
         return False
     dt, dev = x2.dtype, x2.device
-    if weight.dtype is not dt or dt not in _PLAIN_LINEAR_DTYPES or weight.dim() != 2 or weight.device != dev:
+    if weight.dtype is not dt or dt not in _FLOATS or weight.dim() != 2 or weight.device != dev:
         return False
     if dev.type not in ("cpu", "cuda") or x2.shape[1] != weight.shape[1]:
         return False
@@ -148,8 +157,8 @@ def linear(
         # the Function (~40 µs of host time a call on the 2-core CI box, where a decode-sized
         # kernel takes ~15 µs on an H100; experiments/exp_bi_host_time.py). Same call, same bits
         y = plain_gemm(x2, weight.t(), bias)
-    elif activation is None and dtype is None and _plain_call(x2, weight, bias, state):
-        y = _PlainLinearFunction.apply(x2, weight, bias, state)
+    elif activation is None and dtype is None and _plain_call(x2, weight, bias):
+        y = _PlainLinearFunction.apply(x2, weight, bias, state, weight_name)
     else:
         y = LinearFunction.apply(x2, weight, bias, activation, state, weight_name, dtype)
     return y.view(*x.shape[:-1], weight.shape[0])
