@@ -6,6 +6,13 @@ One run, one card; prints a table, writes ``bi_speed_<tag>.json`` (and ``bi_prof
 under OUT_DIR.
 
     python experiments/exp_bi_speed.py OUT_DIR [--configs small,demo] [--profile] [--tag TAG]
+        [--train-rounds N] [--gen-rounds N]
+
+``--train-rounds`` / ``--gen-rounds`` time the runs round-robin after their own timing (one step or
+one ``generate`` of each run a round; the median round is the row, the best round in brackets): the
+H100 hosts' speed drifts by up to 1.7x within one process over seconds (stock ``generate`` measured
+16-28 ms a token in five rounds of one call, ``exp_generate_host.py``), and interleaving lets the
+drift hit every run alike.
 
 Configurations (``CONFIGS``): ``small`` the 6-layer Llama of docs/benchmarks.md (hidden 1024,
 vocabulary 32000, 8 x 1024 tokens), ``demo`` the demo's GPU configuration
@@ -170,7 +177,7 @@ def run_config(name: str, c: dict, args, prof_lines: list[str]) -> dict:
     base = build(c)
     ids = torch.randint(1, c["vocab"], (c["batch"], c["seq"]), device=DEVICE)
     prompts = ids[:, :64]
-    rows, profiles, gens = {}, {}, {}
+    rows, profiles, gens, steps = {}, {}, {}, {}
     for vname in ("stock", "truefuse", "truefuse BI") + (("truefuse BI 1by1",) if args.one_by_one else ()):
         m = variant(base, vname)
         m.train()
@@ -182,6 +189,8 @@ def run_config(name: str, c: dict, args, prof_lines: list[str]) -> dict:
             opt.zero_grad(set_to_none=True)
 
         train_s = _timed(step, args.warmup, args.iters) if args.train else float("nan")
+        if args.train and args.train_rounds:
+            steps[vname] = (m, step)  # kept (model and optimizer) for the interleaved rounds below
         if args.profile and args.train and vname != "stock":
             text, profiles[f"train {vname}"] = _profile(step, f"{name}: one training step, {vname}")
             prof_lines.append(text)
@@ -204,12 +213,25 @@ def run_config(name: str, c: dict, args, prof_lines: list[str]) -> dict:
                 prof_lines.append(_cprofile(lambda: gen(new=8), f"{name}: generate 8 tokens, batch {c['batch']}, {vname}"))
         rows[vname] = {"train_tok_s": tokens / train_s, "gen_tok_s": c["batch"] * new / gen_s}
         gens[vname] = gen
-        if args.gen_rounds:
+        if args.gen_rounds or steps:
             continue  # kept for the interleaved rounds below
         del m
         gc.collect()
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+    if steps:  # each round times one training step of every run in turn: the host's drift hits all alike
+        step_times: dict = {v: [] for v in steps}
+        for m, _ in steps.values():
+            m.train()
+        for _ in range(args.train_rounds):
+            for v, (_, step) in steps.items():
+                step_times[v].append(_timed(step, 0, 1))
+        for m, _ in steps.values():
+            m.eval()
+        for v, ts in step_times.items():
+            rows[v]["train_tok_s"] = tokens / sorted(ts)[len(ts) // 2]
+            rows[v]["train_tok_s_best"] = tokens / min(ts)
+        steps.clear()
     if args.gen_rounds:  # each round times one generate of every run in turn: the host's drift hits all alike
         times: dict = {v: [] for v in gens}
         with torch.no_grad():
@@ -218,6 +240,7 @@ def run_config(name: str, c: dict, args, prof_lines: list[str]) -> dict:
                     times[v].append(_timed(gen, 0, 1))
         for v, ts in times.items():
             rows[v]["gen_tok_s"] = c["batch"] * args.new_tokens / sorted(ts)[len(ts) // 2]
+            rows[v]["gen_tok_s_best"] = c["batch"] * args.new_tokens / min(ts)
         gens.clear()
     out = {"config": c, "rows": rows, "profiles": profiles}
     if args.profile:
@@ -264,6 +287,8 @@ def main() -> None:
     p.add_argument("--gen-iters", type=int, default=3)
     p.add_argument("--one-by-one", action="store_true", help="also BI with each sibling projection launched alone")
     p.add_argument("--gen-rounds", type=int, default=0, help="then time generate round-robin over the runs (median of N)")
+    p.add_argument("--train-rounds", type=int, default=0,
+                   help="then time training steps round-robin over the runs (median of N; the best too)")
     p.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script (config tiny)")
     args = p.parse_args()
     global DEVICE
@@ -271,14 +296,19 @@ def main() -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "configs": {}}
     prof_lines: list[str] = []
-    table = [f"{'config':<7} {'run':<12} {'train tok/s':>12} {'vs fast':>8} {'generate tok/s':>15} {'vs stock':>9}"]
+    table = [f"{'config':<7} {'run':<12} {'train tok/s':>12} {'vs fast':>8} {'generate tok/s':>15} {'vs stock':>9}"
+             "  (best round: vs fast, vs stock)"]  # fmt: skip
     for name in args.configs.split(","):
         r = run_config(name, CONFIGS[name], args, prof_lines)
         result["configs"][name] = r
-        fast, stock = r["rows"]["truefuse"]["train_tok_s"], r["rows"]["stock"]["gen_tok_s"]
+        fast, stock = r["rows"]["truefuse"], r["rows"]["stock"]
         for vname, row in r["rows"].items():
             tr, gn = row["train_tok_s"], row["gen_tok_s"]
-            table.append(f"{name:<7} {vname:<12} {tr:>12.0f} {tr / fast:>8.3f} {gn:>15.0f} {gn / stock:>9.3f}")
+            tf, gs = tr / fast["train_tok_s"], gn / stock["gen_tok_s"]
+            line = f"{name:<7} {vname:<12} {tr:>12.0f} {tf:>8.3f} {gn:>15.0f} {gs:>9.3f}"
+            best = [row.get(k, float("nan")) / base.get(k, float("nan")) for k, base in
+                    (("train_tok_s_best", fast), ("gen_tok_s_best", stock))]  # fmt: skip
+            table.append(line + f"  ({best[0]:.3f}, {best[1]:.3f})")
         with open(os.path.join(args.out_dir, f"bi_speed_{args.tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
         if prof_lines:

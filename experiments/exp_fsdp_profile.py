@@ -58,7 +58,7 @@ def _log(rank, msg):
     print(f"[{time.strftime('%H:%M:%S')} rank{rank}] {msg}", flush=True)
 
 
-def _build(shape, policy, run, head_unit, dev, no_fsdp=False):
+def _build(shape, policy, run, head_unit, dev, no_fsdp=False, prefetch=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -86,6 +86,10 @@ def _build(shape, policy, run, head_unit, dev, no_fsdp=False):
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, **kw)
+    if prefetch:  # explicit forward prefetch: layer i's all-gather issued at layer i-1's, not when the host reaches it
+        layers = list(model.model.layers)
+        for a, b in zip(layers, layers[1:], strict=False):
+            a.set_modules_to_forward_prefetch([b])
     if head_unit:
         fully_shard(model.lm_head, **kw)
     fully_shard(model, **kw)
@@ -153,30 +157,65 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev, no_fsdp=False, optim="foreach"):
+class _GcClock:
+    """Wall time spent in Python's garbage collector (``gc.callbacks``), ms since the last read."""
+
+    def __init__(self):
+        self.ms, self._t = 0.0, None
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.ms += (time.perf_counter() - self._t) * 1e3
+            self._t = None
+
+    def read(self) -> float:
+        ms, self.ms = self.ms, 0.0
+        return ms
+
+    def close(self):
+        gc.callbacks.remove(self._cb)
+
+
+def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev, no_fsdp=False, optim="foreach",
+             prefetch=False):  # fmt: skip
     _log(rank, f"{run} {policy}: build")
-    model = _build(shape, policy, run, head_unit, dev, no_fsdp)
+    model = _build(shape, policy, run, head_unit, dev, no_fsdp, prefetch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if optim == "fused" else {}))
     g = torch.Generator(dev).manual_seed(1 + rank)
     ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=dev, generator=g)
     losses = []
 
+    marks: list[float] = []
+
     def step():
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        marks.append(time.perf_counter())
         loss.backward()
+        marks.append(time.perf_counter())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        marks.append(time.perf_counter())
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    times, host = [], []
+    times, host, phases, gcs = [], [], [], []
+    clock = _GcClock()
     for i in range(warmup + steps):
         _sync(dev)
         dist.barrier()
+        marks.clear()
+        clock.read()
         t0 = time.perf_counter()
         loss = step()
         if i >= warmup:  # every kernel queued: host ≈ step time means the GPU waited on the host
-            host.append((time.perf_counter() - t0) * 1e3)
+            t1 = time.perf_counter()
+            host.append((t1 - t0) * 1e3)
+            # host ms of forward, backward, clip, optimizer (no synchronisation between them)
+            phases.append([(b - a) * 1e3 for a, b in zip([t0, *marks], [*marks, t1], strict=True)])
+            gcs.append(clock.read())
         losses.append(loss.item())
         _sync(dev)
         if i >= warmup:
@@ -199,7 +238,10 @@ def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev
         if "synchroniz" in str(w.message):
             sites[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
     loss.item()
-    res = dict(run=run, policy=policy, ms=sorted(times)[len(times) // 2], ms_all=times, host_ms=sorted(host)[len(host) // 2],
+    clock.close()
+    mid = sorted(range(len(host)), key=host.__getitem__)[len(host) // 2]
+    res = dict(run=run, policy=policy, ms=sorted(times)[len(times) // 2], ms_all=times, host_ms=host[mid],
+               host_phases_ms=[round(x, 1) for x in phases[mid]], gc_ms=round(max(gcs), 2),
                peak_gib=peak, losses=losses,
                syncs=sum(sites.values()), sync_sites=sites.most_common(12))  # fmt: skip
     _log(rank, f"{run}: {res['syncs']} syncs in one step; profiling")
@@ -262,6 +304,7 @@ def _worker(rank, world, args, q):
             dev,
             args.no_fsdp,
             args.optim,
+            args.prefetch,
         )
         r["rank"] = rank
         out.append(r)
@@ -285,6 +328,7 @@ def main():
     p.add_argument("--head-unit", action="store_true")
     p.add_argument("--optim", choices=["foreach", "fused"], default="foreach", help="torch AdamW's implementation")
     p.add_argument("--no-fsdp", action="store_true", help="the same step without fully_shard (--policy bf16, --world 1)")
+    p.add_argument("--prefetch", action="store_true", help="explicit forward prefetch of the next layer's all-gather")
     p.add_argument("--runs", default="stock,truefuse,liger")
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--seq", type=int, default=2048)
@@ -313,6 +357,7 @@ def main():
         pr.join()
     tag = f"fsdp_{args.policy}{'_small' if args.small else ''}{'_head' if args.head_unit else ''}"
     tag += ("_nofsdp" if args.no_fsdp else "") + ("_fused" if args.optim == "fused" else "")
+    tag += ("_prefetch" if args.prefetch else "") + (f"_world{world}" if world != torch.cuda.device_count() else "")
     with open(os.path.join(args.out, tag + ".json"), "w") as f:
         json.dump({"world": world, "args": vars(args), "results": results}, f, indent=1, default=str)
     lines = [f"{tag}: world {world}, {args.batch}x{args.seq} tokens per rank"]
@@ -326,6 +371,7 @@ def main():
             f"  {base / r['ms'] if base else float('nan'):.2f}x stock  peak {r['peak_gib']:.1f} GiB"
             f"  syncs/step {r['syncs']}  gpu busy {r.get('gpu_busy', 0):.0%}  loss0 {r['losses'][0]:.4f}"
         )
+        lines.append(f"           host fwd/bwd/clip/opt ms: {r['host_phases_ms']}  gc ms (max step): {r['gc_ms']}")
         lines.append(f"           sync sites: {r['sync_sites'][:6]}")
         lines.append(f"           sync waits ms/step: {r.get('sync_wait_ms_per_step')}")
         idle = r.get("idle")
