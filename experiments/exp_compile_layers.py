@@ -1,0 +1,98 @@
+"""Does a patched model run with each decoder layer ``torch.compile``-d (TorchTitan's recipe,
+the usual pairing with FSDP2), and how fast against stock compiled the same way? (issue 35: under
+FSDP2 truefuse's eager step is its host time; compiling the layers is one way to a step whose host
+time is under its kernels'.)
+
+The demo's GPU model (``exp_bi_speed.py``'s ``demo``: Llama 16 x 2048, vocabulary 128256, 4 x 2048
+tokens, bf16, fused AdamW), one GPU, no FSDP: stock and ``apply_truefuse``, each eager and with
+``layer.compile()`` on every decoder layer (the embedding, final norm and loss stay eager). After
+``--warmup`` steps (the compilation), the runs are timed round-robin (``--rounds`` rounds of one
+step each): ms per step (median, best), host ms of the median step, the step's own peak (GiB above
+what was allocated before it: the four models stay resident), and the first timed step's loss
+(bounded against stock eager's: inductor reorders the stock ops it fuses). Dynamo's cache limit is
+raised to 64: each layer guards on its own index, so 16 layers of two models recompile 32 times,
+past the default 8 (after which the rest run eager).
+
+    PYTHONPATH=. python experiments/exp_compile_layers.py [--rounds 7] [--warmup 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from exp_bi_speed import CONFIGS, build  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args()
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.accumulated_cache_size_limit = 256
+    c = CONFIGS["demo"]
+    base = build(c).train()
+    ids = torch.randint(1, c["vocab"], (c["batch"], c["seq"]), device="cuda")
+    runs, peaks, compile_s = {}, {}, {}
+    for name in ("stock", "stock compiled", "truefuse", "truefuse compiled"):
+        m = copy.deepcopy(base)
+        if name.startswith("truefuse"):
+            apply_truefuse(m)
+        if name.endswith("compiled"):
+            for layer in m.model.layers:
+                layer.compile()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+
+        def step(m=m, opt=opt):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        compile_s[name] = time.perf_counter() - t
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
+        runs[name] = step
+    times: dict = {n: [] for n in runs}
+    hosts: dict = {n: [] for n in runs}
+    losses: dict = {}
+    for r in range(args.rounds):
+        for n, step in runs.items():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            loss = step()
+            hosts[n].append((time.perf_counter() - t) * 1e3)
+            torch.cuda.synchronize()
+            times[n].append((time.perf_counter() - t) * 1e3)
+            if r == 0:
+                losses[n] = loss.item()
+    print(torch.cuda.get_device_name(), torch.__version__)
+    head = f"{'run':<18} {'ms/step':>8} {'best':>7} {'host ms':>8} {'x stock':>8} {'x stock comp.':>13}"
+    print(head + f" {'step GiB':>9} {'warm-up s':>9}  loss")
+    med = {n: sorted(ts)[len(ts) // 2] for n, ts in times.items()}
+    for n in runs:
+        mid = sorted(range(len(times[n])), key=times[n].__getitem__)[len(times[n]) // 2]
+        print(f"{n:<18} {med[n]:>8.1f} {min(times[n]):>7.1f} {hosts[n][mid]:>8.1f} {med['stock'] / med[n]:>8.3f}"
+              f" {med['stock compiled'] / med[n]:>13.3f} {peaks[n]:>9.2f} {compile_s[n]:>9.1f}  {losses[n]:.5f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
