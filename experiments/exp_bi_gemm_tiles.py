@@ -35,10 +35,31 @@ SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (K, N)
 BUCKET_M = (16, 64, 256, 8192)
 CANDS = {
     "bf16": (
-        [(16, 16, 2, 6), (16, 16, 2, 8), (16, 16, 2, 10), (16, 16, 4, 6), (16, 16, 4, 8), (16, 16, 4, 10),
-         (16, 32, 4, 6), (16, 32, 4, 8), (16, 32, 4, 10), (16, 64, 4, 4), (16, 64, 4, 6)],
-        [(16, 32, 4, 6), (32, 16, 4, 8), (32, 32, 4, 6), (64, 16, 4, 6), (64, 16, 4, 8), (64, 32, 4, 4),
-         (64, 32, 4, 6), (64, 32, 4, 8), (64, 64, 4, 4), (64, 64, 4, 6)],
+        [
+            (16, 16, 2, 6),
+            (16, 16, 2, 8),
+            (16, 16, 2, 10),
+            (16, 16, 4, 6),
+            (16, 16, 4, 8),
+            (16, 16, 4, 10),
+            (16, 32, 4, 6),
+            (16, 32, 4, 8),
+            (16, 32, 4, 10),
+            (16, 64, 4, 4),
+            (16, 64, 4, 6),
+        ],
+        [
+            (16, 32, 4, 6),
+            (32, 16, 4, 8),
+            (32, 32, 4, 6),
+            (64, 16, 4, 6),
+            (64, 16, 4, 8),
+            (64, 32, 4, 4),
+            (64, 32, 4, 6),
+            (64, 32, 4, 8),
+            (64, 64, 4, 4),
+            (64, 64, 4, 6),
+        ],
         [(64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 4)],
         [(128, 128, 8, 4), (256, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 4)],
     ),
@@ -65,7 +86,9 @@ def _gmean(rows) -> float:
     return math.exp(sum(math.log(r["ratio"]) for r in rows) / len(rows)) if rows else float("nan")
 
 
-def sweep(g: str, forms, shapes, bucket_m, device, timing: dict, on_pick, order=ORDER, graph_pick: bool = False) -> tuple[list[dict], dict]:
+def sweep(
+    g: str, forms, shapes, bucket_m, device, timing: dict, on_pick, order=ORDER, graph_pick: bool = False
+) -> tuple[list[dict], dict]:
     dtype = torch.float32 if g == "fp32" else torch.bfloat16
     rows, picks = [], {}
     saved = dict(bc.TABLE)
@@ -74,7 +97,7 @@ def sweep(g: str, forms, shapes, bucket_m, device, timing: dict, on_pick, order=
             key = (g, LAYOUT[form])
             M = bucket_m[bi]
             per_cand: dict = {}
-            for si, (K, N) in enumerate(shapes):
+            for K, N in shapes:
                 a, b = _operands(form, M, K, N, dtype, device)
                 ref_bits = run_tiles(a, b, bc.REFERENCE[g])
                 cub = measure(lambda a=a, b=b: torch.mm(a, b), device, **timing).ms
@@ -105,7 +128,10 @@ def sweep(g: str, forms, shapes, bucket_m, device, timing: dict, on_pick, order=
                 bc.TABLE[key] = saved[key]
                 _BI_META.clear()
             if graph_pick and bi < 2:
-                rs_of = {t: [{"ratio": r["graph_ratio"] or r["ratio"], "same_bits": r["same_bits"]} for r in rs] for t, rs in per_cand.items()}
+                rs_of = {
+                    t: [{"ratio": r["graph_ratio"] or r["ratio"], "same_bits": r["same_bits"]} for r in rs]
+                    for t, rs in per_cand.items()
+                }
             else:
                 rs_of = per_cand
             ok = {t: _gmean(rs) for t, rs in rs_of.items() if all(r["same_bits"] for r in rs)}

@@ -22,6 +22,7 @@ def main() -> None:
 
     import torch
     from triton.testing import do_bench
+
     from truefuse.kernels.gemm_tma import _gemm_tma_kernel
     from truefuse.ops.gemm_backends.triton import run_tiles
 

@@ -287,8 +287,12 @@ def main() -> None:
     p.add_argument("--gen-iters", type=int, default=3)
     p.add_argument("--one-by-one", action="store_true", help="also BI with each sibling projection launched alone")
     p.add_argument("--gen-rounds", type=int, default=0, help="then time generate round-robin over the runs (median of N)")
-    p.add_argument("--train-rounds", type=int, default=0,
-                   help="then time training steps round-robin over the runs (median of N; the best too)")
+    p.add_argument(
+        "--train-rounds",
+        type=int,
+        default=0,
+        help="then time training steps round-robin over the runs (median of N; the best too)",
+    )
     p.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script (config tiny)")
     args = p.parse_args()
     global DEVICE
