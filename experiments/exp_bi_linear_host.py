@@ -59,9 +59,7 @@ def main(out: Path) -> None:
         "torch.mm": _host_us(lambda: torch.mm(xd, wd.t(), out=out_t)),
         "bi_launch (TMA kernel)": _host_us(lambda: T.bi_launch(xd, wd.t(), out_t)),
         "plain BI kernel launch": _host_us(
-            lambda: T._launch(
-                _gemm_kernel, T._bi_grid(8192, 2048, tile), xd, wd.t(), out_t, xd, out_t, False, 0, False, tile
-            )
+            lambda: T._launch(_gemm_kernel, T._bi_grid(8192, 2048, tile), xd, wd.t(), out_t, xd, out_t, False, 0, False, tile)
         ),
     }
     lines = [f"{k}: {v:.1f} us host" for k, v in res.items()]
