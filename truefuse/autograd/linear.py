@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.autograd._autocast import _disabled, autocast_disabled, autocast_dtype, cast
+from truefuse.autograd._autocast import autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._batch_invariant import in_forward_mode, record
 from truefuse.autograd._double_backward import module_names, refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
+from truefuse.config import is_batch_invariant
 from truefuse.ops._dtypes import wgrad_dtype
 from truefuse.ops.activation import activation_grad_ref
 from truefuse.ops.bias_grad import split_bias_grad
-from truefuse.config import is_batch_invariant
 from truefuse.ops.gemm import _FLOATS, checked_plain_gemm, gemm, plain_gemm
 from truefuse.ops.gemm import _PLAIN_TYPES as _PLAIN
 
@@ -110,16 +110,16 @@ class _PlainLinearFunction(torch.autograd.Function):
         return checked_plain_gemm(x, weight.t(), bias, x.dtype, bi)
 
     @staticmethod
+    @autocast_disabled  # as LinearFunction's: torch.mm of the weight gradient not autocast
     @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "Linear"))
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        with _disabled(dy.device.type):  # as LinearFunction's: torch.mm of the weight gradient not autocast
-            dx = checked_plain_gemm(dy, weight, None, dy.dtype, ctx.batch_invariant) if ctx.needs_input_grad[0] else None
-            db = split_bias_grad(dy, ctx.bias_dtype) if ctx.needs_input_grad[2] else None
-            dw = None
-            if ctx.needs_input_grad[1]:
-                compute = _wgrad_compute(dy, x, weight, _checked_product)
-                dw = deliver_weight_grad(weight, ctx.weight_name, compute, ctx.state)
+        dx = checked_plain_gemm(dy, weight, None, dy.dtype, ctx.batch_invariant) if ctx.needs_input_grad[0] else None
+        db = split_bias_grad(dy, ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            compute = _wgrad_compute(dy, x, weight, _checked_product)
+            dw = deliver_weight_grad(weight, ctx.weight_name, compute, ctx.state)
         return dx, dw, db, None, None
 
 

@@ -389,7 +389,6 @@ def checked_plain_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | No
     return _plain_runner(a, b, odt, False, bias is not None, bi)(a, b, out, odt, False, bias)
 
 
-
 def _shares(out: torch.Tensor, t: torch.Tensor) -> bool:
     return t.numel() > 0 and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
 

@@ -89,7 +89,7 @@ def _bi_meta(dtype: torch.dtype, M: int, form: str, N: int = 0) -> dict:
     key = (dtype, bucket(M), form, wide, get_config().triton_interpret)
     meta = _BI_META.get(key)
     if meta is None:
-        cfg = bi_config(dtype, M, form, WIDE_N if wide else 0)
+        cfg = bi_config(dtype, M, form, N)  # its tile depends on N only through ``wide``
         meta = _BI_META[key] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return meta
 
@@ -232,7 +232,8 @@ def bi_launch_segments(a: torch.Tensor, bs: list[torch.Tensor], outs: list[torch
     """:func:`bi_launch` of one (M, K) ``a`` against up to three (K, N_s) ``bs`` of one layout, into
     contiguous (M, N_s) ``outs``, in one launch: each ``outs[s]`` gets the bits of
     ``bi_launch(a, bs[s], outs[s])`` (the same tile from the same table entry, which depends on M and
-    the layout only: no ``WIDE`` tile for the forward's layout, the siblings'; ``kernels/gemm.py::_gemm_segments_kernel``). M and every N_s not 0."""
+    the layout only: no ``WIDE`` tile for the forward's layout, the siblings';
+    ``kernels/gemm.py::_gemm_segments_kernel``). M and every N_s not 0."""
     from truefuse.kernels.gemm import _gemm_segments_kernel
 
     M, K = a.shape
