@@ -9,7 +9,9 @@ stream is busy (the union of kernel intervals). Writes ``OUT/fsdp_<policy>.txt``
 
 Run: ``PYTHONPATH=. python experiments/exp_fsdp_profile.py OUT --policy mp`` on 2+ GPUs
 (``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1``); ``--policy bf16``
-for pure bf16 parameters; ``--small`` for hidden 1024, 4 layers, vocabulary 32000.
+for pure bf16 parameters; ``--small`` for hidden 1024, 4 layers, vocabulary 32000. A run named
+``<run>+compile`` (``--runs stock+compile,truefuse+compile``) has each decoder layer
+``torch.compile``-d before it is sharded (TorchTitan's recipe).
 """
 
 from __future__ import annotations
@@ -75,9 +77,14 @@ def _build(shape, policy, run, head_unit, dev, no_fsdp=False, prefetch=False):
     dtype = torch.float32 if policy == "mp" else torch.bfloat16
     with torch.device(dev):
         model = LlamaForCausalLM(cfg).to(dtype)
-    patch = _patch(run)
+    patch = _patch(run.removesuffix("+compile"))
     if patch is not None:
         patch(model)
+    if run.endswith("+compile"):  # TorchTitan's recipe: each decoder layer compiled, then sharded
+        torch._dynamo.config.cache_size_limit = 64  # each layer guards on its own index: 16 recompiles
+        torch._dynamo.config.accumulated_cache_size_limit = 256
+        for layer in model.model.layers:
+            layer.compile()
     kw = {}
     if no_fsdp:  # the same model and step without FSDP2 (its hooks' host time, by difference)
         model.train()

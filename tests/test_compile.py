@@ -389,3 +389,83 @@ def test_compile_grouped_tensor_splits_triton(name, mode, device):
         fused=mode == "fused",
         device=device,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Inductor launches the one-kernel ops' kernels itself (docs/design.md §6.7: ``inline=True``)
+
+
+def _inlined_block(x, w, q, k, cos, sin, g, u, rstd):
+    from truefuse.autograd._eager_op import call
+
+    return (
+        call(rms_norm_hf_fwd_op, x, w, rstd, "llama"),  # rstd given: the kernel's bits alone, not inductor's statistics
+        truefuse.rms_norm(x, w, 1e-6),
+        *truefuse.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin),  # HF's (B, T, H, D) storage
+        truefuse.gated_activation(g, "swiglu", u),
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor compiles Triton kernels on CUDA only")
+def test_inductor_inlines_one_kernel_ops():
+    """torch.compile with Inductor: the generated code launches the norms', rope's and the gated
+    activation's Triton kernels itself, forward and backward, with no call of the truefuse ops
+    left, and gives eager mode's bits."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+
+    def leaf(*shape, dtype=bf):
+        return torch.randn(*shape, device=dev, dtype=dtype).requires_grad_()
+
+    x, w = leaf(64, 1024), leaf(1024)
+    q, k = leaf(2, 32, 8, 64), leaf(2, 32, 4, 64)
+    cos, sin = torch.randn(2, 32, 64, device=dev, dtype=bf), torch.randn(2, 32, 64, device=dev, dtype=bf)
+    g, u = leaf(64, 512), leaf(64, 512)
+    rstd = hf_rstd(x.detach(), 1e-6)
+    leaves = (x, w, q, k, g, u)
+
+    def step(fn):
+        outs = fn(x, w, q, k, cos, sin, g, u, rstd)
+        dys = [torch.randn_like(o, generator=torch.Generator(dev).manual_seed(i)) for i, o in enumerate(outs)]
+        grads = torch.autograd.grad(outs, leaves, dys)
+        return [o.detach() for o in outs], list(grads)
+
+    eager = step(_inlined_block)
+    compiled = torch.compile(_inlined_block, fullgraph=True, backend="inductor")
+    got, codes = run_and_get_code(step, compiled)
+    code = "\n".join(codes)
+    opaque = sorted({line.strip()[:120] for line in code.splitlines() if "torch.ops.truefuse" in line})
+    assert not opaque, f"truefuse ops stayed opaque calls in the compiled graph: {opaque}"
+    for kernel in ("_norm_fwd_kernel", "_norm_bwd", "_sum_partials_kernel", "_rope_kernel", "_gated_activation_fwd_kernel",
+                   "_gated_activation_bwd_kernel"):  # fmt: skip
+        assert kernel in code, f"{kernel} is not launched by the compiled code"
+    for e, c in zip(eager[0] + eager[1], got[0] + got[1], strict=True):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor compiles Triton kernels on CUDA only")
+def test_inductor_keeps_tma_staged_norm_opaque():
+    """Where the norm launches with a host-side TMA descriptor (LayerNorm's staged forward on
+    Hopper), which torch cannot trace outside Dynamo, the compiled graph keeps that call one op:
+    eager mode's bits, forward and backward."""
+    from torch._inductor.utils import run_and_get_code
+
+    from truefuse.ops._triton import hopper
+    from truefuse.ops.norm_config import ln_fwd_staged_config
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w, b = (torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    staged = hopper(x) and ln_fwd_staged_config(1024, x.dtype) is not None
+
+    def step(fn):
+        y = fn(x, w, b)
+        return [y.detach(), *torch.autograd.grad(y, (x, w, b), torch.ones_like(y))]
+
+    eager = step(truefuse.layer_norm)
+    got, codes = run_and_get_code(step, torch.compile(truefuse.layer_norm, fullgraph=True, backend="inductor"))
+    assert ("torch.ops.truefuse.norm_fwd" in "\n".join(codes)) == staged
+    for e, c in zip(eager, got, strict=True):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)

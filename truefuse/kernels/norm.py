@@ -47,8 +47,10 @@ def _pdl_enter(PDL: tl.constexpr):
 
 @triton.jit
 def rms_rstd(x, N, eps):
-    """1 / sqrt(mean(x²) + eps) of one fp32 row in registers, correctly rounded square root."""
-    return 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / N + eps)
+    """1 / sqrt(mean(x²) + eps) of one fp32 row in registers, correctly rounded square root. ``eps``
+    is rounded to fp32 here: Triton's launcher passes a Python float as fp32, Inductor's as fp64
+    (a compiled graph's launch, docs/design.md §6.7), and both must add the same fp32 eps."""
+    return 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / N + tl.cast(eps, tl.float32))
 
 
 @triton.jit
@@ -281,7 +283,7 @@ def _ln_fwd_staged_kernel(
         r1 = row + tl.arange(0, 1)
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(cmask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(xc * xc, axis=1) / N + eps)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(xc * xc, axis=1) / N + tl.cast(eps, tl.float32))  # fp32 eps: rms_rstd
         y = xc * rstd[:, None]
         if HAS_W:
             wf = w.to(tl.float32)

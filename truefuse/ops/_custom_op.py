@@ -15,17 +15,52 @@ from typing import NamedTuple
 
 import torch
 
+from truefuse.config import get_config
 
-def custom_op(name: str, *, mutates_args) -> Callable:
+
+def custom_op(name: str, *, mutates_args, inline: bool | Callable = False) -> Callable:
     """``torch.library.custom_op(name, mutates_args=...)`` that also keeps the undecorated body as
-    the op's ``body``, for :func:`launch`."""
+    the op's ``body``, for :func:`launch`.
+
+    ``inline``: the body launches its kernels through ``ops/_triton.py::kernel_for`` and nothing
+    else it does depends on data, so where Triton compiles (not its CPU interpreter, whose kernels
+    cannot be traced), torch.compile's AOT graph takes the body instead of one opaque call: the
+    graph holds the kernels and Inductor launches them from its generated code, without the op's
+    Python around each launch (as ``torch.library.triton_op`` does; docs/design.md §6.7). Dynamo
+    still reads the op's registered fake. Export keeps the op whole. A callable ``inline(*args)``
+    decides per call: False keeps that call opaque (a kernel launched with a host-side TMA
+    descriptor, which torch 2.11 cannot trace outside Dynamo)."""
 
     def deco(fn: Callable):
         op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
         op.body = fn
+        if inline and not get_config().triton_interpret:
+            _inline_when_traced(op, fn, inline if callable(inline) else None)
         return op
 
     return deco
+
+
+def _inline_when_traced(op, fn: Callable, when: Callable | None) -> None:
+    """Run ``fn`` itself under torch's functional tracing mode (AOT autograd, Inductor's input),
+    so that its ``wrap_triton`` launches become graph nodes; anything else (export, which keeps
+    the op to serialize it; a tensor subclass) goes on to the op's usual path."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    known = (torch.Tensor, FakeTensor, FunctionalTensor)
+
+    def decompose(mode, _op, types, args, kwargs):
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+        if any(t not in known for t in types):
+            return NotImplemented
+        if custom_triton_ops_decomposition_disabled() or (when is not None and not when(*args, **kwargs)):
+            return mode.__torch_dispatch__(_op, types, args, kwargs)
+        with mode:
+            return fn(*args, **kwargs)
+
+    op.register_torch_dispatch(FunctionalTensorMode, decompose)
 
 
 def launch(op, *args):

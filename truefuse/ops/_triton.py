@@ -35,3 +35,45 @@ def hopper(x: torch.Tensor) -> bool:
     if not x.is_cuda or torch.version.hip is not None:
         return False
     return capability(x.device.index if x.device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor that torch is tracing (fake, functional: torch.compile's AOT
+    graph), not one a kernel can launch on. A launcher then hands its kernel to the graph through
+    :func:`kernel_for`, and leaves out what only an eager launch has (``launch_pdl``, a pointer's
+    alignment read from ``data_ptr``)."""
+    return type(t) not in _PLAIN
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def kernel_for(kernel, t: torch.Tensor):
+    """``kernel`` for a launch on tensors like ``t``: itself in eager mode (no wrapper on the
+    launch path), ``torch.library.wrap_triton(kernel)`` where ``t`` is traced, so that a compiled
+    graph holds the kernel itself and Inductor launches it from its own code (docs/design.md §6.7).
+    The same kernel with the same arguments either way: the same bits."""
+    if type(t) in _PLAIN:
+        return kernel
+    return _Traced(kernel)
+
+
+class _Traced:
+    """``wrap_triton(kernel)[grid](...)`` with every parameter the call leaves to its default passed
+    explicitly: the traced launch checks for the kernel's whole signature (torch 2.11: "Incorrect
+    number of arguments passed to kernel")."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = torch.library.wrap_triton(self.kernel)[grid]
+        params = self.kernel.params
+
+        def run(*args, **kwargs):
+            for p in params[len(args) :]:
+                if p.name not in kwargs and p.has_default:
+                    kwargs[p.name] = p.default
+            return launch(*args, **kwargs)
+
+        return run

@@ -11,7 +11,7 @@ import torch
 
 from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops._triton import triton_runs
+from truefuse.ops._triton import kernel_for, triton_runs
 from truefuse.ops.activation import activation_ref
 
 #: Gated activation name -> the activation applied to the gate half.
@@ -79,7 +79,7 @@ def gated_fwd(x: torch.Tensor, name: str, up: torch.Tensor | None = None) -> tor
     if M and F:
         grid, block = _launch_shape(M, F)
         u_ = u if gated else g
-        _gated_activation_fwd_kernel[grid](
+        kernel_for(_gated_activation_fwd_kernel, y)[grid](
             g, u_, y, g.stride(0), u_.stride(0), y.stride(0), F, ACT=ACT_CODES[act], GATED=gated, BLOCK=block
         )
     return y
@@ -111,7 +111,7 @@ def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool =
     if M and F:
         grid, block = _launch_shape(M, F)
         a = y if recompute else dg
-        _gated_activation_bwd_kernel[grid](
+        kernel_for(_gated_activation_bwd_kernel, dg)[grid](
             dy,
             g,
             u,
@@ -137,7 +137,7 @@ def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool =
 # torch.library custom ops (docs/design.md §6.7), with fake implementations and the backward on the op.
 
 
-@custom_op("truefuse::gated_activation_fwd", mutates_args=())
+@custom_op("truefuse::gated_activation_fwd", mutates_args=(), inline=True)
 def gated_fwd_op(x: torch.Tensor, name: str) -> torch.Tensor:
     """:func:`gated_fwd` as an op: contiguous (M, 2F) or (M, F) -> (M, F)."""
     return gated_fwd(x, name)
@@ -149,7 +149,7 @@ def _(x, name):
     return x.new_empty((x.shape[0], F))
 
 
-@custom_op("truefuse::gated_activation_bwd", mutates_args=())
+@custom_op("truefuse::gated_activation_bwd", mutates_args=(), inline=True)
 def gated_bwd_op(dy: torch.Tensor, x: torch.Tensor, name: str) -> torch.Tensor:
     """:func:`gated_bwd` as an op: returns the gradient of ``x``."""
     return gated_bwd(dy.contiguous(), x, name)
@@ -178,7 +178,7 @@ register_backward(gated_fwd_op, _gated_backward, _gated_setup, bwd_ops=(gated_bw
 # concatenation copy): the same kernels with two row-strided inputs.
 
 
-@custom_op("truefuse::gated_activation2_fwd", mutates_args=())
+@custom_op("truefuse::gated_activation2_fwd", mutates_args=(), inline=True)
 def gated2_fwd_op(gate: torch.Tensor, up: torch.Tensor, name: str) -> torch.Tensor:
     """``act(gate) * up`` for (M, F) ``gate`` and ``up`` whose rows are contiguous."""
     return gated_fwd(gate, name, up)
@@ -189,7 +189,7 @@ def _(gate, up, name):
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
-@custom_op("truefuse::gated_activation2_bwd", mutates_args=())
+@custom_op("truefuse::gated_activation2_bwd", mutates_args=(), inline=True)
 def gated2_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``gate`` and ``up``."""
     return gated_bwd(dy.contiguous(), gate, name, up=up)

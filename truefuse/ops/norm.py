@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from truefuse.config import get_tuning, is_batch_invariant
 from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
-from truefuse.ops._triton import hopper, sm_count, triton_runs
+from truefuse.ops._triton import hopper, kernel_for, sm_count, traced, triton_runs
 from truefuse.ops.gemm_exec import wide_dtype
 from truefuse.ops.norm_config import (
     STAGED_INNER,
@@ -197,8 +197,9 @@ def norm_fwd(
     mean = None if rms else torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0:
         return y, mean, rstd
-    pdl = hopper(x)  # Hopper: PDL, and the TMA-staged LayerNorm forward
-    staged = None if rms or not pdl else ln_fwd_staged_config(N, x.dtype)
+    hop = hopper(x)  # Hopper: PDL, and the TMA-staged LayerNorm forward
+    pdl = hop and not traced(x)  # a compiled graph launches without PDL (a launch attribute: the same bits)
+    staged = None if rms or not hop else ln_fwd_staged_config(N, x.dtype)
     if staged is not None:
         ln_fwd_staged(x, weight, bias, eps, zero_centered_gamma, y, mean, rstd, staged, pdl)
         return y, mean, rstd
@@ -208,7 +209,7 @@ def norm_fwd(
         warps, per_sm, wb = ln_fwd_config(N)
     per_sm = per_sm if x.is_cuda else 0
     programs = min(M, per_sm * sm_count(x.device.index or 0)) if per_sm else M
-    _norm_fwd_kernel[(programs,)](
+    kernel_for(_norm_fwd_kernel, y)[(programs,)](
         x,
         weight if weight is not None else x,
         bias if bias is not None else x,
@@ -255,7 +256,7 @@ def ln_fwd_staged(x, weight, bias, eps: float, zero_centered_gamma: bool, y, mea
     block = block_and_warps(N)[0]
     x = _tma_aligned(x)
     programs = min(M, per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4)
-    _ln_fwd_staged_kernel[(programs,)](
+    kernel_for(_ln_fwd_staged_kernel, y)[(programs,)](
         TensorDescriptor.from_tensor(x, [1, block]),
         weight if weight is not None else x,
         bias if bias is not None else x,
@@ -288,9 +289,10 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     M, N = x.shape
     dx = torch.empty_like(x)
     block, _ = block_and_warps(N)
-    pdl = hopper(x)  # Hopper: PDL, and the TMA-staged backward
+    hop = hopper(x)  # Hopper: PDL, and the TMA-staged backward
+    pdl = hop and not traced(dx)  # a compiled graph launches without PDL (the same bits)
     cfg = bwd_config(N, rms)
-    staged = bwd_staged_config(N, x.dtype, rms) if pdl and dy.dtype.itemsize == 2 else None
+    staged = bwd_staged_config(N, x.dtype, rms) if hop and dy.dtype.itemsize == 2 else None
     warps, rows, per_sm = (cfg.warps, cfg.rows, cfg.per_sm) if staged is None else (staged[0], 1, staged[1])
     programs = max(1, min(M, per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4))
     # whole tiles per program; then only as many programs as that takes
@@ -324,10 +326,10 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     if staged is not None:
         bwd_staged(dy, x, tail, M, N, rows_per_program, programs, staged, {**flags, **math})
     elif cfg.parts is None:
-        _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch)
+        kernel_for(_norm_bwd_kernel, dx)[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch)
     else:
         a, b = cfg.parts
-        _norm_bwd_split_kernel[(programs,)](*args, **flags, **math, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
+        kernel_for(_norm_bwd_split_kernel, dx)[(programs,)](*args, **flags, **math, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
     if has_w and has_bias:
         dw, db = _sum_partials(dw_part, weight.dtype, pdl, db_part, bias.dtype)
     else:
@@ -349,7 +351,7 @@ def bwd_staged(dy, x, tail, M: int, N: int, rows_per_program: int, programs: int
     x, dy = _tma_aligned(x), _tma_aligned(dy)
     descs = [TensorDescriptor.from_tensor(t.view(M, N // inner, inner), [1, block // inner, inner]) for t in (x, dy)]
     dx = tail[3]
-    _norm_bwd_staged_kernel[(programs,)](
+    kernel_for(_norm_bwd_staged_kernel, dx)[(programs,)](
         *descs, *tail, dx.stride(0), M, N, rows_per_program, **flags, BLOCK_N=block, STAGES=cfg[2], INNER=inner
     )
 
@@ -366,7 +368,7 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, par
     block_p, block, warps = sum_config(N, part2 is not None)
     if not part.is_cuda:  # the CPU interpreter: each column's sum is the same at any BLOCK_N, and each program costs its Python
         block = max(block, 256)
-    _sum_partials_kernel[(-(-N // block),)](
+    kernel_for(_sum_partials_kernel, out)[(-(-N // block),)](
         part,
         out,
         part if part2 is None else part2,
@@ -388,7 +390,19 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, par
 # the backward registered on the op. Optional outputs are empty tensors (an op returns no None).
 
 
-@custom_op("truefuse::norm_fwd", mutates_args=())
+def _fwd_traceable(x, weight, bias, eps, rms, zero_centered_gamma) -> bool:
+    """Whether a compiled graph may take ``norm_fwd``'s kernel itself (``_custom_op.custom_op``'s
+    ``inline``): not the TMA-staged LayerNorm forward, whose host-side descriptor torch 2.11
+    cannot trace; that call stays one opaque op, with eager mode's bits."""
+    return rms or not hopper(x) or ln_fwd_staged_config(x.shape[1], x.dtype) is None
+
+
+def _bwd_traceable(dy, x, weight, bias, mean, rstd, rms, zero_centered_gamma) -> bool:
+    """:func:`_fwd_traceable` for ``norm_bwd``: not the TMA-staged backward."""
+    return not hopper(x) or dy.dtype.itemsize != 2 or bwd_staged_config(x.shape[1], x.dtype, rms) is None
+
+
+@custom_op("truefuse::norm_fwd", mutates_args=(), inline=_fwd_traceable)
 def norm_fwd_op(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool, zero_centered_gamma: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -404,7 +418,7 @@ def _(x, weight, bias, eps, rms, zero_centered_gamma):
     return torch.empty_like(x), x.new_empty((0,) if rms else (M,), dtype=f32), x.new_empty((M,), dtype=f32)
 
 
-@custom_op("truefuse::norm_bwd", mutates_args=())
+@custom_op("truefuse::norm_bwd", mutates_args=(), inline=_bwd_traceable)
 def norm_bwd_op(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -476,7 +490,7 @@ register_backward(
 # the kernel applies them and the weight; the backward is the norm's own with that rstd.
 
 
-@custom_op("truefuse::rms_norm_hf_fwd", mutates_args=())
+@custom_op("truefuse::rms_norm_hf_fwd", mutates_args=(), inline=True)
 def rms_norm_hf_fwd_op(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, style: str) -> torch.Tensor:
     """y of :func:`rms_norm_hf_ref` for a contiguous (M, N) ``x`` and its (M,) fp32 ``rstd`` (``hf_rstd``)."""
     y, _, _ = norm_fwd(

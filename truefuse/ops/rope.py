@@ -11,7 +11,7 @@ import torch
 
 from truefuse.config import get_config
 from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
-from truefuse.ops._triton import triton_runs
+from truefuse.ops._triton import kernel_for, triton_runs
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +46,7 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype
     half = D // 2
     block_d = max(16, 1 << (half - 1).bit_length())
     block_h = max(1, min(1 << (H - 1).bit_length(), max(1, 4096 // block_d)))
-    _rope_kernel[(B * T,)](
+    kernel_for(_rope_kernel, out)[(B * T,)](
         x,
         cos,
         sin,
@@ -71,7 +71,7 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype
     return out
 
 
-@custom_op("truefuse::rope_fwd", mutates_args=())
+@custom_op("truefuse::rope_fwd", mutates_args=(), inline=True)
 def rope_fwd_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rope_ref` of ``q`` and of ``k`` through the kernel (bitwise): one op for the pair, so a
     decoder layer pays one op's host time each way, not two (docs/design.md §6.7)."""
@@ -92,7 +92,7 @@ def _rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: t
     return rope_launch(dy, cos, sin, x_dtype, backward=True)
 
 
-@custom_op("truefuse::rope_bwd", mutates_args=())
+@custom_op("truefuse::rope_bwd", mutates_args=(), inline=True)
 def rope_bwd_op(
     dq: torch.Tensor | None,
     dk: torch.Tensor | None,
