@@ -11,7 +11,8 @@ Run: ``PYTHONPATH=. python experiments/exp_fsdp_profile.py OUT --policy mp`` on 
 (``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1``); ``--policy bf16``
 for pure bf16 parameters; ``--small`` for hidden 1024, 4 layers, vocabulary 32000. A run named
 ``<run>+compile`` (``--runs stock+compile,truefuse+compile``) has each decoder layer
-``torch.compile``-d before it is sharded (TorchTitan's recipe).
+``torch.compile``-d before it is sharded (TorchTitan's recipe). ``--abba`` runs them in order and
+then in reverse (the host slows within a call: the first run had a faster host than the last).
 """
 
 from __future__ import annotations
@@ -280,6 +281,30 @@ def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev
     return res
 
 
+def _sequence(runs: str, abba: bool) -> list[tuple[str, int]]:
+    """The runs in the order they run, each with its pass (1, or 2 for ``--abba``'s reversed
+    second pass). Liger last and once: ``apply_liger_kernel_to_llama`` replaces transformers'
+    Llama classes for the whole process, so every model built after it is Liger's (a stock or
+    truefuse run after it failed: ``'LigerSwiGLUMLP' object has no attribute 'act_fn'``)."""
+    names = runs.split(",")
+    rest = [n for n in names if n != "liger"]
+    order = [(n, 1) for n in rest] + ([(n, 2) for n in reversed(rest)] if abba else [])
+    return order + ([("liger", 1)] if "liger" in names else [])
+
+
+def _merged(results: list[dict]) -> list[dict]:
+    """One entry per run: ``--abba``'s two passes as their mean (``ms``), each kept in ``ms_passes``
+    (the host slows within a call, 1.0-1.8x between its first and last run on 2 H100s, so a
+    run's place in the order moves its time)."""
+    merged: dict[str, dict] = {}
+    for r in results:
+        m = merged.setdefault(r["run"], {**r, "ms_passes": []})
+        m["ms_passes"].append(r["ms"])
+    for m in merged.values():
+        m["ms"] = sum(m["ms_passes"]) / len(m["ms_passes"])
+    return list(merged.values())
+
+
 def _worker(rank, world, args, q):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(args.port))
@@ -292,7 +317,7 @@ def _worker(rank, world, args, q):
     _log(rank, "process group up")
     shape = TINY if args.tiny else SMALL if args.small else BIG
     out = []
-    for run in args.runs.split(","):
+    for run, npass in _sequence(args.runs, args.abba):
         if run == "liger":
             try:
                 import liger_kernel  # noqa: F401
@@ -313,7 +338,7 @@ def _worker(rank, world, args, q):
             args.optim,
             args.prefetch,
         )
-        r["rank"] = rank
+        r["rank"], r["pass"] = rank, npass
         out.append(r)
         gc.collect()
         if dev == "cuda":
@@ -337,6 +362,7 @@ def main():
     p.add_argument("--no-fsdp", action="store_true", help="the same step without fully_shard (--policy bf16, --world 1)")
     p.add_argument("--prefetch", action="store_true", help="explicit forward prefetch of the next layer's all-gather")
     p.add_argument("--runs", default="stock,truefuse,liger")
+    p.add_argument("--abba", action="store_true", help="the runs, then again in reverse order (Liger once, last); the mean")
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4)
@@ -368,12 +394,13 @@ def main():
     with open(os.path.join(args.out, tag + ".json"), "w") as f:
         json.dump({"world": world, "args": vars(args), "results": results}, f, indent=1, default=str)
     lines = [f"{tag}: world {world}, {args.batch}x{args.seq} tokens per rank"]
-    r0 = results[0]
+    r0 = _merged(results[0])
     base = next((r["ms"] for r in r0 if r["run"] == "stock"), None)
     for r in r0:
-        other = [x for x in results[1] if x["run"] == r["run"]] if world > 1 else []
+        other = [x for x in _merged(results[1]) if x["run"] == r["run"]] if world > 1 else []
+        passes = f" (passes {' / '.join(f'{t:.1f}' for t in r['ms_passes'])})" if len(r["ms_passes"]) > 1 else ""
         lines.append(
-            f"{r['run']:>9}: {r['ms']:7.1f} ms/step (rank1 {other[0]['ms'] if other else float('nan'):7.1f})"
+            f"{r['run']:>9}: {r['ms']:7.1f} ms/step{passes} (rank1 {other[0]['ms'] if other else float('nan'):7.1f})"
             f"  host {r['host_ms']:6.1f} ms"
             f"  {base / r['ms'] if base else float('nan'):.2f}x stock  peak {r['peak_gib']:.1f} GiB"
             f"  syncs/step {r['syncs']}  gpu busy {r.get('gpu_busy', 0):.0%}  loss0 {r['losses'][0]:.4f}"

@@ -469,3 +469,38 @@ def test_inductor_keeps_tma_staged_norm_opaque():
     assert ("torch.ops.truefuse.norm_fwd" in "\n".join(codes)) == staged
     for e, c in zip(eager, got, strict=True):
         torch.testing.assert_close(c, e, rtol=0, atol=0)
+
+
+def test_inline_ops_trace_to_their_kernels():
+    """Where Triton compiles, AOT autograd's trace of each inline op (``_custom_op.custom_op``'s
+    ``inline``) holds its kernel launches, not the op, and each launch passes every kernel
+    parameter, defaults included (a traced launch that leaves one to its default fails in
+    Inductor: "Incorrect number of arguments passed to kernel"). On the CPU too: the trace runs no
+    kernel. In a process without TRITON_INTERPRET (tests/_inline_trace.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(__file__)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, os.path.join(here, "_inline_trace.py")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    expected = {
+        "norm_fwd": ["_norm_fwd_kernel"],
+        "layer_norm_fwd": ["_norm_fwd_kernel"],  # the pointer kernel: no Hopper here (the staged one stays opaque)
+        "rms_norm_hf_fwd": ["_norm_fwd_kernel"],
+        "norm_bwd": ["_norm_bwd_kernel", "_sum_partials_kernel"],
+        "rope_fwd": ["_rope_kernel", "_rope_kernel"],
+        "rope_bwd": ["_rope_kernel", "_rope_kernel"],
+        "gated2_fwd": ["_gated_activation_fwd_kernel"],
+        "gated2_bwd": ["_gated_activation_bwd_kernel"],
+    }
+    for op, kernels in expected.items():
+        assert got[op]["opaque"] == [], f"{op} stayed opaque: {got[op]['opaque']}"
+        assert [name for name, _ in got[op]["launches"]] == kernels, f"{op}: {got[op]['launches']}"
+        assert all(not missing for _, missing in got[op]["launches"]), f"{op} left parameters out: {got[op]['launches']}"
