@@ -13,7 +13,7 @@ HF_HINT = "pip install truefuse[hf]"
 
 #: command-line settings that override the --size preset (None: the preset's)
 _SETTINGS = ("dtype", "steps", "hidden", "layers", "heads", "kv_heads", "vocab", "seq", "batch", "lr", "corpus_bytes", "tol")
-_SETTINGS += ("seed", "schedule", "world_size", "fsdp_policy", "head_unit")
+_SETTINGS += ("seed", "schedule", "world_size", "fsdp_policy", "head_unit", "compile_layers")
 
 
 def _fail(msg: str) -> int:
@@ -87,6 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--peer", choices=["liger"], help="add a third run patched by this library")
     p.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="torch.compile each decoder layer of every run after its patch (before FSDP2's sharding): on a GPU, "
+        "Inductor launches truefuse's kernels itself (docs/huggingface.md, 'With torch.compile'); slow to start on the CPU",
+    )
+    p.add_argument(
         "--batch-invariant",
         action="store_true",
         help="add a run of truefuse in batch-invariant mode, and stock run twice (how far stock is from itself)",
@@ -141,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
     size = args.size or ("gpu" if device == "cuda" else "cpu")
     settings = {k: getattr(args, k, None) for k in _SETTINGS}
     settings["head_unit"] = settings["head_unit"] or None
+    settings["compile_layers"] = settings["compile_layers"] or None
     try:
         cfg = make_config(size, device=device, **settings)
     except ValueError as e:

@@ -87,6 +87,8 @@ def title(result: DemoResult) -> str:
     dtype = c.dtype
     if c.world_size > 1:
         dtype += f", policy {c.fsdp_policy}" + (", lm_head its own unit" if c.head_unit else "")
+    if c.compile_layers:
+        dtype += ", decoder layers compiled"
     return (
         f"truefuse demo: Llama {c.layers}x{c.hidden} (heads {c.heads}/{c.kv_heads}, vocab {result.model_config['vocab_size']}), "
         f"{tokens} tokens x {c.steps} steps, {dtype} on {result.environment['device']}"

@@ -65,6 +65,9 @@ class DemoConfig:
     world_size: int = 1
     fsdp_policy: str = "auto"
     head_unit: bool = False
+    # every run's decoder layers torch.compile-d after its patch, before any sharding
+    # (integrations/huggingface/compile.py: on a GPU, Inductor launches truefuse's kernels itself)
+    compile_layers: bool = False
 
     @property
     def tokens_per_step(self) -> int:
@@ -278,6 +281,10 @@ class Trainer:
         model = _build(model_config, device, param_dtype)
         model.load_state_dict(state)
         report = patch(model) if patch is not None else None
+        if cfg.compile_layers:
+            from truefuse.integrations.huggingface.compile import compile_layers
+
+            compile_layers(model)
         model = self.wrap(model)
         model.train()
         # the optimizer is built after the patch: a patch may replace modules and their parameters

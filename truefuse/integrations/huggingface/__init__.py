@@ -10,6 +10,7 @@ The norms give the stock module's bits; the loss never builds the logits when ``
 from truefuse.integrations.huggingface import attention as _attention
 from truefuse.integrations.huggingface.architectures import ARCHITECTURES
 from truefuse.integrations.huggingface.class_patch import ClassPatch
+from truefuse.integrations.huggingface.compile import compile_layers
 from truefuse.integrations.huggingface.log_probs import model_log_probs
 from truefuse.integrations.huggingface.patch import (
     apply_truefuse,
@@ -42,6 +43,7 @@ __all__ = [
     "apply_truefuse_to_qwen2",
     "apply_truefuse_to_qwen3",
     "apply_truefuse_to_qwen3_moe",
+    "compile_layers",
     "model_log_probs",
     "unpatch_truefuse",
 ]

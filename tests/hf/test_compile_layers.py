@@ -1,0 +1,77 @@
+"""``compile_layers`` (integrations/huggingface/compile.py): each decoder layer of a patched model
+compiled on its own trains as the eager patched model does, and the demo's ``--compile-layers``
+compiles every run's layers. On the CPU with ``backend="aot_eager"`` (Inductor's C++ build is too
+slow for the suite; on a GPU, tests/test_compile.py checks that Inductor launches the kernels)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
+from truefuse.integrations.huggingface import apply_truefuse, compile_layers  # noqa: E402
+
+
+def _steps(model, n=3):
+    g = torch.Generator().manual_seed(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_compiled_layers_train_as_eager(torch_paths):
+    import torch._dynamo.config as dynamo
+
+    eager = tiny_model("llama", num_hidden_layers=3)
+    apply_truefuse(eager)
+    compiled = copy.deepcopy(eager)
+    with dynamo.patch(cache_size_limit=2):  # below the layers' need: it must rise
+        assert compile_layers(compiled, backend="aot_eager") == 3
+        assert dynamo.cache_size_limit >= 3 + 8
+    assert all(layer._compiled_call_impl is not None for layer in compiled.model.layers)
+    torch._dynamo.reset()
+    (le, pe), (lc, pc) = _steps(eager), _steps(compiled)
+    torch.testing.assert_close(torch.tensor(lc), torch.tensor(le), rtol=1e-5, atol=0)
+    for a, b in zip(pc, pe, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_compile_layers_names_a_model_without_layers():
+    with pytest.raises(ValueError, match="compile_layers: Linear has no decoder layers"):
+        compile_layers(torch.nn.Linear(2, 2))
+
+
+def test_demo_compile_layers_compiles_every_run(monkeypatch, tmp_path):
+    """The demo's ``compile_layers`` setting: each run's layers compiled after its patch; the curves
+    as without it (stock's, and the patched run's within the demo's tolerance of stock)."""
+    import truefuse.integrations.huggingface.compile as comp
+    from truefuse.demo.train import make_config, run_demo
+
+    calls = []
+    real = comp.compile_layers
+
+    def aot_eager(model):
+        calls.append(type(model.model.layers[0].mlp).__name__)
+        return real(model, backend="aot_eager")
+
+    monkeypatch.setattr(comp, "compile_layers", aot_eager)
+    tiny = dict(hidden=32, layers=2, heads=4, kv_heads=2, vocab=300, seq=32, batch=2, steps=3, corpus_bytes=64 << 10)
+    peers = {"identity": lambda m: "identity"}
+    cache = str(tmp_path / "cache")
+    plain = run_demo(make_config("cpu", device="cpu", **tiny), peers, cache_dir=cache, quiet=True)
+    cfg = make_config("cpu", device="cpu", compile_layers=True, **tiny)
+    result = run_demo(cfg, peers, cache_dir=cache, quiet=True)
+    assert calls == ["LlamaMLP", "LlamaMLP"]  # stock and the peer, each once
+    for a, b in zip(result.runs, plain.runs, strict=True):
+        torch.testing.assert_close(torch.tensor(a.losses), torch.tensor(b.losses), rtol=1e-5, atol=0)
