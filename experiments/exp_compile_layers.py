@@ -9,8 +9,8 @@ tokens, bf16, fused AdamW), one GPU, no FSDP: stock and ``apply_truefuse``, each
 ``--warmup`` steps (the compilation), the runs are timed round-robin (``--rounds`` rounds of one
 step each): ms per step (median, best), host ms of the median step, the step's own peak (GiB above
 what was allocated before it: the four models stay resident), and the first timed step's loss
-(bounded against stock eager's: inductor reorders the stock ops it fuses). Dynamo's cache limit is
-raised to 64: each layer guards on its own index, so 16 layers of two models recompile 32 times,
+(bounded against stock eager's: inductor reorders the stock ops it fuses). ``compile_layers``
+raises Dynamo's cache limit: each layer guards on its own index, so 16 layers recompile 16 times,
 past the default 8 (after which the rest run eager).
 
     PYTHONPATH=. python experiments/exp_compile_layers.py [--rounds 7] [--warmup 3]
@@ -35,10 +35,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
-    from truefuse.integrations.huggingface import apply_truefuse
-
-    torch._dynamo.config.cache_size_limit = 64
-    torch._dynamo.config.accumulated_cache_size_limit = 256
+    from truefuse.integrations.huggingface import apply_truefuse, compile_layers
     c = CONFIGS["demo"]
     base = build(c).train()
     ids = torch.randint(1, c["vocab"], (c["batch"], c["seq"]), device="cuda")
@@ -48,8 +45,7 @@ def main() -> None:
         if name.startswith("truefuse"):
             apply_truefuse(m)
         if name.endswith("compiled"):
-            for layer in m.model.layers:
-                layer.compile()
+            compile_layers(m)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
 
         def step(m=m, opt=opt):

@@ -82,10 +82,9 @@ def _build(shape, policy, run, head_unit, dev, no_fsdp=False, prefetch=False):
     if patch is not None:
         patch(model)
     if run.endswith("+compile"):  # TorchTitan's recipe: each decoder layer compiled, then sharded
-        torch._dynamo.config.cache_size_limit = 64  # each layer guards on its own index: 16 recompiles
-        torch._dynamo.config.accumulated_cache_size_limit = 256
-        for layer in model.model.layers:
-            layer.compile()
+        from truefuse.integrations.huggingface import compile_layers
+
+        compile_layers(model)
     kw = {}
     if no_fsdp:  # the same model and step without FSDP2 (its hooks' host time, by difference)
         model.train()

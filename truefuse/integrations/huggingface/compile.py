@@ -12,6 +12,10 @@ from __future__ import annotations
 import torch
 
 
+#: layers compiled by :func:`compile_layers` in this process (Dynamo's cache holds an entry for each)
+_compiled = 0
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The ``ModuleList`` of ``model``'s decoder layers: ``model.model.layers`` for a
     ``*ForCausalLM``, ``model.layers`` for a bare decoder. A ``ValueError`` naming the model's class
@@ -30,19 +34,22 @@ def compile_layers(model: torch.nn.Module, **compile_kwargs) -> int:
     """``layer.compile(**compile_kwargs)`` on each decoder layer of ``model`` (in place), after
     ``apply_truefuse`` and before any ``fully_shard``. Returns the number of layers compiled.
 
-    Each layer is its own compiled call that guards on its module, so a model of L layers compiles
-    L times: Dynamo's ``cache_size_limit`` (and ``accumulated_cache_size_limit``) are raised to
-    ``L + 8`` where they are lower (global settings; never lowered). At Dynamo's default of 8, a
-    16-layer model ran its later layers eager (one H100: stock compiled 140 ms a step against 120;
-    docs/benchmarks.md).
+    Each layer compiles on its own (transformers' layers guard on their ``layer_idx``), and the
+    entries of every compiled layer share one cache in Dynamo: its ``cache_size_limit`` (and
+    ``accumulated_cache_size_limit``) are raised to the number of layers ``compile_layers`` has
+    compiled in this process + 8, where they are lower (global settings; never lowered). At
+    Dynamo's default of 8, a 16-layer model ran its later layers eager (one H100: stock compiled
+    140 ms a step against 120; docs/benchmarks.md).
 
     Args:
         model: a transformers ``*ForCausalLM`` (or its decoder), patched or not.
         compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode``, ``fullgraph``, ...).
     """
+    global _compiled
     layers = decoder_layers(model)
+    _compiled += len(layers)
     cfg = torch._dynamo.config
-    need = len(layers) + 8
+    need = _compiled + 8
     cfg.cache_size_limit = max(cfg.cache_size_limit, need)
     cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4 * need)
     for layer in layers:
