@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
     from truefuse.integrations.huggingface import apply_truefuse, compile_layers
+
     c = CONFIGS["demo"]
     base = build(c).train()
     ids = torch.randint(1, c["vocab"], (c["batch"], c["seq"]), device="cuda")
@@ -81,6 +82,10 @@ def main() -> None:
             if r == 0:
                 losses[n] = loss.item()
     print(torch.cuda.get_device_name(), torch.__version__)
+    from torch._dynamo.utils import counters
+
+    breaks = dict(counters["graph_break"])  # each reason once per frame that broke (both compiled models)
+    print(f"graph breaks: {sum(breaks.values())}" + "".join(f"\n  {n} x {r[:200]}" for r, n in breaks.items()))
     head = f"{'run':<18} {'ms/step':>8} {'best':>7} {'host ms':>8} {'x stock':>8} {'x stock comp.':>13}"
     print(head + f" {'step GiB':>9} {'warm-up s':>9}  loss")
     med = {n: sorted(ts)[len(ts) // 2] for n, ts in times.items()}

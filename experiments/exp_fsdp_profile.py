@@ -247,7 +247,10 @@ def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev
     loss.item()
     clock.close()
     mid = sorted(range(len(host)), key=host.__getitem__)[len(host) // 2]
-    res = dict(run=run, policy=policy, ms=sorted(times)[len(times) // 2], ms_all=times, host_ms=host[mid],
+    from torch._dynamo.utils import counters
+
+    breaks = {r[:160]: n for r, n in counters["graph_break"].items()}  # Dynamo's so far in this process
+    res = dict(graph_breaks=breaks, run=run, policy=policy, ms=sorted(times)[len(times) // 2], ms_all=times, host_ms=host[mid],
                host_phases_ms=[round(x, 1) for x in phases[mid]], gc_ms=round(max(gcs), 2),
                peak_gib=peak, losses=losses,
                syncs=sum(sites.values()), sync_sites=sites.most_common(12))  # fmt: skip
@@ -406,6 +409,8 @@ def main():
         )
         lines.append(f"           host fwd/bwd/clip/opt ms: {r['host_phases_ms']}  gc ms (max step): {r['gc_ms']}")
         lines.append(f"           sync sites: {r['sync_sites'][:6]}")
+        if r.get("graph_breaks"):
+            lines.append(f"           Dynamo graph breaks (process so far): {r['graph_breaks']}")
         lines.append(f"           sync waits ms/step: {r.get('sync_wait_ms_per_step')}")
         idle = r.get("idle")
         if idle:
