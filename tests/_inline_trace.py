@@ -49,6 +49,29 @@ def _launches(f, *args) -> dict:
     return {"opaque": [str(n.target) for n in calls if "truefuse" in str(n.target)], "launches": launches}
 
 
+def _dynamic_grids() -> list:
+    """torch.compile(dynamic=True) of the norm's forward: the traced launch's grid follows the
+    symbolic row count (a new sequence length reuses the graph): each launch's grid as strings."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, _inputs):
+        graphs.append(gm)
+        raise _Graph(gm)
+
+    f = torch.compile(
+        lambda x, w: norm_fwd_op(x, w, None, 1e-6, True, False)[0], backend=aot_autograd(fw_compiler=capture), dynamic=True
+    )
+    try:
+        f(torch.randn(8, 64), torch.randn(64))
+    except Exception:  # noqa: BLE001 - the capture's stop, wrapped by Dynamo
+        if not graphs:
+            raise
+    calls = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "triton_kernel_wrapper" in str(n.target)]
+    return [[str(d) for d in n.kwargs["grid"][0]] for n in calls]
+
+
 def main() -> None:
     x, w, rstd = torch.randn(8, 64), torch.randn(64), torch.rand(8)
     q, k, cos, sin = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 8, 16), torch.randn(1, 8, 16)
@@ -65,7 +88,9 @@ def main() -> None:
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        print(json.dumps({name: _launches(f, *args) for name, (f, args) in cases.items()}))
+        out = {name: _launches(f, *args) for name, (f, args) in cases.items()}
+        out["dynamic_grids"] = _dynamic_grids()
+        print(json.dumps(out))
 
 
 if __name__ == "__main__":
