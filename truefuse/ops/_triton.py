@@ -40,8 +40,7 @@ def hopper(x: torch.Tensor) -> bool:
 def traced(t: torch.Tensor) -> bool:
     """Whether ``t`` is a tensor that torch is tracing (fake, functional: torch.compile's AOT
     graph), not one a kernel can launch on. A launcher then hands its kernel to the graph through
-    :func:`kernel_for`, and leaves out what only an eager launch has (``launch_pdl``, a pointer's
-    alignment read from ``data_ptr``)."""
+    :func:`kernel_for` and leaves out what only an eager launch takes (``launch_pdl``)."""
     return type(t) not in _PLAIN
 
 

@@ -256,7 +256,7 @@ def ln_fwd_staged(x, weight, bias, eps: float, zero_centered_gamma: bool, y, mea
     block = block_and_warps(N)[0]
     x = _tma_aligned(x)
     programs = min(M, per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4)
-    kernel_for(_ln_fwd_staged_kernel, y)[(programs,)](
+    _ln_fwd_staged_kernel[(programs,)](  # never traced: a host TMA descriptor (_fwd_traceable)
         TensorDescriptor.from_tensor(x, [1, block]),
         weight if weight is not None else x,
         bias if bias is not None else x,
@@ -351,7 +351,7 @@ def bwd_staged(dy, x, tail, M: int, N: int, rows_per_program: int, programs: int
     x, dy = _tma_aligned(x), _tma_aligned(dy)
     descs = [TensorDescriptor.from_tensor(t.view(M, N // inner, inner), [1, block // inner, inner]) for t in (x, dy)]
     dx = tail[3]
-    kernel_for(_norm_bwd_staged_kernel, dx)[(programs,)](
+    _norm_bwd_staged_kernel[(programs,)](  # never traced: a host TMA descriptor (_bwd_traceable)
         *descs, *tail, dx.stride(0), M, N, rows_per_program, **flags, BLOCK_N=block, STAGES=cfg[2], INNER=inner
     )
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-
 #: layers compiled by :func:`compile_layers` in this process (Dynamo's cache holds an entry for each)
 _compiled = 0
 
