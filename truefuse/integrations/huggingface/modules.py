@@ -84,9 +84,21 @@ def norm_class(stock: type, style: str, stock_bits: bool = True) -> type:
     return truefuse_subclass(stock, kind, _NORM_FORWARDS[(style, stock_bits)], "" if stock_bits else "Fast")
 
 
+def _activations():
+    """``transformers.activations``, read from ``sys.modules`` where a model's modeling file has
+    imported it: this runs in every gated MLP's forward, and an ``import`` from transformers'
+    lazy top-level module there is a graph break under torch.compile (torch 2.11, "Bad import
+    result ... _LazyModule"): two a decoder layer on the GPU, each compiled layer three graphs
+    (docs/benchmarks.md, FSDP2)."""
+    mod = sys.modules.get("transformers.activations")
+    if mod is None:
+        import transformers.activations as mod
+    return mod
+
+
 def gated_for(act_fn) -> str | None:
     """truefuse's gated activation computing what the stock ``act_fn`` module computes, or None."""
-    from transformers import activations
+    activations = _activations()
 
     if isinstance(act_fn, (torch.nn.SiLU, activations.SiLUActivation)):
         return "swiglu"
