@@ -30,10 +30,15 @@ def _steps(model, n=3):
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def test_compiled_layers_train_as_eager(torch_paths):
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])  # gemma2: its norm style and tanh GELU
+def test_compiled_layers_train_as_eager(model_type, torch_paths):
+    """Dense architectures. The MoE ones compile with graph breaks, not fullgraph: truefuse's experts
+    read the routing's group sizes on the host (stock's compile fullgraph; a known gap,
+    docs/huggingface.md)."""
     import torch._dynamo.config as dynamo
 
-    eager = tiny_model("llama", num_hidden_layers=3)
+    torch._dynamo.reset()
+    eager = tiny_model(model_type, num_hidden_layers=3)
     apply_truefuse(eager)
     compiled = copy.deepcopy(eager)
     with dynamo.patch(cache_size_limit=2):  # below the layers' need: it must rise
