@@ -22,8 +22,7 @@ from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from truefuse.autograd._double_backward import refuses_double_backward
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+from truefuse.ops._triton import PLAIN_TENSORS as _PLAIN
 
 
 def _names(ctx) -> tuple[str, str]:

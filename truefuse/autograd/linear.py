@@ -15,10 +15,10 @@ from truefuse.autograd._double_backward import module_names, refuses_double_back
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.config import is_batch_invariant
 from truefuse.ops._dtypes import wgrad_dtype
+from truefuse.ops._triton import PLAIN_TENSORS as _PLAIN
 from truefuse.ops.activation import activation_grad_ref
 from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.gemm import _FLOATS, checked_plain_gemm, gemm, plain_gemm
-from truefuse.ops.gemm import _PLAIN_TYPES as _PLAIN
 
 
 class LinearFunction(torch.autograd.Function):

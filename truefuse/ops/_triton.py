@@ -37,14 +37,16 @@ def hopper(x: torch.Tensor) -> bool:
     return capability(x.device.index if x.device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
+#: the tensor types a launcher or a lean path takes as they are: not a subclass (DTensor, a traced
+#: fake or functional tensor), which goes through the dispatcher
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def traced(t: torch.Tensor) -> bool:
     """Whether ``t`` is a tensor that torch is tracing (fake, functional: torch.compile's AOT
     graph), not one a kernel can launch on. A launcher then hands its kernel to the graph through
     :func:`kernel_for` and leaves out what only an eager launch takes (``launch_pdl``)."""
-    return type(t) not in _PLAIN
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+    return type(t) not in PLAIN_TENSORS
 
 
 def kernel_for(kernel, t: torch.Tensor):
@@ -52,9 +54,7 @@ def kernel_for(kernel, t: torch.Tensor):
     launch path), ``torch.library.wrap_triton(kernel)`` where ``t`` is traced, so that a compiled
     graph holds the kernel itself and Inductor launches it from its own code (docs/design.md §6.7).
     The same kernel with the same arguments either way: the same bits."""
-    if type(t) in _PLAIN:
-        return kernel
-    return _Traced(kernel)
+    return _Traced(kernel) if traced(t) else kernel
 
 
 class _Traced:

@@ -18,6 +18,7 @@ import torch
 from truefuse.config import is_batch_invariant
 from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops._dtensor import refuse_dtensor
+from truefuse.ops._triton import PLAIN_TENSORS as _PLAIN_TYPES
 from truefuse.ops.activation import activation_grad_ref, activation_ref, check_activation
 from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.gemm_exec import GemmArgs, run
@@ -374,9 +375,6 @@ def plain_gemm(
     if done is not None:
         return done
     return gemm(a, b, bias=bias, out_dtype=out_dtype, batch_invariant=batch_invariant)
-
-
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def checked_plain_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, odt: torch.dtype, bi: bool) -> torch.Tensor:

@@ -160,6 +160,16 @@ def use_kernel(x: torch.Tensor) -> bool:
 # boundary (0.3-2 µs of fwd + bwd, experiments/exp_norm_variants.py at d49a912).
 
 
+def _fwd_staged(x: torch.Tensor, rms: bool):
+    """:func:`norm_fwd`'s TMA-staged LayerNorm config for (M, N) ``x`` on Hopper, or None (the pointer kernel)."""
+    return None if rms or not hopper(x) else ln_fwd_staged_config(x.shape[1], x.dtype)
+
+
+def _bwd_staged(dy: torch.Tensor, x: torch.Tensor, rms: bool):
+    """:func:`norm_bwd`'s TMA-staged config for 2-byte ``dy`` on Hopper, or None (the pointer kernels)."""
+    return bwd_staged_config(x.shape[1], x.dtype, rms) if hopper(x) and dy.dtype.itemsize == 2 else None
+
+
 def _pdl_kw(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
@@ -197,9 +207,8 @@ def norm_fwd(
     mean = None if rms else torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0:
         return y, mean, rstd
-    hop = hopper(x)  # Hopper: PDL, and the TMA-staged LayerNorm forward
-    pdl = hop and not traced(x)  # a compiled graph launches without PDL (a launch attribute: the same bits)
-    staged = None if rms or not hop else ln_fwd_staged_config(N, x.dtype)
+    pdl = hopper(x) and not traced(x)  # Hopper; not in a compiled graph (a launch attribute: the same bits)
+    staged = _fwd_staged(x, rms)
     if staged is not None:
         ln_fwd_staged(x, weight, bias, eps, zero_centered_gamma, y, mean, rstd, staged, pdl)
         return y, mean, rstd
@@ -289,10 +298,9 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     M, N = x.shape
     dx = torch.empty_like(x)
     block, _ = block_and_warps(N)
-    hop = hopper(x)  # Hopper: PDL, and the TMA-staged backward
-    pdl = hop and not traced(dx)  # a compiled graph launches without PDL (the same bits)
+    pdl = hopper(x) and not traced(dx)  # Hopper; not in a compiled graph (the same bits)
     cfg = bwd_config(N, rms)
-    staged = bwd_staged_config(N, x.dtype, rms) if hop and dy.dtype.itemsize == 2 else None
+    staged = _bwd_staged(dy, x, rms)
     warps, rows, per_sm = (cfg.warps, cfg.rows, cfg.per_sm) if staged is None else (staged[0], 1, staged[1])
     programs = max(1, min(M, per_sm * sm_count(x.device.index or 0) if x.is_cuda else 4))
     # whole tiles per program; then only as many programs as that takes
@@ -394,12 +402,12 @@ def _fwd_traceable(x, weight, bias, eps, rms, zero_centered_gamma) -> bool:
     """Whether a compiled graph may take ``norm_fwd``'s kernel itself (``_custom_op.custom_op``'s
     ``inline``): not the TMA-staged LayerNorm forward, whose host-side descriptor torch 2.11
     cannot trace; that call stays one opaque op, with eager mode's bits."""
-    return rms or not hopper(x) or ln_fwd_staged_config(x.shape[1], x.dtype) is None
+    return _fwd_staged(x, rms) is None
 
 
 def _bwd_traceable(dy, x, weight, bias, mean, rstd, rms, zero_centered_gamma) -> bool:
     """:func:`_fwd_traceable` for ``norm_bwd``: not the TMA-staged backward."""
-    return not hopper(x) or dy.dtype.itemsize != 2 or bwd_staged_config(x.shape[1], x.dtype, rms) is None
+    return _bwd_staged(dy, x, rms) is None
 
 
 @custom_op("truefuse::norm_fwd", mutates_args=(), inline=_fwd_traceable)

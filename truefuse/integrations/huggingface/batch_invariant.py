@@ -30,13 +30,11 @@ from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.linear import linear as _truefuse_linear
 from truefuse.config import batch_invariant
 from truefuse.integrations.huggingface.siblings import Siblings, find_groups, fused_call
+from truefuse.ops._triton import PLAIN_TENSORS as _PLAIN_TYPES
+from truefuse.ops.gemm import _FLOATS as _GEMM_DTYPES
 
 #: What F.linear's weight gradient goes through: the plain configuration (autograd's ``.grad``).
 _PLAIN = WgradState(owner="F.linear (batch-invariant)")
-_GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _routable(x, weight, bias) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._autocast import autocast_dtype
+from truefuse.ops._triton import PLAIN_TENSORS
 from truefuse.ops.gemm import runs_bi_triton
 from truefuse.ops.gemm_bi_config import M_BUCKETS, bucket
 
@@ -86,7 +87,7 @@ def _fusable(x: torch.Tensor, weights: list[torch.Tensor], biased: list[bool]) -
         return False
     K, dev = x.shape[-1], x.device
     for w in weights:
-        if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dtype is not x.dtype or w.device != dev:
+        if type(w) not in PLAIN_TENSORS or w.dtype is not x.dtype or w.device != dev:
             return False
         if w.dim() != 2 or w.shape[1] != K or w.shape[0] == 0 or not w.is_contiguous():
             return False
