@@ -13,7 +13,11 @@ what was allocated before it: the four models stay resident), and the first time
 raises Dynamo's cache limit: each layer guards on its own index, so 16 layers recompile 16 times,
 past the default 8 (after which the rest run eager).
 
-    PYTHONPATH=. python experiments/exp_compile_layers.py [--rounds 7] [--warmup 3]
+``--runs`` picks the runs; a name with ``lean`` computes the loss with
+``linear_cross_entropy(memory="lean")`` (slices of the vocabulary: no fp32 weight-gradient
+accumulator, a fourth GEMM), the lever issue 35 names for the single-GPU peak.
+
+    PYTHONPATH=. python experiments/exp_compile_layers.py [--rounds 7] [--warmup 3] [--runs stock,truefuse lean]
 """
 
 from __future__ import annotations
@@ -34,14 +38,26 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--runs", default="stock,stock compiled,truefuse,truefuse compiled", help="comma-separated")
     args = p.parse_args()
+    import functools
+
+    import truefuse.autograd.linear_cross_entropy as lce
     from truefuse.integrations.huggingface import apply_truefuse, compile_layers
+
+    default_lce, lean = lce.linear_cross_entropy, {"on": False}
+
+    @functools.wraps(default_lce)
+    def switched(*a, **kw):  # the HF loss imports the function at each call: the step's own choice
+        return default_lce(*a, **kw, **({"memory": "lean"} if lean["on"] else {}))
+
+    lce.linear_cross_entropy = switched
 
     c = CONFIGS["demo"]
     base = build(c).train()
     ids = torch.randint(1, c["vocab"], (c["batch"], c["seq"]), device="cuda")
     runs, peaks, compile_s = {}, {}, {}
-    for name in ("stock", "stock compiled", "truefuse", "truefuse compiled"):
+    for name in args.runs.split(","):
         m = copy.deepcopy(base)
         if name.startswith("truefuse"):
             apply_truefuse(m)
@@ -49,7 +65,8 @@ def main() -> None:
             compile_layers(m)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
 
-        def step(m=m, opt=opt):
+        def step(m=m, opt=opt, is_lean="lean" in name):
+            lean["on"] = is_lean
             loss = m(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()

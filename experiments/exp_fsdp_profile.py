@@ -187,7 +187,7 @@ class _GcClock:
 
 
 def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev, no_fsdp=False, optim="foreach",
-             prefetch=False):  # fmt: skip
+             prefetch=False, cprofile=False):  # fmt: skip
     _log(rank, f"{run} {policy}: build")
     model = _build(shape, policy, run, head_unit, dev, no_fsdp, prefetch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if optim == "fused" else {}))
@@ -197,8 +197,9 @@ def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev
 
     marks: list[float] = []
 
-    def step():
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    def step(fwd_ctx=contextlib.nullcontext):
+        with fwd_ctx():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         marks.append(time.perf_counter())
         loss.backward()
         marks.append(time.perf_counter())
@@ -279,6 +280,31 @@ def _one_run(rank, shape, policy, run, head_unit, seq, batch, steps, warmup, dev
         res["top_cuda"] = ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
         res["top_cpu"] = ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
         _log(rank, f"{run}: profiled, GPU busy {res['gpu_busy']:.0%}")
+    if cprofile:  # the host's Python of one forward (rank 0), by function: where the forward's host time goes
+        import cProfile
+        import io
+        import pstats
+
+        pr = cProfile.Profile()
+
+        @contextlib.contextmanager
+        def fwd():
+            pr.enable()
+            try:
+                yield
+            finally:
+                pr.disable()
+
+        _sync(dev)
+        dist.barrier()
+        step(fwd if rank == 0 else contextlib.nullcontext)
+        _sync(dev)
+        if rank == 0:
+            out = io.StringIO()
+            st = pstats.Stats(pr, stream=out)
+            st.sort_stats("tottime").print_stats(25)
+            st.sort_stats("cumulative").print_stats(40)
+            res["cprofile_fwd"] = out.getvalue()
     dist.barrier()
     return res
 
@@ -339,6 +365,7 @@ def _worker(rank, world, args, q):
             args.no_fsdp,
             args.optim,
             args.prefetch,
+            args.cprofile,
         )
         r["rank"], r["pass"] = rank, npass
         out.append(r)
@@ -364,6 +391,7 @@ def main():
     p.add_argument("--no-fsdp", action="store_true", help="the same step without fully_shard (--policy bf16, --world 1)")
     p.add_argument("--prefetch", action="store_true", help="explicit forward prefetch of the next layer's all-gather")
     p.add_argument("--runs", default="stock,truefuse,liger")
+    p.add_argument("--cprofile", action="store_true", help="cProfile one forward per run (rank 0), in the .txt")
     p.add_argument("--abba", action="store_true", help="the runs, then again in reverse order (Liger once, last); the mean")
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--seq", type=int, default=2048)
@@ -421,6 +449,8 @@ def main():
         f.write("\n".join(lines) + "\n")
         for r in r0:
             f.write(f"\n==== {r['run']} top CUDA\n{r.get('top_cuda', '')}\n==== {r['run']} top CPU\n{r.get('top_cpu', '')}\n")
+            if r.get("cprofile_fwd"):
+                f.write(f"\n==== {r['run']} cProfile of one forward (rank 0)\n{r['cprofile_fwd']}\n")
     print("\n".join(lines))
 
 
