@@ -72,6 +72,8 @@ SUPPORTED: dict[str, dict] = {
 #: Where patch_loss records what it replaced, in the __dict__ it patched: that dict's own forward,
 #: or None when it had none (None, not a sentinel object: the record survives pickling and deepcopy).
 _STOCK = "_truefuse_stock_forward"
+#: Where ``apply_truefuse(loss_memory="lean")`` keeps the fused loss's ``memory`` on the instance.
+_MEMORY = "_truefuse_loss_memory"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,6 +285,7 @@ def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict, early=
     """ForCausalLMLoss of ``lm_head(hidden)`` (softcapped for Gemma) through the fused op.
     ``early``: :func:`_start_label_check`'s finish, called after the loss is queued."""
     from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
+    from truefuse.config import is_batch_invariant
     from truefuse.integrations.huggingface.head import on_head
     from truefuse.ops.lm_head.linear_cross_entropy import targets_checked
 
@@ -302,6 +305,8 @@ def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict, early=
             raise _range_error(name, bad, V, ignore_index)
     num_items = kwargs.get("num_items_in_batch")
     loss_kw = dict(reduction="mean" if num_items is None else "sum", ignore_index=ignore_index, softcap=_softcap(self, traits))
+    if not is_batch_invariant():  # lean's slices depend on the token count (apply_truefuse's loss_memory)
+        loss_kw["memory"] = self.__dict__.get(_MEMORY, "default")
 
     def head_loss(x, W, b, t):
         return linear_cross_entropy(x, W, t, linear_bias=b, **loss_kw)
@@ -542,6 +547,14 @@ def patch_loss(model_or_class) -> bool:
     return True
 
 
+def set_loss_memory(model, memory: str) -> None:
+    """The fused loss's ``memory`` for this instance (``"default"`` keeps nothing on it)."""
+    if memory == "default":
+        model.__dict__.pop(_MEMORY, None)
+    else:
+        model.__dict__[_MEMORY] = memory
+
+
 def unpatch_loss(model_or_class) -> bool:
     """Restore what :func:`patch_loss` replaced on this instance or class (the instance's own
     ``forward``, or none so the class's runs again). Returns False when it was not patched there."""
@@ -565,4 +578,5 @@ def unpatch_loss(model_or_class) -> bool:
         del d["forward"]
     else:
         d["forward"] = stock
+    d.pop(_MEMORY, None)
     return True

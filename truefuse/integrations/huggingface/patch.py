@@ -66,6 +66,7 @@ def apply_truefuse(
     experts_backend: str | None = None,
     batch_invariant: bool = False,
     attention: bool | None = None,
+    loss_memory: str = "default",
 ) -> PatchReport:
     """Patch an instantiated transformers model in place.
 
@@ -93,6 +94,13 @@ def apply_truefuse(
             ``attention.py``: batch-invariant, bounded against SDPA, no attention weights). None
             (default): on with ``batch_invariant=True`` (a batch-invariant model needs it), else
             off, the model keeping the ``attn_implementation`` it was built with.
+        loss_memory: the fused loss's ``memory`` (``truefuse.linear_cross_entropy``): ``"default"``
+            (chunks of tokens, the weight gradient in an fp32 accumulator, V·H·4 bytes) or
+            ``"lean"`` (two passes over vocabulary slices, no accumulator, the weight gradient
+            still rounded once): on one H100 at the demo's model 0.95 GiB less peak for 6-7% more
+            step time (docs/benchmarks.md, "The demo on one H100"). Lean is not batch invariant:
+            refused with ``batch_invariant=True``; inside ``truefuse.batch_invariant()`` the loss
+            runs the default path.
 
     Returns:
         A :class:`PatchReport`. Calling it again on a patched model changes nothing (an experts
@@ -100,13 +108,15 @@ def apply_truefuse(
 
     Raises:
         ValueError for an unknown architecture, a tensor-parallel model (a DTensor parameter that
-        FSDP2 does not manage: a ``tp_plan``), an unknown ``experts_backend``, or an ``experts_backend``
+        FSDP2 does not manage: a ``tp_plan``), an unknown ``loss_memory`` (or ``"lean"`` with
+        ``batch_invariant=True``), an unknown ``experts_backend``, or an ``experts_backend``
         that cannot run on the experts' weights where they are (``"triton"`` on the CPU without
         the interpreter, or in bf16 there), before anything is patched.
     """
     from truefuse.nn.grouped import check_grouped_path
 
     experts_backend = check_grouped_path(experts_backend, False, True, arg="experts_backend")
+    _check_loss_memory(loss_memory, batch_invariant)
     model_type = _model_type(model)
     arch = architecture_of(model_type)
     _refuse_tensor_parallel(model)
@@ -150,7 +160,7 @@ def apply_truefuse(
             else:
                 report.left[(stock.__name__, "experts=False")] += 1
     expert_patch = _experts_patcher(expert_mods, report, experts_backend) if expert_mods else None
-    loss_patch = _loss_patcher(model, arch, linear_cross_entropy, report)
+    loss_patch = _loss_patcher(model, arch, linear_cross_entropy, report, loss_memory)
     bi_patch = _bi.patcher(model, report) if batch_invariant else None
     attention = batch_invariant if attention is None else attention
     attention_patch = _attention_patcher(model, report) if attention else None
@@ -226,7 +236,19 @@ def _check_backend_runs(backend: str | None, weight: torch.Tensor) -> None:
         raise ValueError(f"{e} (or experts_backend=None: the default for the device). Nothing was patched.") from None
 
 
-def _loss_patcher(model: torch.nn.Module, arch: Architecture, wanted: bool, report: PatchReport):
+def _check_loss_memory(loss_memory: object, batch_invariant: bool) -> None:
+    from truefuse.ops.lm_head.linear_cross_entropy import MEMORY_MODES
+
+    if loss_memory not in MEMORY_MODES:
+        raise ValueError(f"apply_truefuse: loss_memory must be one of {MEMORY_MODES}, got {loss_memory!r}. Nothing was patched.")
+    if loss_memory == "lean" and batch_invariant:
+        raise ValueError(
+            "apply_truefuse: loss_memory='lean' is not batch invariant (its vocabulary slices depend on the "
+            "token count); use loss_memory='default' with batch_invariant=True. Nothing was patched."
+        )
+
+
+def _loss_patcher(model: torch.nn.Module, arch: Architecture, wanted: bool, report: PatchReport, memory: str = "default"):
     from truefuse.integrations.huggingface import loss
 
     if not wanted:
@@ -240,7 +262,13 @@ def _loss_patcher(model: torch.nn.Module, arch: Architecture, wanted: bool, repo
         report.loss_note = reason
         return None
     report.loss = True
-    return lambda: loss.patch_loss(model)
+    report.loss_memory = memory
+
+    def patch():
+        loss.patch_loss(model)
+        loss.set_loss_memory(model, memory)
+
+    return patch
 
 
 def unpatch_truefuse(model: torch.nn.Module) -> None:

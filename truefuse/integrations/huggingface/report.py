@@ -15,6 +15,7 @@ class PatchReport:
         replaced: ``{(stock type, truefuse path): count}`` of the modules now on truefuse.
         left: ``{(stock type, reason): count}`` of the modules of a patchable kind left stock.
         loss: whether the causal-LM forward computes ``truefuse.linear_cross_entropy``.
+        loss_memory: its ``memory`` (``apply_truefuse(loss_memory=...)``).
         batch_invariant: ``{(module, path): count}`` of what runs batch-invariant while the model's
             forward runs (``apply_truefuse(batch_invariant=True)``; empty otherwise).
         attention: what the attention modules run when ``attention=True`` patched them ("": not asked).
@@ -25,6 +26,7 @@ class PatchReport:
     left: Counter = field(default_factory=Counter)
     loss: bool = False
     loss_note: str = ""
+    loss_memory: str = "default"
     batch_invariant: Counter = field(default_factory=Counter)
     attention: str = ""
 
@@ -36,7 +38,9 @@ class PatchReport:
         lines = [f"truefuse patch of a {self.architecture} model"]
         for (t, how), n in sorted(self.replaced.items()):
             lines.append(f"  replaced {n:4d} x {t:<24} -> {how}")
-        loss = "truefuse.linear_cross_entropy (no logits when labels are given)" if self.loss else f"stock ({self.loss_note})"
+        lean = ", memory='lean'" if self.loss_memory == "lean" else ""
+        fused = f"truefuse.linear_cross_entropy (no logits when labels are given{lean})"
+        loss = fused if self.loss else f"stock ({self.loss_note})"
         lines.append(f"  loss: {loss}")
         if self.attention:
             lines.append(f"  attention: {self.attention}")
