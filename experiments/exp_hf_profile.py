@@ -3,9 +3,12 @@ on the demo's GPU model (Llama 16 x 2048, vocabulary 128256, 4 x 2048 tokens, bf
 
 Each run: 4 warm-up steps, then 3 profiled steps (torch.profiler, CUDA kernels only); kernel time is
 summed by category from the kernel's name. Prints one table, ms per step per category and run.
+``--runs`` picks them (``<run>+compile``: each decoder layer compiled, ``compile_layers``; Liger runs
+last: it patches transformers' Llama module process-wide); ``--fused`` uses torch's fused AdamW (the
+demo's).
 
-Run: ``PYTHONPATH=. python experiments/exp_hf_profile.py`` on one GPU (liger_kernel importable for
-its column).
+Run: ``PYTHONPATH=. python experiments/exp_hf_profile.py [--runs stock,truefuse,liger] [--fused]``
+on one GPU (liger_kernel importable for its column).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ CATEGORIES = [  # first match wins
     ("attention", r"flash|fmha|attention|sdpa"),
     ("lm head + loss", r"cross_entropy|lce|_chunk|log_softmax|nll_loss|softmax"),
     ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|cublas|matmul|splitk|\bmm\b"),
-    ("norm", r"norm|rms"),
+    ("norm", r"norm|rms|_sum_partials"),
     ("rope", r"rope|rotary"),
     ("activation", r"silu|swiglu|gated|gelu|act"),
     ("optimizer", r"adam|foreach|multi_tensor"),
@@ -50,9 +53,13 @@ def build(patch):
     return model
 
 
-def profile_run(patch, steps: int = 3, warmup: int = 4):
+def profile_run(patch, steps: int = 3, warmup: int = 4, compiled: bool = False, fused: bool = False):
     model = build(patch)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if compiled:
+        from truefuse.integrations.huggingface import compile_layers
+
+        compile_layers(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
     ids = torch.randint(0, 128256, (4, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
 
     def step():
@@ -81,25 +88,41 @@ def profile_run(patch, steps: int = 3, warmup: int = 4):
     return per, top
 
 
-def main() -> None:
-    from truefuse.integrations.huggingface import apply_truefuse
+def _patch(name: str):
+    if name.startswith("truefuse"):
+        from truefuse.integrations.huggingface import apply_truefuse
 
-    runs = {"stock": None, "truefuse": apply_truefuse}
-    try:
+        return apply_truefuse
+    if name.startswith("liger"):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
-        runs["liger"] = lambda m: apply_liger_kernel_to_llama(model=m)
-    except ImportError:
-        pass
-    results = {name: profile_run(p) for name, p in runs.items()}
+        return lambda m: apply_liger_kernel_to_llama(model=m)
+    return None
+
+
+def main() -> None:
+    import argparse
+    import importlib.util
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", default="stock,truefuse,liger", help="comma-separated; <run>+compile compiles the layers")
+    p.add_argument("--fused", action="store_true", help="torch's fused AdamW (the demo's)")
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args()
+    names = args.runs.split(",")
+    if importlib.util.find_spec("liger_kernel") is None:
+        names = [n for n in names if not n.startswith("liger")]
+    names = [n for n in names if not n.startswith("liger")] + [n for n in names if n.startswith("liger")]
+    results = {n: profile_run(_patch(n), compiled=n.endswith("+compile"), fused=args.fused) for n in names}
     cats = [c for c, _ in CATEGORIES] + ["other"]
-    print(f"{'ms / step':<16}" + "".join(f"{n:>12}" for n in results))
+    w = max(12, *(len(n) + 2 for n in results))
+    print(f"{'ms / step':<16}" + "".join(f"{n:>{w}}" for n in results))
     for c in cats:
         print(f"{c:<16}" + "".join(f"{results[n][0][c]:>12.2f}" for n in results))
     print(f"{'total':<16}" + "".join(f"{sum(results[n][0].values()):>12.2f}" for n in results))
     for n, (_, top) in results.items():
         print(f"\n{n}: top kernels (ms / step)")
-        for k, t in top.most_common(12):
+        for k, t in top.most_common(args.top):
             print(f"  {t:8.2f}  {k}")
 
 

@@ -82,3 +82,34 @@ def test_demo_compile_layers_compiles_every_run(monkeypatch, tmp_path):
     assert calls == ["LlamaMLP", "LlamaMLP"]  # stock and the peer, each once
     for a, b in zip(result.runs, plain.runs, strict=True):
         torch.testing.assert_close(torch.tensor(a.losses), torch.tensor(b.losses), rtol=1e-5, atol=0)
+
+
+def test_compiled_layer_graph_holds_truefuse_ops():
+    """What Dynamo captures of a patched decoder layer: truefuse's norm, gated-activation and rope
+    ops (Inductor then launches their kernels, design.md §6.7). The rope is reached through a swap
+    of the attention module's ``apply_rotary_pos_emb`` for the call (modules.py::_attention_forward):
+    torch 2.11's Dynamo does not see that store and traces the stock rope (Inductor fuses it;
+    docs/huggingface.md), torch 2.13 sees it."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", num_hidden_layers=1)
+    apply_truefuse(model)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model.model.layers[0].compile(backend=record, fullgraph=True)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    model(input_ids=ids)  # a training forward: in no_grad mode small norms take the stock chain
+    torch._dynamo.reset()
+    ops = {
+        n.target._overloadpacket._qualified_op_name.split("::")[-1]
+        for gm in graphs
+        for n in gm.graph.nodes
+        if n.op == "call_function" and "truefuse" in str(n.target)
+    }
+    expected = {"rms_norm_hf_fwd", "gated_activation2_fwd"}
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13):
+        expected.add("rope_fwd")
+    assert len(graphs) == 1 and expected <= ops, ops
