@@ -100,26 +100,31 @@ def _patch(name: str):
     return None
 
 
+def run_names(spec: str) -> list[str]:
+    """The comma-separated runs of ``spec``, Liger's dropped where it is not installed and put last
+    (it patches transformers' Llama module for the whole process)."""
+    import importlib.util
+
+    names = spec.split(",")
+    liger = [n for n in names if n.startswith("liger")] if importlib.util.find_spec("liger_kernel") else []
+    return [n for n in names if not n.startswith("liger")] + liger
+
+
 def main() -> None:
     import argparse
-    import importlib.util
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", default="stock,truefuse,liger", help="comma-separated; <run>+compile compiles the layers")
     p.add_argument("--fused", action="store_true", help="torch's fused AdamW (the demo's)")
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
-    names = args.runs.split(",")
-    if importlib.util.find_spec("liger_kernel") is None:
-        names = [n for n in names if not n.startswith("liger")]
-    names = [n for n in names if not n.startswith("liger")] + [n for n in names if n.startswith("liger")]
-    results = {n: profile_run(_patch(n), compiled=n.endswith("+compile"), fused=args.fused) for n in names}
+    results = {n: profile_run(_patch(n), compiled=n.endswith("+compile"), fused=args.fused) for n in run_names(args.runs)}
     cats = [c for c, _ in CATEGORIES] + ["other"]
     w = max(12, *(len(n) + 2 for n in results))
     print(f"{'ms / step':<16}" + "".join(f"{n:>{w}}" for n in results))
     for c in cats:
-        print(f"{c:<16}" + "".join(f"{results[n][0][c]:>12.2f}" for n in results))
-    print(f"{'total':<16}" + "".join(f"{sum(results[n][0].values()):>12.2f}" for n in results))
+        print(f"{c:<16}" + "".join(f"{results[n][0][c]:>{w}.2f}" for n in results))
+    print(f"{'total':<16}" + "".join(f"{sum(results[n][0].values()):>{w}.2f}" for n in results))
     for n, (_, top) in results.items():
         print(f"\n{n}: top kernels (ms / step)")
         for k, t in top.most_common(args.top):
