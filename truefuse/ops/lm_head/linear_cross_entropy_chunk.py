@@ -116,10 +116,12 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s
     before the softcap, scaled; on ignored rows the terms are 0 and the gradient is 0 (NaN where
     torch's is: a row whose log_softmax is NaN). Non-finite logits: as the module docstring says.
 
-    Two (C, V) buffers in all, written in place: on the CPU a fresh one costs its page faults (an
+    Two (C, V) buffers in all, written in place where autograd does not record: on the CPU a fresh one costs its page faults (an
     out-of-place ``exp`` of 4096 x 8192 fp32 took 210 ms against 23 ms in place on the 2-core CI
     box), and the (C, V) passes are this path's whole cost.
     """
+    # autograd records the call, or a graph does (torch.export's, replayed with autograd): nothing in place
+    record = torch.compiler.is_compiling() or (torch.is_grad_enabled() and z.requires_grad)
     # torch.logsumexp's own steps (ATen's logsumexp_out_impl: a ±inf max counts as 0), with its
     # intermediates kept: lse has its bits and ±inf with a ±inf max, NaN with a NaN (the z-loss's)
     mx = z.amax(-1)
@@ -152,9 +154,10 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s
     correct = (z.argmax(-1) == t) & valid
     if not want_grad:
         return ce, zl, correct, None
-    p = torch.sub(y, log_s[:, None], out=e).exp_()  # e's buffer: the same bits as exp(y − log S)
+    # in e's buffer: the same bits as exp(y − log S)
+    p = torch.exp(y - log_s[:, None]) if record else torch.sub(y, log_s[:, None], out=e).exp_()
     a = ((1 - eps) * w_t)[:, None]
-    g = p.mul_(a) if eps == 0 and not z_loss else p * a  # p is read again below only with those
+    g = p * a if record or eps > 0 or z_loss else p.mul_(a)  # p is read again below only with those
     g.scatter_add_(1, t_safe[:, None], -a)
     if eps > 0:
         g += eps / V * (p * W_sum - (cw[None, :] if cw is not None else 1.0))
@@ -165,7 +168,8 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s
     if z_loss:
         g += (2 * z_loss * lse_ce * torch.where(valid, s_z, 0.0))[:, None] * p
     if softcap is not None:
-        g *= torch.div(z, softcap, out=y).square_().neg_().add_(1)  # 1 − (z / cap)², in y's buffer
+        q = z / softcap if record else torch.div(z, softcap, out=y)  # in y's buffer
+        g *= 1 - q.square() if record else q.square_().neg_().add_(1)
     return ce, zl, correct, g
 
 
