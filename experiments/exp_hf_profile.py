@@ -53,14 +53,27 @@ def build(patch):
     return model
 
 
-def profile_run(patch, steps: int = 3, warmup: int = 4, compiled: bool = False, fused: bool = False):
-    model = build(patch)
-    if compiled:
+def prepared(name: str, fused: bool):
+    """Run ``name``'s model (``<run>+compile``: its decoder layers compiled), AdamW and a batch."""
+    model = build(_patch(name))
+    if name.endswith("+compile"):
         from truefuse.integrations.huggingface import compile_layers
 
         compile_layers(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
     ids = torch.randint(0, 128256, (4, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    return model, opt, ids
+
+
+def release(model, opt) -> None:
+    """Free a run's weights and optimizer state before the next run builds its own."""
+    model.to("meta")
+    opt.state.clear()
+    torch.cuda.empty_cache()
+
+
+def profile_run(name: str, fused: bool, steps: int = 3, warmup: int = 4):
+    model, opt, ids = prepared(name, fused)
 
     def step():
         model(input_ids=ids, labels=ids).loss.backward()
@@ -82,9 +95,7 @@ def profile_run(patch, steps: int = 3, warmup: int = 4, compiled: bool = False, 
             continue
         per[category(e.key)] += t
         top[e.key[:70]] += t
-    model.to("meta")  # free the weights before the next run builds its own
-    opt.state.clear()
-    torch.cuda.empty_cache()
+    release(model, opt)
     return per, top
 
 
@@ -118,7 +129,7 @@ def main() -> None:
     p.add_argument("--fused", action="store_true", help="torch's fused AdamW (the demo's)")
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
-    results = {n: profile_run(_patch(n), compiled=n.endswith("+compile"), fused=args.fused) for n in run_names(args.runs)}
+    results = {n: profile_run(n, args.fused) for n in run_names(args.runs)}
     cats = [c for c, _ in CATEGORIES] + ["other"]
     w = max(12, *(len(n) + 2 for n in results))
     print(f"{'ms / step':<16}" + "".join(f"{n:>{w}}" for n in results))

@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(__file__))
-from exp_hf_profile import _patch, build, run_names  # noqa: E402
+from exp_hf_profile import prepared, release, run_names  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -41,8 +41,9 @@ def _step(model, opt, ids):
     return loss
 
 
-def gaps_of(trace: dict, steps: int):
-    """(per-phase idle µs summed over the steps, kernel µs, step µs, the gaps [(µs, phase, before, after)])."""
+def gaps_of(trace: dict):
+    """(idle µs by phase, kernel µs, step µs: each a mean over the trace's steps; every gap
+    [(µs, phase, kernel before, kernel after)], largest first)."""
     ev = trace["traceEvents"]
     spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("name", "").startswith("phase:") and "dur" in e)
     step_marks = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("name") == "demo_step" and "dur" in e)
@@ -75,7 +76,7 @@ def gaps_of(trace: dict, steps: int):
         idle["ramp"] += max(0.0, ks[0][0] - s0)
         reach, prev = ks[0][0], None
         for k in ks:
-            busy += max(0.0, k[1] - max(k[0], reach)) if k[1] > reach else 0.0
+            busy += max(0.0, k[1] - max(k[0], reach))
             if k[0] > reach and prev is not None:
                 ph = phase_at(launch_ts.get(k[3], k[0]))
                 idle[ph] += k[0] - reach
@@ -87,13 +88,7 @@ def gaps_of(trace: dict, steps: int):
 
 
 def run(name: str, steps: int, warmup: int = 4):
-    model = build(_patch(name))
-    if name.endswith("+compile"):
-        from truefuse.integrations.huggingface import compile_layers
-
-        compile_layers(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, 128256, (4, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    model, opt, ids = prepared(name, fused=True)  # the demo's optimizer
     for _ in range(warmup):
         _step(model, opt, ids).item()
     torch.cuda.synchronize()
@@ -105,11 +100,9 @@ def run(name: str, steps: int, warmup: int = 4):
                 torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
-    model.to("meta")
-    opt.state.clear()
-    torch.cuda.empty_cache()
-    return gaps_of(trace, steps)
+        trace = json.load(f)
+    release(model, opt)
+    return gaps_of(trace)
 
 
 def main() -> None:

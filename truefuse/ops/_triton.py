@@ -49,6 +49,14 @@ def traced(t: torch.Tensor) -> bool:
     return type(t) not in PLAIN_TENSORS
 
 
+def recorded(t: torch.Tensor) -> bool:
+    """Whether ops on ``t`` are recorded (autograd differentiates them, or torch.compile / export
+    traces them into a graph that may be replayed with autograd): a PyTorch path must then not
+    reuse a dead intermediate's buffer in place (an ``out=`` op refuses autograd; an in-place one may
+    overwrite what a backward saved)."""
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and t.requires_grad)
+
+
 def kernel_for(kernel, t: torch.Tensor):
     """``kernel`` for a launch on tensors like ``t``: itself in eager mode (no wrapper on the
     launch path), ``torch.library.wrap_triton(kernel)`` where ``t`` is traced, so that a compiled

@@ -13,7 +13,7 @@ import torch
 
 from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops._triton import triton_runs
+from truefuse.ops._triton import recorded, triton_runs
 from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOptions
 
 
@@ -116,12 +116,11 @@ def chunk_math(z, t, valid, cw, *, V, W_sum, label_smoothing, z_loss, softcap, s
     before the softcap, scaled; on ignored rows the terms are 0 and the gradient is 0 (NaN where
     torch's is: a row whose log_softmax is NaN). Non-finite logits: as the module docstring says.
 
-    Two (C, V) buffers in all, written in place where autograd does not record: on the CPU a fresh one costs its page faults (an
-    out-of-place ``exp`` of 4096 x 8192 fp32 took 210 ms against 23 ms in place on the 2-core CI
-    box), and the (C, V) passes are this path's whole cost.
+    Two (C, V) buffers in all, reused in place unless the call is recorded (``_triton.recorded``):
+    on the CPU a fresh one costs its page faults (an out-of-place ``exp`` of 4096 x 8192 fp32 took
+    210 ms against 23 ms in place on the 2-core CI box), and the (C, V) passes are this path's cost.
     """
-    # autograd records the call, or a graph does (torch.export's, replayed with autograd): nothing in place
-    record = torch.compiler.is_compiling() or (torch.is_grad_enabled() and z.requires_grad)
+    record = recorded(z)
     # torch.logsumexp's own steps (ATen's logsumexp_out_impl: a ±inf max counts as 0), with its
     # intermediates kept: lse has its bits and ±inf with a ±inf max, NaN with a NaN (the z-loss's)
     mx = z.amax(-1)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops._triton import triton_runs
+from truefuse.ops._triton import recorded, triton_runs
 
 
 class LinearLogProbsOutput(NamedTuple):
@@ -126,10 +126,10 @@ def chunk_math(z, t, valid, a, c, *, temperature, softcap, want_grad: bool):
     before the softcap: ``[a·(δ_t − p) − c·p·(log p + entropy)] / temperature`` times the
     softcap's derivative.
     """
-    # four (C, V) buffers, written in place where a value is dead and neither autograd nor a traced
-    # graph records (each fresh one costs its page faults on the CPU:
-    # linear_cross_entropy_chunk.chunk_math); the same operations either way, so the same bits
-    record = torch.compiler.is_compiling() or (torch.is_grad_enabled() and z.requires_grad)
+    # four (C, V) buffers, a dead one reused in place unless the call is recorded (each fresh one
+    # costs its page faults on the CPU: linear_cross_entropy_chunk.chunk_math); the same operations
+    # either way, so the same bits
+    record = recorded(z)
     u = z / temperature
     m = u.amax(-1, keepdim=True)
     shift = torch.where(m.isfinite(), m, 0.0)
