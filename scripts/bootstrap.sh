@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv from nothing, idempotently: a virtual environment, torch (the CPU build unless a
-# GPU is present; never CUDA wheels on a CPU machine), then truefuse with its dev, bench and hf extras.
+# GPU is present; never CUDA wheels on a CPU machine), then truefuse with its dev, bench, hf and rl extras.
 # Re-running it is cheap: it reinstalls only when pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +37,6 @@ fi
 stamp=.venv/.truefuse-installed
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  pip install -q -e ".[dev,bench,hf]"
+  pip install -q -e ".[dev,bench,hf,rl]"
   echo "$want" > "$stamp"
 fi

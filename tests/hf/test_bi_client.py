@@ -173,3 +173,26 @@ def test_peft_lora_on_the_batch_invariant_gemm(torch_paths, monkeypatch):
             s = ids[i, -n:][None]
             alone = truefuse.token_log_probs(lora(s).logits[:, :-1], s[:, 1:]).log_probs[0]
             assert torch.equal(got[i, ids.shape[1] - n :], alone)
+
+
+def test_parity_checks_the_recipe(torch_paths, monkeypatch):
+    """``python -m truefuse parity``'s "sampler vs trainer" row: 0 on a BI model under autocast, and
+    it counts a trainer log-prob that moved (so the row, and parity's exit status, can fail)."""
+    from truefuse.demo import parity
+    from truefuse.integrations.huggingface import log_probs
+
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    apply_truefuse(model, batch_invariant=True)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 6, 4)]
+    with _autocast(True):
+        assert parity.sampler_vs_trainer(model, prompts, 4).differing == 0
+        real = log_probs.model_log_probs
+
+        def moved(*a, **k):
+            out = real(*a, **k)
+            out.log_probs[1, -2] += 1e-3
+            return out
+
+        monkeypatch.setattr(log_probs, "model_log_probs", moved)
+        d = parity.sampler_vs_trainer(model, prompts, 4)
+    assert (d.rows, d.differing) == (12, 1) and d.max_dlp > 0

@@ -5,6 +5,9 @@ sequence the same answer wherever it runs?
   counted over attended tokens, as ``generate`` counts them);
 * :func:`generate_vs_forward`: the logits of each step of greedy ``generate`` (KV cache,
   left-padded prompts) vs one full forward over prompt + generated tokens;
+* :func:`sampler_vs_trainer`: docs/batch_invariance.md's RL recipe: the sampled tokens' log-probs
+  from ``generate``'s logits (``token_log_probs``, the sampler) vs ``model_log_probs`` over prompt
+  + completion (the trainer);
 * :func:`training_runs`: a few AdamW steps, run twice from the same state and batches;
 * :func:`first_divergence`: the first module (forward hooks on every module) whose output for a
   sequence differs between alone and in a batch.
@@ -37,10 +40,18 @@ class Diff:
 
     def add(self, a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> None:
         """Compare logits ``a`` and ``b`` (n, V) whose next tokens are ``target`` (n,)."""
-        n = a.shape[0]
         same = (a == b) | (a.isnan() & b.isnan())
-        self.differing += int((~same.all(-1)).sum())
-        d = (token_log_probs(a.float(), target).log_probs - token_log_probs(b.float(), target).log_probs).double()
+        d = token_log_probs(a.float(), target).log_probs - token_log_probs(b.float(), target).log_probs
+        self._count(int((~same.all(-1)).sum()), d)
+
+    def add_log_probs(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Compare log-probs ``a`` and ``b`` (n,) of the same tokens."""
+        self._count(int((a != b).sum()), a - b)
+
+    def _count(self, differing: int, d: torch.Tensor) -> None:
+        n = d.shape[0]
+        self.differing += differing
+        d = d.double()
         out = (d.exp() < 0.9) | (d.exp() > 1.1)
         self.ratio_out = (self.ratio_out * self.rows + float(out.sum())) / max(self.rows + n, 1)
         self.rows += n
@@ -103,6 +114,39 @@ def generate_vs_forward(model, prompts: list[torch.Tensor], new_tokens: int) -> 
     diff = Diff()
     for b in range(len(prompts)):
         diff.add(steps[b], full[b].to(steps.dtype), gen[b])
+    return diff
+
+
+@torch.no_grad()
+def sampler_vs_trainer(model, prompts: list[torch.Tensor], new_tokens: int, temperature: float = 1.0, seed: int = 0) -> Diff:
+    """Sampled ``generate`` (KV cache, left-padded prompts, ``temperature``, no top-k/top-p): each
+    sampled token's log-prob from the step's logits (``token_log_probs``) vs ``model_log_probs``
+    over prompt + completion, the two numbers an RL importance ratio divides."""
+    from truefuse.integrations.huggingface.log_probs import model_log_probs
+
+    ids, mask = pad(prompts, "left")
+    model.generation_config.eos_token_id = None
+    torch.manual_seed(seed)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    P = ids.shape[1]
+    gen = out.sequences[:, P:]
+    sampler = token_log_probs(torch.stack(out.logits, 1), gen, temperature=temperature).log_probs
+    full_mask = torch.cat([mask, torch.ones_like(gen)], 1)
+    trainer = model_log_probs(model, out.sequences, full_mask, temperature=temperature).log_probs[:, P - 1 :]
+    diff = Diff()
+    diff.add_log_probs(sampler.reshape(-1), trainer.reshape(-1))
     return diff
 
 

@@ -10,8 +10,6 @@ import sys
 
 import torch
 
-from truefuse.config import batch_invariant
-
 ARCHS = ("llama", "qwen3", "qwen3_moe")
 MODES = ("stock", "truefuse", "truefuse BI")
 
@@ -19,7 +17,12 @@ MODES = ("stock", "truefuse", "truefuse BI")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", choices=ARCHS, default="llama", help="model family, built from a config (random weights)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if present, else cpu")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "amp-bf16"],
+        default="fp32",
+        help="the model's dtype; amp-bf16: an fp32 model under bf16 torch.autocast (TRL's bf16=True)",
+    )
     for name, default, help_ in [
         ("layers", 2, "decoder layers"),
         ("hidden", 64, "hidden size (head size 64 from 256 on, else 16)"),
@@ -60,13 +63,14 @@ def build(arch: str, layers: int, hidden: int, vocab: int, dtype, device, seed: 
 
 
 def variant(model, mode: str):
-    """(a copy of ``model`` as ``mode`` runs it, the context that mode runs in)."""
+    """A copy of ``model`` as ``mode`` runs it: the patched model alone carries its mode (no
+    ``truefuse.batch_invariant()`` around the checks: a user's code has none)."""
     m = copy.deepcopy(model)
     if mode != "stock":
         from truefuse.integrations.huggingface import apply_truefuse
 
         apply_truefuse(m, batch_invariant=mode == "truefuse BI")
-    return m, (batch_invariant() if mode == "truefuse BI" else contextlib.nullcontext())
+    return m
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -74,6 +78,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    amp = args.dtype == "amp-bf16"
     base = build(args.arch, args.layers, args.hidden, args.vocab, dtype, device, args.seed)
     g = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(max(2, args.seq // 3), args.seq + 1, (args.batch,), generator=g).tolist()
@@ -82,10 +87,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     batches = [torch.randint(1, args.vocab, (args.batch, args.seq), generator=g).to(device) for _ in range(args.steps)]
     rows, stock_losses = [], None
     for mode in MODES:
-        model, ctx = variant(base, mode)
-        with ctx:
+        model = variant(base, mode)
+        with torch.autocast(device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext():
             checks = {f"alone vs {side}-padded": parity.alone_vs_batch(model, seqs, side) for side in ("right", "left")}
             checks["generate vs forward"] = parity.generate_vs_forward(model, prompts, args.new_tokens)
+            checks["sampler vs trainer"] = parity.sampler_vs_trainer(model, prompts, args.new_tokens, seed=args.seed)
             first = {side: parity.first_divergence(model, seqs, side) for side in ("right", "left")}
             runs = [parity.training_runs(model, batches), parity.training_runs(model, batches)]
         if mode == "stock":
