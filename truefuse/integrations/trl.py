@@ -213,10 +213,10 @@ def _head_outputs(x, W, b, t, temperature, softcap, outputs, cast_fp32):
         ctx = nullcontext()
         if not torch.is_autocast_enabled(x.device.type) and W.dtype != x.dtype:
             W, b = W.to(x.dtype), None if b is None else b.to(x.dtype)  # TRL casts the head to the input's dtype
+    want = tuple(n for n in _EXTRAS if n in outputs)
     with ctx:
         lp, ent = linear_log_probs(x, W, t, linear_bias=b, temperature=temperature, softcap=softcap)
-    want = tuple(n for n in _EXTRAS if n in outputs)
-    extras = _extras(x, W, b, t, temperature, softcap, want, dtype) if want and x.shape[0] else {}
+        extras = _extras(x, W, b, t, temperature, softcap, want, dtype) if want else {}
     return lp, ent, extras
 
 
@@ -232,9 +232,7 @@ def _aux_loss(self, text_config, backbone_outputs, attention_mask):
     return load_balancing_loss_func(backbone_outputs.router_logits, n, k, attention_mask)
 
 
-def fused_forward(
-    self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
-):
+def fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
     """``model.forward`` after :func:`use_truefuse_head`'s ``add_fused_lm_head``: TRL's contract
     (``trl.trainer.utils.FusedCausalLMOutput``) on truefuse's head. Without ``fused_lm_head`` (or
     on a fallback) the call goes to TRL's forward, which keeps the model's own for generation."""
