@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad, main_grad_target, main_grad_written
 from truefuse.config import is_batch_invariant
@@ -114,5 +115,12 @@ class HeadLogitsFunction(torch.autograd.Function):
 
 
 def head_logits(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """The logits (..., V) of hidden states ``x`` (..., H) by the head's GEMM (``HeadLogitsFunction``)."""
+    """The logits (..., V) of hidden states ``x`` (..., H) by the head's GEMM (``HeadLogitsFunction``).
+    Under ``torch.autocast`` as ``F.linear`` there (the stock head): the operands cast to its dtype
+    (differentiable), the logits in it, the bits of the head's chunks under the same autocast."""
+    dt = autocast_dtype(x.device)
+    if dt is not None:
+        x, W, b = cast(x, dt), cast(W, dt), cast(b, dt)
+        with torch.autocast(x.device.type, enabled=False):
+            return head_logits(x, W, b)
     return HeadLogitsFunction.apply(x.reshape(-1, x.shape[-1]), W, b).view(*x.shape[:-1], W.shape[0])

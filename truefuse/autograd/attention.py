@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._eager_op import call
 from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops.attention import attention_fwd_op, use_kernel
@@ -137,9 +138,33 @@ def attention(
             left-padded row gets its unpadded bits. Pass it in decode when the mask also holds a
             sliding window (which moves the first attended key).
 
+    Autocast: as SDPA under ``torch.autocast``: query, key, value and a float mask cast to the
+    autocast dtype (fp64 is not), the op run there (a model's q and k leave its fp32 rope in fp32
+    while v comes out of a cast GEMM).
+
     Returns:
-        (B, Hq, Lq, D) in the inputs' dtype. A query row that sees no key gives zeros.
+        (B, Hq, Lq, D) in the inputs' dtype (the autocast dtype under autocast). A query row that
+        sees no key gives zeros.
     """
+    dt = autocast_dtype(query.device) if isinstance(query, torch.Tensor) else None
+    if dt is not None:
+        query, key, value = cast(query, dt), cast(key, dt), cast(value, dt)
+        if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
+            attn_mask = cast(attn_mask, dt)
+        with torch.autocast(query.device.type, enabled=False):
+            return attention(
+                query,
+                key,
+                value,
+                attn_mask,
+                dropout_p,
+                is_causal,
+                scale,
+                enable_gqa,
+                softcap=softcap,
+                window=window,
+                key_start=key_start,
+            )
     refuse_dtensor("attention", query=query, key=key, value=value, attn_mask=attn_mask, key_start=key_start)
     _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, window, key_start)
     B, Hq, Lq, D = query.shape

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.linear import linear as _truefuse_linear
-from truefuse.config import batch_invariant
+from truefuse.config import batch_invariant, is_batch_invariant
+from truefuse.integrations.huggingface import modules
 from truefuse.integrations.huggingface.siblings import Siblings, find_groups, fused_call
 from truefuse.ops._triton import PLAIN_TENSORS as _PLAIN_TYPES
 from truefuse.ops.gemm import _FLOATS as _GEMM_DTYPES
@@ -96,7 +97,8 @@ class BatchInvariantLinear:
     directly is not routed, and a tensor subclass comparing ``func`` with the module attribute at
     call time sees the wrapper."""
 
-    def __init__(self, groups=None) -> None:
+    def __init__(self, groups=None, owner=None) -> None:
+        self.owner = owner  # the ModelMode that entered it (None: a block of running_batch_invariant)
         self.routed = 0
         self.left = 0
         # sibling projections in one launch (siblings.py), for the model whose forward entered it
@@ -125,48 +127,125 @@ class BatchInvariantLinear:
 
 @contextlib.contextmanager
 def running_batch_invariant(groups=None):
-    """The mode and the routing of ``F.linear`` for a block (what the model's hooks enter), with
+    """The mode and the routing of ``F.linear`` for a block (what a :class:`ModelMode` enters), with
     ``groups`` of sibling projections (``siblings.find_groups``) computed in one launch each."""
     with batch_invariant(), BatchInvariantLinear(groups) as mode:
         yield mode
 
 
+class ModelMode:
+    """A batch-invariant model's mode, entered wherever the model's code can run: the model's forward
+    (hooks: ``model(...)``, ``generate``, PEFT's wrappers), each decoder layer's forward (gradient
+    checkpointing recomputes a layer in the backward, outside the model's hooks: transformers >= 5.2x
+    checkpoints the layer's ``forward``, so only the layer itself can enter it there), and
+    :func:`model_mode` (``model_log_probs``, the TRL head: code that calls ``model.base_model``).
+    Entering it where it is already the innermost mode costs one check and changes nothing."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model  # its _truefuse_bi_groups are read at each entry (a test clears them)
+        self._stacks: dict[int, list] = {}  # thread id -> what each open entry has to close
+
+    def active(self) -> bool:
+        """Whether this model's mode is the innermost on this thread."""
+        routers = getattr(_LOCAL, "routers", None)
+        return bool(routers) and routers[-1] is not None and routers[-1].owner is self and is_batch_invariant()
+
+    @contextlib.contextmanager
+    def entered(self):
+        if self.active():
+            yield
+            return
+        with batch_invariant(), BatchInvariantLinear(self.model._truefuse_bi_groups, owner=self):
+            yield
+
+    def push(self) -> None:
+        cm = None if self.active() else self.entered()
+        if cm is not None:
+            cm.__enter__()
+        self._stacks.setdefault(threading.get_ident(), []).append(cm)
+
+    def pop(self) -> None:
+        stack = self._stacks.get(threading.get_ident())
+        if stack:
+            cm = stack.pop()
+            if cm is not None:
+                cm.__exit__(None, None, None)
+
+
 def _pre_hook(module, args):
-    stack = contextlib.ExitStack()
-    stack.enter_context(running_batch_invariant(module._truefuse_bi_groups))
-    module._truefuse_bi_stacks.append(stack)
+    module._truefuse_bi_mode.push()
 
 
 def _post_hook(module, args, output):
     # always called (also when the forward raised), so the mode never leaks out of the model
-    stacks = module._truefuse_bi_stacks
-    if stacks:
-        stacks.pop().close()
+    module._truefuse_bi_mode.pop()
+
+
+def _layer_forward(self, *args, **kwargs):
+    """A decoder layer's forward in its model's mode (:class:`ModelMode`): the stock forward (the
+    class's checkpointing wrapper, which runs it directly for a subclass) inside the mode."""
+    forward = self._truefuse_stock.forward
+    mode = self.__dict__.get("_truefuse_bi_mode")
+    if mode is None or torch.compiler.is_compiling() or mode.active():
+        return forward(self, *args, **kwargs)
+    with mode.entered():
+        return forward(self, *args, **kwargs)
+
+
+def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules gradient checkpointing may recompute: transformers' ``GradientCheckpointingLayer``s."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # no such base class: checkpointing calls the layer's __call__ (hooks)
+        return []
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and not modules.is_patched(m)]
 
 
 def enable(model: torch.nn.Module) -> None:
-    """Hook ``model``'s forward to run batch-invariant (idempotent: a second call adds nothing)."""
+    """Make ``model`` run batch-invariant (idempotent: a second call adds nothing)."""
     if getattr(model, "_truefuse_bi_handles", None):
         return
-    model._truefuse_bi_stacks = []
+    mode = ModelMode(model)
+    model._truefuse_bi_mode = mode
     model._truefuse_bi_groups = find_groups(model)
     model._truefuse_bi_handles = (
         model.register_forward_pre_hook(_pre_hook),
         model.register_forward_hook(_post_hook, always_call=True),
     )
+    for layer in _checkpointed_layers(model):
+        layer.__dict__["_truefuse_bi_mode"] = mode
+        layer.__class__ = modules.truefuse_subclass(type(layer), "batch_invariant_layer", _layer_forward)
 
 
 def disable(model: torch.nn.Module) -> None:
-    """Remove :func:`enable`'s hooks (no-op on a model without them)."""
+    """Undo :func:`enable` (no-op on a model without it)."""
     for h in getattr(model, "_truefuse_bi_handles", None) or ():
         h.remove()
-    for name in ("_truefuse_bi_handles", "_truefuse_bi_stacks", "_truefuse_bi_groups"):
+    for m in model.modules():
+        if getattr(type(m), "_truefuse_kind", None) == "batch_invariant_layer":
+            modules.unpatch(m)
+            m.__dict__.pop("_truefuse_bi_mode", None)
+    for name in ("_truefuse_bi_handles", "_truefuse_bi_mode", "_truefuse_bi_groups"):
         if name in vars(model):
             delattr(model, name)
 
 
 def is_enabled(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "_truefuse_bi_handles", None))
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a PEFT wrapper (``get_base_model()``), or ``model`` itself."""
+    # read on the type: a PEFT model forwards unknown attributes to the model it wraps
+    return model.get_base_model() if callable(getattr(type(model), "get_base_model", None)) else model
+
+
+def model_mode(model: torch.nn.Module):
+    """A context in which code that calls into ``model`` past its forward (``model.base_model``, its
+    ``lm_head``) runs in the model's mode: batch-invariant where ``apply_truefuse(model,
+    batch_invariant=True)`` made it so (also inside a PEFT wrapper), nothing otherwise."""
+    mode = getattr(unwrap(model), "_truefuse_bi_mode", None)
+    return mode.entered() if mode is not None else contextlib.nullcontext()
 
 
 def count_linears(model: torch.nn.Module) -> dict[str, int]:

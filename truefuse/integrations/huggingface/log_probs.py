@@ -33,7 +33,9 @@ def model_log_probs(
 
     Args:
         model: a transformers causal LM with a plain ``nn.Linear`` ``lm_head`` (patched by
-            ``apply_truefuse`` or not; Gemma's final-logit softcap is applied).
+            ``apply_truefuse`` or not; Gemma's final-logit softcap is applied), or a PEFT model
+            wrapping one (its adapters run). A model patched with ``batch_invariant=True`` runs in
+            batch-invariant mode here as in its forward.
         input_ids: (B, L) int64 token ids. attention_mask: (B, L) 1 for tokens, 0 for padding
             (left or right), or None (all tokens). Positions count attended tokens only.
         temperature: > 0, the sampling temperature.
@@ -52,8 +54,10 @@ def model_log_probs(
         raise ValueError(f"input_ids has {input_ids.shape[1]} tokens a row: at least 2 are needed for a next-token log-prob")
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; input_ids {tuple(input_ids.shape)}")
+    from truefuse.integrations.huggingface.batch_invariant import model_mode, unwrap
     from truefuse.integrations.huggingface.head import is_fsdp_unit
 
+    wrapper, model = model, unwrap(model)
     if is_fsdp_unit(model) or is_fsdp_unit(getattr(model, "lm_head", None)):
         raise TypeError(
             "model_log_probs does not take an FSDP2-sharded model: it calls model.base_model and reads "
@@ -66,12 +70,15 @@ def model_log_probs(
     kw = {"input_ids": input_ids}
     if attention_mask is not None:
         kw.update(attention_mask=attention_mask, position_ids=positions(attention_mask))
-    hidden = model.base_model(**kw, use_cache=False).last_hidden_state
     target = input_ids[:, 1:].to(torch.int64)
     if attention_mask is not None:
         target = torch.where(attention_mask[:, 1:].bool(), target, -100)
     cap = getattr(model.config, "final_logit_softcapping", None)
-    out = linear_log_probs(hidden[:, :-1], head.weight, target, linear_bias=head.bias, temperature=temperature, softcap=cap)
+    # the body and the head in the model's mode (batch-invariant when patched so), as its forward
+    # runs them: this calls past the forward's hooks (PEFT's adapters stay in the layers)
+    with model_mode(wrapper):
+        hidden = model.base_model(**kw, use_cache=False).last_hidden_state
+        out = linear_log_probs(hidden[:, :-1], head.weight, target, linear_bias=head.bias, temperature=temperature, softcap=cap)
     return LinearLogProbsOutput(*out)
 
 
