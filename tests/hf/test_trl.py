@@ -25,7 +25,7 @@ datasets = pytest.importorskip("datasets")
 import truefuse  # noqa: E402
 import truefuse.integrations.trl as tf_trl  # noqa: E402
 from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
-from truefuse.integrations.huggingface import apply_truefuse  # noqa: E402
+from truefuse.integrations.huggingface import apply_truefuse, model_log_probs  # noqa: E402
 
 ALL = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 PAD, EOS, BOS = 0, 1, 2
@@ -272,9 +272,9 @@ def test_switch_undo_idempotent_and_refusal(monkeypatch):
 
 
 def test_batch_invariant_bits(torch_paths):
-    """In batch-invariant mode the fused call gives a sequence the same bits alone and inside a
-    right-padded batch, and those of ``token_log_probs`` over the model's own logits (what
-    ``generate`` samples from) at the same temperature."""
+    """In batch-invariant mode the fused call gives ``model_log_probs``' bits, a sequence the same
+    bits alone and inside a right-padded batch, and those of ``token_log_probs`` over the model's own
+    logits (what ``generate`` samples from) at the same temperature."""
     import trl.trainer.utils as tu
 
     tf_trl.use_truefuse_head()
@@ -286,6 +286,8 @@ def test_batch_invariant_bits(torch_paths):
     am[1, 6:] = 0
     labels = ids.masked_fill(am == 0, -100)
     batch = m(input_ids=ids, attention_mask=am, labels=labels, fused_lm_head=True)
+    mlp = model_log_probs(m, ids, am, temperature=0.7)
+    assert torch.equal(batch.log_probs, mlp.log_probs) and torch.equal(batch.entropy, mlp.entropy)
     for r in range(3):
         n = int(am[r].sum())
         one = m(input_ids=ids[r : r + 1, :n], labels=ids[r : r + 1, :n], fused_lm_head=True)
@@ -390,6 +392,8 @@ def _sampler_equals_trainer(tmp_path, **over):
     import trl
 
     samples: dict[tuple, torch.Tensor] = {}
+    autocast = set()  # (sampling, whether the backbone ran under autocast)
+    sampling_now = [False]
     trained: list[tuple] = []
 
     class Recording(trl.GRPOTrainer):
@@ -405,7 +409,11 @@ def _sampler_equals_trainer(tmp_path, **over):
 
     def sampling(*a, **k):
         # what TRL gets back is unchanged (the sequences); the raw logits of each step are kept
-        out = generate(*a, **k, output_logits=True, return_dict_in_generate=True)
+        sampling_now[0] = True
+        try:
+            out = generate(*a, **k, output_logits=True, return_dict_in_generate=True)
+        finally:
+            sampling_now[0] = False
         P = k["input_ids"].shape[1]
         comp = out.sequences[:, P:]
         after_eos = (comp == EOS).int().cumsum(1) - (comp == EOS).int() > 0
@@ -417,6 +425,8 @@ def _sampler_equals_trainer(tmp_path, **over):
         return out.sequences
 
     model.generate = sampling
+    # accelerate runs the model's forward (generate's too) under its autocast: record where it was on
+    model.model.register_forward_pre_hook(lambda *_: autocast.add((sampling_now[0], torch.is_autocast_enabled("cpu"))))
     trainer = _trainer("grpo", model, args, cls=Recording)
     trainer.train()
     assert samples and trained
@@ -429,6 +439,7 @@ def _sampler_equals_trainer(tmp_path, **over):
             assert torch.equal(lp[r][mask[r]], sampled), (lp[r][mask[r]], sampled)
             compared += int(mask[r].sum())
     assert compared >= 2 * 6
+    return trainer, autocast
 
 
 def test_grpo_sampler_equals_trainer_bitwise(tmp_path, torch_paths):
@@ -436,14 +447,12 @@ def test_grpo_sampler_equals_trainer_bitwise(tmp_path, torch_paths):
     completion token's log-prob from generate's logits (``token_log_probs``) is the one GRPO's
     trainer computes on truefuse's head, bit for bit (prompts of one length: GRPO's trainer forward
     numbers positions from the left padding, generate from the first token)."""
-    _sampler_equals_trainer(tmp_path)
+    trainer, autocast = _sampler_equals_trainer(tmp_path)
+    assert not trainer.model.is_gradient_checkpointing and autocast == {(True, False), (False, False)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="batch-invariant mode under autocast (truefuse.attention's dtype check) and gradient checkpointing "
-    "(the recompute leaves the mode) are broken on main; the lead fixes them there",
-)
 def test_grpo_sampler_equals_trainer_bitwise_defaults(tmp_path, torch_paths):
-    """The same under TRL's defaults: bf16 autocast and gradient checkpointing."""
-    _sampler_equals_trainer(tmp_path, bf16=True, gradient_checkpointing=True)
+    """The same under TRL's defaults: bf16 (accelerate runs the model's forward, generate's included,
+    under bf16 autocast) and gradient checkpointing (the recompute runs batch-invariant)."""
+    trainer, autocast = _sampler_equals_trainer(tmp_path, bf16=True, gradient_checkpointing=True)
+    assert trainer.model.is_gradient_checkpointing and autocast == {(True, True), (False, True)}
