@@ -26,6 +26,7 @@ import truefuse  # noqa: E402
 import truefuse.integrations.trl as tf_trl  # noqa: E402
 from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
 from truefuse.integrations.huggingface import apply_truefuse, model_log_probs  # noqa: E402
+from truefuse.integrations.huggingface.log_probs import positions  # noqa: E402
 
 ALL = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 PAD, EOS, BOS = 0, 1, 2
@@ -122,7 +123,9 @@ def test_fields_match_trl(model_type, shifted, counts, torch_paths):
     original(theirs, temperature=0.7, outputs=ALL)
     tu.add_fused_lm_head(ours, temperature=0.7, outputs=ALL)
     ids, am, labels = _batch()
-    kw = dict(input_ids=ids, attention_mask=am, fused_lm_head=True)
+    # the positions given: truefuse's head numbers them from the mask (generate's), TRL's from the
+    # padding, and the two heads are compared here, not the backbones
+    kw = dict(input_ids=ids, attention_mask=am, position_ids=positions(am), fused_lm_head=True)
     if shifted:
         shift = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
         kw.update(shift_labels=shift, num_items_in_batch=7)
@@ -175,9 +178,9 @@ def test_autocast_and_cast_lm_head_to_fp32(cast, torch_paths):
     original(theirs, cast_lm_head_to_fp32=cast, outputs=ALL)
     tu.add_fused_lm_head(ours, cast_lm_head_to_fp32=cast, outputs=ALL)
     ids, am, labels = _batch()
+    kw = dict(input_ids=ids, attention_mask=am, position_ids=positions(am), labels=labels, fused_lm_head=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        a = ours(input_ids=ids, attention_mask=am, labels=labels, fused_lm_head=True)
-        b = theirs(input_ids=ids, attention_mask=am, labels=labels, fused_lm_head=True)
+        a, b = ours(**kw), theirs(**kw)
     tol = dict(rtol=1e-5, atol=1e-5) if cast else dict(rtol=2e-2, atol=2e-2)
     for name in ("loss", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits"):
         _close(getattr(a, name), getattr(b, name), name, **tol)
@@ -334,7 +337,8 @@ def _trainer(kind: str, model, args, cls=None):
 
     tok = _tokenizer()
     if kind == "grpo":
-        ds = datasets.Dataset.from_dict({"prompt": ["w5 w6 w7 w8", "w9 w10 w11 w12"] * 2})
+        # prompts of two lengths: TRL left-pads the shorter one
+        ds = datasets.Dataset.from_dict({"prompt": ["w5 w6 w7 w8", "w9 w10"] * 2})
 
         def reward(completions, **kw):
             return [float(len(c)) for c in completions]
@@ -445,8 +449,9 @@ def _sampler_equals_trainer(tmp_path, **over):
 def test_grpo_sampler_equals_trainer_bitwise(tmp_path, torch_paths):
     """Batch-invariant mode, HF generate as the sampler, fp32 without gradient checkpointing: each
     completion token's log-prob from generate's logits (``token_log_probs``) is the one GRPO's
-    trainer computes on truefuse's head, bit for bit (prompts of one length: GRPO's trainer forward
-    numbers positions from the left padding, generate from the first token)."""
+    trainer computes on truefuse's head, bit for bit, left-padded prompts included (the head numbers
+    positions from the attention mask, as generate does; TRL's own forward numbers them from the
+    padding)."""
     trainer, autocast = _sampler_equals_trainer(tmp_path)
     assert not trainer.model.is_gradient_checkpointing and autocast == {(True, False), (False, False)}
 

@@ -244,8 +244,6 @@ def fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=No
     if rec.fallback:
         return _fallback(self, rec, rec.fallback, trl_forward, args, passed, kwargs)
 
-    from trl.trainer.utils import FusedCausalLMOutput
-
     text_config = self.config.get_text_config()
     backbone_kwargs = dict(kwargs, use_cache=False)
     if getattr(text_config, "output_router_logits", False):
@@ -254,7 +252,25 @@ def fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=No
     reason = _call_fallback(head)
     if reason:
         return _fallback(self, rec, reason, trl_forward, args, passed, kwargs)
-    # looked up on each call: PEFT and FSDP replace the backbone and the head after patching
+    from truefuse.integrations.huggingface.batch_invariant import model_mode
+    from truefuse.integrations.huggingface.log_probs import positions
+
+    mask_in = backbone_kwargs.get("attention_mask")
+    if backbone_kwargs.get("position_ids") is None and isinstance(mask_in, torch.Tensor) and mask_in.dim() == 2:
+        # positions over attended tokens, as generate numbers them: a left-padded prompt then gets
+        # the sampler's positions (stock numbers them from the padding: rope is relative, so the same
+        # values, other bits); the same as arange where nothing is left-padded
+        backbone_kwargs["position_ids"] = positions(mask_in)
+    # looked up on each call: PEFT and FSDP replace the backbone and the head after patching; in the
+    # model's mode (batch-invariant where patched so) also when called past its forward's hooks
+    with model_mode(self):
+        return _fused_head(self, rec, text_config, head, args, backbone_kwargs, kwargs, labels, shift_labels, num_items_in_batch)
+
+
+def _fused_head(self, rec, text_config, head, args, backbone_kwargs, kwargs, labels, shift_labels, num_items_in_batch):
+    """The backbone, then truefuse's head over the scored positions, as TRL's output."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
     out = self.base_model(*args, **backbone_kwargs)
     if shift_labels is None:
         hidden, target = out.last_hidden_state[:, :-1], labels[:, 1:]
