@@ -39,7 +39,11 @@ class PatchReport:
         for (t, how), n in sorted(self.replaced.items()):
             lines.append(f"  replaced {n:4d} x {t:<24} -> {how}")
         lean = ", memory='lean'" if self.loss_memory == "lean" else ""
-        fused = f"truefuse.linear_cross_entropy (no logits when labels are given{lean})"
+        # the model's own forward; TRL's trainers replace it with their head (docs/trl.md)
+        fused = (
+            f"truefuse.linear_cross_entropy (no logits when labels are given{lean}; TRL's trainers run "
+            "their own head unless truefuse.integrations.trl.use_truefuse_head() is on)"
+        )
         loss = fused if self.loss else f"stock ({self.loss_note})"
         lines.append(f"  loss: {loss}")
         if self.attention:
