@@ -113,3 +113,24 @@ def test_compiled_layer_graph_holds_truefuse_ops():
     if torch.__version__ >= "2.13":
         expected.add("rope_fwd")
     assert len(graphs) == 1 and expected <= ops, ops
+
+
+def test_compiled_layer_warns_of_no_lru_cache(monkeypatch):
+    """Dynamo warns (``warnings``, once per message and process) of each ``functools.lru_cache``
+    wrapper it traces through ("silent incorrectness"): truefuse's launchers read their cached
+    config and device properties from plain globals instead, so compiling a patched layer is quiet."""
+    import warnings
+
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setattr(dynamo_utils, "warn_once_cache", set())  # warnings of earlier tests count too
+    torch._dynamo.reset()
+    model = tiny_model("llama", num_hidden_layers=1)
+    apply_truefuse(model)
+    compile_layers(model, backend="eager", fullgraph=True)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(input_ids=ids).logits.sum().backward()
+    torch._dynamo.reset()
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
