@@ -458,3 +458,41 @@ def test_cuda_experts_no_host_sync_and_graph_replay():
     eager = _run(ours, x2, idx2, w2, dy2)
     for name, a, b in zip(("y", "dx", "dw_route", "dgate_up", "ddown"), replayed, eager, strict=True):
         assert torch.equal(a, b), name
+
+
+def test_set_experts_implementation_is_honoured_after_patching(monkeypatch):
+    """A patched model follows ``set_experts_implementation``: eager / batched_mm / grouped_mm stay on
+    truefuse's grouped MLP (with their rounding rules), any other registered implementation runs
+    as stock runs it (here a custom one, reached through transformers' interface), and choosing a
+    mapped one again brings truefuse back."""
+    from unittest.mock import Mock, patch
+
+    moe_hf = pytest.importorskip("transformers.integrations.moe")
+    if not hasattr(moe_hf, "ALL_EXPERTS_FUNCTIONS"):
+        pytest.skip("this transformers has no experts interface")
+    stock = _model("qwen3_moe", impl="eager")
+    ours = copy.deepcopy(stock)
+    assert _patch_all(ours) == 2
+    calls = []
+    real = moe.GroupedMLPFunction
+
+    class Counting(real):
+        @staticmethod
+        def forward(ctx, *args):
+            calls.append(1)
+            return real.forward(ctx, *args)
+
+    monkeypatch.setattr(moe, "GroupedMLPFunction", Counting)
+    custom = Mock(wraps=moe_hf.ALL_EXPERTS_FUNCTIONS["batched_mm"])
+    ids = _ids()
+    with torch.no_grad(), patch.dict(moe_hf.ALL_EXPERTS_FUNCTIONS._global_mapping, {"tf_custom": custom}):
+        for impl in ("batched_mm", "tf_custom", "grouped_mm"):
+            _set_impl(stock, impl)
+            _set_impl(ours, impl)
+            calls.clear()
+            custom.reset_mock()
+            got, want = ours(ids).logits, stock(ids).logits
+            if impl == "tf_custom":  # stock's own dispatch, on both: the same call, the same bits
+                assert not calls and custom.call_count == 4 and torch.equal(got, want)
+            else:
+                assert len(calls) == 2 and not custom.called and _rel(got, want) <= 1e-5, impl

@@ -24,7 +24,7 @@ def test_registered_cases(device):
     """Every registered case on the GPU; on the CPU (the Triton interpreter is slow) the ones no
     other test here covers: all options at once, main_grad, delayed against immediate."""
     cases = all_cases(["linear_log_probs"], device.type)
-    assert len(cases) == 14
+    assert len(cases) == 18
     for c in cases:
         if device.type == "cuda" or c.name.startswith(("everything", "fused", "delayed")):
             _assert(c.fn(device))
@@ -78,8 +78,8 @@ def test_entropy_is_log_v_for_uniform_logits(device):
 
 
 def test_non_finite_rows_follow_the_reference(device):
-    """NaN where the reference's expressions give NaN (a NaN or +inf hidden state; a -inf logit
-    in the entropy), finite elsewhere, kernel and PyTorch paths alike."""
+    """NaN where the reference's expressions give NaN (a NaN or +inf hidden state), finite
+    elsewhere (a -inf logit: 0·log 0 = 0 in the entropy), kernel and PyTorch paths alike."""
     x, W, t, _ = make_inputs(torch.float32, device, N=8, ignore="none")
     x[1, 0] = torch.nan
     W[5] = 0.0
@@ -92,6 +92,28 @@ def test_non_finite_rows_follow_the_reference(device):
         g, r = getattr(got, name).cpu(), getattr(ref, name)
         assert torch.equal(g.isnan(), r.isnan()), (name, g, r)
         torch.testing.assert_close(g[~r.isnan()].double(), r[~r.isnan()], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_masked_logits_give_finite_gradients(dtype, softcap, device):
+    """A −inf bias (banned tokens), on the kernel (fp32) and the PyTorch path (fp64): with the
+    log-probs' upstream alone and with both, every gradient finite and the reference's (0 in
+    the masked bias), at a temperature, with and without a softcap."""
+    x, W, t, b = make_inputs(dtype, device, N=8, bias=True)
+    b[1::3] = -torch.inf
+    t = torch.where((t >= 0) & (t % 3 == 1), t - 1, t)
+    for up in (
+        (torch.ones(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)),
+        (torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 3,) * 2,
+    ):
+        kw = {"temperature": 0.7, "softcap": softcap, "upstream": up}
+        got = run_log_probs(truefuse.linear_log_probs, x, W, t, b, **kw)
+        ref = run_log_probs(linear_log_probs_ref, x.double().cpu(), W.double().cpu(), t.cpu(), b.double().cpu(), **kw)
+        for k in ref:
+            assert got[k].isfinite().all(), k
+            torch.testing.assert_close(got[k].cpu().double(), ref[k], rtol=1e-4, atol=1e-5, msg=k)
+        assert (got["dlinear_bias"][1::3] == 0).all()
 
 
 @pytest.mark.parametrize("config", ["plain", "fused", "delayed", "delayed_fused"])

@@ -18,7 +18,7 @@ def test_registered_cases(device):
     """Every case on the GPU; on the CPU the fp32 ones (the Triton interpreter) but the bitwise one
     are left to ``verify``: the bf16 ones run the same contracts on the PyTorch math."""
     cases = all_cases(["token_log_probs"], device.type)
-    assert len(cases) == 6
+    assert len(cases) == 8
     for c in cases:
         if device.type == "cuda" or not c.name.endswith("fp32") or c.name.startswith("same"):
             _assert(c.fn(device))
@@ -72,3 +72,43 @@ def test_bad_input_names_the_argument(device):
         truefuse.token_log_probs(z, t, temperature=0.0)
     with pytest.raises(ValueError, match="10"):
         truefuse.token_log_probs(z, t + 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_masked_logits_give_torchs_gradients(dtype, device):
+    """Top-k-masked (−inf) sampler scores, on the kernel (fp32) and the PyTorch path (fp64): the
+    log-probs' gradient alone is torch's ``log_softmax(z / T).gather``'s (finite, 0 at the masked
+    logits), and the entropy and its gradient are ``Categorical(logits=z / T).entropy()``'s."""
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn(5, 70, generator=g, dtype=dtype) * 2).to(device)
+    keep = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, z.topk(8, dim=-1).indices, True)
+    z = z.masked_fill(~keep, float("-inf"))
+    t = torch.where(keep, torch.rand(z.shape, generator=g, dtype=dtype).to(device), -1.0).argmax(-1)
+    t[3] = (~keep[3]).nonzero()[0, 0]  # a masked target: log-prob −inf, its gradient still finite
+    T = 0.7
+
+    def grad(fn):
+        zz = z.clone().requires_grad_()
+        out = fn(zz)
+        (dz,) = torch.autograd.grad(out.sum(), [zz])
+        return out.detach(), dz
+
+    lp, d_lp = grad(lambda x: truefuse.token_log_probs(x, t, temperature=T).log_probs)
+    lp_ref, d_lp_ref = grad(lambda x: torch.log_softmax(x / T, -1).gather(-1, t[:, None]).squeeze(-1))
+    assert lp[3] == -torch.inf
+    torch.testing.assert_close(lp, lp_ref.to(lp.dtype))
+    assert d_lp.isfinite().all() and (d_lp[~keep & (torch.arange(70, device=device) != t[:, None])] == 0).all()
+    torch.testing.assert_close(d_lp, d_lp_ref)
+
+    ent, d_ent = grad(lambda x: truefuse.token_log_probs(x, t, temperature=T).entropy)
+    ent_ref, d_ent_ref = grad(lambda x: torch.distributions.Categorical(logits=x / T).entropy())
+    assert ent.isfinite().all() and d_ent.isfinite().all() and (d_ent[~keep] == 0).all()
+    torch.testing.assert_close(ent, ent_ref.to(ent.dtype))
+    torch.testing.assert_close(d_ent, d_ent_ref)
+    # finite under any upstream (Categorical's own gradient is NaN past an upstream of 1)
+    _, d_ent3 = grad(lambda x: 3 * truefuse.token_log_probs(x, t, temperature=T).entropy)
+    torch.testing.assert_close(d_ent3, 3 * d_ent)
+
+    # a row of −inf has no distribution: NaN, as log_softmax gives
+    out = truefuse.token_log_probs(torch.full((1, 70), float("-inf"), dtype=dtype, device=device), t[:1])
+    assert out.log_probs.isnan().all() and out.entropy.isnan().all()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -83,15 +82,33 @@ class Config:
         )
 
 
-@functools.cache
+#: :func:`get_config`'s answer once read. A plain global, not ``functools.cache``: launchers call
+#: it in code ``torch.compile`` traces, where Dynamo warns of any ``lru_cache`` wrapper it meets
+#: ("silent incorrectness") and traces the wrapped function (the environment read) instead; a global
+#: it reads as a guarded constant.
+_config: Config | None = None
+
+
 def get_config() -> Config:
-    """The configuration read once from the environment of this process.
+    """The configuration read once from the environment of this process
+    (``get_config.cache_clear()`` forgets it: the next call reads the environment again).
 
     Raises:
         ConfigError: (a ``ValueError``) for a value it cannot use, e.g. ``TRUEFUSE_GEMM_BACKENDS=cublas``;
             nothing is cached then, so every later call raises the same error.
     """
-    return Config.from_env()
+    global _config
+    if _config is None:
+        _config = Config.from_env()
+    return _config
+
+
+def _clear_config() -> None:
+    global _config
+    _config = None
+
+
+get_config.cache_clear = _clear_config
 
 
 def _knob(default, doc: str):

@@ -190,21 +190,57 @@ def _colwise(layer, mesh, x):
     return parallelize_module(layer, mesh, ColwiseParallel())(x)
 
 
+def _tensor_parallel(model, mesh) -> None:
+    """transformers' own tensor parallelism of ``model`` by its ``tp_plan`` (q/k/v/gate/up colwise,
+    o/down rowwise, lm_head colwise; ``*`` a layer number), as ``from_pretrained(tp_plan=...)``
+    applies it: hooks installed and parameters sharded into DTensors. Its entry point moved across
+    transformers 5 (read in 5.0, 5.17 and 5.25): 5.25's ``apply_tensor_parallelism(model, mesh,
+    plan)`` takes the plan with one entry per module and parameter; 5.17's ``(model, mesh)`` reads
+    ``model.tp_plan`` itself; 5.0 has neither: ``distribute_model`` installs the hooks and the
+    loader shards each parameter (``shard_and_distribute_module``)."""
+    import inspect
+
+    try:
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    except ImportError:
+        apply_tensor_parallelism = None
+    if apply_tensor_parallelism is None:  # 5.0: as its loader (core_model_loading.py) shards a parameter
+        import tempfile
+
+        import transformers.integrations.tensor_parallel as hf_tp
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        hf_tp.distribute_model(model, None, None, mesh, mesh.size())
+        params = dict(model.named_parameters())
+        with tempfile.TemporaryDirectory() as tmp:  # the loader shards safetensors slices (get_shape)
+            save_file({n: p.detach().contiguous() for n, p in params.items()}, f"{tmp}/w.safetensors")
+            with safe_open(f"{tmp}/w.safetensors", framework="pt") as f:
+                for name, p in params.items():
+                    style = hf_tp._get_parameter_tp_plan(name, model.tp_plan)
+                    if style is not None:
+                        cls = type(hf_tp.ALL_PARALLEL_STYLES[style])
+                        layer = cls(device_mesh=mesh, rank=mesh.get_local_rank(), empty_param=p)
+                        owner, _, leaf = name.rpartition(".")
+                        setattr(model.get_submodule(owner), leaf, layer.partition_tensor(f.get_slice(name), p.dtype, True))
+    elif "tp_plan" not in inspect.signature(apply_tensor_parallelism).parameters:
+        apply_tensor_parallelism(model, mesh)
+    else:
+        mods = dict(model.named_modules())
+        plan = {n: s for p, s in model.tp_plan.items() for n in mods if re.fullmatch(re.escape(p).replace(r"\*", r"\d+"), n)}
+        plan.update({f"{n}.{k}": s for n, s in list(plan.items()) for k, _ in mods[n].named_parameters(recurse=False)})
+        apply_tensor_parallelism(model, mesh, plan)
+
+
 def _hf_cases(mesh) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, distribute_tensor
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     from tests.hf.tiny import tiny_model
     from truefuse.integrations.huggingface import apply_truefuse
 
     tp = tiny_model("llama")
-    # the model's own plan (q/k/v/gate/up colwise, o/down rowwise, lm_head colwise), "*" a layer
-    # number; a module's entry installs its hooks, its parameters' entries shard them (as loading does)
-    mods = dict(tp.named_modules())
-    plan = {n: s for p, s in tp.tp_plan.items() for n in mods if re.fullmatch(re.escape(p).replace(r"\*", r"\d+"), n)}
-    plan.update({f"{n}.{k}": s for n, s in list(plan.items()) for k, _ in mods[n].named_parameters(recurse=False)})
-    apply_tensor_parallelism(tp, mesh, plan)
+    _tensor_parallel(tp, mesh)
     out = {"tp_patch": _error(lambda: apply_truefuse(tp)), "tp_untouched": type(tp.model.norm).__name__}
     fsdp = tiny_model("llama")
     for layer in fsdp.model.layers:

@@ -84,14 +84,23 @@ def test_demo_compile_layers_compiles_every_run(monkeypatch, tmp_path):
         torch.testing.assert_close(torch.tensor(a.losses), torch.tensor(b.losses), rtol=1e-5, atol=0)
 
 
-def test_compiled_layer_graph_holds_truefuse_ops():
+def test_compiled_layer_graph_holds_truefuse_ops(device):
     """What Dynamo captures of a patched decoder layer: truefuse's norm, gated-activation and rope
     ops (Inductor then launches their kernels, design.md §6.7). The rope is reached through a swap
     of the attention module's ``apply_rotary_pos_emb`` for the call (modules.py::_attention_forward):
     torch 2.11's Dynamo does not see that store and traces the stock rope (Inductor fuses it;
-    docs/huggingface.md), torch 2.13 sees it."""
+    docs/huggingface.md), torch 2.13 sees it.
+
+    On the device the kernels run on: CUDA, or the CPU under the Triton interpreter. On a GPU
+    machine's CPU (the interpreter off) every truefuse op takes its PyTorch path, and the graph
+    held none of them (an H100: ``ops == set()``). The recording backend gets Dynamo's graph, where
+    each op is one call on CUDA too: only AOT autograd, after it, inlines their kernels."""
+    from truefuse.ops._triton import triton_runs
+
+    if not triton_runs(torch.empty(0, device=device)):
+        pytest.skip("no Triton kernel runs here (CPU without TRITON_INTERPRET=1): truefuse's ops take their PyTorch paths")
     torch._dynamo.reset()
-    model = tiny_model("llama", num_hidden_layers=1)
+    model = tiny_model("llama", num_hidden_layers=1).to(device)
     apply_truefuse(model)
     graphs = []
 
@@ -100,7 +109,7 @@ def test_compiled_layer_graph_holds_truefuse_ops():
         return gm.forward
 
     model.model.layers[0].compile(backend=record, fullgraph=True)
-    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5)).to(device)
     model(input_ids=ids)  # a training forward: in no_grad mode small norms take the stock chain
     torch._dynamo.reset()
     ops = {
@@ -113,3 +122,24 @@ def test_compiled_layer_graph_holds_truefuse_ops():
     if torch.__version__ >= "2.13":
         expected.add("rope_fwd")
     assert len(graphs) == 1 and expected <= ops, ops
+
+
+def test_compiled_layer_warns_of_no_lru_cache(monkeypatch):
+    """Dynamo warns (``warnings``, once per message and process) of each ``functools.lru_cache``
+    wrapper it traces through ("silent incorrectness"): truefuse's launchers read their cached
+    config and device properties from plain globals instead, so compiling a patched layer is quiet."""
+    import warnings
+
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setattr(dynamo_utils, "warn_once_cache", set())  # warnings of earlier tests count too
+    torch._dynamo.reset()
+    model = tiny_model("llama", num_hidden_layers=1)
+    apply_truefuse(model)
+    compile_layers(model, backend="eager", fullgraph=True)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(input_ids=ids).logits.sum().backward()
+    torch._dynamo.reset()
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]

@@ -54,7 +54,9 @@ def token_log_probs(
         :class:`truefuse.LogProbs` ``(log_probs, entropy)`` shaped like ``target``, fp32 (fp64 on
         fp64 logits), differentiable in ``logits`` (the gradient in the logits' dtype). For the
         same logits, the bits of ``linear_log_probs``' per-chunk math (docs/design.md §1), each row
-        independent of the others. Semantics: ``truefuse.ops.token_log_probs.token_log_probs_ref``.
+        independent of the others. −inf logits (top-k / top-p-masked scores) have probability 0
+        and add 0·log 0 = 0 to the entropy (``Categorical``'s): finite entropy and gradients, 0
+        at the masked logits. Semantics: ``truefuse.ops.token_log_probs.token_log_probs_ref``.
 
     Raises:
         TypeError / ValueError naming the argument before anything runs; ``ValueError`` for a

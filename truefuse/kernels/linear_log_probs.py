@@ -13,10 +13,11 @@ writes, for upstream gradients a (log-prob) and c (entropy),
 times softcap's derivative, rounded once to the logits' dtype. Offsets are int64.
 
 Non-finite logits give what the reference's expressions give (``linear_log_probs_ref``:
-``log_softmax`` and ``logsumexp − Σ softmax·u``): a NaN or a +inf makes the row's log-prob,
-entropy and gradients NaN; a -inf logit makes the entropy NaN (0·−inf in Σ p·u, as in the
-reference). Ignored rows: both outputs 0 (selected, never multiplied by 0), d_logits 0·(...)
-(NaN only where that is NaN, as torch's backward through the selection gives).
+``log_softmax`` and ``logsumexp − Σ softmax·u`` with 0·log 0 = 0): a NaN or a +inf makes the row's
+log-prob, entropy and gradients NaN; a -inf logit (masked) adds 0 to Σ p·u and to the gradient's
+entropy term (finite entropy and gradients; a −inf target's log-prob is −inf). Ignored rows: both
+outputs 0 (selected, never multiplied by 0), d_logits 0·(...) (NaN only where that is NaN, as
+torch's backward through the selection gives).
 """
 
 import triton
@@ -38,7 +39,9 @@ def _stats_block(base, bias_ptr, cols, V, cap, temp, m, s, r, HAS_BIAS, SOFTCAP,
     d = tl.where(up, m - u, u - m)
     e = tl.exp(d)  # one exp: the sums are rescaled only when the max moves
     e = tl.where(u == float("-inf"), 0.0, tl.where(u == m, 1.0, e))
-    ed = e * d  # 0·(−inf) = NaN for a −inf logit, as the reference's softmax·u gives
+    # 0·log 0 = 0 (the reference's, as Categorical's entropy): a −inf logit adds nothing, not
+    # 0·(−inf) = NaN; a NaN logit still makes d, e and so the row NaN
+    ed = tl.where(u == float("-inf"), 0.0, e * d)
     if MASKED:
         ed = tl.where(mask, ed, 0.0)
     # the max moves to u: the old terms scale by e and their offsets grow by d = m − u
@@ -56,7 +59,8 @@ def _grad_block(base, bias_ptr, cols, V, t_safe, a, c, mx, log_s, ent, cap, temp
     zc = logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
     lp = (zc / temp - mx) - log_s  # divided, as the reference: no rounding of 1/temperature
     p = tl.exp(lp)
-    g = tl.where(cols == t_safe, a, 0.0) - a * p - c * p * (lp + ent)
+    # p·log p = 0 at a −inf logit (p = 0, lp = −inf): its gradient is a·δ_jt, never NaN
+    g = tl.where(cols == t_safe, a, 0.0) - a * p - tl.where(lp == float("-inf"), 0.0, c * p * (lp + ent))
     g = g / temp
     if SOFTCAP:
         g = g * (1.0 - (zc / cap) * (zc / cap))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from truefuse.config import get_config
@@ -17,16 +15,27 @@ def triton_runs(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and get_config().triton_interpret and x.dtype == torch.float32
 
 
-@functools.cache
+# Cached in plain dicts, not functools.cache: launchers ask in code torch.compile traces, where
+# Dynamo warns of every lru_cache wrapper it meets ("silent incorrectness") and traces through it;
+# a module dict it reads as a guarded constant (truefuse/config.py's get_config likewise).
+_SM_COUNT: dict[int, int] = {}
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
 def sm_count(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (persistent kernels size their grids from it)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    n = _SM_COUNT.get(device_index)
+    if n is None:
+        n = _SM_COUNT[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return n
 
 
-@functools.cache
 def capability(device_index: int) -> tuple[int, int]:
     """A CUDA device's compute capability (cached: the launchers ask at every call)."""
-    return torch.cuda.get_device_capability(device_index)
+    cap = _CAPABILITY.get(device_index)
+    if cap is None:
+        cap = _CAPABILITY[device_index] = tuple(torch.cuda.get_device_capability(device_index))
+    return cap
 
 
 def hopper(x: torch.Tensor) -> bool:

@@ -53,13 +53,22 @@ _CASES = {
     "softcap": {"softcap": 4.0},
     "bias": {"bias": True},
     "everything": {"temperature": 1.3, "softcap": 3.0, "bias": True},
+    # a −inf bias on a third of the vocabulary (banned or padded tokens): finite entropies
+    # (0·log 0 = 0) and gradients; the softcap makes them finite logits (−softcap)
+    "masked": {"temperature": 0.7, "bias": "masked"},
+    "masked_softcap": {"temperature": 0.7, "softcap": 4.0, "bias": "masked"},
 }
 
 
 def _case(dtype, spec):
     def case(device):
         spec_ = dict(spec)
-        x, W, t, b = make_inputs(dtype, device, N=chunked_tokens(device), bias=spec_.pop("bias", False))
+        bias = spec_.pop("bias", False)
+        x, W, t, b = make_inputs(dtype, device, N=chunked_tokens(device), bias=bool(bias))
+        if bias == "masked":
+            b[1::3] = float("-inf")
+            # no target on a masked token (its log-prob is −inf: the relative error needs finite ones)
+            t = torch.where((t >= 0) & (t % 3 == 1), t - 1, t)
         return check_log_probs(x, W, t, b, chunk_size=16, **spec_)
 
     return case

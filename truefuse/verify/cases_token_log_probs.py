@@ -1,8 +1,8 @@
 """Contract cases of ``token_log_probs`` (docs/design.md §1): log-probs, entropies and the logits'
 gradient under random per-token upstream gradients against the float64 reference (bounded, the
-baseline ``token_log_probs_plain``); and, bitwise, the values ``linear_log_probs`` gives for the same
-logits (its one chunk's GEMM, ``truefuse.gemm``, run here to make them): the sampler's and the
-trainer's log-probs agree."""
+baseline ``token_log_probs_plain``), on top-k-masked (−inf) logits too; and, bitwise, the values
+``linear_log_probs`` gives for the same logits (its one chunk's GEMM, ``truefuse.gemm``, run here
+to make them): the sampler's and the trainer's log-probs agree."""
 
 from __future__ import annotations
 
@@ -31,9 +31,21 @@ def _logits(dtype, device):
     return gemm(x.reshape(-1, x.shape[-1]), W.t()).view(2, 9, -1), t, x, W
 
 
-def _bounded(dtype, temperature):
+def mask_top_k(z, t, k=20):
+    """Sampler scores: every logit but each row's top ``k`` set to −inf (top-k), and each kept
+    target outside them moved to its row's largest (a sampler never draws a masked token; the
+    bounded check's relative error needs finite references)."""
+    keep = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, z.topk(k, dim=-1).indices, True)
+    masked = z.masked_fill(~keep, float("-inf"))
+    drawn = keep.gather(-1, t.clamp(min=0)[..., None]).squeeze(-1)
+    return masked, torch.where((t < 0) | drawn, t, z.argmax(-1))
+
+
+def _bounded(dtype, temperature, masked=False):
     def case(device):
         z, t, _, _ = _logits(dtype, device)
+        if masked:  # finite entropies (0·log 0 = 0) and gradients all the same
+            z, t = mask_top_k(z, t)
         g = torch.Generator().manual_seed(7)
         up = (torch.randn(t.shape, generator=g, dtype=torch.float64), torch.randn(t.shape, generator=g, dtype=torch.float64))
         got = run_token_log_probs(token_log_probs, z, t, upstream=up, temperature=temperature)
@@ -58,3 +70,4 @@ for _dn, _dt in {"bf16": torch.bfloat16, "fp32": torch.float32}.items():
     register("token_log_probs", f"plain_{_dn}", "bounded")(_bounded(_dt, 1.0))
     register("token_log_probs", f"temperature_{_dn}", "bounded")(_bounded(_dt, 0.7))
     register("token_log_probs", f"same_as_linear_log_probs_{_dn}", "bitwise")(_same_as_linear_log_probs(_dt))
+    register("token_log_probs", f"masked_top_k_{_dn}", "bounded")(_bounded(_dt, 0.7, masked=True))

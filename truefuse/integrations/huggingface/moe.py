@@ -46,9 +46,17 @@ Rounding, against the stock module in the same dtype:
   - ``eager`` (or no config; the class's own loop): each product rounded to the hidden dtype and
     added in the hidden dtype, one expert after the other in increasing expert index
     (``index_add_`` per expert) — reproduced by adding the slots in expert order;
-  - ``grouped_mm`` / ``batched_mm`` (transformers 5's default on PyTorch with ``grouped_mm``) and any
-    other registered implementation: the slots summed in the product's dtype
-    (``.sum(dim=1)``, fp32 accumulation) and rounded once to the hidden dtype.
+  - ``grouped_mm`` / ``batched_mm`` (transformers 5's default on PyTorch with ``grouped_mm``): the
+    slots summed in the product's dtype (``.sum(dim=1)``, fp32 accumulation) and rounded once to
+    the hidden dtype.
+
+  Any other implementation (:data:`MAPPED_IMPLEMENTATIONS`: a function registered in transformers'
+  ``ExpertsInterface``, ``deepgemm``, ``sonicmoe``), configured or chosen with
+  ``model.set_experts_implementation`` after patching, runs as the stock module runs it: truefuse
+  steps aside for it, and takes over again when one of the four above is chosen. (So transformers'
+  ``test_eager_matches_batched_and_grouped_inference``, which checks that ``batched_mm`` and
+  ``grouped_mm`` reach transformers' own functions, fails on a patched model by design: truefuse
+  runs them, with their rounding rules.)
 
   With ``top_k == 2`` and routing weights in the hidden dtype (Qwen3-MoE) both rules give the
   same bits (one rounding of a two-term sum); Mixtral's fp32 weights in a bf16 model do not.
@@ -187,6 +195,13 @@ def _experts_implementation(module: torch.nn.Module) -> str | None:
     return getattr(getattr(module, "config", None), "_experts_implementation", None)
 
 
+#: The stock implementations whose results truefuse's grouped MLP reproduces (bounded, with their
+#: summation order and autocast rule): ``model.set_experts_implementation`` to one of them keeps a
+#: patched module on truefuse (generate() itself switches grouped_mm to batched_mm for decoding on a
+#: GPU). Any other (a registered custom function, ``deepgemm``, ``sonicmoe``) runs as stock runs it.
+MAPPED_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "eager", "grouped_mm", "batched_mm")
+
+
 def _eager_rule(module: torch.nn.Module) -> bool:
     """Whether the stock forward the model would run is the class's own per-expert loop."""
     return _experts_implementation(module) in (None, "eager")
@@ -246,6 +261,10 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     Returns:
         (T, H) in ``hidden_states``' dtype: ``Σ_k top_k_weights[t, k] · expert_{index[t, k]}(x_t)``.
     """
+    if _experts_implementation(self) not in MAPPED_IMPLEMENTATIONS:
+        # an implementation truefuse does not reproduce, chosen with set_experts_implementation:
+        # honoured as the stock module runs it (its forward dispatches on the config), not ignored
+        return type(self)._truefuse_stock.forward(self, hidden_states, top_k_index, top_k_weights)
     refuse_dtensor(
         f"GroupedMLP (the patched {getattr(type(self), '_truefuse_stock', type(self)).__name__})",
         hidden_states=hidden_states,

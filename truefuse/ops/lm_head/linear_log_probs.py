@@ -11,7 +11,10 @@ A target equal to ``ignore_index`` gives 0 for both, selected (``torch.where``),
 by 0, and no gradient from them.
 
 Non-finite logits: what those expressions give in torch: a NaN or +inf logit makes the token's
-log-prob and entropy NaN; a −inf logit makes its entropy NaN (0·−inf in Σ softmax·u).
+log-prob and entropy NaN. A −inf logit (a top-k / top-p masked score) has probability 0 and, as in
+``torch.distributions.Categorical``'s entropy, adds 0·log 0 = 0 to it: finite outputs (a −inf
+target's log-prob is −inf) and gradients, 0 at the −inf logits but a −inf target's (its upstream:
+``log_softmax``'s). A row of −inf is NaN, as ``log_softmax`` gives.
 """
 
 from __future__ import annotations
@@ -79,7 +82,12 @@ def _from_logits(logits, target, *, temperature, softcap, ignore_index) -> Linea
     u = logits / temperature
     valid = t != ignore_index
     logp = torch.log_softmax(u, dim=-1).gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1)
-    entropy = torch.logsumexp(u, dim=-1) - (torch.softmax(u, dim=-1) * u).sum(-1)
+    # 0·log 0 = 0, as torch.distributions.Categorical's entropy: a −inf logit (masked) adds 0 to
+    # Σ softmax·u and gets no gradient from it (not 0·(−inf) = NaN, which would reach the log-probs'
+    # gradient too). Selected, not clamped as Categorical does: the product's gradient in p would
+    # be upstream · finfo.min, −inf past an upstream of 1 (NaN through softmax's backward).
+    u_finite = torch.where(u == -torch.inf, 0.0, u)
+    entropy = torch.logsumexp(u, dim=-1) - (torch.softmax(u, dim=-1) * u_finite).sum(-1)
     zero = torch.zeros((), dtype=u.dtype, device=u.device)
     logp, entropy = torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
     return LinearLogProbsOutput(logp.view(target.shape), entropy.view(target.shape))
@@ -134,17 +142,23 @@ def chunk_math(z, t, valid, a, c, *, temperature, softcap, want_grad: bool):
     m = u.amax(-1, keepdim=True)
     shift = torch.where(m.isfinite(), m, 0.0)
     y = u - shift if record else u.sub_(shift)
+    t_safe = torch.where(valid, t, 0)
+    y_t = y.gather(1, t_safe[:, None]).squeeze(1)  # before the clamp: a −inf target's log-prob is −inf
+    # 0·log 0 = 0 (Categorical's entropy): a −inf logit (a top-k / top-p masked score) held at the
+    # lowest finite value, whose exp is 0 all the same, adds 0 to Σ p·y and to the gradient instead
+    # of 0·(−inf) = NaN; NaN and +inf stay as they are
+    lo = torch.finfo(y.dtype).min
+    y = y.clamp(min=lo) if record else y.clamp_(min=lo)
     # relative to the max, as torch's log_softmax: y − log S, no cancellation against |max|; NaN
     # on the whole row when its max is not finite or a logit is NaN (as log_softmax gives)
     e = torch.exp(y)
     log_s = torch.log(e.sum(-1))
     log_s = torch.where((log_s + m.squeeze(1)).isfinite(), log_s, torch.nan)
-    t_safe = torch.where(valid, t, 0)
     lp_all = y - log_s[:, None] if record else torch.sub(y, log_s[:, None], out=e)
     p = torch.exp(lp_all)
     py = p * y
     ent = log_s - py.sum(-1)
-    lp = lp_all.gather(1, t_safe[:, None]).squeeze(1)
+    lp = y_t - log_s
     out_lp, out_ent = torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
     if not want_grad:
         return out_lp, out_ent, None
