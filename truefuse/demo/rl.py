@@ -179,7 +179,8 @@ def reward(completion: list[int], want: str) -> float:
     right. A completion cut by an early EOS loses the places it did not write."""
     if EOS in completion:
         completion = completion[: completion.index(EOS)]
-    return sum(a == b for a, b in zip(decode(completion), want, strict=False))  # a short completion scores its places / len(want)
+    # strict=False: a short completion scores the places it wrote
+    return sum(a == b for a, b in zip(decode(completion), want, strict=False)) / len(want)
 
 
 # --- the runs ------------------------------------------------------------------------------------
