@@ -139,6 +139,7 @@ def plot(result: RLResult, path: Path) -> Path:
     ax_r.set(xlabel="step", ylabel="mean reward", title="reward (same weights, prompts and sampling seeds)", ylim=(0, 1))
     # linear within the smallest gap seen (or 1e-8): a run whose gap is 0 on every step reads as 0
     ax_g.set_yscale("symlog", linthresh=min(gaps) if gaps else 1e-8)
+    ax_g.set_ylim(0, 10 * max(gaps) if gaps else 1e-6)  # a gap is never negative
     ax_g.set(xlabel="step", ylabel="max |trainer - sampler| log-prob", title="sampler-trainer gap before each update")
     for ax in (ax_r, ax_g):
         ax.grid(alpha=0.3)
