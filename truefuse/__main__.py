@@ -1,4 +1,4 @@
-"""Command line: ``python -m truefuse {verify,info,bench,demo,parity}``."""
+"""Command line: ``python -m truefuse {verify,info,bench,demo,parity,rl}``."""
 
 from __future__ import annotations
 
@@ -102,6 +102,12 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     return run_parity(args)
 
 
+def _cmd_rl(args: argparse.Namespace) -> int:
+    from truefuse.demo.rl_cli import main as run_rl_cli
+
+    return run_rl_cli(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m truefuse", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -149,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
 
     parity_arguments(q)
     q.set_defaults(fn=_cmd_parity)
+
+    r = sub.add_parser("rl", help="GRPO on digit addition, stock vs truefuse BI: reward, sampler-trainer gap, time")
+    from truefuse.demo.rl_cli import add_arguments as rl_arguments
+
+    rl_arguments(r)
+    r.set_defaults(fn=_cmd_rl)
 
     args = parser.parse_args(argv)
     return args.fn(args)
