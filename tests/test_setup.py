@@ -1,4 +1,5 @@
-"""The README's set-up: scripts/bootstrap.sh's choice of torch build, and the README's first snippet.
+"""The README's set-up: scripts/bootstrap.sh's choice of torch build, the README's first snippet and
+commands, and the links of the README and docs/.
 
 bootstrap.sh runs here against a stub ``.venv/bin/python`` that records every call, so the test
 sees which pip commands the script would run without installing anything.
@@ -93,10 +94,13 @@ def test_readme_first_snippet_runs(monkeypatch):
 
 
 def test_readme_first_lines_are_the_two_commands():
+    """The first shell block is the main job (the demo) and CI's own command, both from a fresh clone."""
     text = (ROOT / "README.md").read_text()
     block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1).strip().splitlines()
     assert len(block) == 2
-    assert block[1].split("#")[0].strip() == (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1].strip()
+    demo, suite = (line.split("#")[0].strip() for line in block)
+    assert demo == "bash scripts/bootstrap.sh && .venv/bin/python -m truefuse demo"
+    assert suite == (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1].strip()
     assert os.access(ROOT / "scripts" / "bootstrap.sh", os.R_OK)
 
 
@@ -109,6 +113,45 @@ def test_readme_leads_with_what_truefuse_is_and_why_the_cpu_demo_is_not_about_sp
     assert "bootstrap" not in lead and "pip" not in lead
     demo = " ".join(text.split("The demo trains", 1)[1].split("\n\n", 1)[0].split())
     assert "on the CPU it runs its reference path" in demo
+
+
+def _markdown_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "log").glob("*.md"))]
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, each space a hyphen."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    heads = re.findall(r"^#{1,6} (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def _relative_links(page: Path) -> list[str]:
+    """The page's markdown links inside the repository (code blocks and inline code left out)."""
+    text = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", page.read_text(), flags=re.S))
+    return [link for link in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", link)]
+
+
+def test_markdown_links_resolve():
+    """Every link of the README and the docs names a file that exists and, after '#', one of its headings."""
+    broken = []
+    for page in _markdown_pages():
+        for link in _relative_links(page):
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such file)")
+            elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such heading)")
+    assert not broken, broken
+
+
+def test_readme_is_a_map_of_the_docs():
+    """The README reaches every page of docs/ in one link (issue 46: the README as a map; the dated
+    log is reached through docs/benchmarks.md)."""
+    linked = {(ROOT / link.partition("#")[0]).resolve() for link in _relative_links(ROOT / "README.md")}
+    unlinked = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.resolve() not in linked]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
 
 
 def _cited_text() -> dict[str, str]:
