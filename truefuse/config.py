@@ -276,8 +276,9 @@ def _override(overrides: dict[str, object]) -> Iterator[Tuning]:
 
 # The batch-invariant switch (docs/design.md §1, "Batch invariance"; issue 34). Process-wide like
 # the tuning knobs, not a ContextVar: autograd runs CUDA backwards on its own threads, which a
-# ContextVar would not reach. Ops read it in their forward and keep the answer on the autograd ctx,
-# so a backward run after the ``with`` block still takes the forward's path.
+# ContextVar would not reach. A call reads it once (``autograd/_modes.py``: ``Modes.now()``), passes
+# the answer to the ops and keeps it on the autograd ctx, so a backward run after the ``with`` block
+# still takes the forward's path.
 _batch_invariant: bool = _flag("TRUEFUSE_BATCH_INVARIANT")
 
 

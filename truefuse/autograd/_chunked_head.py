@@ -11,8 +11,8 @@ import torch
 
 from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._double_backward import refuses_double_backward
+from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad, main_grad_target, main_grad_written
-from truefuse.config import is_batch_invariant
 from truefuse.ops.bias_grad import split_bias_grad
 from truefuse.ops.lm_head.chunked_head import HeadGrads, default_chunk, invariant_chunk
 from truefuse.ops.lm_head.chunked_head_gemms import input_grad_gemm, logits_gemm, weight_grad_gemm
@@ -73,18 +73,21 @@ def weight_state(fuse_wgrad_accumulation: bool, wgrad_state: WgradState | None) 
     return wgrad_state
 
 
-def chunk_for(chunk_size: int | None, fp32_weight_grad: bool, x: torch.Tensor, W: torch.Tensor, wstate) -> int:
+def chunk_for(
+    chunk_size: int | None, fp32_weight_grad: bool, x: torch.Tensor, W: torch.Tensor, wstate, batch_invariant: bool
+) -> int:
     """Tokens per chunk: ``chunk_size``, else ``default_chunk``. An fp32 weight-gradient accumulator
     (V·H·4 bytes) exists when d_weight is returned and accumulated in fp32: chunks up to its size
     cost no more memory. Into ``main_grad`` there is none, so the chunks stay within ``chunk_bytes``
     (0.53 GB at 8192 x 128256 x 4096, not 2.1) and the backward recomputes their logits (one more
-    GEMM; docs/benchmarks.md). In batch-invariant mode: ``invariant_chunk`` (no token count read)."""
+    GEMM; docs/benchmarks.md). In batch-invariant mode (``batch_invariant``, the mode the caller
+    read): ``invariant_chunk`` (no token count read)."""
     if chunk_size:
         return chunk_size
     wgrad = torch.is_grad_enabled() and W.requires_grad
     fused = wstate is not None and wstate.fuse_wgrad_accumulation
     acc = wgrad and fp32_weight_grad and not fused
-    if is_batch_invariant():
+    if batch_invariant:
         return invariant_chunk(W.shape[0], x.shape[1], x.element_size(), acc)
     return default_chunk(x.shape[0], W.shape[0], x.shape[1], x.element_size(), acc)
 
@@ -98,18 +101,20 @@ class HeadLogitsFunction(torch.autograd.Function):
     def forward(ctx, x, W, b):
         ctx.save_for_backward(x, W)
         ctx.has_b = b is not None
-        return logits_gemm(x, W, b, None, None)
+        ctx.modes = Modes.now()  # the backward's GEMMs run in the forward's mode
+        return logits_gemm(x, W, b, None, None, ctx.modes.batch_invariant)
 
     @staticmethod
     @refuses_double_backward("linear_cross_entropy", "torch.nn.functional.linear")  # the head's logits in BI mode
     def backward(ctx, g):
         x, W = ctx.saved_tensors
         g = g.contiguous()
+        bi = ctx.modes.batch_invariant
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.empty(g.shape[0], W.shape[1], dtype=g.dtype, device=g.device)
-            input_grad_gemm(g, W, dx, None)
-        dW = weight_grad_gemm(g, x, None, False, None) if ctx.needs_input_grad[1] else None
+            input_grad_gemm(g, W, dx, None, bi)
+        dW = weight_grad_gemm(g, x, None, False, None, bi) if ctx.needs_input_grad[1] else None
         db = split_bias_grad(g) if ctx.has_b and ctx.needs_input_grad[2] else None
         return dx, dW, db
 

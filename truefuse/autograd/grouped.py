@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from truefuse.autograd._autocast import autocast_disabled, cast
-from truefuse.autograd._batch_invariant import in_forward_mode, record
 from truefuse.autograd._double_backward import module_names, refuses_double_backward
+from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
 from truefuse.ops._custom_op import launch
 from truefuse.ops._dtypes import wgrad_dtype
@@ -92,10 +92,10 @@ class GroupSpec:
     def triton(self) -> bool:
         return self.run_path == "triton"
 
-    def gemm(self, a, b, **kwargs):
+    def gemm(self, a, b, *, batch_invariant: bool, **kwargs):
         """The packed weights' planned grouped GEMM (``ops.gemm.gemm_groups``), asking for one GEMM
         per group (each exactly Linear's GEMM) unless the path is ``cublas_grouped``."""
-        return gemm_groups(a, b, per_group=self.run_path != "cublas_grouped", **kwargs)
+        return gemm_groups(a, b, per_group=self.run_path != "cublas_grouped", batch_invariant=batch_invariant, **kwargs)
 
     def offsets_for(self, offsets, like: torch.Tensor):
         """The device offsets the ``triton`` path needs (given, or made from :attr:`splits`)."""
@@ -125,27 +125,29 @@ class GroupSpec:
             start += m
 
 
-def grouped_forward(spec: GroupSpec, x, weights, biases, offsets=None) -> torch.Tensor:
-    """``y[rows of g] = x[rows of g] @ W_gᵀ + b_g``."""
+def grouped_forward(spec: GroupSpec, x, weights, biases, offsets=None, *, bi: bool) -> torch.Tensor:
+    """``y[rows of g] = x[rows of g] @ W_gᵀ + b_g``; ``bi``: the forward's batch-invariant mode
+    (the ``triton`` path is batch-invariant whatever it is)."""
     if spec.triton:
         return grouped_mm_rows(x, weights[0], offsets, transpose_w=True, bias=None if biases is None else biases[0])
     if spec.packed:
-        return spec.gemm(x, weights[0].transpose(1, 2), bias=None if biases is None else biases[0], m_splits=list(spec.splits))
+        bias = None if biases is None else biases[0]
+        return spec.gemm(x, weights[0].transpose(1, 2), bias=bias, m_splits=list(spec.splits), batch_invariant=bi)
     y = torch.empty((x.shape[0], weights[0].shape[0]), dtype=x.dtype, device=x.device)
     for g, sl in enumerate(spec.slices()):
-        y[sl] = _gemm(x[sl], weights[g].t(), bias=None if biases is None else biases[g])
+        y[sl] = _gemm(x[sl], weights[g].t(), bias=None if biases is None else biases[g], batch_invariant=bi)
     return y
 
 
-def grouped_dgrad(spec: GroupSpec, dy, weights, offsets=None) -> torch.Tensor:
-    """``dx[rows of g] = dy[rows of g] @ W_g``."""
+def grouped_dgrad(spec: GroupSpec, dy, weights, offsets=None, *, bi: bool) -> torch.Tensor:
+    """``dx[rows of g] = dy[rows of g] @ W_g``; ``bi`` as :func:`grouped_forward`."""
     if spec.triton:
         return grouped_mm_rows(dy, weights[0], offsets, transpose_w=False)
     if spec.packed:
-        return spec.gemm(dy, weights[0], m_splits=list(spec.splits))
+        return spec.gemm(dy, weights[0], m_splits=list(spec.splits), batch_invariant=bi)
     dx = torch.empty((dy.shape[0], weights[0].shape[1]), dtype=dy.dtype, device=dy.device)
     for g, sl in enumerate(spec.slices()):
-        dx[sl] = _gemm(dy[sl], weights[g])
+        dx[sl] = _gemm(dy[sl], weights[g], batch_invariant=bi)
     return dx
 
 
@@ -158,8 +160,9 @@ def grouped_bgrad(spec: GroupSpec, dy, biases, offsets=None) -> list[torch.Tenso
     return [torch.stack(sums)] if spec.packed else sums
 
 
-def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState, offsets=None) -> list[torch.Tensor | None]:
-    """Hand each weight's gradient ``dy_gᵀ @ x_g`` to docs/design.md §2; returns what autograd gets."""
+def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState, offsets=None, *, bi: bool) -> list[torch.Tensor | None]:
+    """Hand each weight's gradient ``dy_gᵀ @ x_g`` to docs/design.md §2; returns what autograd gets.
+    ``bi`` as :func:`grouped_forward`: also for a delayed gradient, computed after the backward."""
     # a new gradient is in the parameter's dtype: under autocast an fp32 weight gets the fp32 GEMM
     # result of the cast operands, rounded once (_autocast.wgrad_dtype)
     odt, pdt = wgrad_dtype(x.dtype, weights[0].dtype), weights[0].dtype
@@ -176,8 +179,8 @@ def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState, offsets=No
 
         def compute(out, accumulate):
             if out is None:
-                return spec.gemm(dy.t(), x, m_splits=splits, out_dtype=odt).to(pdt)
-            return spec.gemm(dy.t(), x, m_splits=splits, out=out, accumulate=accumulate)
+                return spec.gemm(dy.t(), x, m_splits=splits, out_dtype=odt, batch_invariant=bi).to(pdt)
+            return spec.gemm(dy.t(), x, m_splits=splits, out=out, accumulate=accumulate, batch_invariant=bi)
 
         return [deliver_weight_grad(weights[0], spec.names[0], compute, state)]
     grads = []
@@ -186,16 +189,16 @@ def grouped_wgrad(spec: GroupSpec, dy, x, weights, state: WgradState, offsets=No
 
         def compute(out, accumulate, dy_g=dy_g, x_g=x_g):
             if out is None:
-                return _gemm(dy_g.t(), x_g, out_dtype=odt).to(pdt)
-            return _gemm(dy_g.t(), x_g, out=out, accumulate=accumulate)
+                return _gemm(dy_g.t(), x_g, out_dtype=odt, batch_invariant=bi).to(pdt)
+            return _gemm(dy_g.t(), x_g, out=out, accumulate=accumulate, batch_invariant=bi)
 
         grads.append(deliver_weight_grad(weights[g], spec.names[g], compute, state))
     return grads
 
 
-def _param_grads(spec, ctx_needs, offset, dy, x, weights, biases, state, offsets=None):
+def _param_grads(spec, ctx_needs, offset, dy, x, weights, biases, state, offsets=None, *, bi: bool):
     needs_w = any(ctx_needs[offset : offset + len(weights)])
-    wg = grouped_wgrad(spec, dy, x, weights, state, offsets) if needs_w else [None] * len(weights)
+    wg = grouped_wgrad(spec, dy, x, weights, state, offsets, bi=bi) if needs_w else [None] * len(weights)
     bg = []
     if biases is not None:
         needs_b = any(ctx_needs[offset + len(weights) : offset + 2 * len(weights)])
@@ -224,7 +227,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     @autocast_disabled
     def forward(ctx, x, spec: GroupSpec, state: WgradState, *args):
         params, offsets, ctx.n_extra = _split_offsets_arg(spec, args, x, spec.n_params())
-        record(ctx)  # batch-invariant mode (the per-group GEMMs read it): the backward runs in it too
+        ctx.modes = Modes.now()  # batch-invariant mode: the per-group GEMMs', forward and backward
         cw, cb = spec.unpack(spec.cast(params))
         # the parameters (for §2 and their dtypes) and the cast weights (for the input gradient):
         # the same tensors twice outside autocast
@@ -232,19 +235,18 @@ class GroupedLinearFunction(torch.autograd.Function):
         # the groups' offsets (G + 1 int64, an input, never modified) ride on ctx: the saved
         # activations stay x alone
         ctx.spec, ctx.state, ctx.offsets = spec, state, offsets
-        return grouped_forward(spec, x, cw, cb, offsets)
+        return grouped_forward(spec, x, cw, cb, offsets, bi=ctx.modes.batch_invariant)
 
     @staticmethod
     @autocast_disabled
     @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "GroupedLinear"))
-    @in_forward_mode
     def backward(ctx, dy):
         x, *saved = ctx.saved_tensors
-        spec, offsets = ctx.spec, ctx.offsets
+        spec, offsets, bi = ctx.spec, ctx.offsets, ctx.modes.batch_invariant
         params, cw = saved[: spec.n_params()], saved[spec.n_params() :]
         weights, biases = spec.unpack(params)
-        dx = grouped_dgrad(spec, dy, cw, offsets) if ctx.needs_input_grad[0] else None
-        grads = _param_grads(spec, ctx.needs_input_grad, 3, dy, x, weights, biases, ctx.state, offsets)
+        dx = grouped_dgrad(spec, dy, cw, offsets, bi=bi) if ctx.needs_input_grad[0] else None
+        grads = _param_grads(spec, ctx.needs_input_grad, 3, dy, x, weights, biases, ctx.state, offsets, bi=bi)
         return dx, None, None, *grads, *([None] * ctx.n_extra)
 
 
@@ -280,13 +282,14 @@ class GroupedMLPFunction(torch.autograd.Function):
     def forward(ctx, x, spec1: GroupSpec, spec2: GroupSpec, activation: str, state: WgradState, *args):
         n1 = spec1.n_params()
         params, offsets, ctx.n_extra = _split_offsets_arg(spec1, args, x, n1 + spec2.n_params())
-        record(ctx)  # as GroupedLinearFunction
+        ctx.modes = Modes.now()  # as GroupedLinearFunction
+        bi = ctx.modes.batch_invariant
         if offsets is None:
             offsets = spec2.offsets_for(None, x)
         w1, b1 = spec1.unpack(spec1.cast(params[:n1]))  # cast under autocast (x arrives cast)
         w2, b2 = spec2.unpack(spec2.cast(params[n1:]))
-        h = grouped_forward(spec1, x, w1, b1, offsets)
-        y = grouped_forward(spec2, _act_fwd(h, activation), w2, b2, offsets)
+        h = grouped_forward(spec1, x, w1, b1, offsets, bi=bi)
+        y = grouped_forward(spec2, _act_fwd(h, activation), w2, b2, offsets, bi=bi)
         # the parameters (for §2) and the cast weights (for the input gradients): the same tensors
         # twice outside autocast
         ctx.save_for_backward(x, h, *params, *w1, *w2)
@@ -297,20 +300,19 @@ class GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     @autocast_disabled
     @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "GroupedMLP"))
-    @in_forward_mode
     def backward(ctx, dy):
         x, h, *saved = ctx.saved_tensors
-        spec1, spec2, offsets = ctx.spec1, ctx.spec2, ctx.offsets
+        spec1, spec2, offsets, bi = ctx.spec1, ctx.spec2, ctx.offsets, ctx.modes.batch_invariant
         n1, n = spec1.n_params(), spec1.n_params() + spec2.n_params()
         params = saved[:n]
         w1, b1 = spec1.unpack(params[:n1])
         w2, b2 = spec2.unpack(params[n1:])
         cw1, cw2 = saved[n : n + len(w1)], saved[n + len(w1) :]
-        da = grouped_dgrad(spec2, dy, cw2, offsets)
+        da = grouped_dgrad(spec2, dy, cw2, offsets, bi=bi)
         dh, a = _act_bwd(da, h, ctx.activation)
         del da
         needs = ctx.needs_input_grad
-        g2 = _param_grads(spec2, needs, 5 + n1, dy, a, w2, b2, ctx.state, offsets)
-        dx = grouped_dgrad(spec1, dh, cw1, offsets) if needs[0] else None
-        g1 = _param_grads(spec1, needs, 5, dh, x, w1, b1, ctx.state, offsets)
+        g2 = _param_grads(spec2, needs, 5 + n1, dy, a, w2, b2, ctx.state, offsets, bi=bi)
+        dx = grouped_dgrad(spec1, dh, cw1, offsets, bi=bi) if needs[0] else None
+        g1 = _param_grads(spec1, needs, 5, dh, x, w1, b1, ctx.state, offsets, bi=bi)
         return dx, None, None, None, None, *g1, *g2, *([None] * ctx.n_extra)

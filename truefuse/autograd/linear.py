@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._autocast import autocast_disabled, autocast_dtype, cast
-from truefuse.autograd._batch_invariant import in_forward_mode, record
 from truefuse.autograd._double_backward import module_names, refuses_double_backward
+from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
-from truefuse.config import is_batch_invariant
 from truefuse.ops._dtypes import wgrad_dtype
 from truefuse.ops._triton import PLAIN_TENSORS as _PLAIN
 from truefuse.ops.activation import activation_grad_ref
@@ -37,12 +36,14 @@ class LinearFunction(torch.autograd.Function):
         # under autocast (``dtype`` set) the GEMMs take the weight and bias cast as torch's autocast
         # casts F.linear's; x arrives cast (``linear``). The parameters stay for the backward (§2).
         w, b = cast(weight, dtype), cast(bias, dtype)
-        record(ctx)  # batch-invariant mode: the forward's, for the backward too (docs/design.md §1)
+        # batch-invariant mode: the forward's, for the backward too (docs/design.md §1)
+        ctx.modes = modes = Modes.now()
+        bi = modes.batch_invariant
         pre = None
         if activation is None:
-            out = plain_gemm(x, w.t(), b)
+            out = plain_gemm(x, w.t(), b, batch_invariant=bi)
         else:
-            out, pre, _ = gemm(x, w.t(), bias=b, activation=activation, return_pre_activation=True)
+            out, pre, _ = gemm(x, w.t(), bias=b, activation=activation, return_pre_activation=True, batch_invariant=bi)
         ctx.save_for_backward(x, w, pre, weight)
         ctx.activation, ctx.state, ctx.weight_name = activation, state, weight_name
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -51,11 +52,10 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     @autocast_disabled
     @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "Linear"))
-    @in_forward_mode
     def backward(ctx, dy):
         x, w, pre, weight = ctx.saved_tensors
         d = dy if ctx.activation is None else activation_grad_ref(dy, pre, ctx.activation)
-        dx = plain_gemm(d, w) if ctx.needs_input_grad[0] else None
+        dx = plain_gemm(d, w, batch_invariant=ctx.modes.batch_invariant) if ctx.needs_input_grad[0] else None
         db = None
         if ctx.needs_input_grad[2]:
             # docs/design.md §3's split bias-gradient formula, the same whatever the backends fuse
@@ -95,15 +95,15 @@ class _PlainLinearFunction(torch.autograd.Function):
     plain tensors of one dtype and device (:func:`_plain_call`). The same GEMM calls on the same
     operands in the same mode, the weight gradient through the same §2 delivery, so the same bits
     and contract (``tests/test_bi_host.py``), without the general Function's steps that do nothing
-    here: autocast casts and scopes in the forward, the mode entered for the backward (the mode is
-    passed to the GEMMs) and the GEMMs' argument checks. A batch-invariant model
+    here: autocast casts and scopes in the forward and the GEMMs' argument checks. A batch-invariant model
     routes every ``F.linear`` here: ~770 µs of host a forward + backward at 8192 × 2048² on an
     H100 host against stock's ~200 (experiments/exp_bi_linear_host.py), which a host-bound BI
     training step pays 7 times a decoder layer."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, state: WgradState, weight_name: str):
-        bi = ctx.batch_invariant = is_batch_invariant()
+        ctx.modes = modes = Modes.now()
+        bi = modes.batch_invariant
         ctx.save_for_backward(x, weight)
         ctx.state, ctx.weight_name = state, weight_name
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -114,7 +114,7 @@ class _PlainLinearFunction(torch.autograd.Function):
     @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "Linear"))
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx = checked_plain_gemm(dy, weight, None, dy.dtype, ctx.batch_invariant) if ctx.needs_input_grad[0] else None
+        dx = checked_plain_gemm(dy, weight, None, dy.dtype, ctx.modes.batch_invariant) if ctx.needs_input_grad[0] else None
         db = split_bias_grad(dy, ctx.bias_dtype) if ctx.needs_input_grad[2] else None
         dw = None
         if ctx.needs_input_grad[1]:
@@ -156,7 +156,7 @@ def linear(
         # nothing to differentiate (``generate``, eval): the Function's forward GEMM itself, without
         # the Function (~40 µs of host time a call on the 2-core CI box, where a decode-sized
         # kernel takes ~15 µs on an H100; experiments/exp_bi_host_time.py). Same call, same bits
-        y = plain_gemm(x2, weight.t(), bias)
+        y = plain_gemm(x2, weight.t(), bias, batch_invariant=Modes.now().batch_invariant)
     elif activation is None and dtype is None and _plain_call(x2, weight, bias):
         y = _PlainLinearFunction.apply(x2, weight, bias, state, weight_name)
     else:

@@ -18,8 +18,8 @@ import torch
 from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_backward, weight_state
 from truefuse.autograd._double_backward import refuses_double_backward
+from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
-from truefuse.config import is_batch_invariant
 from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.lm_head.chunked_head import HeadGrads, head_chunks, kept_weight_grad
@@ -76,10 +76,11 @@ def _upstream(g_loss, reduction: str, x: torch.Tensor) -> torch.Tensor:
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Inputs: x (N, H), W (V, H), bias (V,) or None, target (N,), class weight (V,) wide or None,
-    the options, the chunk size, the weight's docs/design.md §2 state (None: plain), and the
-    autocast dtype (None outside autocast): under autocast x arrives cast, the GEMMs take W and the
-    bias cast likewise (``_autocast``), and their gradients come back in the parameters' dtypes,
-    the weight's accumulated in fp32 and rounded once.
+    the options, the chunk size, the weight's docs/design.md §2 state (None: plain), the autocast
+    dtype (None outside autocast) and the call's :class:`Modes` (read once by the functional, which
+    chose the chunk size by it; kept on ``ctx.modes`` for the backward's GEMMs). Under autocast x
+    arrives cast, the GEMMs take W and the bias cast likewise (``_autocast``), and their gradients
+    come back in the parameters' dtypes, the weight's accumulated in fp32 and rounded once.
 
     Under fused ``main_grad`` accumulation or a delayed weight gradient (docs/design.md §2) the
     weight gradient is left to the backward, where ``grad_output`` is known (``main_grad`` holds
@@ -97,7 +98,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
-    def forward(ctx, x, W, b, t, cw, opts: LinearCrossEntropyOptions, chunk: int, wstate: WgradState | None, dtype):
+    def forward(ctx, x, W, b, t, cw, opts: LinearCrossEntropyOptions, chunk: int, wstate: WgradState | None, dtype, modes: Modes):
         wide = wide_dtype(x)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         deferred = wstate is not None and not wstate.plain and needs[1]  # fused and/or delayed
@@ -115,8 +116,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         keep_d = deferred and 0 < x.shape[0] <= chunk
         now = opts.reduction != "none" and any(needs) and (not deferred or keep_d)
         want = (needs[0], needs[1] and not deferred, needs[2]) if now else (False, False, False)
-        ctx.bi = is_batch_invariant()  # the backward takes the forward's path (docs/design.md §1)
-        head = {"keep_d": keep_d and now, "w_dtype": Wp.dtype, "batch_invariant": ctx.bi}
+        ctx.modes = modes  # the backward takes the forward's path (docs/design.md §1)
+        head = {"keep_d": keep_d and now, "w_dtype": Wp.dtype, "batch_invariant": modes.batch_invariant}
         loss, grads = _run(opts, chunk, x, W, b, t, cw, s_ce, s_z, want, check=checked, **head)
         total, z_part, acc = _outputs(opts, loss.ce, loss.zl, loss.correct, n, s_ce, s_z, wide)
         pred = _predicted(opts, loss.pred, t)
@@ -142,7 +143,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, g_loss, g_z, g_acc, g_pred):
         g_loss = _upstream(g_loss, ctx.opts.reduction, ctx.saved_tensors[0])
         dx, dW, db = _backward_kept(ctx, g_loss) if ctx.now else _backward_recompute(ctx, g_loss)
-        return dx, dW, db, None, None, None, None, None, None
+        return dx, dW, db, None, None, None, None, None, None, None
 
 
 def _backward_kept(ctx, g_loss):
@@ -158,7 +159,7 @@ def _backward_kept(ctx, g_loss):
     if ctx.grads is not None:
         grads, ctx.grads = ctx.grads, None
     else:
-        head = {"keep_d": ctx.keep_d, "w_dtype": Wp.dtype, "batch_invariant": ctx.bi}
+        head = {"keep_d": ctx.keep_d, "w_dtype": Wp.dtype, "batch_invariant": ctx.modes.batch_invariant}
         grads = in_dtypes(_run(ctx.opts, ctx.chunk, x, W, b, t, cw, s_ce, s_z, ctx.want, **head)[1], Wp.dtype, ctx.b_dtype)
     g = g_loss.to(wide_dtype(g_loss))
     for tensor in grads:
@@ -166,7 +167,7 @@ def _backward_kept(ctx, g_loss):
             scale_(tensor, g)
     dx, dW, db, d = grads
     if ctx.deferred:  # one chunk kept its d_logits: the weight's one GEMM, now or in backward_dw()
-        compute = functools.partial(kept_weight_grad, d, x, Wp.shape[0], Wp.dtype, batch_invariant=ctx.bi)
+        compute = functools.partial(kept_weight_grad, d, x, Wp.shape[0], Wp.dtype, batch_invariant=ctx.modes.batch_invariant)
         dW = deliver_weight_grad(Wp, "linear_weight", compute, ctx.wstate)
     return dx, dW, db
 
@@ -179,8 +180,10 @@ def _backward_recompute(ctx, g_loss):
     delayed = ctx.deferred and ctx.wstate.delay_wgrad_compute
     s_ce, s_z = upstream_scales(ctx.opts.reduction, g_loss, s_ce, s_z, x, delayed)
 
+    bi = ctx.modes.batch_invariant
+
     def run(want, **head):
-        return _run(ctx.opts, ctx.chunk, x, W, b, t, cw, s_ce, s_z, want, w_dtype=Wp.dtype, batch_invariant=ctx.bi, **head)[1]
+        return _run(ctx.opts, ctx.chunk, x, W, b, t, cw, s_ce, s_z, want, w_dtype=Wp.dtype, batch_invariant=bi, **head)[1]
 
     return recompute_backward(run, ctx.needs, ctx.wstate, Wp, ctx.b_dtype)
 
@@ -188,7 +191,7 @@ def _backward_recompute(ctx, g_loss):
 class LinearCrossEntropyLeanFunction(torch.autograd.Function):
     """``memory="lean"``: two passes over slices of the vocabulary (``ops/lm_head/linear_cross_entropy_slices.py``),
     exact gradients without the V×H fp32 accumulator. Inputs as :class:`LinearCrossEntropyFunction`,
-    with the slice width in place of the chunk size.
+    with the slice width in place of the chunk size (its GEMMs take ``modes`` as that one's do).
 
     The forward is pass 1 (the statistics of every slice, merged: the loss, lse per token). Every
     backward is pass 2, scaled by its ``grad_output`` (0-dim, or per token for ``none``): the
@@ -201,7 +204,7 @@ class LinearCrossEntropyLeanFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
-    def forward(ctx, x, W, b, t, cw, opts: LinearCrossEntropyOptions, width: int, wstate: WgradState | None, dtype):
+    def forward(ctx, x, W, b, t, cw, opts: LinearCrossEntropyOptions, width: int, wstate: WgradState | None, dtype, modes: Modes):
         wide = wide_dtype(x)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         deferred = wstate is not None and not wstate.plain and needs[1]
@@ -212,7 +215,8 @@ class LinearCrossEntropyLeanFunction(torch.autograd.Function):
         V = W.shape[0]
         n, s_ce, s_z, checked = target_prologue(t, V, opts.ignore_index, opts.reduction, cw, x)  # checked after pass 1 is queued
         w_sum = class_weight_sum(cw, V, opts)
-        stats = stats_pass(opts, x, W, b, t, cw, width=width, check=checked)
+        ctx.modes = modes
+        stats = stats_pass(opts, x, W, b, t, cw, width=width, check=checked, batch_invariant=modes.batch_invariant)
         terms = finish_stats(stats, t, cw, opts, V, w_sum)
         total, z_part, acc = _outputs(opts, terms.ce, terms.zl, terms.correct, n, s_ce, s_z, wide)
         pred = _predicted(opts, stats.arg, t)  # the merged slices' first argmax
@@ -252,11 +256,12 @@ class LinearCrossEntropyLeanFunction(torch.autograd.Function):
                 w_dtype=Wp.dtype,
                 main_grad=main_grad,
                 accumulate=accumulate,
+                batch_invariant=ctx.modes.batch_invariant,
             )
             return HeadGrads(None if dx is None else dx.to(x.dtype), dW, db, None)  # d_input rounded once
 
         dx, dW, db = recompute_backward(run, ctx.needs, ctx.wstate, Wp, ctx.b_dtype)
-        return dx, dW, db, None, None, None, None, None, None
+        return dx, dW, db, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -423,15 +428,16 @@ def linear_cross_entropy_with(
     x = input.reshape(-1, input.shape[-1])
     cw = None if weight is None else weight.detach().to(wide_dtype(input))
     wgrad_state = weight_state(fuse_wgrad_accumulation, wgrad_state)
+    modes = Modes.now()  # once a call: the chunk size and the GEMMs, forward and backward (docs/design.md §1)
     if opts.memory == "lean":
         width = opts.vocab_slice or default_slice_width(x.shape[0], V, x.element_size(), H=x.shape[1])
         loss, z_part, acc, pred = LinearCrossEntropyLeanFunction.apply(
-            x, linear_weight, linear_bias, t, cw, opts, width, wgrad_state, dtype
+            x, linear_weight, linear_bias, t, cw, opts, width, wgrad_state, dtype, modes
         )
     else:
-        chunk = chunk_for(opts.chunk_size, opts.fp32_weight_grad, x, linear_weight, wgrad_state)
+        chunk = chunk_for(opts.chunk_size, opts.fp32_weight_grad, x, linear_weight, wgrad_state, modes.batch_invariant)
         loss, z_part, acc, pred = LinearCrossEntropyFunction.apply(
-            x, linear_weight, linear_bias, t, cw, opts, chunk, wgrad_state, dtype
+            x, linear_weight, linear_bias, t, cw, opts, chunk, wgrad_state, dtype, modes
         )
     if opts.reduction == "none":
         loss, z_part = loss.view(target.shape), z_part.view(target.shape) if opts.return_z_loss else None

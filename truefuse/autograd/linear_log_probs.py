@@ -20,8 +20,8 @@ import torch
 from truefuse.autograd._autocast import as_cast, autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_backward, weight_state
 from truefuse.autograd._double_backward import refuses_double_backward
+from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
-from truefuse.config import is_batch_invariant
 from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops.lm_head.chunked_head import head_chunks, kept_weight_grad
@@ -31,8 +31,8 @@ from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOptions, LinearL
 
 class LinearLogProbsFunction(torch.autograd.Function):
     """Inputs: x (N, H), W (V, H), bias (V,) or None, target (N,) int64, the options, the chunk
-    size, the weight's docs/design.md §2 state (None: plain), and the autocast dtype (None outside
-    autocast; as ``LinearCrossEntropyFunction``). Outputs: (N,) log-probs and (N,) entropies, wide.
+    size, the weight's docs/design.md §2 state (None: plain), the autocast dtype (None outside
+    autocast) and the call's ``Modes`` (as ``LinearCrossEntropyFunction``). Outputs: (N,) log-probs and (N,) entropies, wide.
 
     Backward runs the chunks again with both upstream gradients (a copy of them when the weight
     gradient is delayed, which reads them in ``backward_dw()``), per docs/design.md §2 for the
@@ -40,7 +40,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     @autocast_disabled
-    def forward(ctx, x, W, b, t, opts: LinearLogProbsOptions, chunk: int, wstate: WgradState | None, dtype):
+    def forward(ctx, x, W, b, t, opts: LinearLogProbsOptions, chunk: int, wstate: WgradState | None, dtype, modes: Modes):
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         if wstate is not None and wstate.fuse_wgrad_accumulation and needs[1]:
             check_main_grad(W, "linear_weight")  # a clear error now, not in the backward
@@ -49,8 +49,8 @@ class LinearLogProbsFunction(torch.autograd.Function):
         check = target_prologue(t, W.shape[0], opts.ignore_index, "sum", None, x)[3]  # one kernel where it can
         loss = LogProbChunks(opts, W.shape[0], t, None, None, like=x, check=check)
         keep = any(needs) and 0 < x.shape[0] <= chunk
-        ctx.bi = is_batch_invariant()  # the backward takes the forward's path (docs/design.md §1)
-        head = {"keep_logits": keep, "batch_invariant": ctx.bi}
+        ctx.modes = modes  # the backward takes the forward's path (docs/design.md §1)
+        head = {"keep_logits": keep, "batch_invariant": modes.batch_invariant}
         kept = head_chunks(loss, x, W, b, chunk=chunk, want=(False, False, False), **head).d
         ctx.opts, ctx.chunk, ctx.needs, ctx.wstate = opts, chunk, needs, wstate
         # a plain attribute, not a saved tensor: the first backward writes d_logits over it
@@ -68,7 +68,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
         logits, ctx.kept = ctx.kept, None  # the first backward's; a later one (retain_graph) recomputes
         if logits is not None:
             dx, dW, db = _backward_kept(ctx, logits, g_lp.to(wide), g_ent.to(wide))
-            return dx, dW, db, None, None, None, None, None
+            return dx, dW, db, None, None, None, None, None, None
         # delayed: copies (N values each), since backward_dw() reads them after this backward
         # returned, when the caller may have written its upstream tensors
         delayed = ctx.wstate is not None and ctx.wstate.delay_wgrad_compute and ctx.needs[1]
@@ -85,12 +85,12 @@ class LinearLogProbsFunction(torch.autograd.Function):
                 want=want,
                 fp32_weight_grad=ctx.opts.fp32_weight_grad,
                 w_dtype=Wp.dtype,
-                batch_invariant=ctx.bi,
+                batch_invariant=ctx.modes.batch_invariant,
                 **head,
             )
 
         dx, dW, db = recompute_backward(run, ctx.needs, ctx.wstate, Wp, ctx.b_dtype)
-        return dx, dW, db, None, None, None, None, None
+        return dx, dW, db, None, None, None, None, None, None
 
 
 def _backward_kept(ctx, logits, a, c):
@@ -111,11 +111,11 @@ def _backward_kept(ctx, logits, a, c):
         w_dtype=Wp.dtype,
         logits=logits,
         keep_d=deferred,
-        batch_invariant=ctx.bi,
+        batch_invariant=ctx.modes.batch_invariant,
     )
     dx, dW, db, d = in_dtypes(grads, Wp.dtype, ctx.b_dtype)
     if deferred:
-        compute = functools.partial(kept_weight_grad, d, x, W.shape[0], Wp.dtype, batch_invariant=ctx.bi)
+        compute = functools.partial(kept_weight_grad, d, x, W.shape[0], Wp.dtype, batch_invariant=ctx.modes.batch_invariant)
         dW = deliver_weight_grad(Wp, "linear_weight", compute, ctx.wstate)
     return dx, dW, db
 
@@ -167,6 +167,7 @@ def linear_log_probs(
     t = target.reshape(-1).to(torch.int64)
     x = input.reshape(-1, input.shape[-1])
     wgrad_state = weight_state(fuse_wgrad_accumulation, wgrad_state)
-    chunk = chunk_for(opts.chunk_size, opts.fp32_weight_grad, x, linear_weight, wgrad_state)
-    lp, ent = LinearLogProbsFunction.apply(x, linear_weight, linear_bias, t, opts, chunk, wgrad_state, dtype)
+    modes = Modes.now()  # once a call: the chunk size and the GEMMs, forward and backward (docs/design.md §1)
+    chunk = chunk_for(opts.chunk_size, opts.fp32_weight_grad, x, linear_weight, wgrad_state, modes.batch_invariant)
+    lp, ent = LinearLogProbsFunction.apply(x, linear_weight, linear_bias, t, opts, chunk, wgrad_state, dtype, modes)
     return LinearLogProbsOutput(lp.view(target.shape), ent.view(target.shape))

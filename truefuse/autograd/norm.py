@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._eager_op import call
-from truefuse.config import get_tuning, is_batch_invariant
+from truefuse.autograd._modes import Modes
+from truefuse.config import get_tuning
 from truefuse.ops._dtensor import on_local_rows
 from truefuse.ops.norm import (
     HF_NORM_STYLES,
@@ -120,13 +121,13 @@ def _differentiated(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
 
-def _stock_cheaper(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _stock_cheaper(x: torch.Tensor, weight: torch.Tensor, bi: bool) -> bool:
     """Whether ``rms_norm_hf`` runs the stock expression itself: nothing to differentiate, a
     decode-sized ``x`` (the ``hf_norm_stock_numel`` knob), outside batch-invariant mode (whose
     statistics are the kernel's). The stock bits either way; fewer host µs here than two launches."""
     if _differentiated(x, weight):
         return False
-    return x.numel() <= get_tuning().hf_norm_stock_numel and not is_batch_invariant()
+    return x.numel() <= get_tuning().hf_norm_stock_numel and not bi
 
 
 def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, style: str = "llama") -> torch.Tensor:
@@ -156,12 +157,13 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         raise ValueError(f"style must be one of {HF_NORM_STYLES}, got {style!r}")
     if weight is None:
         raise ValueError("weight must be a tensor: the stock modules always scale")
-    if not use_kernel(x) or _stock_cheaper(x, weight):
+    bi = Modes.now().batch_invariant  # read once: the statistics below and the path to them agree
+    if not use_kernel(x) or _stock_cheaper(x, weight, bi):
         return rms_norm_hf_ref(x, weight, eps, style=style)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x.is_cuda and is_batch_invariant() and not _differentiated(x, weight) and not torch.compiler.is_compiling():
+    if x.is_cuda and bi and not _differentiated(x, weight) and not torch.compiler.is_compiling():
         return rms_norm_hf_bi(x2, weight, eps, style)[0].view(x.shape)  # one launch
     with torch.no_grad():  # the op's backward differentiates through the statistics itself
-        rstd = hf_statistics(x2, weight, eps, style)
+        rstd = hf_statistics(x2, weight, eps, style, bi)
     y = call(rms_norm_hf_fwd_op, x2, weight, rstd, style)
     return y.view(x.shape)

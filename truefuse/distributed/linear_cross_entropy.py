@@ -29,6 +29,7 @@ import torch.distributed as dist
 from truefuse.autograd._autocast import autocast_disabled
 from truefuse.autograd._chunked_head import recompute_backward, weight_state
 from truefuse.autograd._double_backward import refuses_double_backward
+from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, check_main_grad
 from truefuse.distributed._agree import gather_verdicts, problem_of, raise_disagreement, raise_problems
 from truefuse.ops._dtypes import wide_dtype
@@ -116,7 +117,20 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         w_sum = class_weight_sum(cw, V, opts)
         # the shard's logits kept for the backward up to keep_bytes: a GEMM fewer per kept slice
         ctx.kept = [] if any(needs) and keep_bytes > 0 else None
-        local = stats_pass(opts, x, W, b, t, cw, width=width, v_offset=vocab_start, keep=ctx.kept, keep_bytes=keep_bytes)
+        ctx.modes = Modes.now()  # the shard's GEMMs, forward and backward (docs/design.md §1)
+        local = stats_pass(
+            opts,
+            x,
+            W,
+            b,
+            t,
+            cw,
+            width=width,
+            v_offset=vocab_start,
+            keep=ctx.kept,
+            keep_bytes=keep_bytes,
+            batch_invariant=ctx.modes.batch_invariant,
+        )
         terms = finish_stats(_gather_stats(local, group), t, cw, opts, V, w_sum)
         total, z_part = reduce_terms(terms.ce, terms.zl, opts.reduction, (s_ce, s_z))
         acc = token_accuracy(terms.correct, n).to(wide)
@@ -153,6 +167,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
                 main_grad=main_grad,
                 accumulate=accumulate,
                 kept=ctx.kept,
+                batch_invariant=ctx.modes.batch_invariant,
                 **kw,
             )
             if dx is not None:  # every rank runs this pass (the ranks agreed on what needs a gradient)

@@ -238,14 +238,18 @@ def _validate(
         )
     request = None
     if want_request:
+        # resolved by the public entry (gemm_plan_for): None is not read as the switch here
         request = _request(
-            a, b, odt, accumulate, bias, activation, grad_activation, grad_bias, grouped, per_group, _bi(batch_invariant)
+            a, b, odt, accumulate, bias, activation, grad_activation, grad_bias, grouped, per_group, batch_invariant is True
         )
     return request, out_shape, odt, splits, rows_mode
 
 
-def _bi(batch_invariant: bool | None) -> bool:
-    """``batch_invariant`` as the call means it: None reads the switch (``truefuse.batch_invariant()``)."""
+def _resolve_batch_invariant(batch_invariant):
+    """``batch_invariant`` as a public call means it: None reads the switch
+    (``truefuse.batch_invariant()``). The one place in ``ops/`` that reads it, called once at each
+    public entry (:func:`gemm`, :func:`gemm_plan_for`); everything below takes a bool
+    (``tests/test_layers.py``). Anything else is returned as given, for the argument check."""
     return is_batch_invariant() if batch_invariant is None else batch_invariant
 
 
@@ -337,6 +341,7 @@ def gemm(
         (see :func:`gemm_plan_for`).
     """
     refuse_dtensor("gemm", a=a, b=b, out=out, bias=bias, pre_activation=pre_activation, m_splits=m_splits)
+    batch_invariant = _resolve_batch_invariant(batch_invariant)
     if activation is None and not (return_pre_activation or grad_bias) and pre_activation is None and m_splits is None:
         done = _plain_gemm(a, b, out, out_dtype, accumulate, bias, grad_activation, batch_invariant)
         if done is not None:
@@ -365,12 +370,12 @@ def plain_gemm(
     bias: torch.Tensor | None = None,
     *,
     out_dtype: torch.dtype | None = None,
-    batch_invariant: bool | None = None,
+    batch_invariant: bool,
 ) -> torch.Tensor:
     """``gemm(a, b, bias=bias, out_dtype=out_dtype, batch_invariant=batch_invariant)`` for callers
-    inside truefuse (the Linear Function, the eager no-grad linear): the plain call's path when it
-    takes the arguments, else :func:`gemm` itself (which checks them: DTensors, a traced call,
-    anything unusual)."""
+    inside truefuse (the Linear Function, the eager no-grad linear), which pass the mode their call
+    read (``autograd/_modes.py``): the plain call's path when it takes the arguments, else
+    :func:`gemm` itself (which checks them: DTensors, a traced call, anything unusual)."""
     done = _plain_gemm(a, b, None, out_dtype, False, bias, None, batch_invariant)
     if done is not None:
         return done
@@ -405,7 +410,7 @@ def _plain_gemm(a, b, out, out_dtype, accumulate, bias, grad_activation, batch_i
     if b.dtype is not dt or dt not in _FLOATS or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         return None
     kind = dev.type
-    if b.device != dev or kind not in ("cpu", "cuda") or not (batch_invariant is None or type(batch_invariant) is bool):
+    if b.device != dev or kind not in ("cpu", "cuda") or type(batch_invariant) is not bool:
         return None
     if torch.is_grad_enabled() and (
         a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad) or (out is not None and out.requires_grad)
@@ -437,11 +442,10 @@ def _plain_gemm(a, b, out, out_dtype, accumulate, bias, grad_activation, batch_i
         or (bias.dtype is not dt and bias.dtype is not odt)
     ):
         return None
-    bi = is_batch_invariant() if batch_invariant is None else batch_invariant
     accumulate = bool(accumulate)
     if out is None:
         out = torch.empty((M, N), dtype=odt, device=dev)
-    return _plain_runner(a, b, odt, accumulate, bias is not None, bi)(a, b, out, odt, accumulate, bias)
+    return _plain_runner(a, b, odt, accumulate, bias is not None, batch_invariant)(a, b, out, odt, accumulate, bias)
 
 
 def _plain_runner(a, b, odt, accumulate: bool, has_bias: bool, bi: bool):
@@ -524,8 +528,11 @@ def _torch_mm_runner(chosen: GemmPlan, general):
     return torch_mm
 
 
-def gemm_groups(a: torch.Tensor, b: torch.Tensor, *, m_splits, per_group: bool, **kwargs) -> torch.Tensor | GemmOutput:
-    """``gemm(a, b, m_splits=m_splits, **kwargs)``, saying in the request how the groups are run.
+def gemm_groups(
+    a: torch.Tensor, b: torch.Tensor, *, m_splits, per_group: bool, batch_invariant: bool, **kwargs
+) -> torch.Tensor | GemmOutput:
+    """``gemm(a, b, m_splits=m_splits, batch_invariant=batch_invariant, **kwargs)``, saying in the
+    request how the groups are run; ``batch_invariant``: the mode the caller's forward read.
 
     ``per_group=True``: one GEMM per group, each exactly the call ``gemm`` makes on that group's
     slices, never a fused grouped product (cuBLAS ``grouped_mm`` rounds differently: on the H200 a
@@ -538,17 +545,18 @@ def gemm_groups(a: torch.Tensor, b: torch.Tensor, *, m_splits, per_group: bool, 
     """
     if m_splits is None:
         raise ValueError("gemm_groups needs m_splits")
-    return _gemm(a, b, m_splits=m_splits, per_group=per_group, **kwargs)
+    return _gemm(a, b, m_splits=m_splits, per_group=per_group, batch_invariant=batch_invariant, **kwargs)
 
 
 def _gemm(a, b, **kw):
     """:func:`gemm`'s body: ``kw`` holds its keywords and the request's ``per_group`` flag (see
-    :func:`gemm_groups`); every default there is None or False, so a missing one reads as its default."""
+    :func:`gemm_groups`); every default there is None or False, so a missing one reads as its default
+    (``batch_invariant``: False; the public entry resolved None to the switch)."""
     _, out_shape, odt, splits, rows_mode = _validate(a, b, want_request=False, **kw)
     out, accumulate, bias, activation = kw.get("out"), bool(kw.get("accumulate")), kw.get("bias"), kw.get("activation")
     grad_activation, pre_activation, per_group = kw.get("grad_activation"), kw.get("pre_activation"), kw.get("per_group")
     return_pre_activation, grad_bias = kw.get("return_pre_activation"), kw.get("grad_bias")
-    bi = _bi(kw.get("batch_invariant"))
+    bi = kw.get("batch_invariant") is True
     pre_out = torch.empty(out_shape, dtype=odt, device=a.device) if return_pre_activation else None
     gb_shape = (len(splits), a.shape[0]) if (splits is not None and not rows_mode) else (a.shape[0],)
     gb_out = torch.empty(gb_shape, dtype=a.dtype, device=a.device) if grad_bias else None
@@ -719,6 +727,7 @@ def gemm_plan_for(a: torch.Tensor, b: torch.Tensor, **kwargs) -> GemmPlan:
     unknown = sorted(set(kwargs) - set(inspect.signature(gemm).parameters))
     if unknown:
         raise TypeError(f"gemm_plan_for: unknown gemm argument(s) {unknown}")
+    kwargs["batch_invariant"] = _resolve_batch_invariant(kwargs.get("batch_invariant"))
     return plan(_validate(a, b, **kwargs)[0])
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from truefuse.config import get_tuning, is_batch_invariant
+from truefuse.config import get_tuning
 from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._triton import hopper, kernel_for, sm_count, traced, triton_runs
 from truefuse.ops.gemm_exec import wide_dtype
@@ -86,15 +86,16 @@ def hf_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps).squeeze(-1)
 
 
-def hf_statistics(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str) -> torch.Tensor:
+def hf_statistics(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str, batch_invariant: bool) -> torch.Tensor:
     """The statistics ``rms_norm_hf``'s kernel applies to a contiguous (M, N) ``x``: :func:`hf_rstd`
-    (stock's bits), except in batch-invariant mode on CUDA, where they are the norm kernel's
-    (:func:`rms_norm_hf_bi`: ``1 / sqrt_rn(Σx²/N + eps)``, the same roundings in another summation
-    order): torch's CUDA reduction takes its launch configuration from the number of rows, and with
-    few rows splits each row's sum over more threads, so a row's bits changed with the batch
-    (docs/design.md §1). On the CPU torch's row sums were the same bits at every row count measured
-    (tests/test_batch_invariant.py), so stock's stay. (M,) fp32."""
-    if x.is_cuda and is_batch_invariant() and use_kernel(x):
+    (stock's bits), except in batch-invariant mode (``batch_invariant``: the mode the caller read) on
+    CUDA, where they are the norm kernel's (:func:`rms_norm_hf_bi`: ``1 / sqrt_rn(Σx²/N + eps)``,
+    the same roundings in another summation order): torch's CUDA reduction takes its launch
+    configuration from the number of rows, and with few rows splits each row's sum over more
+    threads, so a row's bits changed with the batch (docs/design.md §1). On the CPU torch's row
+    sums were the same bits at every row count measured (tests/test_batch_invariant.py), so
+    stock's stay. (M,) fp32."""
+    if x.is_cuda and batch_invariant and use_kernel(x):
         return rms_norm_hf_bi(x, weight, eps, style)[1]
     return hf_rstd(x, eps)
 

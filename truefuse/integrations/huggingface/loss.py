@@ -46,6 +46,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from truefuse.autograd._modes import Modes
+
 __all__ = [
     "SUPPORTED",
     "causal_lm_forward",
@@ -155,12 +157,11 @@ def _softcap(self, traits: dict) -> float | None:
     return None if name is None else getattr(self.config, name, None)
 
 
-def _stock_logits(self, hidden: torch.Tensor, traits: dict) -> torch.Tensor:
+def _stock_logits(self, hidden: torch.Tensor, traits: dict, bi: bool) -> torch.Tensor:
     """The logits exactly as the stock forward computes them from the sliced hidden states; in
-    batch-invariant mode by the chunked head's GEMM (``log_probs.bi_logits``, docs/design.md §1)."""
-    from truefuse.config import is_batch_invariant
-
-    if is_batch_invariant() and _fallback_reason(self) is None:
+    batch-invariant mode (``bi``, the mode the model call read) by the chunked head's GEMM
+    (``log_probs.bi_logits``, docs/design.md §1)."""
+    if bi and _fallback_reason(self) is None:
         from truefuse.integrations.huggingface.log_probs import bi_logits
 
         logits = bi_logits(self, hidden)
@@ -281,11 +282,11 @@ def _start_label_check(self, labels, kwargs, logits_to_keep):
     return check_targets(src, self.lm_head.weight.shape[0], int(kwargs.get("ignore_index", -100)))
 
 
-def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict, early=None) -> torch.Tensor:
+def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict, bi: bool, early=None) -> torch.Tensor:
     """ForCausalLMLoss of ``lm_head(hidden)`` (softcapped for Gemma) through the fused op.
-    ``early``: :func:`_start_label_check`'s finish, called after the loss is queued."""
+    ``bi``: the batch-invariant mode the model call read. ``early``: :func:`_start_label_check`'s
+    finish, called after the loss is queued."""
     from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
-    from truefuse.config import is_batch_invariant
     from truefuse.integrations.huggingface.head import on_head
     from truefuse.ops.lm_head.linear_cross_entropy import targets_checked
 
@@ -305,7 +306,7 @@ def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict, early=
             raise _range_error(name, bad, V, ignore_index)
     num_items = kwargs.get("num_items_in_batch")
     loss_kw = dict(reduction="mean" if num_items is None else "sum", ignore_index=ignore_index, softcap=_softcap(self, traits))
-    if not is_batch_invariant():  # lean's slices depend on the token count (apply_truefuse's loss_memory)
+    if not bi:  # lean's slices depend on the token count (apply_truefuse's loss_memory)
         loss_kw["memory"] = self.__dict__.get(_MEMORY, "default")
 
     def head_loss(x, W, b, t):
@@ -381,6 +382,9 @@ def _forward(self, args, kwargs):
     traits = _traits(type(self))
     if traits is None:
         raise TypeError(supports_loss(self))
+    # once a model call (a batch-invariant model's hooks entered the mode around it): the logits'
+    # path and the loss's memory agree
+    bi = Modes.now().batch_invariant
     moe = bool(traits.get("moe"))
     return_logits = kwargs.pop("return_logits", None)
     model_kwargs, kwargs = _model_arguments(self, args, kwargs)
@@ -408,16 +412,16 @@ def _forward(self, args, kwargs):
     hidden = _slice_to_keep(outputs.last_hidden_state, logits_to_keep)
     loss = logits = None
     if labels is None:
-        logits = _stock_logits(self, hidden, traits)
+        logits = _stock_logits(self, hidden, traits, bi)
     else:
         if reason is None:
-            loss = _fused_loss(self, hidden, labels, kwargs, traits, early)
+            loss = _fused_loss(self, hidden, labels, kwargs, traits, bi, early)
             want = return_logits if return_logits is not None else not self.training
             if want:
-                logits = _stock_logits(self, hidden, traits)
+                logits = _stock_logits(self, hidden, traits, bi)
         else:
             warnings.warn(f"truefuse: {type(self).__name__}: {reason}; computing the stock logits and loss instead", stacklevel=3)
-            logits = _stock_logits(self, hidden, traits)
+            logits = _stock_logits(self, hidden, traits, bi)
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
 
     cache = getattr(outputs, _cache_field(type(outputs)), None)

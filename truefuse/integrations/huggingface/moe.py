@@ -95,9 +95,9 @@ from dataclasses import dataclass
 import torch
 
 from truefuse.autograd._autocast import autocast_dtype, cast
+from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
-from truefuse.config import is_batch_invariant
 from truefuse.integrations.huggingface.experts_op import experts_mlp
 from truefuse.integrations.huggingface.modules import gated_for, truefuse_subclass
 from truefuse.nn.grouped import check_grouped_path, resolve_grouped_path
@@ -317,7 +317,7 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
         out = slots[:, 0]
         for k in range(1, K):
             out = out + slots[:, k]
-    elif is_batch_invariant():
+    elif Modes.now().batch_invariant:
         # the slots added in slot order in the product's dtype, rounded once: a fixed order, where
         # .sum(dim=1)'s reduction may be split by the token count
         out = slots[:, 0]

@@ -83,8 +83,8 @@ def head_chunks(
             whose upstream the forward does not know: it then skips the logits GEMM).
         logits: that buffer, from an earlier pass over the same ``x`` and ``W``: used instead of
             the logits GEMM (one chunk); the loss may write its d_logits over it.
-        batch_invariant: the forward's mode (docs/design.md §1): no vocabulary split, whatever the
-            chunk's token count (``chunked_head_gemms.vocab_split``).
+        batch_invariant: the forward's mode (docs/design.md §1): the GEMMs' batch-invariant plan and
+            no vocabulary split, whatever the chunk's token count (``chunked_head_gemms.vocab_split``).
     """
     N = x.shape[0]
     V = W.shape[0]
@@ -122,7 +122,9 @@ def head_chunks(
             full, logits = (given if given.shape[1] != V else None), given[:, :V]
         else:
             full = None if split is None else logits_buffer(xc.shape[0], V, xc)
-            logits = logits_gemm(xc, W, None if split is not None else b, None if full is None else full[:, :V], split)
+            logits = logits_gemm(
+                xc, W, None if split is not None else b, None if full is None else full[:, :V], split, batch_invariant
+            )
         if keep_logits:
             kept = logits if full is None else full
         d = loss.chunk(rows, logits, loss_bias, any_grad)
@@ -131,13 +133,13 @@ def head_chunks(
         if gb:
             db += torch.sum(d, dim=0, dtype=wide)
         if gx:
-            input_grad_gemm(d, W, dx[rows], split)
+            input_grad_gemm(d, W, dx[rows], split, batch_invariant)
         if gw and main_grad is not None:
-            weight_grad_gemm(d, xc, main_grad, accumulate or i > 0, split)
+            weight_grad_gemm(d, xc, main_grad, accumulate or i > 0, split, batch_invariant)
         elif gw and direct:
-            dW = weight_grad_gemm(d, xc, None, False, split)
+            dW = weight_grad_gemm(d, xc, None, False, split, batch_invariant)
         elif gw:
-            weight_grad_gemm(d, xc, dW, i > 0, split)
+            weight_grad_gemm(d, xc, dW, i > 0, split, batch_invariant)
     loss.finish()
     if N == 0 and gw:  # no tokens, no chunk ran: the weight gradient is zero, as torch's
         if main_grad is None:
@@ -164,10 +166,10 @@ def kept_weight_grad(
     :func:`head_chunks`' (the forward's mode, so the split matches the chunk's)."""
     split = vocab_split(x, V, batch_invariant)
     if out is not None:
-        return weight_grad_gemm(d[:, :V], x, out, accumulate, split)
+        return weight_grad_gemm(d[:, :V], x, out, accumulate, split, batch_invariant)
     odt = wgrad_dtype(x.dtype, w_dtype)  # autocast: fp32 out of the cast operands
     new = None if odt == d.dtype else torch.empty(V, x.shape[1], dtype=odt, device=x.device)
-    return weight_grad_gemm(d[:, :V], x, new, False, split).to(w_dtype)
+    return weight_grad_gemm(d[:, :V], x, new, False, split, batch_invariant).to(w_dtype)
 
 
 def default_chunk(N: int, V: int, H: int, itemsize: int, fp32_accumulator: bool) -> int:

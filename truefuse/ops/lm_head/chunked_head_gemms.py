@@ -59,37 +59,38 @@ def logits_buffer(rows: int, V: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(rows, -(-V // align) * align, dtype=like.dtype, device=like.device)
 
 
-def logits_gemm(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None, split: int | None):
+def logits_gemm(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None, split: int | None, bi: bool):
     """The logits ``x @ Wᵀ (+ b)`` (tokens, V): one GEMM with the bias into a new tensor when
     ``split`` is None; else the two column ranges into ``out`` (``buf[:, :V]`` of a
-    :func:`logits_buffer`), without a bias (the loss adds it in fp32). Returns the logits."""
+    :func:`logits_buffer`), without a bias (the loss adds it in fp32). Returns the logits.
+    ``bi``, here and in the two below: the batch-invariant mode the caller's forward read."""
     if split is None:
-        return gemm(x, W.t(), bias=b)
+        return gemm(x, W.t(), bias=b, batch_invariant=bi)
     if b is not None:
         raise ValueError("logits_gemm: a split GEMM takes no bias (cuBLAS would add it after rounding)")
     for cols in (slice(0, split), slice(split, None)):
-        gemm(x, W[cols].t(), out=out[:, cols])
+        gemm(x, W[cols].t(), out=out[:, cols], batch_invariant=bi)
     return out
 
 
-def input_grad_gemm(d: torch.Tensor, W: torch.Tensor, out: torch.Tensor, split: int | None) -> None:
+def input_grad_gemm(d: torch.Tensor, W: torch.Tensor, out: torch.Tensor, split: int | None, bi: bool) -> None:
     """``out = d @ W``: the input gradient of a chunk, ``d`` (tokens, V), into ``out`` (tokens, H),
     contiguous."""
     if split is None:
-        gemm(d, W, out=out)  # straight into its rows: no temporary, no copy
+        gemm(d, W, out=out, batch_invariant=bi)  # straight into its rows: no temporary, no copy
         return
-    acc = gemm(d[:, split:], W[split:], out_dtype=wide_dtype(d))
-    gemm(d[:, :split], W[:split], out=acc, accumulate=True)
+    acc = gemm(d[:, split:], W[split:], out_dtype=wide_dtype(d), batch_invariant=bi)
+    gemm(d[:, :split], W[:split], out=acc, accumulate=True, batch_invariant=bi)
     out.copy_(acc)  # the one rounding to the input dtype
 
 
-def weight_grad_gemm(d: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None, accumulate: bool, split: int | None):
+def weight_grad_gemm(d: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None, accumulate: bool, split: int | None, bi: bool):
     """``dᵀ @ x`` (V, H) written, or added with ``accumulate``, into ``out`` (a new tensor in
     ``d``'s dtype when None); returns it."""
     if split is None:
-        return gemm(d.t(), x, out=out, accumulate=accumulate)
+        return gemm(d.t(), x, out=out, accumulate=accumulate, batch_invariant=bi)
     if out is None:
         out = torch.empty(d.shape[1], x.shape[1], dtype=d.dtype, device=d.device)
     for rows in (slice(0, split), slice(split, None)):
-        gemm(d[:, rows].t(), x, out=out[rows], accumulate=accumulate)
+        gemm(d[:, rows].t(), x, out=out[rows], accumulate=accumulate, batch_invariant=bi)
     return out

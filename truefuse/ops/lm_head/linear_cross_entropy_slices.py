@@ -189,11 +189,11 @@ def class_weight_sum(cw: torch.Tensor | None, V: int, opts: LinearCrossEntropyOp
     return float(cw.sum()) if cw is not None and opts.label_smoothing > 0 else float(V)
 
 
-def _slice_logits(x, W, b, v0, v1):
+def _slice_logits(x, W, b, v0, v1, bi: bool):
     """The slice's logits ``x @ W[v0:v1]ᵀ + b[v0:v1]`` (N, v1 - v0): one GEMM, the bias in its
     epilogue (``F.linear``'s rounding: once, after the bias), into a new contiguous tensor. The
     caller drops a slice's logits before the next's are made: one slice alive at a time."""
-    return gemm(x, W[v0:v1].t(), bias=None if b is None else b[v0:v1])
+    return gemm(x, W[v0:v1].t(), bias=None if b is None else b[v0:v1], batch_invariant=bi)
 
 
 def stats_pass(
@@ -209,6 +209,7 @@ def stats_pass(
     check=None,
     keep: list | None = None,
     keep_bytes: int = 0,
+    batch_invariant: bool,
 ) -> SliceStats:
     """Pass 1 over the slices of ``W`` (Vw, H): their statistics, merged in slice order.
 
@@ -222,6 +223,7 @@ def stats_pass(
         keep, keep_bytes: with a list, slice i's logits are appended to it while the kept ones
             take at most ``keep_bytes`` (else None is appended): :func:`grad_pass` then uses
             them instead of a GEMM (the same GEMM's bits), one GEMM fewer per kept slice.
+        batch_invariant: the mode the caller's forward read, for every GEMM of the pass.
     """
     N, Vw = x.shape[0], W.shape[0]
     wide = wide_dtype(x)
@@ -241,7 +243,7 @@ def stats_pass(
     logits = None
     for i, (v0, v1) in enumerate(bounds):
         logits = None  # the previous slice's logits go before this slice's are made
-        logits = _slice_logits(x, W, b, v0, v1)
+        logits = _slice_logits(x, W, b, v0, v1, batch_invariant)
         if keep is not None:
             fits = logits.numel() * logits.element_size() <= keep_bytes
             keep.append(logits if fits else None)
@@ -397,6 +399,7 @@ def grad_pass(
     main_grad: torch.Tensor | None = None,
     accumulate: bool = False,
     kept: list | None = None,
+    batch_invariant: bool,
 ) -> Grads:
     """Pass 2 over the slices of ``W`` (Vw, H): d_logits from the merged ``lse`` (N,), then the
     gradients asked for in ``want`` (d_input, d_weight, d_bias).
@@ -441,7 +444,7 @@ def grad_pass(
         if kept is not None and i < len(kept) and kept[i] is not None:
             logits, kept[i] = kept[i], None
         else:
-            logits = _slice_logits(x, W, b, v0, v1)
+            logits = _slice_logits(x, W, b, v0, v1, batch_invariant)
         g0 = v_offset + v0
         if kernel:
             d = slice_grad_kernel(logits, None, cw, t, lse, s_ce, s_z, g0, V, w_sum, opts)
@@ -455,10 +458,10 @@ def grad_pass(
         if gb:
             db[v0:v1] = torch.sum(d, dim=0, dtype=wide)
         if gx:
-            gemm(d, W[v0:v1], out=dx, accumulate=i > 0)  # fp32 inside and across slices (beta=1)
+            gemm(d, W[v0:v1], out=dx, accumulate=i > 0, batch_invariant=batch_invariant)  # fp32 inside and across slices (beta=1)
         if gw:
             out = main_grad[v0:v1] if main_grad is not None else dW[v0:v1]
-            gemm(d.t(), x, out=out, accumulate=main_grad is not None and accumulate)
+            gemm(d.t(), x, out=out, accumulate=main_grad is not None and accumulate, batch_invariant=batch_invariant)
     return Grads(dx, dW, db)
 
 
