@@ -29,8 +29,9 @@ class Modes:
     def now() -> Modes:
         """The switches as they are now: one of two kept records (no allocation; a call's host
         time matters where a decode-sized kernel takes ~15 µs)."""
-        return _KEPT[is_batch_invariant()]
+        # a branch, not a tuple indexed by the switch: torch 2.11's Dynamo refuses a bool as a tuple index (the
+        # compiled layers' norms call this; tests/hf/test_compile_layers.py on the GPU)
+        return _ON if is_batch_invariant() else _OFF
 
 
-#: indexed by the switch (False, True)
-_KEPT = (Modes(False), Modes(True))
+_OFF, _ON = Modes(False), Modes(True)
