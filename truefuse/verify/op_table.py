@@ -49,8 +49,9 @@ class OpDecl:
         eager: its forward custom ops run without the dispatcher in eager mode
             (``autograd/_eager_op.py``: ``register_backward`` gave them ``.eager``).
         dtensor: ``"refused"`` (one ``TypeError`` naming it, ``ops/_dtensor.py::refuse_dtensor``),
-            ``"row-local"`` (each rank's rows, exact: ``on_local_rows``), or ``"no rule"`` (a
-            process-group op: its inputs are each rank's plain tensors by its contract).
+            ``"row-local"`` (each rank's rows, exact: ``on_local_rows``), or ``"no rule"`` (no
+            public entry of its own, its callers refuse; or a process-group op, whose inputs are
+            each rank's plain tensors by its contract).
         batch_invariant: ``"invariant by construction"`` (a row's bits never depend on the other
             rows: one launch shape for every row count) or ``"switch-dependent"`` (its GEMMs, or
             its statistics, are row-invariant only under ``truefuse.batch_invariant()``).
@@ -402,7 +403,7 @@ OPS: tuple[OpDecl, ...] = (
         verify=("grouped_gemm",),
         inline=False,
         eager=False,
-        dtensor="refused",  # through its modules (GroupedLinear, GroupedMLP): no public function
+        dtensor="no rule",  # an internal op: its callers (GroupedLinear, GroupedMLP) refuse
         batch_invariant="invariant by construction",
         double_backward="not differentiable",
         opcheck=_grouped_gemm_opcheck,
