@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import truefuse
-from truefuse.verify.op_table import OPS, OpDecl, by_name, declared_custom_ops, resolve
+from truefuse.verify.op_table import OPS, OpDecl, available, by_name, declared_custom_ops, resolve
 from truefuse.verify.registry import all_cases
 
 PKG = Path(truefuse.__file__).parent
@@ -26,7 +26,8 @@ def _registered() -> set[str]:
     import truefuse.distributed  # noqa: F401
 
     for where in declared_custom_ops().values():
-        resolve(where)
+        if available(where):
+            resolve(where)
     return {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("truefuse::")}
 
 
@@ -40,11 +41,13 @@ def _in_source() -> set[str]:
 def test_every_custom_op_is_declared_and_every_declared_one_exists():
     declared = set(declared_custom_ops())
     registered, source = _registered(), _in_source()
-    assert source <= registered, f"defined in the source but not registered after import: {sorted(source - registered)}"
-    missing = registered - declared
+    here = {n for n, where in declared_custom_ops().items() if available(where)}  # transformers may be absent
+    assert source & here <= registered, f"in the source, not registered after import: {sorted(source & here - registered)}"
+    missing = (registered | source) - declared
     assert not missing, f"custom ops with no declaration in truefuse/verify/op_table.py: {sorted(missing)}"
-    assert declared <= registered, f"declared but not registered: {sorted(declared - registered)}"
-    for name, where in declared_custom_ops().items():
+    assert here <= registered, f"declared but not registered: {sorted(here - registered)}"
+    for name in here:
+        where = declared_custom_ops()[name]
         op = resolve(where)
         assert f"truefuse::{op._name}" == name, f"{name} is declared at {where}, which is truefuse::{op._name}"
 
@@ -87,7 +90,7 @@ def test_inline_and_eager_are_what_the_custom_ops_do(name):
     """``inline``: every custom op was made with ``custom_op(inline=...)`` truthy (a callable
     deciding per call counts); ``eager``: a forward op carries ``register_backward``'s ``.eager``."""
     d = by_name()[name]
-    ops = [resolve(w) for w in d.custom_ops.values()]
+    ops = [resolve(w) for w in d.custom_ops.values() if available(w)]
     inline = [bool(getattr(op, "inline", False)) for op in ops]
     assert all(inline) if d.inline else not any(inline), f"{name} declares inline={d.inline}, its ops: {inline}"
     assert any(hasattr(op, "eager") for op in ops) == d.eager, f"{name} declares eager={d.eager}"
@@ -97,4 +100,6 @@ def test_not_differentiable_ops_have_no_autograd_formula():
     for d in OPS:
         if d.double_backward == "not differentiable":
             for name, where in d.custom_ops.items():
-                assert resolve(where)._backward_fn is None, f"{d.name} declares no backward but {name} has one"
+                assert not available(where) or resolve(where)._backward_fn is None, (
+                    f"{d.name} declares no backward but {name} has one"
+                )
