@@ -104,6 +104,13 @@ CASES = {
     ),
     "apply_rotary_pos_emb": ("apply_rotary_pos_emb", _rope, [(1, 2, 3, 4), (1, 1, 3, 4)], None),
     "token_log_probs": ("token_log_probs", _token_log_probs, [(N, V)], None),
+    # the kernels under the interpreter (fp32), the smallest shapes they take
+    "attention": (
+        "attention",
+        lambda q, k, v: truefuse.attention(q, k, v, is_causal=True).square().sum(),
+        [(1, 2, 4, 16)] * 3,
+        None,
+    ),
     "head_logits": ("linear_cross_entropy", _head_logits, [(N, H), (V, H)], None),
 }
 
@@ -194,6 +201,31 @@ def _distributed_cases():
             *_module(lambda: tfd.TensorParallelMLP(H, 8), lambda m, x: m(x, 0 * x)[0]),
         ),
     }
+
+
+@pytest.mark.usefixtures("one_rank_group")  # the distributed cases build their layers on a group
+def test_every_op_declaring_a_refusal_has_a_case():
+    """Each op whose declaration (truefuse/verify/op_table.py) says its double backward is refused
+    has a case here under its name or one of its modules' (a distributed op's without the prefix),
+    and every case is a declared op or one of its forms."""
+    from truefuse.verify.op_table import OPS
+
+    cases = set(CASES) | set(_distributed_cases())
+    for d in OPS:
+        if d.double_backward == "refused":
+            names = {d.name.removeprefix("distributed."), *d.modules}
+            assert names & cases, f"{d.name} declares its double backward refused but has no case here"
+    declared = {n.removeprefix("distributed.") for d in OPS for n in (d.name, *d.modules)}
+    forms = {n for n in cases if not any(n.startswith(name) for name in declared)}
+    # the distributed modules and the batch-invariant head's logits: not in the op table (its scope:
+    # the ops of verify's registry and of torch.ops.truefuse)
+    assert forms == {
+        "ColumnParallelLinear",
+        "RowParallelLinear",
+        "TensorParallelMLP",
+        "vocab_parallel_linear_cross_entropy",
+        "head_logits",
+    }, forms
 
 
 @pytest.mark.usefixtures("one_rank_group")

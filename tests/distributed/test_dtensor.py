@@ -83,6 +83,8 @@ def _row_refusals(mesh=None) -> dict:
     }
 
 
+#: the row-wise calls :func:`_rows_exact` checks, each declared row-local op's among them
+ROWS_EXACT = ("rms_norm", "layer_norm", "rms_norm_hf", "rms_norm_hf_gemma", "gated_activation", "gated_activation_up")
 _KERNEL_CASES = {("rms_norm", "Shard(dim=1)"), ("gated_activation_up", "Shard(dim=0)")}
 
 
@@ -127,7 +129,7 @@ def _rows_exact(mesh, rank: int, world: int) -> dict:
     H = 16
     x, up, gy = (torch.randn(2, 5, H, generator=gen) for _ in range(3))
     w, b, gh = torch.randn(H, generator=gen), torch.randn(H, generator=gen), torch.randn(2, 5, H // 2, generator=gen)
-    ops = {  # name -> (fn, row operands after x, parameters, upstream gradient)
+    ops = {  # name -> (fn, row operands after x, parameters, upstream gradient): ROWS_EXACT
         "rms_norm": (lambda x, w: truefuse.rms_norm(x, w, 1e-5), [], [w], gy),
         "layer_norm": (lambda x, w, b: truefuse.layer_norm(x, w, b), [], [w, b], gy),
         "rms_norm_hf": (lambda x, w: truefuse.rms_norm_hf(x, w, 1e-6), [], [w], gy),
@@ -135,6 +137,7 @@ def _rows_exact(mesh, rank: int, world: int) -> dict:
         "gated_activation": (lambda x: truefuse.gated_activation(x, "swiglu"), [], [], gh),
         "gated_activation_up": (lambda x, u: truefuse.gated_activation(x, "geglu", u), [up], [], gy),
     }
+    assert tuple(ops) == ROWS_EXACT
     out = {}
     for place, name in [(p, n) for p in (Shard(0), Shard(1), Replicate()) for n in ops]:
         fn, rows, params, g = ops[name]
@@ -276,6 +279,21 @@ def _run(rank: int, world: int) -> dict:
     if rank == 0:  # no collective in them (src_data_rank=None): rank 1 skips importing transformers
         out.update(_hf_cases(mesh))
     return out
+
+
+def test_every_declared_rule_has_its_case():
+    """The cases above against each op's declared DTensor rule (truefuse/verify/op_table.py): an op
+    declared ``refused`` (and its modules) has a case in ``_op_cases``, one declared ``row-local`` in
+    ``_row_refusals`` and the exact-rows table, and no case names an undeclared op. Without a spawn."""
+    from truefuse.verify.op_table import OPS
+
+    def names(rule):
+        return {n for d in OPS if d.dtensor == rule for n in (d.name, *d.modules)}
+
+    assert set(_op_cases()) == names("refused")
+    row_local = names("row-local") - {"RMSNorm"}  # the module: under SequenceParallel in _rows_exact
+    assert set(_row_refusals()) == row_local
+    assert row_local <= set(ROWS_EXACT)
 
 
 def test_dtensor_inputs_refused_by_name_and_tp_models_at_patch_time():

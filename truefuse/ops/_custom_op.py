@@ -34,6 +34,9 @@ def custom_op(name: str, *, mutates_args, inline: bool | Callable = False) -> Ca
     def deco(fn: Callable):
         op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
         op.body = fn
+        # kept even where it is not applied (the interpreter): truefuse/verify/op_table.py's
+        # declaration of each op says whether it inlines, and tests compare the two
+        op.inline = inline
         if inline and not get_config().triton_interpret:
             _inline_when_traced(op, fn, inline if callable(inline) else None)
         return op
