@@ -169,3 +169,43 @@ def ce_grad_block(
         tl.store(base + cols, g, mask=mask)
     else:
         tl.store(base + cols, g)
+
+
+@triton.jit
+def _halve(x, N: tl.constexpr):
+    """Lane j + lane j + N/2 of an (N,) block: one addition each, so no order to choose."""
+    return tl.sum(tl.reshape(x, (2, N // 2)), axis=0)
+
+
+@triton.jit
+def lane_sum(x, N: tl.constexpr):
+    """Σ of an (N,) block of lanes (N a power of two, at most 4096) by a fixed pairwise tree.
+    ``tl.sum`` adds in the order of the block's layout, which the compiler picks from the loaded
+    dtype's vector width (8 bf16 or 4 fp32 lanes a thread): a row of fp32 logits holding bf16
+    values (``generate``'s, upcast) then summed otherwise than the same row in bf16 (the head's),
+    1 ulp apart in 1-4 of 96 log-probs on an H100. The tree's order is the lanes' indices alone."""
+    if N >= 4096:
+        x = _halve(x, 4096)
+    if N >= 2048:
+        x = _halve(x, 2048)
+    if N >= 1024:
+        x = _halve(x, 1024)
+    if N >= 512:
+        x = _halve(x, 512)
+    if N >= 256:
+        x = _halve(x, 256)
+    if N >= 128:
+        x = _halve(x, 128)
+    if N >= 64:
+        x = _halve(x, 64)
+    if N >= 32:
+        x = _halve(x, 32)
+    if N >= 16:
+        x = _halve(x, 16)
+    if N >= 8:
+        x = _halve(x, 8)
+    if N >= 4:
+        x = _halve(x, 4)
+    if N >= 2:
+        x = _halve(x, 2)
+    return tl.sum(x, axis=0)
