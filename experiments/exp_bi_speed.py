@@ -11,7 +11,7 @@ under OUT_DIR.
 ``--train-rounds`` / ``--gen-rounds`` time the runs round-robin after their own timing (one step or
 one ``generate`` of each run a round; the median round is the row, the best round in brackets): the
 H100 hosts' speed drifts by up to 1.7x within one process over seconds (stock ``generate`` measured
-16-28 ms a token in five rounds of one call, ``exp_generate_host.py``), and interleaving lets the
+16-28 ms a token in five rounds of one call, ``host_time.py generate``), and interleaving lets the
 drift hit every run alike.
 
 Configurations (``CONFIGS``): ``small`` the 6-layer Llama of docs/benchmarks.md (hidden 1024,

@@ -24,7 +24,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 
 tests_rc=skipped
 if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0: benchmarks only
-  $PY -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -n 25
+  $PY -m pytest -q -x -p no:cacheprovider -m "" tests 2>&1 | tee "$OUT/pytest.log" | tail -n 25
   tests_rc=${PIPESTATUS[0]}
 fi
 $PY -m truefuse verify --device cuda --quiet > "$OUT/verify.log" 2>&1

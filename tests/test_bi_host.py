@@ -1,4 +1,4 @@
-"""Batch-invariant mode's host-time shortcuts (experiments/exp_bi_host_time.py) give the bits of the
+"""Batch-invariant mode's host-time shortcuts (experiments/host_time.py bi-stubbed) give the bits of the
 paths they shortcut, and a kept runner or plan is never reused for a call it does not fit: another
 shape, dtype, device, flag or override gets its own (``ops/gemm.py::_runner``, the no-grad
 ``linear``)."""

@@ -194,6 +194,21 @@ def test_experiments_indexed():
     assert table == scripts, f"not indexed: {sorted(scripts - table)}; indexed but gone: {sorted(table - scripts)}"
 
 
+def test_cited_experiments_resolve():
+    """Every experiment script the pages, code, scripts and tests name (``exp_*.py``, ``profile_*.py``,
+    ``experiments/<name>.py``) exists, or is in experiments/README.md's list of removed and folded
+    scripts, which says where git keeps it (issue 46: a folded script is cited by its harness's
+    subcommand)."""
+    index = (ROOT / "experiments" / "README.md").read_text()
+    have = {p.name for p in (ROOT / "experiments").glob("*.py")}
+    texts = {k: v for k, v in _cited_text().items() if not k.startswith("experiments/")}
+    texts |= {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "tests").rglob("*.py")}
+    pattern = r"experiments/(\w+\.py)|\b((?:exp|profile)_\w+\.py)\b"
+    cited = {(name, a or b) for name, text in texts.items() for a, b in re.findall(pattern, text)}
+    unknown = sorted(f"{name}: {s}" for name, s in cited if s not in have and f"`{s}`" not in index)
+    assert not unknown, unknown
+
+
 def test_design_references_resolve_inside_the_repository():
     """Every "docs/design.md §N" cited in the tree names a section of docs/design.md, and nothing
     points at a design doc outside the repository (a clone has only this one)."""

@@ -186,7 +186,7 @@ class Tuning:
         "rms_norm_hf with nothing to differentiate runs the stock expression itself (its own bits, so "
         "the same) up to this many elements outside batch-invariant mode: a decode step's norm costs "
         "68 us of host as stock's six ops, 173 us as statistics + kernel (H100 host, 4 x 2048 bf16; "
-        "experiments/exp_launch_host.py, docs/benchmarks.md)",
+        "experiments/host_time.py launch, docs/benchmarks.md)",
     )
     max_kernel_n: int = _knob(
         16384,

@@ -41,6 +41,12 @@ def _argv(out, cache_dir, profile) -> list[str]:
     return argv
 
 
+#: the tests of the 2-rank spawn (~27 s of the 2 CI cores, the suite's longest): marked slow, run by
+#: ``pytest -m ""`` and scripts/gpu_check.sh. CI keeps what they would catch first: FSDP2 + apply_truefuse
+#: against stock (tests/distributed/test_fsdp.py) and the demo's per-rank pieces (this file's unit tests)
+_SPAWN = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     from truefuse.__main__ import main
@@ -53,6 +59,7 @@ def fsdp_run(tmp_path_factory):
     return rc, json.loads((out / "results.json").read_text()), out, cache_dir, profile
 
 
+@_SPAWN
 def test_truefuse_follows_stock_with_the_fused_loss(fsdp_run):
     rc, saved, out, _, _ = fsdp_run
     assert rc == 0
@@ -66,6 +73,7 @@ def test_truefuse_follows_stock_with_the_fused_loss(fsdp_run):
     assert (out / "demo.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@_SPAWN
 def test_ranks_report_one_global_loss(fsdp_run, tmp_path):
     _, saved, _, cache_dir, _ = fsdp_run
     for run in saved["runs"]:
@@ -94,6 +102,7 @@ def _one_process_curve(cache_dir: str) -> list[float]:
     return [trainer.step(batches[i]) for i in range(cfg.steps)]
 
 
+@_SPAWN
 def test_profile_files_and_syncs(fsdp_run, capsys):
     _, saved, _, _, profile = fsdp_run
     for run in saved["runs"]:
@@ -172,6 +181,7 @@ def test_cli_refuses_profiling_without_ranks(capsys):
     assert "--world-size" in capsys.readouterr().err
 
 
+@_SPAWN
 def test_losses_are_finite(fsdp_run):
     assert all(math.isfinite(v) for run in fsdp_run[1]["runs"] for v in run["losses"])
 

@@ -41,7 +41,7 @@ class _EagerOp(torch.autograd.Function):
 
     One ``forward(ctx, ...)`` rather than a separate ``setup_context``: with the latter,
     ``Function.apply`` binds the arguments through ``inspect.signature`` on every call (~80 µs
-    of a 400 µs norm forward + backward on the CPU box, cProfile; ``experiments/exp_eager_host_time.py``)."""
+    of a 400 µs norm forward + backward on the CPU box, cProfile; ``experiments/host_time.py eager``)."""
 
     @staticmethod
     def forward(ctx, op, *args):

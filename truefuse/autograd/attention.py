@@ -79,7 +79,7 @@ def _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, 
 def _broadcast(shape, target) -> None:
     """``torch.broadcast_shapes(shape, target)``'s check (a RuntimeError where they do not
     broadcast): in plain Python for at most 4 dimensions, where torch's took ~50 µs of a decode
-    call's host time on the 2-core CI box (experiments/exp_bi_host_time.py)."""
+    call's host time on the 2-core CI box (experiments/host_time.py bi-stubbed)."""
     if len(shape) > len(target):
         torch.broadcast_shapes(shape, target)
         return

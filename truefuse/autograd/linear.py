@@ -97,7 +97,7 @@ class _PlainLinearFunction(torch.autograd.Function):
     and contract (``tests/test_bi_host.py``), without the general Function's steps that do nothing
     here: autocast casts and scopes in the forward and the GEMMs' argument checks. A batch-invariant model
     routes every ``F.linear`` here: ~770 µs of host a forward + backward at 8192 × 2048² on an
-    H100 host against stock's ~200 (experiments/exp_bi_linear_host.py), which a host-bound BI
+    H100 host against stock's ~200 (experiments/host_time.py bi-linear), which a host-bound BI
     training step pays 7 times a decoder layer."""
 
     @staticmethod
@@ -155,7 +155,7 @@ def linear(
     if activation is None and dtype is None and not _records_graph(x, weight, bias):
         # nothing to differentiate (``generate``, eval): the Function's forward GEMM itself, without
         # the Function (~40 µs of host time a call on the 2-core CI box, where a decode-sized
-        # kernel takes ~15 µs on an H100; experiments/exp_bi_host_time.py). Same call, same bits
+        # kernel takes ~15 µs on an H100; experiments/host_time.py bi-stubbed). Same call, same bits
         y = plain_gemm(x2, weight.t(), bias, batch_invariant=Modes.now().batch_invariant)
     elif activation is None and dtype is None and _plain_call(x2, weight, bias):
         y = _PlainLinearFunction.apply(x2, weight, bias, state, weight_name)

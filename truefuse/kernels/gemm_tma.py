@@ -4,7 +4,7 @@ tensor descriptors (issue 34: the plain kernel's forward reached 1.17× cuBLAS a
 The descriptors are made on the device from pointers and strides (a 128-byte scratch each,
 ``ops/gemm_backends/triton.py::_tma_scratch``): host-made ones cost Triton's launcher ~4× a plain
 launch's host time (encoded per call), which a host-bound training step pays twice per Linear
-(experiments/exp_bi_linear_host.py).
+(experiments/host_time.py bi-linear).
 
 ``C (M×N) = A (M×K) @ B (K×N)`` with B given as its descriptor's tiles: ``B_NK`` the (N, K) weight
 ``W`` of ``x Wᵀ`` (the forward, ``"nt"``), else the (K, N) ``W`` of ``dy W`` (the input gradient,

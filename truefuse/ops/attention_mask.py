@@ -42,7 +42,7 @@ def first_valid_key(attn_mask: torch.Tensor | None, B: int, Lk: int, device: tor
         m = m.unsqueeze(0)
     # a bool mask is its own "seen"; argmax gives the first maximum, so 0 where no key is seen.
     # Five small ops where there were eleven: each is host time in a decode step
-    # (experiments/exp_bi_host_time.py)
+    # (experiments/host_time.py bi-stubbed)
     seen = (m if m.dtype == torch.bool else ~masked_out(m)).any(dim=(1, 2))  # (B or 1, Lk)
     first = seen.to(torch.int8).argmax(-1).to(torch.int32)
     return first if first.shape[0] == B else first.expand(B).contiguous()

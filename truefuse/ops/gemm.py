@@ -472,7 +472,7 @@ def runs_bi_triton(a: torch.Tensor, b: torch.Tensor, has_bias: bool) -> bool:
 #: :func:`_plain_gemm`'s runners, by its request's fields and :func:`plan_context` (what the plan
 #: depends on): the request, the plan and its executor looked up per call cost ~25 µs of host time
 #: on the 2-core CI box, where a decode-sized batch-invariant GEMM's kernel takes ~15 µs on an
-#: H100 (experiments/exp_bi_host_time.py; docs/benchmarks.md, "Batch-invariant mode")
+#: H100 (experiments/host_time.py bi-stubbed; docs/benchmarks.md, "Batch-invariant mode")
 _RUNNERS: dict[tuple, object] = {}
 _MAX_RUNNERS = 4096
 

@@ -92,7 +92,7 @@ class BatchInvariantLinear:
     nn.Linear, LoRA adapters and the experts call through the module attribute; the last exit puts
     torch's function back. It was a ``TorchFunctionMode``, which put every torch call of the
     forward through Python: 274 calls a decoder layer per decode step of a tiny Llama (most of them
-    ``.shape``/``.dtype`` reads), ~3.5 µs each on the 2-core CI box (experiments/exp_bi_host_time.py,
+    ``.shape``/``.dtype`` reads), ~3.5 µs each on the 2-core CI box (experiments/host_time.py bi-stubbed,
     docs/benchmarks.md "Batch-invariant mode"). Unlike the mode, ``torch._C._nn.linear`` called
     directly is not routed, and a tensor subclass comparing ``func`` with the module attribute at
     call time sees the wrapper."""

@@ -1,0 +1,855 @@
+"""Host time of truefuse's paths: one harness for the host-time questions (issue 34: batch-invariant
+``generate`` and training are host-bound on an H100; issue 35: the small model's step under FSDP2 is
+host time). Each subcommand was its own script until the fold (``git show 19c142b:experiments/<was>``):
+
+============  =====  ==========================================================  ======================
+subcommand    where  what                                                        was
+============  =====  ==========================================================  ======================
+bi-stubbed    CPU    BI mode's paths, every Triton launch stubbed                exp_bi_host_time.py
+eager         CPU    eager mode's autograd Function vs the dispatcher, stubbed   exp_eager_host_time.py
+launch        GPU    decode-sized ops vs stock; each Triton launch three ways    exp_launch_host.py
+bi-linear     GPU    routed BI ``F.linear`` fwd + bwd vs stock; cProfile         exp_bi_linear_host.py
+generate      GPU    which ``apply_truefuse`` patch costs ``generate`` its host  exp_generate_host.py
+train         GPU    a training step's forward / backward host, per op + model   exp_train_host.py
+gaps          GPU    a demo step's idle GPU gaps, by the host phase behind each  exp_step_gaps.py
+============  =====  ==========================================================  ======================
+
+Two ways of timing host: on the CPU with the launches stubbed (``stub_launches``: what the host spends
+around the kernels, ``time.thread_time`` so that other processes on a loaded box count less; not the
+real launcher's cost), and on the GPU with the work queued and no synchronisation inside a round
+(``gpu_host_us``: the wall time is the host's wherever the host is slower). Each subcommand's own
+docstring (``--help``) says what its rows are.
+
+Run from the repository root: ``PYTHONPATH=. python experiments/host_time.py SUBCOMMAND [options]``
+(the same file run from another checkout's root measures that checkout: the base numbers in
+docs/benchmarks.md came that way). ``generate``, ``bi-linear`` and ``gaps`` import their models from
+``exp_bi_speed.py`` / ``exp_hf_profile.py`` in this folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # exp_bi_speed, exp_hf_profile
+
+# --------------------------------------------------------------------------------------------------
+# timing helpers
+
+
+def stub_launches() -> None:
+    """Every Triton launch a no-op (host work only). Needs ``TRITON_INTERPRET=1`` before truefuse's
+    kernels import (``main`` sets it for the CPU subcommands)."""
+    import triton.runtime.interpreter as interpreter
+
+    interpreter.InterpretedFunction.run = lambda self, *a, **k: None
+
+
+def gpu_host_us(fn, calls: int, warmup: int = 20) -> float:
+    """µs of host per ``fn()`` on CUDA: the best of 5 rounds of ``calls`` calls, no synchronisation
+    inside a round (the GPU work queued, so the wall time is the host's wherever the host is slower).
+    Keep ``calls`` under CUDA's queue (~1000 launches): past it a launch waits for the GPU."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def cprofile_text(fn, title: str, rows: int = 28, sort: str = "tottime", calls: int = 1) -> str:
+    """cProfile's top ``rows`` functions (by ``sort``) over ``calls`` calls of ``fn``."""
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(rows)
+    return f"==== cProfile: {title}\n{buf.getvalue()}"
+
+
+# --------------------------------------------------------------------------------------------------
+# bi-stubbed
+
+
+def cmd_bi_stubbed(args) -> None:
+    """Batch-invariant (BI) mode's hot paths on the CPU, every Triton launch stubbed. The GEMMs are
+    planned as on CUDA: the Triton backend gets a ``batch_invariant`` row on the CPU
+    (``override_capabilities``), so the plan is ``triton[float32]: fused mm+batch_invariant`` as
+    CUDA's ``triton[bfloat16]``. Rows (µs per call, the minimum over ``--rounds`` of ``--calls``):
+
+    * ``gemm bi``: ``truefuse.gemm(x, w.t(), batch_invariant=True)``, 8 rows, outside the mode;
+    * ``F.linear M=1 / M=8``: ``F.linear`` routed by ``apply_truefuse(batch_invariant=True)``'s mode,
+      no grad (``generate``'s decode);
+    * ``F.linear grad fwd`` / ``F.linear grad fwd+bwd``: with a weight that requires grad, the forward
+      alone and forward + backward (the weight gradient is a real CPU GEMM of a 64 x 64 weight);
+    * ``attention decode``: ``attn_implementation="truefuse"``'s forward for one query against 256
+      cached keys with a bool mask (``integrations/huggingface/attention.py``), no grad;
+    * ``attention fwd+bwd``: ``truefuse.attention`` causal, 64 queries, forward + backward;
+    * ``generate tiny`` / ``train step tiny`` (stock, fast, BI): a 2-layer Llama (hidden 64,
+      vocabulary 256): greedy ``generate`` of 8 tokens for 4 prompts of 16, and forward + backward of
+      4 x 32 tokens (the whole call's host time, transformers' own included; ``--calls`` / 20 calls),
+      and issue 34's two ratios on this host time alone (an upper bound where the GPU run is
+      host-bound, not a prediction of it)."""
+    import torch
+    import torch.nn.functional as F
+
+    import truefuse
+    import truefuse.ops.lm_head.linear_cross_entropy as lce
+    from truefuse.integrations.huggingface.attention import attention_forward
+    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
+    from truefuse.ops.gemm import gemm_plan_for
+    from truefuse.ops.gemm_plan import Capability, override_capabilities
+
+    stub_launches()
+    lce._check_finish = lambda *a, **k: lambda: None  # the targets' check reads a stubbed kernel's flag
+    torch.set_num_threads(1)
+    H, F32 = args.hidden, torch.float32
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(H, H, generator=gen)
+    b = torch.randn(H, generator=gen)
+    x1, x8 = torch.randn(1, 1, H, generator=gen), torch.randn(4, 2, H, generator=gen)
+    wg = w.clone().requires_grad_()
+    xg = torch.randn(4, 2, H, generator=gen, requires_grad=True)
+    dy = torch.ones(4, 2, H)
+    Lk = 256  # decode attention: 4 sequences, 16/8 heads, D 64, 256 cached keys, transformers' bool mask
+    q = torch.randn(4, 16, 1, 64, generator=gen)
+    k, v = torch.randn(4, 8, Lk, 64, generator=gen), torch.randn(4, 8, Lk, 64, generator=gen)
+    mask = torch.ones(4, 1, 1, Lk, dtype=torch.bool)
+    mask[0, ..., :5] = False
+    module = torch.nn.Module()
+    module.is_causal = True
+    qt = torch.randn(2, 4, 64, 64, generator=gen, requires_grad=True)
+    kt = torch.randn(2, 2, 64, 64, generator=gen, requires_grad=True)
+    vt = torch.randn(2, 2, 64, 64, generator=gen, requires_grad=True)
+    do = torch.ones(2, 4, 64, 64)
+
+    def attn_train():
+        truefuse.attention(qt, kt, vt, is_causal=True, enable_gqa=True).backward(do)
+
+    # name -> (in the mode: True, the switch alone: False, nothing (a patched model enters it): None; fn)
+    rows = {
+        "gemm bi": (False, lambda: truefuse.gemm(x8.view(8, H), w.t(), batch_invariant=True)),
+        "F.linear M=1": (True, lambda: F.linear(x1, w, b)),
+        "F.linear M=8": (True, lambda: F.linear(x8, w, b)),
+        "F.linear grad fwd": (True, lambda: F.linear(xg, wg, b)),
+        "F.linear grad fwd+bwd": (True, lambda: F.linear(xg, wg, b).backward(dy)),
+        "attention decode": (True, lambda: attention_forward(module, q, k, v, mask, scaling=0.125)),
+        "attention fwd+bwd": (True, attn_train),
+    }
+    grads = {"F.linear grad fwd", "F.linear grad fwd+bwd", "attention fwd+bwd"}
+    ids = torch.randint(1, 256, (4, 16), generator=gen)
+    train_ids = torch.randint(1, 256, (4, 32), generator=gen)
+    for run in ("stock", "fast", "BI"):
+        model = _tiny_llama(run)
+        if model is None:
+            break
+
+        def generate(model=model):
+            model.eval()
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                           do_sample=False, pad_token_id=0)  # fmt: skip
+
+        def train_step(model=model):
+            model.train()
+            model(input_ids=train_ids, labels=train_ids).loss.backward()
+
+        rows[f"generate tiny {run}"] = (None, generate)
+        rows[f"train step tiny {run}"] = (None, train_step)
+        grads.add(f"train step tiny {run}")
+
+    def scope(in_mode):
+        if in_mode is None:
+            return contextlib.nullcontext()
+        return running_batch_invariant() if in_mode else truefuse.batch_invariant()
+
+    res: dict = {}
+    with override_capabilities(add=[Capability("batch_invariant", F32, F32, "cpu", "triton")]):
+        print("plan:", gemm_plan_for(x8.view(8, H), w.t(), batch_invariant=True))
+        for _ in range(args.rounds):
+            for name, (in_mode, fn) in rows.items():
+                calls = args.calls if in_mode is not None else max(1, args.calls // 20)
+                with torch.set_grad_enabled(name in grads), scope(in_mode):
+                    for _ in range(2):
+                        fn()
+                    t = time.thread_time()
+                    for _ in range(calls):
+                        fn()
+                    res.setdefault(name, []).append((time.thread_time() - t) / calls * 1e6)
+        for name in rows:
+            print(f"{name:24s} {min(res[name]):8.1f} us")
+        if "generate tiny BI" in res:
+            best = {k: min(v) for k, v in res.items()}
+            print(f"BI generate vs stock (tokens/s): {best['generate tiny stock'] / best['generate tiny BI']:.2f}x; "
+                  f"BI train step vs fast: {best['train step tiny fast'] / best['train step tiny BI']:.2f}x")  # fmt: skip
+        if args.profile:
+            in_mode, fn = rows[args.profile]
+            calls = args.calls if in_mode is not None else max(1, args.calls // 20)
+            with torch.set_grad_enabled(args.profile in grads), scope(in_mode):
+                print(cprofile_text(fn, args.profile, rows=30, calls=calls))
+
+
+def _tiny_llama(run: str):
+    """A 2-layer Llama, stock (``run="stock"``) or under ``apply_truefuse`` (``"fast"``) or
+    ``apply_truefuse(batch_invariant=True)`` (``"BI"``); None without transformers."""
+    try:
+        import transformers as tf
+    except ImportError:
+        return None
+    import torch
+
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg)
+    if run != "stock":
+        apply_truefuse(model, batch_invariant=run == "BI")
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
+# eager
+
+
+def cmd_eager(args) -> None:
+    """A forward + backward of ``rms_norm_hf``, rope and the two-tensor gated activation through
+    ``autograd/_eager_op.py`` (eager mode's plain autograd Function) against the same
+    ``torch.library`` ops through the dispatcher, on the CPU with every launch stubbed. Minimum over
+    ``--rounds`` interleaved rounds of 100 calls, one thread (wall time)."""
+    import torch
+
+    import truefuse.autograd._eager_op as eager_op
+    import truefuse.autograd.gated_activation as ag
+    import truefuse.autograd.norm as an
+    import truefuse.autograd.rope as ar
+
+    stub_launches()
+    torch.set_num_threads(1)
+    H = 256
+    x, w = torch.randn(2, 32, H, requires_grad=True), torch.ones(H, requires_grad=True)
+    q, k = torch.randn(2, 4, 32, 64, requires_grad=True), torch.randn(2, 2, 32, 64, requires_grad=True)
+    cos, sin = torch.randn(2, 32, 64), torch.randn(2, 32, 64)
+    g, u = torch.randn(64, 512, requires_grad=True), torch.randn(64, 512, requires_grad=True)
+
+    def rope():  # q and k come from one op (one node): one backward for both
+        outs = ar.apply_rotary_pos_emb(q, k, cos, sin)
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+    fns = {
+        "rms_norm_hf": lambda: an.rms_norm_hf(x, w, 1e-6, style="llama").backward(torch.ones(2, 32, H)),
+        "rope": rope,
+        "gated2": lambda: ag.gated_activation(g, "swiglu", u).backward(torch.ones(64, 512)),
+    }
+    modes = {"eager": eager_op.call, "dispatcher": lambda op, *a: op(*a)}
+    res: dict = {}
+    for _ in range(args.rounds):
+        for mode, call in modes.items():
+            for m in (an, ar, ag):
+                m.call = call
+            for name, fn in fns.items():
+                for _ in range(5):
+                    fn()
+                t = time.perf_counter()
+                for _ in range(100):
+                    fn()
+                res.setdefault((name, mode), []).append((time.perf_counter() - t) / 100 * 1e6)
+    for name in fns:
+        e, d = min(res[name, "eager"]), min(res[name, "dispatcher"])
+        print(f"{name:12s} eager {e:7.1f} us  dispatcher {d:7.1f} us  (saved {d - e:+.1f} us, {e / d:.2f}x)")
+
+
+# --------------------------------------------------------------------------------------------------
+# launch
+
+
+def cmd_launch(args) -> None:
+    """Truefuse's eager ops on CUDA against the stock ops they replace, and the Triton launches inside
+    them: ``JITFunction.run`` against a launch through the compiled kernel's handle. Decode-sized bf16
+    inputs (4 sequences, hidden 2048, 16/8 heads of 64), so that the GPU is never the bottleneck: each
+    row is the host µs of one call (``gpu_host_us``). Each truefuse op's Triton launches are recorded
+    and replayed three ways: ``jit.run`` (Triton's own path), ``handle`` (the compiled kernel's
+    ``run`` with the bound arguments precomputed: the floor of any launch), and ``handle+key`` (the
+    same with Triton's specialisation flags computed in Python each call, what a launch cache of
+    truefuse's own would pay at least: on an H100 host 15-23 µs against Triton's 17-26, and a full
+    cache keyed on the exact arguments measured 19-28 µs, slower than Triton's own path, so the ops
+    launch through Triton)."""
+    import torch
+    import torch.nn.functional as F
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    import truefuse
+    from truefuse.autograd.gated_activation import gated_activation
+    from truefuse.autograd.norm import rms_norm, rms_norm_hf
+    from truefuse.autograd.rope import apply_rotary_pos_emb
+    from truefuse.integrations.huggingface.attention import attention_forward
+    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
+
+    dev, bf = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    H, B = 2048, 4
+    x = torch.randn(B, 1, H, device=dev, dtype=bf)
+    w = torch.randn(H, H, device=dev, dtype=bf) * 0.02
+    nw = torch.ones(H, device=dev, dtype=bf)
+    q = torch.randn(B, 1, 16, 64, device=dev, dtype=bf).transpose(1, 2)
+    k = torch.randn(B, 1, 8, 64, device=dev, dtype=bf).transpose(1, 2)
+    cos = torch.randn(B, 1, 64, device=dev, dtype=bf)
+    sin = torch.randn(B, 1, 64, device=dev, dtype=bf)
+    g = torch.randn(B, 1, 5632, device=dev, dtype=bf)
+    u = torch.randn(B, 1, 5632, device=dev, dtype=bf)
+    qa = torch.randn(B, 16, 1, 64, device=dev, dtype=bf)  # decode attention against 256 cached keys
+    ka, va = (torch.randn(B, 8, 256, 64, device=dev, dtype=bf) for _ in range(2))
+    mask = torch.ones(B, 1, 1, 256, device=dev, dtype=torch.bool)
+    mask[0, ..., :5] = False
+    module = torch.nn.Module()
+    module.is_causal = True
+
+    def stock_norm():
+        h = x.to(torch.float32)
+        var = h.pow(2).mean(-1, keepdim=True)
+        return nw * (h * torch.rsqrt(var + 1e-6)).to(bf)
+
+    def rot(t):
+        return torch.cat((-t[..., 32:], t[..., :32]), dim=-1)
+
+    def stock_rope():
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * c + rot(q) * s, k * c + rot(k) * s
+
+    def bi_linear():
+        with running_batch_invariant():
+            return F.linear(x, w)
+
+    rows = {  # name -> (stock fn, truefuse fn)
+        "F.linear (cuBLAS)": (lambda: F.linear(x, w), None),
+        "gemm BI": (None, lambda: truefuse.gemm(x.view(B, H), w.t(), batch_invariant=True)),
+        "F.linear routed BI": (None, bi_linear),
+        "rms norm stock ops": (stock_norm, None),
+        "rms_norm_hf": (None, lambda: rms_norm_hf(x, nw, 1e-6)),
+        "rms_norm": (None, lambda: rms_norm(x, nw, 1e-6)),
+        "rope stock ops": (stock_rope, None),
+        "apply_rotary_pos_emb": (None, lambda: apply_rotary_pos_emb(q, k, cos, sin)),
+        "silu(g)*u stock": (lambda: F.silu(g) * u, None),
+        "swiglu": (None, lambda: gated_activation(g, "swiglu", u)),
+        "SDPA decode": (lambda: F.scaled_dot_product_attention(qa, ka, va, attn_mask=mask, enable_gqa=True), None),
+        "attention decode (HF)": (None, lambda: attention_forward(module, qa, ka, va, mask, scaling=0.125)),
+        "torch.empty": (lambda: torch.empty(B, H, device=dev, dtype=bf), None),
+    }
+
+    def host_us(fn):
+        return gpu_host_us(fn, args.calls)
+
+    records: list = []
+    orig_run = JITFunction.run
+
+    def recording_run(self, *a, grid, warmup, **kw):
+        kernel = orig_run(self, *a, grid=grid, warmup=warmup, **kw)
+        records.append((self, a, dict(kw), grid, kernel))
+        return kernel
+
+    torch.set_grad_enabled(False)
+    print(f"{'row':26s} {'host us':>9s}  launches: jit.run / handle / handle+key us")
+    for name, (stock, ours) in rows.items():
+        line = f"{name:26s} {host_us(stock or ours):9.1f}"
+        if ours is not None:
+            records.clear()
+            JITFunction.run = recording_run
+            try:
+                ours()
+            finally:
+                JITFunction.run = orig_run
+            for jit, a, kw, grid, kernel in records:
+                line += "  " + _replay(jit, a, kw, grid, kernel, host_us, torch, knobs)
+        print(line, flush=True)
+    if args.profile:
+        for name, (_, ours) in rows.items():
+            if ours is not None:
+                print(cprofile_text(ours, f"{name} (500 calls)", rows=14, calls=500))
+
+
+def _replay(jit, a, kw, grid, kernel, host_us, torch, knobs) -> str:
+    """One recorded launch timed three ways (``cmd_launch``'s docstring)."""
+    opts = {k: v for k, v in kw.items() if k not in {p.name for p in jit.params}}
+    names = [p.name for p in jit.params]
+    bound = list(a) + [kw[n] if n in kw else jit.params[i].default for i, n in enumerate(names) if i >= len(a)]
+    g = grid(dict(zip(names, bound, strict=False))) if callable(grid) else grid
+    g0, g1, g2 = g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1
+    dev = torch.cuda.current_device()
+
+    def via_jit():
+        jit.run(*a, grid=grid, warmup=False, **kw)
+
+    def via_handle():
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None,
+                   knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)  # fmt: skip
+
+    def key_of(vals):
+        out = []
+        for v in vals:
+            if isinstance(v, torch.Tensor):
+                out.append((v.dtype, v.data_ptr() % 16 == 0))
+            elif isinstance(v, int) and not isinstance(v, bool):
+                out.append((v == 1, v % 16 == 0, -(2**31) <= v < 2**31))
+            else:
+                out.append(v)
+        return tuple(out), tuple(opts.items())
+
+    cache = {key_of(bound): kernel}
+
+    def via_key():
+        kern = cache[key_of(bound)]
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        kern.run(g0, g1, g2, stream, kern.function, kern.packed_metadata, None,
+                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)  # fmt: skip
+
+    times = (host_us(f) for f in (via_jit, via_handle, via_key))
+    return f"{jit.fn.__name__}: " + " / ".join(f"{t:.1f}" for t in times)
+
+
+# --------------------------------------------------------------------------------------------------
+# bi-linear
+
+
+def cmd_bi_linear(args) -> None:
+    """Where batch-invariant training spends its host time: a BI training step of the demo's model is
+    host-bound on slower H100 hosts (wall 199 ms against 117 ms of GPU work, one profiled step,
+    docs/results/bi/bi_profile_train_h100_2026-11-27.txt), and ``LinearFunction``'s forward and
+    backward are most of it. Host µs per ``F.linear`` forward + backward (8192 × 2048 @ 2048², bf16;
+    ``gpu_host_us`` over 30 calls) for stock and the routed BI call, one ``torch.mm``, one TMA
+    ``bi_launch`` and one plain BI kernel launch; then cProfile of 30 BI calls and of one whole BI
+    training step of the demo's model. Writes ``OUT/bi_linear_host.txt``."""
+    import exp_bi_speed as bs
+    import torch
+    import torch.nn.functional as F
+
+    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
+    from truefuse.kernels.gemm import _gemm_kernel
+    from truefuse.ops.gemm_backends import triton as T
+
+    os.makedirs(args.out, exist_ok=True)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8192, 2048, **bf, requires_grad=True)
+    w = torch.randn(2048, 2048, **bf, requires_grad=True)
+    g = torch.randn(8192, 2048, **bf)
+
+    def stock():
+        F.linear(x, w).backward(g)
+        x.grad = w.grad = None
+
+    def bi():
+        with running_batch_invariant():
+            y = F.linear(x, w)
+        y.backward(g)
+        x.grad = w.grad = None
+
+    out_t = torch.empty(8192, 2048, **bf)
+    xd, wd = x.detach(), w.detach()
+    tile = {**T._bi_meta(torch.bfloat16, 8192, "nt")}
+    grid = T._bi_grid(8192, 2048, tile)
+    fns = {
+        "stock F.linear fwd+bwd": stock,
+        "BI F.linear fwd+bwd": bi,
+        "torch.mm": lambda: torch.mm(xd, wd.t(), out=out_t),
+        "bi_launch (TMA kernel)": lambda: T.bi_launch(xd, wd.t(), out_t),
+        "plain BI kernel launch": lambda: T._launch(_gemm_kernel, grid, xd, wd.t(), out_t, xd, out_t, False, 0, False, tile),
+    }
+    lines = [f"{k}: {gpu_host_us(f, 30, warmup=5):.1f} us host" for k, f in fns.items()]
+    print("\n".join(lines), flush=True)
+    text = ["\n".join(lines), bs._cprofile(lambda: [bi() for _ in range(30)], "BI F.linear fwd+bwd, 30 calls")]
+    c = bs.CONFIGS["demo"]
+    m = bs.variant(bs.build(c), "truefuse BI")
+    m.train()
+    ids = torch.randint(1, c["vocab"], (c["batch"], c["seq"]), device="cuda")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        m(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    text.append(bs._cprofile(step, "one BI training step of the demo model", rows=45))
+    with open(os.path.join(args.out, "bi_linear_host.txt"), "w") as f:
+        f.write("\n\n".join(text))
+
+
+# --------------------------------------------------------------------------------------------------
+# generate
+
+#: run name -> apply_truefuse's keywords (None: stock)
+_ONLY = dict(rms_norm=False, mlp=False, rope=False, linear_cross_entropy=False, experts=False)
+GENERATE_RUNS = {
+    "stock": None,
+    "fast": {},
+    "norm only": {**_ONLY, "rms_norm": True},
+    "rope only": {**_ONLY, "rope": True},
+    "mlp only": {**_ONLY, "mlp": True},
+    "loss only": {**_ONLY, "linear_cross_entropy": True},
+    "none (wrappers)": dict(_ONLY),
+    "attention only": {**_ONLY, "attention": True},
+    "BI": {"batch_invariant": True},
+}
+
+
+def cmd_generate(args) -> None:
+    """Which of ``apply_truefuse``'s patches costs greedy ``generate`` its host time (fast mode ran
+    0.65-1.02x stock ``generate`` on H100 hosts, host-bound). The demo's GPU model (``exp_bi_speed``'s
+    ``demo``: Llama 16 x 2048, vocabulary 128256, bf16), ``--new-tokens`` for 4 prompts of 64, under:
+    stock; every patch; one patch only (``rms_norm``, ``rope``, ``mlp``, ``linear_cross_entropy``);
+    ``attention=True`` only; batch-invariant. Timed round-robin (``--rounds``; each round one
+    ``generate`` of every run, so the host's drift hits all alike): ms per new token, the median
+    round, and the ratio to stock (a decode step is host time on an H100: ~2 ms of kernels a token
+    against ~16 of host). Writes ``OUT/generate_host.json``; ``--config tiny --device cpu`` smoke-tests."""
+    import copy
+    import json
+
+    import exp_bi_speed
+    import torch
+
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    exp_bi_speed.DEVICE = args.device
+    c = exp_bi_speed.CONFIGS[args.config]
+    base = exp_bi_speed.build(c).eval()
+    g = torch.Generator(args.device).manual_seed(0)
+    prompts = torch.randint(1, c["vocab"], (4, 64), device=args.device, generator=g)
+    models = {}
+    for name, kw in GENERATE_RUNS.items():
+        m = copy.deepcopy(base)
+        if kw is not None:
+            apply_truefuse(m, **kw)
+        models[name] = m.eval()
+
+    def gen(m):
+        m.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new_tokens,
+                   min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+
+    def sync():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    times: dict = {n: [] for n in models}
+    with torch.no_grad():
+        for m in models.values():
+            gen(m)
+        for _ in range(args.rounds):
+            for n, m in models.items():
+                sync()
+                t = time.perf_counter()
+                gen(m)
+                sync()
+                times[n].append((time.perf_counter() - t) * 1e3 / args.new_tokens)
+    med = {n: sorted(ts)[len(ts) // 2] for n, ts in times.items()}
+    lines = [f"{'run':<18} {'ms/token':>9} {'x stock time':>13}"]
+    lines += [f"{n:<18} {t:>9.2f} {t / med['stock']:>13.3f}" for n, t in med.items()]
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "generate_host.json"), "w") as f:
+        json.dump(
+            {
+                "device": dev,
+                "torch": torch.__version__,
+                "args": {k: v for k, v in vars(args).items() if k != "fn"},
+                "ms_per_token": times,
+            },
+            f,
+            indent=1,
+        )
+    print("\n".join(lines))
+
+
+# --------------------------------------------------------------------------------------------------
+# train
+
+
+def cmd_train(args) -> None:
+    """A training step's forward and backward host time, stock transformers against
+    ``apply_truefuse`` (under FSDP2 the small model's step is host time, and truefuse's forward took
+    ~5 ms more host than stock's on 2 H100s, ``exp_fsdp_profile.py``'s phases).
+
+    1. Per op, with a gradient (hidden 1024, 2 x 64 tokens, bf16): host µs of a forward alone and of
+       forward + backward, stock's against truefuse's (``rms_norm_hf`` against the stock module,
+       rope, the gated activation), ``gpu_host_us`` over ``--calls`` (few rows, so each kernel's GPU
+       time stays below its launch's host time: training-sized rows measured the GPU, not the host).
+    2. The small model of ``exp_fsdp_profile.py`` (Llama 4 x 1024, vocabulary 32000, 4 x 2048 tokens,
+       bf16) on one GPU without FSDP: host ms of the forward and of the backward (no synchronisation
+       inside; the median of 7 steps), then cProfile (``--sort``) over one forward of each run."""
+    import torch
+
+    print(torch.cuda.get_device_name(), torch.__version__)
+    if args.ops:
+        print("\n".join(_train_ops(args.calls, args.cprofile_ops, args.rows)))
+    if args.model:
+        print("\n".join(_train_model(args.rows, args.sort)))
+
+
+def _train_ops(calls: int, cprofile: bool, rows: int) -> list[str]:
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as stock_rope
+
+    from truefuse.autograd.gated_activation import gated_activation
+    from truefuse.autograd.norm import rms_norm_hf
+    from truefuse.autograd.rope import apply_rotary_pos_emb
+
+    dev, bf = "cuda", torch.bfloat16
+    H, B, L = 1024, 2, 64
+    x = torch.randn(B, L, H, device=dev, dtype=bf, requires_grad=True)
+    norm = LlamaRMSNorm(H).to(dev, bf)
+    q = torch.randn(B, 16, L, 64, device=dev, dtype=bf, requires_grad=True)
+    k = torch.randn(B, 8, L, 64, device=dev, dtype=bf, requires_grad=True)
+    cos = torch.randn(B, L, 64, device=dev, dtype=bf)
+    sin = torch.randn(B, L, 64, device=dev, dtype=bf)
+    g = torch.randn(B * L, 2816, device=dev, dtype=bf, requires_grad=True)
+    u = torch.randn(B * L, 2816, device=dev, dtype=bf, requires_grad=True)
+    F = torch.nn.functional
+    pairs = {
+        "rms norm": (lambda: norm(x), lambda: rms_norm_hf(x, norm.weight, norm.variance_epsilon, style="llama")),
+        "rope": (lambda: stock_rope(q, k, cos, sin), lambda: apply_rotary_pos_emb(q, k, cos, sin)),
+        "silu(g) * u": (lambda: F.silu(g) * u, lambda: gated_activation(g, "swiglu", u)),
+    }
+
+    def fb(f):
+        def run():
+            out = f()
+            outs = out if isinstance(out, tuple) else (out,)
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+        return run
+
+    profiles: list[str] = []
+    lines = [f"{'op (grad)':<14} {'stock fwd':>10} {'truefuse fwd':>13} {'stock f+b':>10} {'truefuse f+b':>13}  (host us)"]
+    for name, (s, t) in pairs.items():
+        row = [gpu_host_us(f, calls) for f in (s, t)] + [gpu_host_us(fb(f), calls // 2) for f in (s, t)]
+        lines.append(f"{name:<14} {row[0]:>10.1f} {row[1]:>13.1f} {row[2]:>10.1f} {row[3]:>13.1f}")
+        if cprofile:
+            for who, f in (("stock", s), ("truefuse", t)):
+                profiles.append(cprofile_text(fb(f), f"50 x forward + backward, {name}, {who}", rows=rows, calls=50))
+                torch.cuda.synchronize()
+    return lines + profiles
+
+
+def _train_model(rows: int, sort: str) -> list[str]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)  # fmt: skip
+    ids = torch.randint(0, 32000, (4, 2048), device="cuda")
+    lines, profiles = [], []
+    for run in ("stock", "truefuse"):
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).train()
+        if run == "truefuse":
+            apply_truefuse(m)
+        fwd, bwd = [], []
+        for i in range(10):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            m.zero_grad(set_to_none=True)
+            if i >= 3:
+                fwd.append((t1 - t0) * 1e3)
+                bwd.append((t2 - t1) * 1e3)
+        lines.append(f"{run:<9} host forward {sorted(fwd)[3]:6.2f} ms  backward {sorted(bwd)[3]:6.2f} ms (median of 7)")
+        torch.cuda.synchronize()
+        profiles.append(cprofile_text(lambda m=m: m(input_ids=ids, labels=ids, use_cache=False), f"one forward, {run}",
+                                      rows=rows, sort=sort))  # fmt: skip
+        del m, loss
+        torch.cuda.empty_cache()
+    return lines + profiles
+
+
+# --------------------------------------------------------------------------------------------------
+# gaps
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def cmd_gaps(args) -> None:
+    """Where a demo-style training step leaves the GPU idle: stock vs ``apply_truefuse`` vs
+    Liger-Kernel, eager or with compiled layers, on the demo's GPU model (``exp_hf_profile.prepared``,
+    fused AdamW as the demo). A demo step starts from an empty queue and ends in ``loss.item()``
+    (``truefuse/demo/train.py``): the time between the step's host start and its last kernel's end
+    that no kernel covers is idle. Each idle gap is charged to the host phase that launched the kernel
+    after it (``forward`` = the model's forward and loss, ``backward``, ``optimizer``; before the first
+    kernel: ``ramp``). Prints per run: step ms, kernel ms, idle ms by phase (means over ``--steps``
+    profiled steps), then the ``--top`` largest gaps with the kernels around them. Liger runs last
+    (liger_kernel importable for its run)."""
+    from exp_hf_profile import run_names
+
+    cols = ("ramp",) + PHASES + ("other",)
+    print(f"{'run':<20}{'step ms':>9}{'kernel ms':>10}" + "".join(f"{'idle ' + c:>15}" for c in cols), flush=True)
+    tops = {}
+    for n in run_names(args.runs):
+        idle, busy, total, gaps = _gaps_run(n, args.steps)
+        tops[n] = gaps[: args.top]
+        row = f"{n:<20}{total / 1e3:>9.2f}{busy / 1e3:>10.2f}" + "".join(f"{idle.get(c, 0.0) / 1e3:>15.2f}" for c in cols)
+        print(row, flush=True)
+    for n, gaps in tops.items():
+        print(f"\n{n}: largest gaps over {args.steps} steps (µs, launching phase, kernel before -> after)")
+        for us, ph, a, b in gaps:
+            print(f"  {us:8.1f}  {ph:<9} {a} -> {b}")
+
+
+def _gaps_run(name: str, steps: int, warmup: int = 4):
+    import json
+    import tempfile
+
+    import torch
+    from exp_hf_profile import prepared, release
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    model, opt, ids = prepared(name, fused=True)
+
+    def step():
+        with record_function("phase:forward"):
+            loss = model(input_ids=ids, labels=ids).loss
+        with record_function("phase:backward"):
+            loss.backward()
+        with record_function("phase:optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup):
+        step().item()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            with record_function("demo_step"):
+                step().item()
+                torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(f)
+    release(model, opt)
+    return gaps_of(trace)
+
+
+def gaps_of(trace: dict):
+    """(idle µs by phase, kernel µs, step µs: each a mean over the trace's ``demo_step`` marks;
+    every gap [(µs, phase, kernel before, kernel after)], largest first)."""
+    import collections
+
+    ev = trace["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("name", "").startswith("phase:") and "dur" in e)
+    step_marks = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("name") == "demo_step" and "dur" in e)
+    launch_ts = {}
+    for e in ev:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launch_ts[e["args"]["correlation"]] = e["ts"]
+    kernels = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"], e["args"].get("correlation"))
+        for e in ev
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+
+    def phase_at(t):
+        for a, b, name in spans:
+            if a <= t <= b:
+                return name.split(":")[1]
+        return "other"
+
+    idle = collections.Counter()
+    busy = total = 0.0
+    gaps = []
+    for s0, s1 in step_marks:
+        ks = [k for k in kernels if s0 <= launch_ts.get(k[3], k[0]) <= s1]
+        if not ks:
+            continue
+        total += max(k[1] for k in ks) - s0
+        idle["ramp"] += max(0.0, ks[0][0] - s0)
+        reach, prev = ks[0][0], None
+        for k in ks:
+            busy += max(0.0, k[1] - max(k[0], reach))
+            if k[0] > reach and prev is not None:
+                ph = phase_at(launch_ts.get(k[3], k[0]))
+                idle[ph] += k[0] - reach
+                gaps.append((k[0] - reach, ph, prev[:50], k[2][:50]))
+            if k[1] > reach:
+                reach, prev = k[1], k[2]
+    n = max(len(step_marks), 1)
+    return {k: v / n for k, v in idle.items()}, busy / n, total / n, sorted(gaps, reverse=True)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add(name, fn, what):
+        s = sub.add_parser(name, help=what, description=fn.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        s.set_defaults(fn=fn)
+        return s
+
+    s = add("bi-stubbed", cmd_bi_stubbed, "CPU: BI mode's paths, every Triton launch stubbed")
+    s.add_argument("--calls", type=int, default=200)
+    s.add_argument("--rounds", type=int, default=7)
+    s.add_argument("--hidden", type=int, default=64, help="K = N of the GEMMs (host time does not depend on it)")
+    s.add_argument("--profile", default=None, help="a row name: print cProfile's top functions for it")
+    s = add("eager", cmd_eager, "CPU: eager mode's autograd Function vs the dispatcher, launches stubbed")
+    s.add_argument("--rounds", type=int, default=9)
+    s = add("launch", cmd_launch, "GPU: decode-sized ops vs stock; each Triton launch three ways")
+    s.add_argument("--calls", type=int, default=2000)
+    s.add_argument("--profile", action="store_true", help="cProfile each truefuse op's calls")
+    s = add("bi-linear", cmd_bi_linear, "GPU: routed BI F.linear forward + backward vs stock; cProfile of a BI step")
+    s.add_argument("out", nargs="?", default="bi_linear_host")
+    s = add("generate", cmd_generate, "GPU: which apply_truefuse patch costs generate its host time")
+    s.add_argument("out")
+    s.add_argument("--rounds", type=int, default=5)
+    s.add_argument("--new-tokens", type=int, default=32)
+    s.add_argument("--config", default="demo", help="exp_bi_speed.CONFIGS: small, demo, tiny")
+    s.add_argument("--device", default="cuda")
+    s = add("train", cmd_train, "GPU: a training step's forward / backward host, per op and the small model")
+    s.add_argument("--calls", type=int, default=100)
+    s.add_argument("--rows", type=int, default=30)
+    s.add_argument("--sort", default="cumulative", help="cProfile's order: cumulative or tottime")
+    s.add_argument("--no-ops", dest="ops", action="store_false", help="the model runs only")
+    s.add_argument("--no-model", dest="model", action="store_false", help="the ops only")
+    s.add_argument("--cprofile-ops", action="store_true", help="cProfile 50 forward + backward calls of each op")
+    s = add("gaps", cmd_gaps, "GPU: a demo step's idle gaps, by the host phase that launched each")
+    s.add_argument("--runs", default="truefuse,truefuse+compile,stock+compile,liger")
+    s.add_argument("--steps", type=int, default=3)
+    s.add_argument("--top", type=int, default=8)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.cmd in ("bi-stubbed", "eager"):
+        os.environ["TRITON_INTERPRET"] = "1"  # before truefuse's kernels import: their launches are stubbed
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()
