@@ -143,3 +143,25 @@ def test_compiled_layer_warns_of_no_lru_cache(monkeypatch):
         model(input_ids=ids).logits.sum().backward()
     torch._dynamo.reset()
     assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+
+
+def test_batch_invariant_layers_compile_with_inductor(torch_paths):
+    """``compile_layers`` with Inductor (its default) on a batch-invariant model, fullgraph: every
+    routed ``F.linear`` is a ``truefuse::gemm`` whose optional outputs (pre-activation, bias
+    gradient) are None, which Inductor failed to lower ("<built-in function getitem> is not an
+    OpOverload", ops/gemm.py::gemm_result_op). One training step: the loss is eager's bits."""
+    torch._dynamo.reset()
+    eager = tiny_model("llama", num_hidden_layers=1)
+    apply_truefuse(eager, batch_invariant=True)
+    compiled = copy.deepcopy(eager)
+    compile_layers(compiled, fullgraph=True)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for model in (compiled, eager):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch._dynamo.reset()
+    assert torch.equal(*losses), losses
+    for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
