@@ -12,8 +12,8 @@ products with V in key order; a block the row does not see adds zeros, so the ca
 its tiles' trailing blocks. Sums in fp32 (fp64 for fp64). Autograd differentiates it as written.
 
 It replaced elementwise products summed over the head dim (one (rows, keys, D) tensor a block, in
-forward and backward): a BI training step of the demo's CPU model ran at 0.11x stock's, now
-0.6x (docs/batch_invariance.md).
+forward and backward): a BI training step of the demo's CPU model ran at 0.08x stock's, now
+0.53x (2 threads; docs/batch_invariance.md).
 """
 
 from __future__ import annotations
