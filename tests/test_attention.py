@@ -135,3 +135,13 @@ def test_pytorch_path_matches_the_reference_across_tiles(D):
         g = torch.randn_like(out)
         for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_pytorch_path_ignores_autocast():
+    """Its products stay fp32 under a bf16 autocast (the construction's fixed-shape invariance is
+    checked for the fp32 BLAS only): the same bits as without it."""
+    q, k, v = _qkv(2, 2, 1, 40, 16, "cpu", torch.float32, seed=6)
+    start = torch.zeros(2, dtype=torch.int32)
+    plain = attention_blocked(q, k, v, None, start, 0.25, True, 0, 0.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert_bitwise(attention_blocked(q, k, v, None, start, 0.25, True, 0, 0.0), plain, "under autocast")

@@ -40,6 +40,13 @@ def _cdiv(a: int, b: int) -> int:
 def attention_blocked(q, k, v, attn_mask, key_start, scale: float, is_causal: bool, window: int, softcap: float) -> torch.Tensor:
     """Attention of (B, Hq, Lq, D) ``q`` over (B, Hk, Lk, D) ``k``/``v`` (Hq a multiple of Hk),
     ``attn_mask`` None or (B, Hq, Lq, Lk) (expanded), ``key_start`` (B,) int; returns q's dtype."""
+    # autocast would run the products in bf16/fp16 (on the CPU through another BLAS, whose
+    # fixed-shape invariance is not checked): the path's sums stay fp32
+    with torch.autocast(q.device.type, enabled=False):
+        return _attention_blocked(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap)
+
+
+def _attention_blocked(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap):
     B, Hq, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
     G = Hq // Hk
