@@ -72,11 +72,11 @@ def test_bad_input_is_refused_naming_the_argument(kw, match):
         truefuse.attention(args["q"], args["k"], args["v"], **kw)
 
 
-def test_pytorch_path_aligns_blocks_to_the_first_valid_key():
+@pytest.mark.parametrize("L, pad, D", [(37, 11, 16), (150, 40, 64)])  # rows over 2 and 5 tiles, keys over 3 blocks
+def test_pytorch_path_aligns_blocks_to_the_first_valid_key(L, pad, D):
     """The PyTorch path (bf16 on the CPU, where bf16 rounding hides fp32 differences) in fp32: a
     left-padded sequence's rows equal the sequence alone, decode equals prefill."""
-    L, pad = 37, 11
-    q, k, v = _qkv(1, 2, 1, L, 16, "cpu", torch.float32, seed=4)
+    q, k, v = _qkv(1, 2, 1, L, D, "cpu", torch.float32, seed=4)
     mask = (torch.arange(L) >= pad)[None, None, None] & torch.ones(L, L, dtype=torch.bool).tril()
     start = first_valid_key(mask, 1, L, q.device)
     padded = attention_blocked(q, k, v, mask.expand(1, 2, L, L), start, 0.25, False, 0, 0.0)
@@ -84,3 +84,64 @@ def test_pytorch_path_aligns_blocks_to_the_first_valid_key():
     assert_bitwise(padded[:, :, pad:], alone, "left-padded rows")
     step = attention_blocked(q[:, :, -1:], k, v, None, start * 0, 0.25, False, 0, 0.0)
     assert_bitwise(step, attention_blocked(q, k, v, None, start * 0, 0.25, True, 0, 0.0)[:, :, -1:], "decode step")
+
+
+def test_pytorch_path_products_are_fixed_shape_and_row_invariant():
+    """What the PyTorch path's construction rests on (ops/attention_blocked.py): a batched matmul of
+    its fixed (BLOCK_M, D) x (D, BLOCK_N) shape gives a product the same bits alone, in any batch
+    and at any place in it, and a row the same bits whatever the tile's other rows hold."""
+    from truefuse.ops.attention_blocked import BLOCK_M, block_n
+
+    g = torch.Generator().manual_seed(7)
+    for D, dtype in ((16, torch.float32), (64, torch.float32), (64, torch.float64)):
+        n = block_n(D)
+        a = torch.randn(40, BLOCK_M, D, generator=g).to(dtype)
+        b = torch.randn(40, D, n, generator=g).to(dtype)
+        full = torch.matmul(a, b)
+        assert_bitwise(torch.matmul(a[5:6], b[5:6]), full[5:6], f"one product, D={D}")
+        assert_bitwise(torch.matmul(a[3:10], b[3:10]), full[3:10], f"a smaller batch, D={D}")
+        other = a.clone()
+        other[:, 1:] = torch.randn(40, BLOCK_M - 1, D, generator=g).to(dtype)
+        assert_bitwise(torch.matmul(other.roll(9, 1), b)[:, 9], full[:, 0], f"row 0 moved, other rows changed, D={D}")
+        p = torch.rand(40, BLOCK_M, n, generator=g).to(dtype)  # probabilities @ V: (BLOCK_M, n) x (n, D)
+        pv = torch.matmul(p, b.transpose(1, 2))
+        assert_bitwise(torch.matmul(p[7:8], b[7:8].transpose(1, 2)), pv[7:8], f"P @ V alone, D={D}")
+
+
+@pytest.mark.parametrize("D", [16, 64])
+def test_pytorch_path_matches_the_reference_across_tiles(D):
+    """fp64 against ``attention_ref``: query rows over several tiles (some holding two heads' rows),
+    keys over several blocks, causal (its skipped blocks), a float mask with key_start, softcap and
+    a window, GQA; the gradients too."""
+    from truefuse.ops.attention import attention_ref
+
+    B, Hq, Hk, L = 2, 4, 2, 150 if D == 64 else 45
+    q, k, v = (t.double().requires_grad_() for t in _qkv(B, Hq, Hk, L, D, "cpu", torch.float64, seed=5))
+    pad = torch.tensor([0, 13])
+    cols, causal = torch.arange(L)[None], torch.ones(L, L, dtype=torch.bool).tril()
+    right = torch.where((cols < L - pad[:, None])[:, None, None] & causal, 0.0, float("-inf")).double()
+    left = torch.where((cols >= pad[:, None])[:, None, None] & causal, 0.0, float("-inf")).double()
+    for kw in (
+        dict(is_causal=True),
+        dict(attn_mask=right),
+        dict(attn_mask=left, key_start=pad.int(), softcap=3.0, window=L // 3),
+        dict(is_causal=True, softcap=3.0, window=L // 3),
+    ):
+        out = truefuse.attention(q, k, v, enable_gqa=True, **kw)
+        ref = attention_ref(q, k, v, enable_gqa=True, **kw)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12, msg=lambda m, kw=kw: f"{list(kw)}: {m}")
+        if "key_start" in kw:  # left padding: the reference's gradient is NaN on the rows that see no key
+            continue
+        g = torch.randn_like(out)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_pytorch_path_ignores_autocast():
+    """Its products stay fp32 under a bf16 autocast (the construction's fixed-shape invariance is
+    checked for the fp32 BLAS only): the same bits as without it."""
+    q, k, v = _qkv(2, 2, 1, 40, 16, "cpu", torch.float32, seed=6)
+    start = torch.zeros(2, dtype=torch.int32)
+    plain = attention_blocked(q, k, v, None, start, 0.25, True, 0, 0.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert_bitwise(attention_blocked(q, k, v, None, start, 0.25, True, 0, 0.0), plain, "under autocast")

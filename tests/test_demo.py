@@ -218,3 +218,43 @@ def test_import_truefuse_does_not_import_transformers():
     code += "print('transformers' in sys.modules, 'tokenizers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_peers_apart_run_alone_after_the_interleaved_runs(demo, cache_dir, monkeypatch):
+    """``apart`` (the CLI's batch-invariant run): its steps all come after the interleaved runs',
+    the result keeps the runs' order, the curves are the interleaved demo's."""
+    from truefuse.demo import train
+
+    interleaved, _, _ = demo
+    order = []
+    real = train.Trainer.step
+    monkeypatch.setattr(train.Trainer, "step", lambda self, ids: order.append(self.name) or real(self, ids))
+    cfg = make_config("cpu", device="cpu", **TINY)
+    peers = {"perturbed": perturb, "identity": identity}
+    result = run_demo(cfg, peers, cache_dir=str(cache_dir), quiet=True, apart=("perturbed",))
+    steps = TINY["steps"]
+    assert order == ["stock", "identity"] * steps + ["perturbed"] * steps
+    assert [r.name for r in result.runs] == ["stock", "perturbed", "identity"]
+    by = {r.name: r.losses for r in result.runs}
+    assert all(by[r.name] == r.losses for r in interleaved.runs)
+    with pytest.raises(ValueError, match="apart names no peer: nobody"):
+        run_demo(cfg, peers, cache_dir=str(cache_dir), quiet=True, apart=("nobody",))
+
+
+def test_cli_runs_the_batch_invariant_peer_apart(monkeypatch):
+    from truefuse.demo import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "truefuse_patch", lambda: identity)
+    monkeypatch.setattr(cli, "truefuse_bi_patch", lambda: identity)
+
+    def fake_run_demo(cfg, peers, apart=(), **kw):
+        seen.update(peers=list(peers), apart=tuple(apart))
+        raise SystemExit(0)
+
+    monkeypatch.setattr("truefuse.demo.train.run_demo", fake_run_demo)
+    from truefuse.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--device", "cpu", "--batch-invariant", "--steps", "1", "--quiet"])
+    assert seen == {"peers": ["truefuse", "stock again", "truefuse BI"], "apart": ("truefuse BI",)}

@@ -143,3 +143,46 @@ def test_compiled_layer_warns_of_no_lru_cache(monkeypatch):
         model(input_ids=ids).logits.sum().backward()
     torch._dynamo.reset()
     assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+
+
+def test_batch_invariant_layers_compile_with_inductor(torch_paths):
+    """``compile_layers`` with Inductor (its default) on a batch-invariant model, fullgraph: every
+    routed ``F.linear`` is a ``truefuse::gemm`` whose optional outputs (pre-activation, bias
+    gradient) are None, which Inductor failed to lower ("<built-in function getitem> is not an
+    OpOverload", ops/gemm.py::gemm_result_op). One training step: the loss is eager's bits; the
+    gradients are bounded, as Inductor compiles the stock ops between truefuse's (and on the CPU,
+    the norm's PyTorch expression) into code of its own."""
+    torch._dynamo.reset()
+    eager = tiny_model("llama", num_hidden_layers=1)
+    apply_truefuse(eager, batch_invariant=True)
+    compiled = copy.deepcopy(eager)
+    compile_layers(compiled, fullgraph=True)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for model in (compiled, eager):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch._dynamo.reset()
+    assert torch.equal(*losses), losses
+    for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_compiled_attention_cpu_path_gives_eager_bits(torch_paths):
+    """``truefuse.attention``'s PyTorch path under Inductor: one opaque op (ops/attention.py), so
+    the output and the gradients are eager's bits (traced, Inductor's own code for its exp and
+    sums gave rows 1-ulp differences: a compiled trainer would not match an eager sampler)."""
+    import truefuse
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 24, 8, generator=g).requires_grad_() for h in (4, 2, 2))
+    outs, grads = [], []
+    for fn in (torch.compile(truefuse.attention, fullgraph=True), truefuse.attention):
+        out = fn(q, k, v, is_causal=True, enable_gqa=True)
+        outs.append(out.detach())
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    torch._dynamo.reset()
+    assert torch.equal(*outs)
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

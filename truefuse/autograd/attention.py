@@ -11,7 +11,7 @@ import torch
 from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._eager_op import call
 from truefuse.ops._dtensor import refuse_dtensor
-from truefuse.ops.attention import attention_fwd_op, use_kernel
+from truefuse.ops.attention import attention_fwd_op, attention_pytorch_op, use_kernel
 from truefuse.ops.attention_blocked import attention_blocked
 from truefuse.ops.attention_mask import first_valid_key
 
@@ -182,4 +182,7 @@ def attention(
         # eager mode skips the dispatcher (autograd/_eager_op.py: the op's body and its registered
         # backward; 196 µs of host time a decode call through it on an H100 host, docs/benchmarks.md)
         return call(attention_fwd_op, q, k, v, mask, ks, scale, bool(is_causal), window, softcap)[0]
+    if torch.compiler.is_compiling():
+        # one opaque op: Inductor's code for the path's math gave other bits than eager's (ops/attention.py)
+        return attention_pytorch_op(query, key, value, mask, ks, scale, bool(is_causal), window, softcap)
     return attention_blocked(query, key, value, mask, ks, scale, bool(is_causal), window, softcap)

@@ -188,7 +188,9 @@ def main(args: argparse.Namespace) -> int:
             for w in run.extra.get("warnings", []):
                 log(f"{run.name}: warning: {w}")
     else:
-        result = run_demo(cfg, peers, cache_dir=args.cache_dir, quiet=args.quiet, log=log)
+        # the BI run apart: interleaved, its slower steps slowed the others (train.py::run_demo)
+        apart = ("truefuse BI",) if "truefuse BI" in peers else ()
+        result = run_demo(cfg, peers, cache_dir=args.cache_dir, quiet=args.quiet, log=log, apart=apart)
     rows = summarize(result)
     print_table(result, rows)
     print_syncs(result)

@@ -6,8 +6,9 @@ Liger's instance patch, or a test's stand-in) and may return a report. Every run
 of the one initial ``state_dict``, sees the same batches in the same order under the same seed, and
 uses AdamW with the same warm-up + cosine learning-rate schedule; the loss is the model's own
 ``forward(labels=input_ids)``. On the CPU the runs take turns step by step (``schedule``), so that
-other processes' load on a shared machine hits every run alike; on CUDA they run one after the other,
-so that each run's peak memory is its own. transformers is imported here, never at ``import truefuse``.
+other processes' load on a shared machine hits every run alike (the peers ``apart`` run alone after
+them); on CUDA they run one after the other, so that each run's peak memory is its own. transformers
+is imported here, never at ``import truefuse``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import copy
 import gc
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -438,9 +439,15 @@ def run_demo(
     cache_dir: str | None = None,
     quiet: bool = False,
     log: Callable[[str], None] | None = None,
+    apart: Iterable[str] = (),
 ) -> DemoResult:
     """Train "stock", then each of ``peers`` (name -> patch of the model), from one initial state on
     the same batches. ``log`` gets one-line notes (data, patch reports) as they happen.
+
+    ``apart``: peers that run alone, one after the other, after the interleaved runs: a run much
+    slower than the others (the batch-invariant one), interleaved, slowed every run of its round.
+    Their step times are their own, the others' are taken without them; the result keeps the
+    runs' order.
 
     A peer whose patch changes process-wide state (Liger's RoPE replaces a transformers module
     function) needs ``schedule="sequential"`` and the last place, or it would leak into the runs before it.
@@ -458,21 +465,28 @@ def run_demo(
     state = initial_state(cfg, model_config)
     result = DemoResult(cfg, facts, environment(device), model_config.to_dict())
     runs = {"stock": None, **peers}
+    apart = set(apart)
+    unknown = apart - set(peers)
+    if unknown:
+        raise ValueError(f"apart names no peer: {', '.join(sorted(unknown))}")
+    done: dict[str, RunResult] = {}
     with progress_bar(cfg.steps * len(runs), quiet) as on_step:
         if cfg.schedule == "interleaved":
-            trainers = [Trainer(name, cfg, model_config, state, patch) for name, patch in runs.items()]
+            trainers = [Trainer(name, cfg, model_config, state, patch) for name, patch in runs.items() if name not in apart]
             _log_reports(trainers, log)
             for i in range(cfg.steps):
                 for t in trainers:
                     on_step(t.name, i, t.step(batches[i]))
-            result.runs.extend(t.close() for t in trainers)
-        else:
-            for name, patch in runs.items():
-                trainer = Trainer(name, cfg, model_config, state, patch)
-                _log_reports([trainer], log)
-                for i in range(cfg.steps):
-                    on_step(name, i, trainer.step(batches[i]))
-                result.runs.append(trainer.close())
+            done.update((t.name, t.close()) for t in trainers)
+        for name, patch in runs.items():
+            if name in done:
+                continue
+            trainer = Trainer(name, cfg, model_config, state, patch)
+            _log_reports([trainer], log)
+            for i in range(cfg.steps):
+                on_step(name, i, trainer.step(batches[i]))
+            done[name] = trainer.close()
+    result.runs.extend(done[name] for name in runs)
     return result
 
 

@@ -10,6 +10,7 @@ batch and in decode against a KV cache.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from truefuse.config import get_config
 from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._triton import sm_count, triton_runs
-from truefuse.ops.attention_blocked import score_transform
+from truefuse.ops.attention_blocked import attention_blocked, score_transform
 from truefuse.ops.attention_config import attention_config, forward_tile
 from truefuse.ops.attention_mask import score_mask
 
@@ -325,4 +326,85 @@ def _backward(ctx, dout, dlse):
 
 register_backward(
     attention_fwd_op, _backward, _setup, bwd_ops=(attention_bwd_op,), name="attention", ref="truefuse.ops.attention.attention_ref"
+)
+
+
+# The PyTorch path as one opaque op while torch.compile traces (autograd/attention.py): traced into
+# the graph, Inductor generates its own code for its math (its exp, its reductions) and a row got
+# other bits than in eager mode (1 ulp; tests/hf/test_compile_layers.py), so a compiled trainer and
+# an eager sampler would not agree. The op runs the eager path; its backward recomputes the forward
+# and takes autograd's gradients of it, eager's bits too.
+@custom_op("truefuse::attention_pytorch_fwd", mutates_args=())
+def attention_pytorch_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    key_start: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """``attention_blocked``'s output (contiguous)."""
+    return attention_blocked(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap).contiguous()
+
+
+@attention_pytorch_op.register_fake
+def _(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@custom_op("truefuse::attention_pytorch_bwd", mutates_args=())
+def attention_pytorch_bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    key_start: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    window: int,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (contiguous): autograd's, through the recomputed forward."""
+
+    def grads():
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = attention_blocked(*leaves, attn_mask, key_start, scale, is_causal, window, softcap)
+            return tuple(g.contiguous() for g in torch.autograd.grad(out, leaves, do))
+
+    # in a thread of its own: an op's body runs with autograd's dispatch keys excluded (thread-local
+    # state that enable_grad does not lift), so here autograd would record nothing
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(grads).result()
+
+
+@attention_pytorch_bwd_op.register_fake
+def _(do, q, k, v, attn_mask, key_start, scale, is_causal, window, softcap):
+    cf = torch.contiguous_format
+    return torch.empty_like(q, memory_format=cf), torch.empty_like(k, memory_format=cf), torch.empty_like(v, memory_format=cf)
+
+
+def _pytorch_setup(ctx, inputs, output):
+    q, k, v, attn_mask, key_start, *args = inputs
+    ctx.save_for_backward(q, k, v, attn_mask, key_start)
+    ctx.args = tuple(args)
+
+
+def _pytorch_backward(ctx, dout):
+    q, k, v, attn_mask, key_start = ctx.saved_tensors
+    dq, dk, dv = attention_pytorch_bwd_op(dout, q, k, v, attn_mask, key_start, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+register_backward(
+    attention_pytorch_op,
+    _pytorch_backward,
+    _pytorch_setup,
+    bwd_ops=(attention_pytorch_bwd_op,),
+    name="attention",
+    ref="truefuse.ops.attention.attention_ref",
 )

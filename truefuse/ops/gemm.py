@@ -560,7 +560,9 @@ def _gemm(a, b, **kw):
     pre_out = torch.empty(out_shape, dtype=odt, device=a.device) if return_pre_activation else None
     gb_shape = (len(splits), a.shape[0]) if (splits is not None and not rows_mode) else (a.shape[0],)
     gb_out = torch.empty(gb_shape, dtype=a.dtype, device=a.device) if grad_bias else None
-    if out is None:
+    if out is None and pre_out is None and gb_out is None:
+        out = launch(gemm_result_op, a, b, odt, bias, activation, grad_activation, pre_activation, splits, bool(per_group), bi)
+    elif out is None:
         out = launch(
             gemm_op, a, b, odt, bias, activation, pre_out, grad_activation, pre_activation, gb_out, splits, bool(per_group), bi
         )
@@ -665,6 +667,48 @@ def _(
     per_group,
     batch_invariant=False,
 ):
+    return a.new_empty(_out_shape(a, b, splits), dtype=out_dtype)
+
+
+# The common call (no pre-activation, no bias gradient) as an op that mutates nothing: traced, the
+# mutating ``gemm_op`` with both its mutable arguments None became an auto_functionalized call that
+# Inductor (torch 2.13) lowered to the op plus a ``getitem`` of its single tensor, and failed
+# ("<built-in function getitem> is not an OpOverload"): every F.linear of a batch-invariant model
+# under compile_layers (tests/hf/test_compile_layers.py).
+@custom_op("truefuse::gemm_result", mutates_args=())
+def gemm_result_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    grad_activation: str | None,
+    pre_activation: torch.Tensor | None,
+    splits: list[int] | None,
+    per_group: bool,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """``gemm_op`` without the optional outputs: returns the new output."""
+    return _execute(
+        a,
+        b,
+        None,
+        out_dtype,
+        False,
+        bias,
+        activation,
+        None,
+        grad_activation,
+        pre_activation,
+        None,
+        splits,
+        per_group,
+        batch_invariant,
+    )
+
+
+@gemm_result_op.register_fake
+def _(a, b, out_dtype, bias, activation, grad_activation, pre_activation, splits, per_group, batch_invariant=False):
     return a.new_empty(_out_shape(a, b, splits), dtype=out_dtype)
 
 

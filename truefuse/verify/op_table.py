@@ -130,6 +130,7 @@ def _gemm_opcheck(device):
     n = None
     return [
         ("truefuse::gemm", (a, b, torch.float32, bias, n, n, n, n, n, n, False), None),
+        ("truefuse::gemm_result", (a, b, torch.float32, bias, n, n, n, n, False, True), None),
         # the grouped forward (rows split, b 3-D), and the GELU epilogue keeping the pre-activation
         ("truefuse::gemm", (a, b3, torch.float32, n, n, n, n, n, n, [3, 5], True), None),
         ("truefuse::gemm", (a, b, torch.float32, bias, "gelu", pre, n, n, n, n, False), None),
@@ -336,9 +337,14 @@ def _attention_opcheck(device):
     with torch.no_grad():  # the backward op takes plain tensors (a traced backward graph does)
         out, lse = resolve("truefuse.ops.attention:attention_fwd_op")(q, k, v, *args)
     detached = (q.detach(), k.detach(), v.detach(), out, lse)
+    # the PyTorch path's ops (what torch.compile traces in its place), fp64: no kernel takes it
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    plain = tuple(t.detach() for t in (q2, k2, v2))  # differentiating the backward op is refused, by name
     return [
         ("truefuse::attention_fwd", (q, k, v, *args), None),
         ("truefuse::attention_bwd", (torch.randn_like(out), *detached, *args), None),
+        ("truefuse::attention_pytorch_fwd", (q2, k2, v2, *args), None),
+        ("truefuse::attention_pytorch_bwd", (torch.randn_like(plain[0]), *plain, *args), None),
     ]
 
 
@@ -387,7 +393,11 @@ OPS: tuple[OpDecl, ...] = (
     OpDecl(
         name="gemm",
         stem="gemm",
-        custom_ops={"truefuse::gemm": "truefuse.ops.gemm:gemm_op", "truefuse::gemm_out": "truefuse.ops.gemm:gemm_out_op"},
+        custom_ops={
+            "truefuse::gemm": "truefuse.ops.gemm:gemm_op",
+            "truefuse::gemm_result": "truefuse.ops.gemm:gemm_result_op",
+            "truefuse::gemm_out": "truefuse.ops.gemm:gemm_out_op",
+        },
         ref="truefuse.ops.gemm:gemm_ref",
         verify=("gemm",),
         inline=False,
@@ -579,6 +589,8 @@ OPS: tuple[OpDecl, ...] = (
         custom_ops={
             "truefuse::attention_fwd": "truefuse.ops.attention:attention_fwd_op",
             "truefuse::attention_bwd": "truefuse.ops.attention:attention_bwd_op",
+            "truefuse::attention_pytorch_fwd": "truefuse.ops.attention:attention_pytorch_op",
+            "truefuse::attention_pytorch_bwd": "truefuse.ops.attention:attention_pytorch_bwd_op",
         },
         ref="truefuse.ops.attention:attention_ref",
         verify=("attention",),
