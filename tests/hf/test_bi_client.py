@@ -15,9 +15,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
+from conftest import requires_cuda  # noqa: E402
+
 import truefuse  # noqa: E402
 from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
-from truefuse.integrations.huggingface import apply_truefuse, model_log_probs  # noqa: E402
+from truefuse.integrations.huggingface import apply_truefuse, generate_log_probs, model_log_probs  # noqa: E402
 from truefuse.integrations.huggingface import batch_invariant as bi  # noqa: E402
 
 PROMPTS, NEW, T = 24, 6, 0.9
@@ -40,9 +42,10 @@ def _autocast(on: bool):
 
 
 def _sampler_and_trainer(model, amp: bool, seed=1):
-    """The documented recipe: the sampled tokens' log-probs from ``generate``'s logits, and the
-    trainer's from ``model_log_probs`` over prompt + completion; (sampler, trainer, completion mask)."""
+    """The documented recipe: the sampled tokens' log-probs from ``generate``'s logits
+    (``generate_log_probs``), and the trainer's from ``model_log_probs`` over prompt + completion."""
     ids, mask = _prompts()
+    ids, mask = ids.to(model.device), mask.to(model.device)
     torch.manual_seed(seed)
     with torch.no_grad(), _autocast(amp):
         out = model.generate(
@@ -196,3 +199,40 @@ def test_parity_checks_the_recipe(torch_paths, monkeypatch):
         monkeypatch.setattr(log_probs, "model_log_probs", moved)
         d = parity.sampler_vs_trainer(model, prompts, 4)
     assert (d.rows, d.differing) == (12, 1) and d.max_dlp > 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("amp", [False, True], ids=["bf16", "autocast-bf16"])
+def test_sampler_recipe_equals_trainer_cuda(amp):
+    """The recipe on the GPU's kernels at a real vocabulary: ``generate`` upcasts its logits to fp32,
+    the head reads its own in bf16, and the log-prob kernel's bits follow the dtype it loads (1 of 96
+    tokens 1 ulp off on an H100 before ``generate_log_probs`` cast them back)."""
+    from truefuse.demo.parity_cli import build
+
+    dtype = torch.float32 if amp else torch.bfloat16
+    model = build("llama", 2, 256, 32000, dtype, torch.device("cuda"), 0)
+    apply_truefuse(model, batch_invariant=True)
+    sampler, trainer = _sampler_and_trainer(model, amp)
+    assert torch.equal(sampler, trainer), f"{int((sampler != trainer).sum())} of {sampler.numel()} differ"
+
+
+def test_generate_log_probs_casts_back_to_the_models_logits_dtype(monkeypatch):
+    """``generate``'s fp32 logits go to ``token_log_probs`` in the dtype the model's forward gives
+    (bf16 for a bf16 model or under bf16 autocast, fp32 otherwise)."""
+    import truefuse.autograd.token_log_probs as tlp
+    from truefuse.integrations.huggingface.log_probs import logits_dtype
+
+    seen = []
+    real = tlp.token_log_probs
+    monkeypatch.setattr(tlp, "token_log_probs", lambda z, *a, **k: seen.append(z.dtype) or real(z, *a, **k))
+    fp32, bf16 = tiny_model("llama", num_hidden_layers=1), tiny_model("llama", torch.bfloat16, num_hidden_layers=1)
+
+    class Out:
+        logits = [torch.randn(2, VOCAB).bfloat16().float() for _ in range(3)]
+        sequences = torch.randint(1, VOCAB, (2, 7))
+
+    for model, amp in ((fp32, False), (fp32, True), (bf16, False)):
+        with _autocast(amp):
+            assert generate_log_probs(model, Out, 4).log_probs.shape == (2, 3)
+            assert seen[-1] == logits_dtype(model)
+    assert seen == [torch.float32, torch.bfloat16, torch.bfloat16]

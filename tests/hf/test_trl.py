@@ -26,7 +26,7 @@ import truefuse  # noqa: E402
 import truefuse.integrations.trl as tf_trl  # noqa: E402
 from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
 from truefuse.integrations.huggingface import apply_truefuse, model_log_probs  # noqa: E402
-from truefuse.integrations.huggingface.log_probs import positions  # noqa: E402
+from truefuse.integrations.huggingface.log_probs import logits_dtype, positions  # noqa: E402
 
 ALL = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 PAD, EOS, BOS = 0, 1, 2
@@ -422,7 +422,9 @@ def _sampler_equals_trainer(tmp_path, **over):
         comp = out.sequences[:, P:]
         after_eos = (comp == EOS).int().cumsum(1) - (comp == EOS).int() > 0
         target = comp.masked_fill(after_eos, -100)
-        lp = truefuse.token_log_probs(torch.stack(out.logits, 1), target, temperature=args.temperature).log_probs
+        # generate's logits upcast to fp32, back in the dtype the head reads (generate_log_probs')
+        steps = torch.stack(out.logits, 1).to(logits_dtype(model))
+        lp = truefuse.token_log_probs(steps, target, temperature=args.temperature).log_probs
         for r in range(comp.shape[0]):
             keep = ~after_eos[r]
             samples[(tuple(k["input_ids"][r].tolist()), tuple(comp[r][keep].tolist()))] = lp[r][keep]

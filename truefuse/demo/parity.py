@@ -122,7 +122,7 @@ def sampler_vs_trainer(model, prompts: list[torch.Tensor], new_tokens: int, temp
     """Sampled ``generate`` (KV cache, left-padded prompts, ``temperature``, no top-k/top-p): each
     sampled token's log-prob from the step's logits (``token_log_probs``) vs ``model_log_probs``
     over prompt + completion, the two numbers an RL importance ratio divides."""
-    from truefuse.integrations.huggingface.log_probs import model_log_probs
+    from truefuse.integrations.huggingface.log_probs import generate_log_probs, model_log_probs
 
     ids, mask = pad(prompts, "left")
     model.generation_config.eos_token_id = None
@@ -142,7 +142,7 @@ def sampler_vs_trainer(model, prompts: list[torch.Tensor], new_tokens: int, temp
     )
     P = ids.shape[1]
     gen = out.sequences[:, P:]
-    sampler = token_log_probs(torch.stack(out.logits, 1), gen, temperature=temperature).log_probs
+    sampler = generate_log_probs(model, out, P, temperature=temperature).log_probs
     full_mask = torch.cat([mask, torch.ones_like(gen)], 1)
     trainer = model_log_probs(model, out.sequences, full_mask, temperature=temperature).log_probs[:, P - 1 :]
     diff = Diff()

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from truefuse.autograd.token_log_probs import token_log_probs
+from truefuse.integrations.huggingface.log_probs import logits_dtype
 
 #: the character vocabulary: specials, then the characters prompts and answers are made of
 PAD, BOS, EOS = 0, 1, 2
@@ -297,7 +298,9 @@ class GRPORun:
         self.model.eval()  # the patched forward's generate path (no training-only branches)
         out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen_config)
         completions = out.sequences[:, ids.shape[1] :]
-        logits = torch.stack(out.logits, 1)  # (B, n, V)
+        # generate upcasts its logits to fp32: back to the model's logits dtype (exact), in which the
+        # trainer's head reads its own (generate_log_probs does the same for a whole generation)
+        logits = torch.stack(out.logits, 1).to(logits_dtype(self.model))  # (B, n, V)
         target = torch.where(completion_mask(completions).bool(), completions, -100)
         return completions, token_log_probs(logits, target, temperature=self.cfg.temperature).log_probs
 

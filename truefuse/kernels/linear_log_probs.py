@@ -23,7 +23,7 @@ torch's backward through the selection gives).
 import triton
 import triton.language as tl
 
-from truefuse.kernels._rows import lane_sum, logits_block
+from truefuse.kernels._rows import logits_block
 
 
 @triton.jit
@@ -112,9 +112,8 @@ def _linear_log_probs_chunk_kernel(
     # a lane whose max stayed -inf holds s = r = 0 (or NaN after a NaN): as it stands
     keep = (m == mx) | (m == float("-inf"))
     f = tl.where(keep, 1.0, tl.exp(m - mx))
-    # fixed-order sums: the same bits whatever dtype the row was loaded in (kernels/_rows.py)
-    S = lane_sum(s * f, BLOCK_V)
-    R = lane_sum(f * (r + tl.where(keep, 0.0, s * (m - mx))), BLOCK_V)
+    S = tl.sum(s * f, axis=0)
+    R = tl.sum(f * (r + tl.where(keep, 0.0, s * (m - mx))), axis=0)
     # relative to the max throughout, as torch's log_softmax: (u − max) − log S, no cancellation
     # against |max|. log_softmax is NaN on the whole row when its max is not finite (inf − inf)
     # or a logit is NaN: log S carries that NaN into every output.

@@ -11,7 +11,7 @@ from truefuse.integrations.huggingface import attention as _attention
 from truefuse.integrations.huggingface.architectures import ARCHITECTURES
 from truefuse.integrations.huggingface.class_patch import ClassPatch
 from truefuse.integrations.huggingface.compile import compile_layers
-from truefuse.integrations.huggingface.log_probs import model_log_probs
+from truefuse.integrations.huggingface.log_probs import generate_log_probs, model_log_probs
 from truefuse.integrations.huggingface.patch import (
     apply_truefuse,
     apply_truefuse_to,
@@ -44,6 +44,7 @@ __all__ = [
     "apply_truefuse_to_qwen3",
     "apply_truefuse_to_qwen3_moe",
     "compile_layers",
+    "generate_log_probs",
     "model_log_probs",
     "unpatch_truefuse",
 ]

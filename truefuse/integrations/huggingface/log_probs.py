@@ -17,7 +17,7 @@ from truefuse.autograd._chunked_head import head_logits
 from truefuse.autograd.linear_log_probs import linear_log_probs
 from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOutput
 
-__all__ = ["bi_logits", "model_log_probs", "positions"]
+__all__ = ["bi_logits", "generate_log_probs", "logits_dtype", "model_log_probs", "positions"]
 
 
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -80,6 +80,34 @@ def model_log_probs(
         hidden = model.base_model(**kw, use_cache=False).last_hidden_state
         out = linear_log_probs(hidden[:, :-1], head.weight, target, linear_bias=head.bias, temperature=temperature, softcap=cap)
     return LinearLogProbsOutput(*out)
+
+
+def logits_dtype(model) -> torch.dtype:
+    """The dtype ``model``'s forward gives its logits in here: the autocast dtype under
+    ``torch.autocast`` on the head's device (its GEMM is cast as ``F.linear``'s), else the head's."""
+    from truefuse.integrations.huggingface.batch_invariant import unwrap
+
+    weight = unwrap(model).lm_head.weight
+    if torch.is_autocast_enabled(weight.device.type):
+        return torch.get_autocast_dtype(weight.device.type)
+    return weight.dtype
+
+
+def generate_log_probs(model, output, prompt_length: int, *, temperature: float = 1.0) -> LinearLogProbsOutput:
+    """The sampler's half of docs/batch_invariance.md's recipe: each generated token's log-prob and
+    entropy from the logits ``model.generate(..., output_logits=True, return_dict_in_generate=True)``
+    sampled it from, (B, new) each.
+
+    ``generate`` hands back its logits upcast to fp32; they are cast back to :func:`logits_dtype`
+    (exact: the values are the model's) before ``token_log_probs``, so the per-row kernel reads them
+    in the dtype the trainer's head reads its own. On an H100 the same values loaded as fp32 gave
+    1 ulp other log-probs in 1 of 96 tokens (the kernel's vector width follows the dtype:
+    docs/benchmarks.md, "RL in the client users run"). Call it in the autocast state ``generate``
+    ran in. ``prompt_length``: the prompts' padded length (``input_ids.shape[1]``)."""
+    from truefuse.autograd.token_log_probs import token_log_probs
+
+    steps = torch.stack(tuple(output.logits), 1).to(logits_dtype(model))
+    return token_log_probs(steps, output.sequences[:, prompt_length:], temperature=temperature)
 
 
 def bi_logits(model, hidden: torch.Tensor) -> torch.Tensor:
