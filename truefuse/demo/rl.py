@@ -77,7 +77,8 @@ PRESETS = {
     # GEMMs then round a sampler's row otherwise than the trainer's (stock's gap is not 0; at hidden
     # 64 and 128 rows they were the same bits, and only the GPU would show the gap)
     "cpu": RLConfig(),
-    # bf16, ~100M parameters, 1024 completions a step (issue 45): the lead's GPU run
+    # bf16, ~100M parameters, 1024 completions a step. lr 5e-5: at 3e-4 the policy collapsed to one
+    # answer a prompt by step 2 (H100, docs/benchmarks.md "RL in the client users run")
     "gpu": RLConfig(
         size="gpu",
         device="cuda",
@@ -90,8 +91,8 @@ PRESETS = {
         digits=3,
         prompts=64,
         group=16,
-        steps=100,
-        lr=3e-4,
+        steps=40,
+        lr=5e-5,
     ),
 }
 
