@@ -236,3 +236,18 @@ def test_generate_log_probs_casts_back_to_the_models_logits_dtype(monkeypatch):
             assert generate_log_probs(model, Out, 4).log_probs.shape == (2, 3)
             assert seen[-1] == logits_dtype(model)
     assert seen == [torch.float32, torch.bfloat16, torch.bfloat16]
+
+
+def test_unpatch_gives_the_layers_back():
+    """``unpatch_truefuse`` of a BI model: the decoder layers get their stock class and carry no
+    mode, and the model runs stock (F.linear torch's own)."""
+    from truefuse.integrations.huggingface import unpatch_truefuse
+
+    stock = tiny_model("llama", num_hidden_layers=2)
+    model = copy.deepcopy(stock)
+    apply_truefuse(model, batch_invariant=True)
+    layer_cls = type(stock.model.layers[0])
+    assert type(model.model.layers[0]) is not layer_cls and model.model.layers[0].__dict__.get("_truefuse_bi_mode")
+    unpatch_truefuse(model)
+    assert all(type(m) is layer_cls and "_truefuse_bi_mode" not in m.__dict__ for m in model.model.layers)
+    assert not bi.is_enabled(model)

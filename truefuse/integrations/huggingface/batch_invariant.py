@@ -221,9 +221,10 @@ def disable(model: torch.nn.Module) -> None:
     """Undo :func:`enable` (no-op on a model without it)."""
     for h in getattr(model, "_truefuse_bi_handles", None) or ():
         h.remove()
-    for m in model.modules():
+    for m in model.modules():  # the layers (unpatch_truefuse may have given them their class back)
         if getattr(type(m), "_truefuse_kind", None) == "batch_invariant_layer":
             modules.unpatch(m)
+        if m is not model:
             m.__dict__.pop("_truefuse_bi_mode", None)
     for name in ("_truefuse_bi_handles", "_truefuse_bi_mode", "_truefuse_bi_groups"):
         if name in vars(model):
