@@ -388,6 +388,31 @@ def test_trainer_runs_truefuse_head(kind, mode, counts, tmp_path, torch_paths):
     assert "loss" in logs[True][0] and "grad_norm" in logs[True][0]
 
 
+@pytest.mark.parametrize("kind", ["grpo", "sft"])
+def test_trainers_with_trl_defaults_stock_fast_bi(kind, counts, tmp_path, torch_paths):
+    """GRPO and SFT with TRL's defaults (bf16 autocast over the fp32 model, gradient checkpointing):
+    stock, fast mode and batch-invariant mode (each with the switch on but stock) train, truefuse's
+    head runs for the patched ones, and their logged losses and gradient norms follow stock's
+    within bf16's reach (BI raised under autocast and lost its mode under checkpointing before)."""
+    logs = {}
+    for mode in ("stock", "fast", "bi"):
+        before = counts["truefuse"]
+        switch = tf_trl.use_truefuse_head() if mode != "stock" else None
+        trainer = _trainer(kind, _model(mode), _args(kind, tmp_path, bf16=True, gradient_checkpointing=True))
+        trainer.train()
+        assert trainer.model.is_gradient_checkpointing
+        logs[mode] = trainer.state.log_history
+        if switch is not None:
+            assert counts["truefuse"] > before
+            switch.undo()
+    for mode in ("fast", "bi"):
+        for ours, theirs in zip(logs[mode], logs["stock"], strict=True):
+            for k in ("loss", "grad_norm"):
+                if k in theirs:
+                    assert ours[k] == pytest.approx(theirs[k], rel=5e-2, abs=2e-3), (mode, k, ours, theirs)
+    assert "grad_norm" in logs["bi"][0]
+
+
 # ----------------------------------------------------------------------------------------------
 # GRPO: the sampler's log-probs are the trainer's, bit for bit
 
