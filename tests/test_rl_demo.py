@@ -86,13 +86,13 @@ def test_table_json_and_plot_are_written(tiny, tmp_path):
 
 def test_gap_sees_a_sampler_trainer_mismatch(monkeypatch):
     """The measurement is live: shift the sampler's log-probs by 1e-3 and the gap says so."""
-    real = rl.token_log_probs
+    real = rl.generate_log_probs
 
     def shifted(*args, **kwargs):
         out = real(*args, **kwargs)
         return out._replace(log_probs=out.log_probs + 1e-3)
 
-    monkeypatch.setattr(rl, "token_log_probs", shifted)
+    monkeypatch.setattr(rl, "generate_log_probs", shifted)
     cfg = rl.make_config("cpu", **dict(TINY, steps=1))
     rec = rl.run_rl(cfg, ["stock"]).runs[0]
     assert rec.gap[0] == pytest.approx(1e-3, rel=1e-3)

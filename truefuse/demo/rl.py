@@ -4,13 +4,13 @@ from scratch, stock vs truefuse in batch-invariant mode, from the same weights a
 
 Each step samples ``group`` completions of each of ``prompts`` prompts ``"a+b="`` with
 ``model.generate`` (the sampler: KV cache, left-padded prompts); the sampler's log-probs are
-``truefuse.token_log_probs`` of the logits it sampled from. The trainer recomputes them with
-``model_log_probs`` (one forward over prompt + completion, differentiable), and the update is GRPO's
-clipped importance-ratio loss with group-normalised advantages, one AdamW step. Before the update,
-the trainer's and the sampler's log-probs of the same tokens should be equal: their gap is what the
-run records next to the reward. In batch-invariant mode it is 0 bit for bit; stock's sampler and
-trainer disagree in the last bits, the mismatch RL papers measure. transformers is imported only
-when a run starts.
+``generate_log_probs`` (``token_log_probs`` of the logits it sampled from, in the model's logits
+dtype). The trainer recomputes them with ``model_log_probs`` (one forward over prompt + completion,
+differentiable), and the update is GRPO's clipped importance-ratio loss with group-normalised
+advantages, one AdamW step. Before the update, the trainer's and the sampler's log-probs of the
+same tokens should be equal: their gap is what the run records next to the reward. In
+batch-invariant mode it is 0 bit for bit; stock's sampler and trainer disagree in the last bits,
+the mismatch RL papers measure. transformers is imported only when a run starts.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from truefuse.autograd.token_log_probs import token_log_probs
-from truefuse.integrations.huggingface.log_probs import logits_dtype
+from truefuse.integrations.huggingface.log_probs import generate_log_probs
 
 #: the character vocabulary: specials, then the characters prompts and answers are made of
 PAD, BOS, EOS = 0, 1, 2
@@ -294,16 +293,14 @@ class GRPORun:
     @torch.no_grad()
     def sample(self, ids: torch.Tensor, mask: torch.Tensor, step: int):
         """(completions (B, n), sampler log-probs (B, n)): ``generate`` at the temperature, then
-        ``token_log_probs`` of the sampled tokens from the raw logits they were drawn from."""
+        ``generate_log_probs`` of the sampled tokens from the logits they were drawn from (0 after a
+        sequence's EOS: each row's log-prob is its own, so zeroing them leaves the others' bits)."""
         torch.manual_seed(self.cfg.seed * 100_003 + step)  # every run draws the same random numbers
         self.model.eval()  # the patched forward's generate path (no training-only branches)
         out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen_config)
         completions = out.sequences[:, ids.shape[1] :]
-        # generate upcasts its logits to fp32: back to the model's logits dtype (exact), in which the
-        # trainer's head reads its own (generate_log_probs does the same for a whole generation)
-        logits = torch.stack(out.logits, 1).to(logits_dtype(self.model))  # (B, n, V)
-        target = torch.where(completion_mask(completions).bool(), completions, -100)
-        return completions, token_log_probs(logits, target, temperature=self.cfg.temperature).log_probs
+        lp = generate_log_probs(self.model, out, ids.shape[1], temperature=self.cfg.temperature).log_probs
+        return completions, torch.where(completion_mask(completions).bool(), lp, 0.0)
 
     def train_step(self, seqs, full_mask, prompt_len, old, cmask, advantages) -> torch.Tensor:
         """The trainer's log-probs of the completion tokens (before the update) and one AdamW step on

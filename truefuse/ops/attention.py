@@ -377,9 +377,15 @@ def attention_pytorch_bwd_op(
             return tuple(g.contiguous() for g in torch.autograd.grad(out, leaves, do))
 
     # in a thread of its own: an op's body runs with autograd's dispatch keys excluded (thread-local
-    # state that enable_grad does not lift), so here autograd would record nothing
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(grads).result()
+    # state that enable_grad does not lift), so here autograd would record nothing. One worker,
+    # made at the first compiled backward and kept (not a pool per call)
+    global _GRAD_THREAD
+    if _GRAD_THREAD is None:
+        _GRAD_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="truefuse-attention-grad")
+    return _GRAD_THREAD.submit(grads).result()
+
+
+_GRAD_THREAD: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 @attention_pytorch_bwd_op.register_fake

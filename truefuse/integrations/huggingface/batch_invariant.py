@@ -159,17 +159,14 @@ class ModelMode:
             yield
 
     def push(self) -> None:
-        cm = None if self.active() else self.entered()
-        if cm is not None:
-            cm.__enter__()
+        cm = self.entered()
+        cm.__enter__()
         self._stacks.setdefault(threading.get_ident(), []).append(cm)
 
     def pop(self) -> None:
         stack = self._stacks.get(threading.get_ident())
         if stack:
-            cm = stack.pop()
-            if cm is not None:
-                cm.__exit__(None, None, None)
+            stack.pop().__exit__(None, None, None)
 
 
 def _pre_hook(module, args):
