@@ -1,5 +1,5 @@
 """Batch-invariant mode where RL users run it (issue 45): the sampler recipe of
-docs/batch_invariance.md (``generate``'s logits through ``truefuse.token_log_probs``) equals the
+docs/batch_invariance.md (``generate_log_probs`` of ``generate``'s logits) equals the
 trainer's ``model_log_probs`` bit for bit, in fp32 and under bf16 ``torch.autocast`` (TRL's
 ``bf16=True``); gradient checkpointing (reentrant or not) recomputes the layers in the mode, so the
 gradients are those without it; a PEFT LoRA model runs its adapters on the batch-invariant GEMM."""
@@ -61,7 +61,7 @@ def _sampler_and_trainer(model, amp: bool, seed=1):
             pad_token_id=0,
         )
         completion = out.sequences[:, ids.shape[1] :]
-        sampler = truefuse.token_log_probs(torch.stack(out.logits, 1), completion, temperature=T).log_probs
+        sampler = generate_log_probs(model, out, ids.shape[1], temperature=T).log_probs
         full = torch.cat([mask, torch.ones_like(completion)], 1)
         trainer = model_log_probs(model, out.sequences, full, temperature=T).log_probs[:, -NEW:]
     return sampler, trainer
