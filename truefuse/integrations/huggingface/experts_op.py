@@ -18,10 +18,12 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._wgrad import WgradState
+from truefuse.ops._capture import refuse_under_capture
 from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
 
 
 def _run(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, activation: str, backend: str):
+    refuse_under_capture(counts, f"the experts' group sizes (experts_backend={backend!r})")
     splits = tuple(int(c) for c in counts.tolist())
     spec1 = GroupSpec(splits, True, False, ("gate_up_proj",), path=backend)
     spec2 = GroupSpec(splits, True, False, ("down_proj",), path=backend)

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from truefuse.autograd._modes import Modes
+from truefuse.ops._capture import host_may_wait
 
 __all__ = [
     "SUPPORTED",
@@ -269,8 +270,8 @@ def _start_label_check(self, labels, kwargs, logits_to_keep):
     decoder runs, and return its finish (None where the loss checks them itself). The loss then does
     not wait for a check of its own, queued after the decoder: see
     ``ops/lm_head/linear_cross_entropy.py::targets_checked``."""
-    if torch.compiler.is_compiling() or not isinstance(labels, torch.Tensor) or not _label_check_ahead(labels):
-        return None
+    if not isinstance(labels, torch.Tensor) or not host_may_wait(labels) or not _label_check_ahead(labels):
+        return None  # traced or captured: the loss checks on the device instead
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         return None
     shift = kwargs.get("shift_labels")
@@ -295,10 +296,11 @@ def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict, bi: bo
     x = hidden.reshape(-1, hidden.shape[-1])
     t = t.reshape(-1).to(device=x.device)
     V = self.lm_head.out_features  # the weight may be an FSDP2 shard until on_head's call
-    if torch.compiler.is_compiling():
+    if not host_may_wait(t):
         # traced (torch.export, torch.compile): reading the labels on the host would be a
-        # data-dependent guard (export fails on it, issue 31); the check goes into the program as a
-        # device assert instead (a RuntimeError on the CPU, a device-side assert on CUDA)
+        # data-dependent guard (export fails on it, issue 31); captured in a CUDA graph: a host read
+        # breaks the capture. The check goes into the program as a device assert instead (a
+        # RuntimeError on the CPU, a device-side assert on CUDA)
         torch._assert_async(~_out_of_range(t, V, ignore_index).any(), _range_message(name, V, ignore_index))
     elif _early_range_check(t):
         bad = _first_bad(t, V, ignore_index)

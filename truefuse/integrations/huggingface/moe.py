@@ -101,6 +101,7 @@ from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
 from truefuse.integrations.huggingface.experts_op import experts_mlp
 from truefuse.integrations.huggingface.modules import gated_for, truefuse_subclass
 from truefuse.nn.grouped import check_grouped_path, resolve_grouped_path
+from truefuse.ops._capture import refuse_under_capture
 from truefuse.ops._dtensor import refuse_dtensor
 from truefuse.ops.grouped_gemm import split_offsets
 
@@ -230,6 +231,8 @@ def _route(module: torch.nn.Module, backend: str, counts: torch.Tensor, order: t
     if backend == "triton" and not getattr(module, "_is_expert_parallel", False):
         torch._assert_async(counts[E] == 0, SENTINEL_MESSAGE)
         return None, order, (split_offsets(counts[:E], E, order.numel(), counts.device, check=False),)
+    why = "expert-parallel (sentinel slots dropped by a host count)" if backend == "triton" else f"experts_backend={backend!r}"
+    refuse_under_capture(counts, f"the experts' group sizes ({why})")
     splits = counts[:E].tolist()
     n = sum(splits)
     return tuple(splits), (order[:n] if n < order.numel() else order), ()

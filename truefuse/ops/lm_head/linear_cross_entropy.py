@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from truefuse.ops._capture import host_may_wait
 from truefuse.ops._custom_op import custom_op, launch
 from truefuse.ops._dtypes import wide_dtype
 from truefuse.ops._triton import triton_runs
@@ -199,9 +200,9 @@ def check_targets(target: torch.Tensor, V: int, ignore_index: int, valid: torch.
     if valid is None:  # ``target != ignore_index``, when the caller has it already
         valid = target != ignore_index
     bad = valid & (target.clamp(0, V - 1) != target)  # three kernels: each launch counts here
-    if torch.compiler.is_compiling():
-        # a traced graph cannot wait on the host: the check stays on the device (an async error
-        # with no value named; on the CPU it still raises before the function returns)
+    if not host_may_wait(target):
+        # a traced graph or a CUDA-graph capture cannot wait on the host: the check stays on the
+        # device (an async error with no value named; on the CPU it still raises before the return)
         torch._assert_async(~bad.any(), f"target outside [0, {V}) and not ignore_index={ignore_index}")
         return lambda: None
     return _check_finish(bad.any(), target, V, ignore_index)
@@ -231,6 +232,9 @@ def _check_finish(flag: torch.Tensor, target: torch.Tensor, V: int, ignore_index
     is bad (copied to pinned memory behind an event on CUDA; the first bad value is looked up only
     then). Under :func:`targets_checked`: nothing (the caller's check covers it)."""
     if _CHECKED_BY_CALLER.get():
+        return _nothing
+    if not host_may_wait(target):  # captured in a CUDA graph: the check stays on the device
+        torch._assert_async(flag == 0, f"target outside [0, {V}) and not ignore_index={ignore_index}")
         return _nothing
     if not target.is_cuda:
         any_bad = bool(flag)
