@@ -258,3 +258,17 @@ def test_cli_runs_the_batch_invariant_peer_apart(monkeypatch):
     with pytest.raises(SystemExit):
         main(["demo", "--device", "cpu", "--batch-invariant", "--steps", "1", "--quiet"])
     assert seen == {"peers": ["truefuse", "stock again", "truefuse BI"], "apart": ("truefuse BI",)}
+
+
+def test_cuda_graphs_refused_off_cuda_and_with_ranks(capsys):
+    """``--cuda-graphs`` captures the step on a GPU in one process: on the CPU or under FSDP2 it is a
+    clear error before anything is built."""
+    with pytest.raises(ValueError, match="cuda_graphs needs device cuda and one process"):
+        make_config("cpu", device="cpu", cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs needs device cuda and one process"):
+        make_config("gpu", device="cuda", world_size=2, cuda_graphs=True)
+    assert make_config("gpu", device="cuda", cuda_graphs=True).cuda_graphs
+    from truefuse.__main__ import main
+
+    assert main(["demo", "--device", "cpu", "--cuda-graphs", "--steps", "1"]) == 2
+    assert "cuda_graphs needs device cuda" in capsys.readouterr().err

@@ -13,7 +13,7 @@ HF_HINT = "pip install truefuse[hf]"
 
 #: command-line settings that override the --size preset (None: the preset's)
 _SETTINGS = ("dtype", "steps", "hidden", "layers", "heads", "kv_heads", "vocab", "seq", "batch", "lr", "corpus_bytes", "tol")
-_SETTINGS += ("seed", "schedule", "world_size", "fsdp_policy", "head_unit", "compile_layers")
+_SETTINGS += ("seed", "schedule", "world_size", "fsdp_policy", "head_unit", "compile_layers", "cuda_graphs")
 
 
 def _fail(msg: str) -> int:
@@ -93,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "Inductor launches truefuse's kernels itself (docs/huggingface.md, 'With torch.compile'); slow to start on the CPU",
     )
     p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="capture every run's whole step (forward, backward, clip, AdamW) in one CUDA graph after the timing warm-up "
+        "and replay it (docs/cuda_graphs.md); CUDA, one process",
+    )
+    p.add_argument(
         "--batch-invariant",
         action="store_true",
         help="add a run of truefuse in batch-invariant mode, and stock run twice (how far stock is from itself)",
@@ -148,6 +154,7 @@ def main(args: argparse.Namespace) -> int:
     settings = {k: getattr(args, k, None) for k in _SETTINGS}
     settings["head_unit"] = settings["head_unit"] or None
     settings["compile_layers"] = settings["compile_layers"] or None
+    settings["cuda_graphs"] = settings["cuda_graphs"] or None
     try:
         cfg = make_config(size, device=device, **settings)
     except ValueError as e:

@@ -89,6 +89,8 @@ def title(result: DemoResult) -> str:
         dtype += f", policy {c.fsdp_policy}" + (", lm_head its own unit" if c.head_unit else "")
     if c.compile_layers:
         dtype += ", decoder layers compiled"
+    if c.cuda_graphs:
+        dtype += ", steps CUDA-graphed"
     return (
         f"truefuse demo: Llama {c.layers}x{c.hidden} (heads {c.heads}/{c.kv_heads}, vocab {result.model_config['vocab_size']}), "
         f"{tokens} tokens x {c.steps} steps, {dtype} on {result.environment['device']}"

@@ -69,6 +69,9 @@ class DemoConfig:
     # every run's decoder layers torch.compile-d after its patch, before any sharding
     # (integrations/huggingface/compile.py: on a GPU, Inductor launches truefuse's kernels itself)
     compile_layers: bool = False
+    # every run's step (forward, backward, clip, AdamW) captured in one CUDA graph after
+    # `timing_warmup` eager steps and replayed (integrations/cuda_graph.py, docs/cuda_graphs.md)
+    cuda_graphs: bool = False
 
     @property
     def tokens_per_step(self) -> int:
@@ -145,6 +148,8 @@ def make_config(size: str, **overrides) -> DemoConfig:
     for name in names + ("world_size",):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.cuda_graphs and (cfg.device != "cuda" or cfg.world_size > 1):
+        raise ValueError("cuda_graphs needs device cuda and one process (FSDP2 with graphs is not in the demo)")
     if cfg.hidden % cfg.heads or cfg.heads % cfg.kv_heads:
         raise ValueError(
             f"hidden {cfg.hidden}, heads {cfg.heads}, kv_heads {cfg.kv_heads}: need hidden % heads == heads % kv_heads == 0"
@@ -292,10 +297,19 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         # torch's fused AdamW: transformers.Trainer's default optimizer on torch >= 2.8 ("adamw_torch_fused"); the
         # per-tensor foreach one took 21 ms of a 125 ms truefuse step at the GPU preset (one H100, docs/benchmarks.md)
+        # captured: the learning rate a tensor the schedule writes between replays (a float would be
+        # baked into the graph), the optimizer capturable
+        graphs = cfg.cuda_graphs
+        lr = torch.tensor(cfg.lr, device=device) if graphs else cfg.lr
         self.opt = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, fused=True
+            self.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, fused=True, capturable=graphs
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(cfg, s))
+        self.graphed = None
+        if graphs:
+            from truefuse.integrations.cuda_graph import graph_step
+
+            self.graphed = graph_step(self._step_body, warmup=max(1, cfg.timing_warmup))
         self.autocast_dtype = autocast_dtype
         self.model = model
         torch.manual_seed(cfg.seed)
@@ -336,7 +350,13 @@ class Trainer:
         return value
 
     def update(self, ids: torch.Tensor) -> torch.Tensor:
-        """Forward, backward, clip, AdamW and the schedule on ``ids`` (on the device); the loss, unread."""
+        """Forward, backward, clip, AdamW and the schedule on ``ids`` (on the device); the loss, unread
+        (with ``cuda_graphs``, the captured step's loss tensor, overwritten by the next step)."""
+        loss = self._step_body(ids) if self.graphed is None else self.graphed(ids)
+        self.sched.step()  # outside the graph: it writes the learning-rate tensor the graph reads
+        return loss
+
+    def _step_body(self, ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         autocast = (
             torch.autocast(self.device.type, dtype=self.autocast_dtype)
@@ -349,13 +369,12 @@ class Trainer:
         if cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, cfg.clip)
         self.opt.step()
-        self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        return loss
+        return loss.detach()
 
     def close(self) -> RunResult:
         """Free the model and optimizer; the run's record."""
-        del self.model, self.opt, self.sched, self.params
+        del self.model, self.opt, self.sched, self.params, self.graphed
         if self.cuda:
             gc.collect()
         return self.result
