@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import truefuse
-from truefuse.ops.gated_activation import use_kernel
-from truefuse.ops.norm import hf_rstd, rms_norm_hf_fwd_op
+from truefuse.ops.gated_activation.gated_activation import use_kernel
+from truefuse.ops.norm.norm import hf_rstd, rms_norm_hf_fwd_op
 from truefuse.verify.op_table import OPS, available, by_name, resolve
 
 
@@ -278,8 +278,8 @@ def test_inductor_keeps_tma_staged_norm_opaque():
     eager mode's bits, forward and backward."""
     from torch._inductor.utils import run_and_get_code
 
-    from truefuse.ops._triton import hopper
-    from truefuse.ops.norm_config import ln_fwd_staged_config
+    from truefuse.ops._launch.triton import hopper
+    from truefuse.ops.norm.norm_config import ln_fwd_staged_config
 
     torch.manual_seed(0)
     x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -16,7 +16,7 @@ from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.grouped import GroupedLinearFunction, GroupSpec
 from truefuse.autograd.linear import linear
-from truefuse.ops import gemm as G
+from truefuse.ops.gemm import gemm as G
 
 F32 = torch.float32
 

@@ -13,11 +13,11 @@ from truefuse.autograd._autocast import autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._double_backward import module_names, refuses_double_backward
 from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
-from truefuse.ops._dtypes import wgrad_dtype
-from truefuse.ops._triton import PLAIN_TENSORS as _PLAIN
-from truefuse.ops.activation import activation_grad_ref
-from truefuse.ops.bias_grad import split_bias_grad
-from truefuse.ops.gemm import _FLOATS, checked_plain_gemm, gemm, plain_gemm
+from truefuse.ops._launch.dtypes import wgrad_dtype
+from truefuse.ops._launch.triton import PLAIN_TENSORS as _PLAIN
+from truefuse.ops.gemm.activation import activation_grad_ref
+from truefuse.ops.gemm.bias_grad import split_bias_grad
+from truefuse.ops.gemm.gemm import _FLOATS, checked_plain_gemm, gemm, plain_gemm
 
 
 class LinearFunction(torch.autograd.Function):

@@ -16,13 +16,13 @@ from typing import NamedTuple
 import torch
 
 from truefuse.config import is_batch_invariant
-from truefuse.ops._custom_op import custom_op, launch
-from truefuse.ops._dtensor import refuse_dtensor
-from truefuse.ops._triton import PLAIN_TENSORS as _PLAIN_TYPES
-from truefuse.ops.activation import activation_grad_ref, activation_ref, check_activation
-from truefuse.ops.bias_grad import split_bias_grad
-from truefuse.ops.gemm_exec import GemmArgs, run
-from truefuse.ops.gemm_plan import GemmPlan, GemmRequest, plan, plan_context
+from truefuse.ops._launch.custom_op import custom_op, launch
+from truefuse.ops._launch.dtensor import refuse_dtensor
+from truefuse.ops._launch.triton import PLAIN_TENSORS as _PLAIN_TYPES
+from truefuse.ops.gemm.activation import activation_grad_ref, activation_ref, check_activation
+from truefuse.ops.gemm.bias_grad import split_bias_grad
+from truefuse.ops.gemm.gemm_exec import GemmArgs, run
+from truefuse.ops.gemm.gemm_plan import GemmPlan, GemmRequest, plan, plan_context
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -327,7 +327,7 @@ def gemm(
     Batch invariance: ``batch_invariant=True`` (None, the default: whether
     ``truefuse.batch_invariant()`` is on) makes each output row bitwise independent of M and of
     the other rows of ``a`` (docs/design.md §1): the Triton GEMM with BLOCK_K fixed per dtype and a tile
-    from the mode's table (``ops/gemm_bi_config.py``: chosen from M, every entry bitwise equal) where
+    from the mode's table (``ops/gemm/gemm_bi_config.py``: chosen from M, every entry bitwise equal) where
     it runs, else the backend's product on fixed-size row blocks (docs/gemm.md).
 
     Returns:
@@ -495,7 +495,7 @@ def _runner(chosen: GemmPlan):
         and not {"accumulate", "bias"} & set(chosen.fused)
     ):
         return general
-    from truefuse.ops.gemm_backends.triton import bi_launch
+    from truefuse.ops.gemm.gemm_backends.triton import bi_launch
 
     def triton_bi(a, b, out, odt, accumulate, bias):
         if accumulate or a.dtype is not chosen.compute_dtype or a.shape[0] == 0 or b.shape[1] == 0:
@@ -513,7 +513,7 @@ def _torch_mm_runner(chosen: GemmPlan, general):
     """The runner of a bare product on the ``torch`` backend (the weight gradient in every mode,
     fast mode's GEMMs): the backend's product in its scope, as ``gemm_exec.run`` calls it for such a
     plan, without the executor's steps between."""
-    from truefuse.ops.gemm_backends import get_backend
+    from truefuse.ops.gemm.gemm_backends import get_backend
 
     backend = get_backend("torch")
     product, scope, fused = backend.product, backend.scope, chosen.fused
@@ -540,7 +540,7 @@ def gemm_groups(
     equal one ``Linear`` per group bit for bit. ``per_group=False``: as ``gemm``, the planner fuses
     the grouped product where a backend offers it. The plan is otherwise the same.
 
-    Named apart from ``ops/grouped_gemm.py``, the batch-invariant Triton grouped GEMM, which the
+    Named apart from ``ops/grouped_gemm/grouped_gemm.py``, the batch-invariant Triton grouped GEMM, which the
     planner does not choose (docs/design.md §3).
     """
     if m_splits is None:
