@@ -1,6 +1,6 @@
 """Batch-invariant mode's host-time shortcuts (experiments/host_time.py bi-stubbed) give the bits of the
 paths they shortcut, and a kept runner or plan is never reused for a call it does not fit: another
-shape, dtype, device, flag or override gets its own (``ops/gemm/gemm.py::_runner``, the no-grad
+shape, dtype, device, flag or override gets its own (``ops/gemm/gemm_runners.py::_runner``, the no-grad
 ``linear``)."""
 
 import pytest
@@ -11,6 +11,7 @@ import truefuse
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.linear import LinearFunction, linear
 from truefuse.ops.gemm import gemm as G
+from truefuse.ops.gemm import gemm_runners
 from truefuse.ops.gemm.gemm_plan import Capability, backend_available, override_capabilities
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
@@ -44,7 +45,7 @@ def test_triton_bi_runner_launches_without_the_executor_same_bits(M, bias, monke
     with _triton_bi():
         want_f = _general(x, w.t(), bias=bv, batch_invariant=True)
         want_b = _general(dy, w, batch_invariant=True)
-        monkeypatch.setattr(G, "run", lambda *a, **k: pytest.fail("the Triton runner went through the executor"))
+        monkeypatch.setattr(gemm_runners, "run", lambda *a, **k: pytest.fail("the Triton runner went through the executor"))
         got_f = truefuse.gemm(x, w.t(), bias=bv, batch_invariant=True)
         got_b = truefuse.gemm(dy, w, batch_invariant=True)
     assert torch.equal(got_f, want_f) and torch.equal(got_b, want_b)
@@ -256,7 +257,7 @@ def test_torch_mm_runner_skips_the_executor_same_bits(dtype, monkeypatch):
     in its scope without the executor: the general path's bits."""
     dy, x = _t((50, 24), dtype, seed=40), _t((50, 40), dtype, seed=41)
     want = _general(dy.t(), x, batch_invariant=False)
-    monkeypatch.setattr(G, "run", lambda *a, **k: pytest.fail("the torch runner went through the executor"))
+    monkeypatch.setattr(gemm_runners, "run", lambda *a, **k: pytest.fail("the torch runner went through the executor"))
     got = G.plain_gemm(dy.t(), x, batch_invariant=False)
     assert got.dtype == want.dtype and torch.equal(got, want)
 
@@ -278,7 +279,7 @@ def test_runners_same_bits_gpu(dtype, monkeypatch):
             _general(dy.t(), x, out_dtype=F32, batch_invariant=False),
         ]
         with monkeypatch.context() as m:
-            m.setattr(G, "run", lambda *a, **k: pytest.fail("a runner went through the executor"))
+            m.setattr(gemm_runners, "run", lambda *a, **k: pytest.fail("a runner went through the executor"))
             got = [
                 truefuse.gemm(x, w.t(), bias=bv, batch_invariant=True),
                 G.plain_gemm(dy, w, batch_invariant=True),

@@ -322,7 +322,7 @@ def test_splits_fast_path_copies_and_keeps_the_checks():
     """A list of Python ints takes one pass and comes back as a copy (a caller reusing its list
     cannot change what a backward saved); a bool, a NumPy or a tensor entry still goes through the
     full checks and their errors."""
-    from truefuse.ops.gemm.gemm import check_splits
+    from truefuse.ops.gemm.gemm_checks import check_splits
 
     splits = [3, 0, 5]
     out = check_splits(splits, 3, 8, "rows")

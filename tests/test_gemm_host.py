@@ -1,5 +1,5 @@
 """``truefuse.gemm``'s host-side shortcuts (docs/benchmarks.md, "Batch-invariant mode"): the plain
-call's path (``ops/gemm/gemm.py::_plain_gemm``) and the planner's cache give what the general path gives,
+call's path (``ops/gemm/gemm_checks.py::validate``) and the planner's cache give what the general path gives,
 and step aside wherever the general path has something to check or to say."""
 
 import pytest

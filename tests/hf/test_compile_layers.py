@@ -149,7 +149,7 @@ def test_batch_invariant_layers_compile_with_inductor(torch_paths):
     """``compile_layers`` with Inductor (its default) on a batch-invariant model, fullgraph: every
     routed ``F.linear`` is a ``truefuse::gemm`` whose optional outputs (pre-activation, bias
     gradient) are None, which Inductor failed to lower ("<built-in function getitem> is not an
-    OpOverload", ops/gemm/gemm.py::gemm_result_op). One training step: the loss is eager's bits; the
+    OpOverload", ops/gemm/gemm_op.py::gemm_result_op). One training step: the loss is eager's bits; the
     gradients are bounded, as Inductor compiles the stock ops between truefuse's (and on the CPU,
     the norm's PyTorch expression) into code of its own."""
     torch._dynamo.reset()

@@ -18,8 +18,8 @@ import torch
 
 from truefuse.autograd._autocast import autocast_dtype
 from truefuse.ops._launch.triton import PLAIN_TENSORS
-from truefuse.ops.gemm.gemm import runs_bi_triton
 from truefuse.ops.gemm.gemm_bi_config import M_BUCKETS, bucket
+from truefuse.ops.gemm.gemm_runners import runs_bi_triton
 
 #: Attribute names of the sibling ``nn.Linear`` children that read one input, per module kind.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -73,7 +73,7 @@ def fused_call(state: Siblings, x: torch.Tensor, weight: torch.Tensor, bias) -> 
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, bias) -> torch.Tensor:
-    if bias is not None:  # as the plain call's runner adds a split bias (ops/gemm/gemm.py::_runner)
+    if bias is not None:  # as the plain call's runner adds a split bias (ops/gemm/gemm_runners.py::_runner)
         y.add_(bias.to(y.dtype))
     return y.view(*x.shape[:-1], y.shape[-1])
 

@@ -234,7 +234,7 @@ _MAX_PLANS = 4096  # distinct requests are few (dtypes x flags x devices); overr
 def plan_context(device: str) -> tuple:
     """Everything a plan depends on beside its request: the overrides in force, the configuration
     and which backends are available on ``device`` (the key of :data:`_PLANS`, and of the plain
-    call's runners in ``ops/gemm/gemm.py``)."""
+    call's runners in ``ops/gemm/gemm_runners.py``)."""
     return (_OVERRIDES.get(), get_config(), tuple([b.available(device) for b in BACKENDS.values()]))
 
 

@@ -30,7 +30,7 @@ import torch
 from truefuse.config import get_config
 from truefuse.ops._launch.custom_op import custom_op, launch
 from truefuse.ops._launch.triton import sm_count
-from truefuse.ops.gemm.gemm import check_splits
+from truefuse.ops.gemm.gemm_checks import check_splits
 from truefuse.ops.grouped_gemm.grouped_gemm_config import HALF, INTERPRETER_PROGRAMS, TileConfig, tile_config
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

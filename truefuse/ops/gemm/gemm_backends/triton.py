@@ -148,7 +148,7 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
 def bi_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> None:
     """:func:`product`'s batch-invariant launch for a bare product (no derivative prologue, no
     bias-gradient, not accumulated; M and N not 0): the plain call's runner
-    (``ops/gemm/gemm.py::_runner``) launches it without the plan's executor around it."""
+    (``ops/gemm/gemm_runners.py::_runner``) launches it without the plan's executor around it."""
     from truefuse.kernels.activation import ACT_CODES
     from truefuse.kernels.gemm import _gemm_kernel
 
