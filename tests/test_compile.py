@@ -298,7 +298,7 @@ def test_inductor_keeps_tma_staged_norm_opaque():
 
 
 def test_inline_ops_trace_to_their_kernels():
-    """Where Triton compiles, AOT autograd's trace of each inline op (``_custom_op.custom_op``'s
+    """Where Triton compiles, AOT autograd's trace of each inline op (``_launch/custom_op.py::custom_op``'s
     ``inline``) holds its kernel launches, not the op, and each launch passes every kernel
     parameter, defaults included (a traced launch that leaves one to its default fails in
     Inductor: "Incorrect number of arguments passed to kernel"); under dynamic shapes the grid is

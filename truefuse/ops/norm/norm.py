@@ -400,7 +400,7 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, par
 
 
 def _fwd_traceable(x, weight, bias, eps, rms, zero_centered_gamma) -> bool:
-    """Whether a compiled graph may take ``norm_fwd``'s kernel itself (``_custom_op.custom_op``'s
+    """Whether a compiled graph may take ``norm_fwd``'s kernel itself (``_launch/custom_op.py::custom_op``'s
     ``inline``): not the TMA-staged LayerNorm forward, whose host-side descriptor torch 2.11
     cannot trace; that call stays one opaque op, with eager mode's bits."""
     return _fwd_staged(x, rms) is None
