@@ -1,8 +1,8 @@
 """Which tiles and loop shapes of the attention kernels are fastest for bf16, head dim 128, and
 keep the bits (issue 33)?
 
-For each candidate (``ops/attention_config.py``'s tiles, replaced through
-``truefuse.ops.attention.attention_config``):
+For each candidate (``ops/attention/attention_config.py``'s tiles, replaced through
+``truefuse.ops.attention.attention.attention_config``):
 
 * backward: two or more identical backward runs bitwise equal (random dO, B=2, 8/2 heads,
   L=2048, and verify's ones-dO case), where the differing dK elements sit, and fwd + bwd time at
@@ -25,9 +25,9 @@ import torch.nn.functional as F
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import truefuse.ops.attention as ops_attention
+import truefuse.ops.attention.attention as ops_attention
 from truefuse.autograd.attention import attention
-from truefuse.ops.attention_config import attention_config
+from truefuse.ops.attention.attention_config import attention_config
 from truefuse.verify import cases_attention
 
 BF = torch.bfloat16

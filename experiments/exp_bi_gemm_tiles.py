@@ -1,6 +1,6 @@
 """Which tile of batch-invariant mode's Triton GEMM is fastest per M bucket and form (issue 34)?
 
-For each M bucket of ``truefuse/ops/gemm_bi_config.py`` (a representative M each: 16, 64, 256,
+For each M bucket of ``truefuse/ops/gemm/gemm_bi_config.py`` (a representative M each: 16, 64, 256,
 8192), each form (``fwd``: ``x Wᵀ``, B's K contiguous, table layout ``nt``; ``dgrad``: ``dy W``,
 layout ``nn``) and the Llama-8B shapes (K, N) of ``bench_bi_gemm``: every candidate tile through
 ``truefuse.gemm(..., batch_invariant=True)`` (the table entry patched), timed against cuBLAS
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+import truefuse.ops.gemm.gemm_bi_config as bc
 from truefuse.bench.harness import environment, measure
-from truefuse.ops import gemm_bi_config as bc
-from truefuse.ops.gemm import gemm
-from truefuse.ops.gemm_backends.triton import _BI_META, run_tiles
+from truefuse.ops.gemm.gemm import gemm
+from truefuse.ops.gemm.gemm_backends.triton import _BI_META, run_tiles
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (K, N)
 BUCKET_M = (16, 64, 256, 8192)

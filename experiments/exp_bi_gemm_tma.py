@@ -24,7 +24,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     from truefuse.kernels.gemm_tma import _gemm_tma_kernel
-    from truefuse.ops.gemm_backends.triton import run_tiles
+    from truefuse.ops.gemm.gemm_backends.triton import run_tiles
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bf, M = torch.bfloat16, args.m
@@ -70,7 +70,7 @@ def _candidate(cand, layout, a, w, b, sms, run_tiles, TensorDescriptor, kernel):
     import torch
     import triton
 
-    from truefuse.ops.gemm_backends.triton import _tma_scratch
+    from truefuse.ops.gemm.gemm_backends.triton import _tma_scratch
 
     if cand is None:
         return functools.partial(run_tiles, a, b, (256, 128, 8, 4) if layout == "nt" else (128, 256, 8, 3))

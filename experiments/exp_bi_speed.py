@@ -156,7 +156,7 @@ def _linear_host_us(hidden: int, calls: int = 300) -> dict:
     and ``truefuse.gemm(batch_invariant=True)`` alone (a wall time over many queued calls: the
     host's cost wherever it exceeds the kernel's)."""
     from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
-    from truefuse.ops.gemm import gemm
+    from truefuse.ops.gemm.gemm import gemm
 
     x = torch.randn(8, hidden, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(hidden, hidden, device=DEVICE, dtype=torch.bfloat16)

@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from truefuse.ops import grouped_gemm as gg
-from truefuse.ops import grouped_gemm_config as ggc
-from truefuse.ops.gemm import gemm
+import truefuse.ops.grouped_gemm.grouped_gemm as gg
+import truefuse.ops.grouped_gemm.grouped_gemm_config as ggc
+from truefuse.ops.gemm.gemm import gemm
 
 T = ggc.TileConfig
 

@@ -171,9 +171,9 @@ def _ragged(E: int, M: int) -> list[int]:
 def gpu_run() -> None:
     import triton.testing
 
-    from truefuse.ops import grouped_gemm as gg
-    from truefuse.ops import grouped_gemm_config as ggc
-    from truefuse.ops.gemm import gemm
+    import truefuse.ops.grouped_gemm.grouped_gemm as gg
+    import truefuse.ops.grouped_gemm.grouped_gemm_config as ggc
+    from truefuse.ops.gemm.gemm import gemm
 
     sys.path.insert(0, os.path.dirname(__file__))
     from exp_grouped_gemm_tune import CASES  # noqa: E402

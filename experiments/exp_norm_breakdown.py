@@ -60,7 +60,7 @@ def gtime(fn, n=10, reps=7):
 
 def main():
     import truefuse
-    from truefuse.ops import norm as N
+    import truefuse.ops.norm.norm as N
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

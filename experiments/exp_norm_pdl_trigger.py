@@ -1,6 +1,6 @@
 # ruff: noqa: E501, B023
 """Experiment: when each norm kernel should let the next one's programs launch under programmatic
-dependent launch (issue #16 item 3; ``ops/norm_config.py::pdl_trigger``).
+dependent launch (issue #16 item 3; ``ops/norm/norm_config.py::pdl_trigger``).
 
 Since the backward no longer waits on autograd's zero-fills of mean and rstd (commit c2810a5), the
 backward is PDL-launched straight after the forward. With the trigger at the forward's start, the
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exp_norm_breakdown import gtime  # noqa: E402
 
 import truefuse  # noqa: E402
-from truefuse.ops import norm as ops_norm  # noqa: E402
+import truefuse.ops.norm.norm as ops_norm  # noqa: E402
 
 HIDDEN = (1024, 2048, 2880, 4096, 5120, 7168, 8192, 16384)
 ROWS = (8192, 16384)

@@ -2,7 +2,7 @@
 """Experiment: the norms' backward launches and LayerNorm's TMA-staged forward re-measured at every
 hidden size in the library's own forward + backward (issue #16 item 3).
 
-Why: the configurations in ``ops/norm_config.py`` (``bwd_config``, ``ln_fwd_staged_config``) were chosen
+Why: the configurations in ``ops/norm/norm_config.py`` (``bwd_config``, ``ln_fwd_staged_config``) were chosen
 from kernel-alone sweeps (exp_norm_sweep.py, exp_norm_tma.py; in history at d49a912) made while every backward still
 waited on autograd's zero-fills and every kernel triggered its dependents at its start. Two
 families: ``--what pointer``, the pointer backward's warps / rows per tile / programs per SM /
@@ -58,7 +58,7 @@ ROWS = (8192, 16384)
 
 def _bwd_variants(h: int, rms: bool) -> dict:
     """name -> BwdConfig (None: today's), for hidden size ``h``."""
-    from truefuse.ops.norm_config import BwdConfig as B
+    from truefuse.ops.norm.norm_config import BwdConfig as B
 
     wide = 32 if rms else 16
     table = {
@@ -106,7 +106,7 @@ def _bwd_variants(h: int, rms: bool) -> dict:
 
 def _lnfwd_variants(h: int) -> dict:
     """name -> (num_warps, programs per SM, stages) of the staged LayerNorm forward (None: today's)."""
-    from truefuse.ops.norm_config import ln_fwd_staged_config
+    from truefuse.ops.norm.norm_config import ln_fwd_staged_config
 
     w, k, s = ln_fwd_staged_config(h, torch.bfloat16)
     out = {"today": None}
@@ -120,13 +120,13 @@ def _lnfwd_variants(h: int) -> dict:
 #: ~192 KB of staged x and dy rows per SM. Run 1 (2026-11-23, one H200, (1, 1, BLOCK_N) boxes):
 #: 2880 -3 to -5%, 7168 -1%, ties at 2048-8192, the pointer kernels ahead at 1024 (5-9%), 5120 at
 #: 16384 rows and 16384 (40%). Run 2 added (1, BLOCK_N // 64, 64) boxes: as fast or faster (RMSNorm
-#: 5120 w16x1s4 -7%, LayerNorm 7168 w16x1s4 -5%), now the only form (ops/norm_config.py::STAGED_INNER);
+#: 5120 w16x1s4 -7%, LayerNorm 7168 w16x1s4 -5%), now the only form (ops/norm/norm_config.py::STAGED_INNER);
 #: raw: docs/results/norms/norm_staged_bwd_h200_2026-11-23.json. Run 3 (``TF_STAGED_CANDS``, 2880 and
 #: 5120): four stages at fewer warps, RMSNorm 5120 (8, 1, 4) -2%, LayerNorm 2880 (4, 2, 4) -4.8%,
 #: LayerNorm 5120 (8, 1, 4) -3.5 to -4.1% against the pointer kernel (``norm_staged_bwd_h200_2026-11-23_run3.json``). Run 4
 #: (4096, 7168, 8192; four to six stages, three programs per SM): nothing better than the choice
 #: by more than 1% (``norm_staged_bwd_h200_2026-11-23_run4.json``).
-#: ops/norm_config.py::bwd_staged_config took the winners.
+#: ops/norm/norm_config.py::bwd_staged_config took the winners.
 STAGED = {
     1024: [(4, 8, 3), (2, 16, 3)],
     2048: [(8, 4, 3), (4, 4, 3)],
@@ -136,7 +136,7 @@ STAGED = {
 }
 
 
-#: ``ops/norm_config.py::bwd_math``'s choices (``--what math``; "today": its choice for the size):
+#: ``ops/norm/norm_config.py::bwd_math``'s choices (``--what math``; "today": its choice for the size):
 #: LayerNorm's two row sums in one ``tl.reduce``, x and dy held in bf16 through the sums. Runs
 #: 2026-11-23 (one H200; raw docs/results/norms/norm_math_h200_2026-11-23_run{1,2}.json): ONE_REDUCE
 #: -2 to -3.5% at LayerNorm 5120, a tie or up to +1.7% elsewhere; at 16384 both -4.6 to -5.7%
@@ -189,7 +189,7 @@ def _staged_variants(h: int) -> dict:
 def _use(h: int, target: str, cfg) -> None:
     """Patch ``ops.norm`` so hidden size ``h`` runs ``cfg`` for ``target`` ("bwd", "staged",
     "lnfwd" or "math"); ``cfg`` None restores today's."""
-    from truefuse.ops import norm as ops_norm
+    import truefuse.ops.norm.norm as ops_norm
 
     if not hasattr(ops_norm, "_resweep_orig"):
         ops_norm._resweep_orig = (ops_norm.bwd_config, ops_norm.ln_fwd_staged_config, ops_norm.pdl_trigger,
@@ -219,7 +219,7 @@ def _use(h: int, target: str, cfg) -> None:
 
 def _case(kind: str, m: int, h: int):
     import truefuse
-    from truefuse.ops import norm as ops_norm
+    import truefuse.ops.norm.norm as ops_norm
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(m + h)
@@ -242,7 +242,7 @@ def _variants(h: int, kind: str, what: str) -> list:
     if what == "lnfwd":
         cands = LNFWD.get(h, []) if kind == "ln" else []
         return [("lnfwd", "today", None)] + [("lnfwd", f"fwd_w{c[0]}x{c[1]}s{c[2]}", c) for c in cands] if cands else []
-    if what == "math":  # ops/norm_config.py::bwd_math: today's kernels, their schedule choices
+    if what == "math":  # ops/norm/norm_config.py::bwd_math: today's kernels, their schedule choices
         return [("math", "today", None)] + [("math", n, c) for n, c in MATH.items() if kind == "ln" or not c["ONE_REDUCE"]]
     out = [("bwd", n, c) for n, c in _bwd_variants(h, kind == "rms").items()]
     if kind == "ln":

@@ -112,8 +112,8 @@ def cmd_bi_stubbed(args) -> None:
     import truefuse.ops.lm_head.linear_cross_entropy as lce
     from truefuse.integrations.huggingface.attention import attention_forward
     from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
-    from truefuse.ops.gemm import gemm_plan_for
-    from truefuse.ops.gemm_plan import Capability, override_capabilities
+    from truefuse.ops.gemm.gemm import gemm_plan_for
+    from truefuse.ops.gemm.gemm_plan import Capability, override_capabilities
 
     stub_launches()
     lce._check_finish = lambda *a, **k: lambda: None  # the targets' check reads a stubbed kernel's flag
@@ -441,7 +441,7 @@ def cmd_bi_linear(args) -> None:
 
     from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
     from truefuse.kernels.gemm import _gemm_kernel
-    from truefuse.ops.gemm_backends import triton as T
+    from truefuse.ops.gemm.gemm_backends import triton as T
 
     os.makedirs(args.out, exist_ok=True)
     bf = dict(device="cuda", dtype=torch.bfloat16)

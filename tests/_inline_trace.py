@@ -18,8 +18,8 @@ import torch  # noqa: E402
 from torch._functorch.aot_autograd import aot_function  # noqa: E402
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table  # noqa: E402
 
-from truefuse.ops.gated_activation import gated2_bwd_op, gated2_fwd_op  # noqa: E402
-from truefuse.ops.norm import norm_bwd_op, norm_fwd_op, rms_norm_hf_fwd_op  # noqa: E402
+from truefuse.ops.gated_activation.gated_activation import gated2_bwd_op, gated2_fwd_op  # noqa: E402
+from truefuse.ops.norm.norm import norm_bwd_op, norm_fwd_op, rms_norm_hf_fwd_op  # noqa: E402
 from truefuse.ops.rope import rope_bwd_op, rope_fwd_op  # noqa: E402
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import truefuse
-from truefuse.ops.attention_blocked import attention_blocked
-from truefuse.ops.attention_mask import first_valid_key
+from truefuse.ops.attention.attention_blocked import attention_blocked
+from truefuse.ops.attention.attention_mask import first_valid_key
 from truefuse.testing import assert_bitwise
 from truefuse.verify.registry import all_cases
 
@@ -87,10 +87,10 @@ def test_pytorch_path_aligns_blocks_to_the_first_valid_key(L, pad, D):
 
 
 def test_pytorch_path_products_are_fixed_shape_and_row_invariant():
-    """What the PyTorch path's construction rests on (ops/attention_blocked.py): a batched matmul of
+    """What the PyTorch path's construction rests on (ops/attention/attention_blocked.py): a batched matmul of
     its fixed (BLOCK_M, D) x (D, BLOCK_N) shape gives a product the same bits alone, in any batch
     and at any place in it, and a row the same bits whatever the tile's other rows hold."""
-    from truefuse.ops.attention_blocked import BLOCK_M, block_n
+    from truefuse.ops.attention.attention_blocked import BLOCK_M, block_n
 
     g = torch.Generator().manual_seed(7)
     for D, dtype in ((16, torch.float32), (64, torch.float32), (64, torch.float64)):
@@ -113,7 +113,7 @@ def test_pytorch_path_matches_the_reference_across_tiles(D):
     """fp64 against ``attention_ref``: query rows over several tiles (some holding two heads' rows),
     keys over several blocks, causal (its skipped blocks), a float mask with key_start, softcap and
     a window, GQA; the gradients too."""
-    from truefuse.ops.attention import attention_ref
+    from truefuse.ops.attention.attention import attention_ref
 
     B, Hq, Hk, L = 2, 4, 2, 150 if D == 64 else 45
     q, k, v = (t.double().requires_grad_() for t in _qkv(B, Hq, Hk, L, D, "cpu", torch.float64, seed=5))

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import truefuse
-from truefuse.ops.gemm import gemm, gemm_plan_for
-from truefuse.ops.gemm_plan import Capability, override_capabilities
+from truefuse.ops.gemm.gemm import gemm, gemm_plan_for
+from truefuse.ops.gemm.gemm_plan import Capability, override_capabilities
 
 ROOT = Path(__file__).resolve().parents[1]
 F32, BF16 = torch.float32, torch.bfloat16
@@ -119,7 +119,7 @@ def test_gemm_bad_batch_invariant_argument():
 def test_triton_gemm_fixed_configuration_interpreter():
     """The Triton GEMM with batch-invariant mode's one configuration, fp32 in the interpreter:
     rows of M = 1, 3, 64 equal the same rows of M = 70 (tails in every tile dimension)."""
-    from truefuse.ops.gemm_plan import backend_available
+    from truefuse.ops.gemm.gemm_plan import backend_available
 
     if not backend_available("triton", "cpu"):
         pytest.skip("the Triton interpreter is off")
@@ -131,12 +131,12 @@ def test_triton_gemm_fixed_configuration_interpreter():
 
 
 def test_bi_table_fixed_block_k_and_every_m(monkeypatch):
-    """The launch table of batch-invariant mode (``ops/gemm_bi_config.py``) has a tile for every M
+    """The launch table of batch-invariant mode (``ops/gemm/gemm_bi_config.py``) has a tile for every M
     bucket of every (dtype, layout), and ``bi_config`` never changes BLOCK_K with M or layout."""
     import dataclasses
 
-    import truefuse.ops.gemm_backends.triton as tb
-    from truefuse.ops import gemm_bi_config as bc
+    import truefuse.ops.gemm.gemm_backends.triton as tb
+    from truefuse.ops.gemm import gemm_bi_config as bc
 
     real = tb.get_config
     monkeypatch.setattr(tb, "get_config", lambda: dataclasses.replace(real(), triton_interpret=False))
@@ -168,8 +168,8 @@ _gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def test_bi_table_entries_same_bits_gpu(dtype):
     """Every tile of the table (and the reference tile) gives every row the same bits, both B
     layouts, at a few (M, K, N): the GPU check that lets M choose the tile (docs/design.md §1)."""
-    from truefuse.ops import gemm_bi_config as bc
-    from truefuse.ops.gemm_backends.triton import run_tiles
+    from truefuse.ops.gemm import gemm_bi_config as bc
+    from truefuse.ops.gemm.gemm_backends.triton import run_tiles
 
     g = bc.group(dtype)
     tiles = [bc.REFERENCE[g], *bc.entries(g)]
@@ -210,7 +210,7 @@ def torch_paths(monkeypatch):
     own row invariance is tested op by op (tests/test_norm.py); here it is the layers' wiring."""
     import dataclasses
 
-    import truefuse.ops._triton as tr
+    import truefuse.ops._launch.triton as tr
 
     real = tr.get_config
     monkeypatch.setattr(tr, "get_config", lambda: dataclasses.replace(real(), triton_interpret=False))

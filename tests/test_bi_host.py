@@ -1,6 +1,6 @@
 """Batch-invariant mode's host-time shortcuts (experiments/host_time.py bi-stubbed) give the bits of the
 paths they shortcut, and a kept runner or plan is never reused for a call it does not fit: another
-shape, dtype, device, flag or override gets its own (``ops/gemm.py::_runner``, the no-grad
+shape, dtype, device, flag or override gets its own (``ops/gemm/gemm_runners.py::_runner``, the no-grad
 ``linear``)."""
 
 import pytest
@@ -10,8 +10,9 @@ from conftest import requires_cuda
 import truefuse
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.linear import LinearFunction, linear
-from truefuse.ops import gemm as G
-from truefuse.ops.gemm_plan import Capability, backend_available, override_capabilities
+from truefuse.ops.gemm import gemm as G
+from truefuse.ops.gemm import gemm_runners
+from truefuse.ops.gemm.gemm_plan import Capability, backend_available, override_capabilities
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 _STATE = WgradState(owner="test")
@@ -44,7 +45,7 @@ def test_triton_bi_runner_launches_without_the_executor_same_bits(M, bias, monke
     with _triton_bi():
         want_f = _general(x, w.t(), bias=bv, batch_invariant=True)
         want_b = _general(dy, w, batch_invariant=True)
-        monkeypatch.setattr(G, "run", lambda *a, **k: pytest.fail("the Triton runner went through the executor"))
+        monkeypatch.setattr(gemm_runners, "run", lambda *a, **k: pytest.fail("the Triton runner went through the executor"))
         got_f = truefuse.gemm(x, w.t(), bias=bv, batch_invariant=True)
         got_b = truefuse.gemm(dy, w, batch_invariant=True)
     assert torch.equal(got_f, want_f) and torch.equal(got_b, want_b)
@@ -116,7 +117,7 @@ def test_linear_keeps_the_function_for_activation_and_autocast(monkeypatch):
 
 def _first_valid_key_before(attn_mask, B):
     """``first_valid_key`` as it was (eleven ops), the oracle of the five-op form."""
-    from truefuse.ops.attention_mask import masked_out
+    from truefuse.ops.attention.attention_mask import masked_out
 
     m = attn_mask
     while m.dim() < 4:
@@ -129,7 +130,7 @@ def _first_valid_key_before(attn_mask, B):
 @pytest.mark.parametrize("shape", [(3, 1, 1, 9), (3, 2, 4, 9), (1, 1, 4, 9), (4, 9), (9,)])
 @pytest.mark.parametrize("kind", ["bool", "inf", "finfo"])
 def test_first_valid_key_same_as_before(shape, kind):
-    from truefuse.ops.attention_mask import first_valid_key
+    from truefuse.ops.attention.attention_mask import first_valid_key
 
     g = torch.Generator().manual_seed(len(shape))
     keep = torch.rand(shape, generator=g) > 0.6
@@ -170,8 +171,8 @@ def test_first_valid_key_kept_on_the_mask_until_written(monkeypatch):
 def test_attention_eager_path_same_bits_as_the_dispatcher(dtype, device, monkeypatch):
     """``truefuse.attention`` in eager mode runs the op's body and registered backward without the
     dispatcher (``autograd/_eager_op.py``): the dispatcher's forward and gradients, bitwise."""
-    from truefuse.ops import attention as A
-    from truefuse.ops._triton import triton_runs
+    from truefuse.ops._launch.triton import triton_runs
+    from truefuse.ops.attention import attention as A
 
     q = _t((2, 4, 18, 16), dtype, seed=20).to(device)
     if not triton_runs(q):
@@ -256,7 +257,7 @@ def test_torch_mm_runner_skips_the_executor_same_bits(dtype, monkeypatch):
     in its scope without the executor: the general path's bits."""
     dy, x = _t((50, 24), dtype, seed=40), _t((50, 40), dtype, seed=41)
     want = _general(dy.t(), x, batch_invariant=False)
-    monkeypatch.setattr(G, "run", lambda *a, **k: pytest.fail("the torch runner went through the executor"))
+    monkeypatch.setattr(gemm_runners, "run", lambda *a, **k: pytest.fail("the torch runner went through the executor"))
     got = G.plain_gemm(dy.t(), x, batch_invariant=False)
     assert got.dtype == want.dtype and torch.equal(got, want)
 
@@ -278,7 +279,7 @@ def test_runners_same_bits_gpu(dtype, monkeypatch):
             _general(dy.t(), x, out_dtype=F32, batch_invariant=False),
         ]
         with monkeypatch.context() as m:
-            m.setattr(G, "run", lambda *a, **k: pytest.fail("a runner went through the executor"))
+            m.setattr(gemm_runners, "run", lambda *a, **k: pytest.fail("a runner went through the executor"))
             got = [
                 truefuse.gemm(x, w.t(), bias=bv, batch_invariant=True),
                 G.plain_gemm(dy, w, batch_invariant=True),

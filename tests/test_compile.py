@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import truefuse
-from truefuse.ops.gated_activation import use_kernel
-from truefuse.ops.norm import hf_rstd, rms_norm_hf_fwd_op
+from truefuse.ops.gated_activation.gated_activation import use_kernel
+from truefuse.ops.norm.norm import hf_rstd, rms_norm_hf_fwd_op
 from truefuse.verify.op_table import OPS, available, by_name, resolve
 
 
@@ -278,8 +278,8 @@ def test_inductor_keeps_tma_staged_norm_opaque():
     eager mode's bits, forward and backward."""
     from torch._inductor.utils import run_and_get_code
 
-    from truefuse.ops._triton import hopper
-    from truefuse.ops.norm_config import ln_fwd_staged_config
+    from truefuse.ops._launch.triton import hopper
+    from truefuse.ops.norm.norm_config import ln_fwd_staged_config
 
     torch.manual_seed(0)
     x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -298,7 +298,7 @@ def test_inductor_keeps_tma_staged_norm_opaque():
 
 
 def test_inline_ops_trace_to_their_kernels():
-    """Where Triton compiles, AOT autograd's trace of each inline op (``_custom_op.custom_op``'s
+    """Where Triton compiles, AOT autograd's trace of each inline op (``_launch/custom_op.py::custom_op``'s
     ``inline``) holds its kernel launches, not the op, and each launch passes every kernel
     parameter, defaults included (a traced launch that leaves one to its default fails in
     Inductor: "Incorrect number of arguments passed to kernel"); under dynamic shapes the grid is

@@ -242,8 +242,8 @@ def test_double_backward_refused_distributed_one_rank():
 
 def test_attention_cpu_path_differentiates_twice_like_the_reference():
     """``truefuse.attention``'s CPU path is PyTorch (its kernels' custom op refuses by name on the
-    GPU, ``ops/attention.py``): there the second-order term is autograd's, equal to the reference's."""
-    from truefuse.ops.attention import attention_ref
+    GPU, ``ops/attention/attention.py``): there the second-order term is autograd's, equal to the reference's."""
+    from truefuse.ops.attention.attention import attention_ref
 
     def penalty(f):
         q, k, v = (_leaf(1, 2, 5, 8, seed=i).double() for i in range(3))

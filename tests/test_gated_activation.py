@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import truefuse
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS
+from truefuse.ops.gated_activation.gated_activation import GATED_ACTIVATIONS
 from truefuse.verify.registry import all_cases
 
 

@@ -5,10 +5,10 @@ import torch
 from conftest import requires_cuda
 
 from truefuse import Capability, gemm, gemm_plan_for, gemm_ref, override_capabilities
-from truefuse.ops.activation import ACTIVATIONS, activation_grad_ref
-from truefuse.ops.gemm_backends.torch import CAPABILITIES as TORCH_CAPABILITIES
-from truefuse.ops.gemm_backends.triton import CAPABILITIES as TRITON_CAPABILITIES
-from truefuse.ops.gemm_plan import FEATURES, backend_available
+from truefuse.ops.gemm.activation import ACTIVATIONS, activation_grad_ref
+from truefuse.ops.gemm.gemm_backends.torch import CAPABILITIES as TORCH_CAPABILITIES
+from truefuse.ops.gemm.gemm_backends.triton import CAPABILITIES as TRITON_CAPABILITIES
+from truefuse.ops.gemm.gemm_plan import FEATURES, backend_available
 from truefuse.testing import assert_bitwise, assert_bounded, bounded_report
 from truefuse.verify.cases_gemm import check_gemm
 
@@ -242,8 +242,8 @@ def test_per_group_request_loops_where_a_backend_fuses_grouped():
     and each group is the very call a 2-D gemm on its slice makes."""
     from dataclasses import replace
 
-    from truefuse.ops.gemm import gemm_groups
-    from truefuse.ops.gemm_plan import GemmRequest, plan
+    from truefuse.ops.gemm.gemm import gemm_groups
+    from truefuse.ops.gemm.gemm_plan import GemmRequest, plan
 
     row = Capability("grouped", torch.float32, torch.float32, "cpu", "torch")
     req = GemmRequest("cpu", torch.float32, torch.float32, grouped=True)
@@ -322,7 +322,7 @@ def test_splits_fast_path_copies_and_keeps_the_checks():
     """A list of Python ints takes one pass and comes back as a copy (a caller reusing its list
     cannot change what a backward saved); a bool, a NumPy or a tensor entry still goes through the
     full checks and their errors."""
-    from truefuse.ops.gemm import check_splits
+    from truefuse.ops.gemm.gemm_checks import check_splits
 
     splits = [3, 0, 5]
     out = check_splits(splits, 3, 8, "rows")
@@ -563,6 +563,6 @@ def test_info_main_cases_without_a_usable_backend_say_so(fresh_config):
 
 def test_known_backends_match_the_capability_tables():
     from truefuse.config import KNOWN_GEMM_BACKENDS
-    from truefuse.ops.gemm_backends import BACKENDS as _BASE_TABLES
+    from truefuse.ops.gemm.gemm_backends import BACKENDS as _BASE_TABLES
 
     assert tuple(_BASE_TABLES) == KNOWN_GEMM_BACKENDS

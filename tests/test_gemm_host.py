@@ -1,14 +1,14 @@
 """``truefuse.gemm``'s host-side shortcuts (docs/benchmarks.md, "Batch-invariant mode"): the plain
-call's path (``ops/gemm.py::_plain_gemm``) and the planner's cache give what the general path gives,
+call's path (``ops/gemm/gemm_checks.py::validate``) and the planner's cache give what the general path gives,
 and step aside wherever the general path has something to check or to say."""
 
 import pytest
 import torch
 
 import truefuse
-from truefuse.ops import gemm as G
-from truefuse.ops import gemm_plan
-from truefuse.ops.gemm_plan import Capability, override_capabilities
+from truefuse.ops.gemm import gemm as G
+from truefuse.ops.gemm import gemm_plan
+from truefuse.ops.gemm.gemm_plan import Capability, override_capabilities
 
 F32, BF16 = torch.float32, torch.bfloat16
 

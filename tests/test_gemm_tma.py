@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from truefuse.ops._triton import hopper
-from truefuse.ops.gemm_backends import triton as T
+from truefuse.ops._launch.triton import hopper
+from truefuse.ops.gemm.gemm_backends import triton as T
 
 
 def _operands(M, K, N, layout, dtype, device):

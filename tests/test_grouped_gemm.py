@@ -1,4 +1,4 @@
-"""The batch-invariant grouped GEMM (truefuse/ops/grouped_gemm.py) and the grouped modules on it
+"""The batch-invariant grouped GEMM (truefuse/ops/grouped_gemm/grouped_gemm.py) and the grouped modules on it
 (``backend="triton"``): bounded against one GEMM per group, each group's bits independent of the
 other groups and of the batch, device-tensor splits equal to host lists, empty and one-row groups,
 main_grad accumulation, no host read of the sizes. On the CPU under Triton's interpreter, in fp32."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import truefuse
-from truefuse.ops.grouped_gemm import (
+from truefuse.ops.grouped_gemm.grouped_gemm import (
     grouped_bias_grad,
     grouped_gemm_available,
     grouped_gemm_ref,
@@ -231,8 +231,8 @@ def test_tma_epilogue_equals_the_pointer_epilogue(accumulate, dev):
     quarters; N and K tails, several tiles per program) writes, or adds into main_grad, the pointer
     epilogue's bits; an empty group's main_grad is left alone (signs included). The CPU: the
     interpreter, fp16 operands."""
-    from truefuse.ops import grouped_gemm as gg
-    from truefuse.ops import grouped_gemm_config as ggc
+    from truefuse.ops.grouped_gemm import grouped_gemm as gg
+    from truefuse.ops.grouped_gemm import grouped_gemm_config as ggc
 
     if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (9, 0):
         pytest.skip("TMA descriptors need sm_90")

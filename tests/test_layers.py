@@ -29,7 +29,7 @@ LAYERS = {
 
 
 def _room(module: str) -> str:
-    """``truefuse.ops.norm`` -> ``ops``; ``truefuse`` (the package itself) -> ``__init__``."""
+    """``truefuse.ops.norm.norm`` -> ``ops``; ``truefuse`` (the package itself) -> ``__init__``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -113,8 +113,8 @@ SWITCH_READERS = {
     ("truefuse/__init__.py", "<module>"),
     ("truefuse/autograd/_modes.py", "<module>"),
     ("truefuse/autograd/_modes.py", "Modes.now"),
-    ("truefuse/ops/gemm.py", "<module>"),
-    ("truefuse/ops/gemm.py", "_resolve_batch_invariant"),
+    ("truefuse/ops/gemm/gemm.py", "<module>"),
+    ("truefuse/ops/gemm/gemm.py", "_resolve_batch_invariant"),
     ("truefuse/integrations/huggingface/batch_invariant.py", "<module>"),
     ("truefuse/integrations/huggingface/batch_invariant.py", "ModelMode.active"),
 }
@@ -189,12 +189,12 @@ _GEMM_ENTRIES = {"gemm", "gemm_groups", "plain_gemm"}
 
 
 def _gemm_calls_without_mode(path: Path, source: str | None = None) -> list[int]:
-    """Lines calling a GEMM entry point (imported from ``truefuse.ops.gemm`` under any name, defined
+    """Lines calling a GEMM entry point (imported from ``truefuse.ops.gemm.gemm`` under any name, defined
     in that module, or a ``.gemm`` method such as ``GroupSpec.gemm``) without ``batch_invariant=``."""
     tree = ast.parse(path.read_text() if source is None else source, filename=str(path))
-    names = set(_GEMM_ENTRIES) if _module_name(path) == "truefuse.ops.gemm" else set()
+    names = set(_GEMM_ENTRIES) if _module_name(path) == "truefuse.ops.gemm.gemm" else set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "truefuse.ops.gemm":
+        if isinstance(node, ast.ImportFrom) and node.module == "truefuse.ops.gemm.gemm":
             names |= {a.asname or a.name for a in node.names if a.name in _GEMM_ENTRIES}
     bad = []
     for node in ast.walk(tree):
@@ -220,7 +220,7 @@ def test_internal_gemm_calls_pass_the_mode():
 
 def test_the_gemm_call_checker_sees_aliases_and_methods():
     src = (
-        "from truefuse.ops.gemm import gemm as g\n"
+        "from truefuse.ops.gemm.gemm import gemm as g\n"
         "g(a, b)\n"
         "g(a, b, batch_invariant=bi)\n"
         "spec.gemm(a, b, m_splits=s)\n"

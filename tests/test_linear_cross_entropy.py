@@ -7,7 +7,7 @@ from conftest import requires_cuda
 
 import truefuse
 from truefuse.config import get_tuning, tuning
-from truefuse.ops._triton import triton_runs
+from truefuse.ops._launch.triton import triton_runs
 from truefuse.ops.lm_head.linear_cross_entropy import linear_cross_entropy_ref
 from truefuse.verify.cases_linear_cross_entropy import check_lce, chunked_tokens, make_inputs
 from truefuse.verify.registry import all_cases

@@ -12,7 +12,7 @@ import torch
 from conftest import requires_cuda
 
 import truefuse
-from truefuse.ops._triton import triton_runs
+from truefuse.ops._launch.triton import triton_runs
 from truefuse.ops.lm_head.linear_cross_entropy import _from_logits, linear_cross_entropy_ref
 
 NAN, INF = float("nan"), float("inf")

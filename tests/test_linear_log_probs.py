@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import truefuse
-from truefuse.ops._triton import triton_runs
+from truefuse.ops._launch.triton import triton_runs
 from truefuse.ops.lm_head.chunked_head import head_chunks
 from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOptions, LogProbChunks, linear_log_probs_ref
 from truefuse.testing import bounded_report

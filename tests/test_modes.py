@@ -16,7 +16,7 @@ from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.grouped import GroupedLinearFunction, GroupSpec
 from truefuse.autograd.linear import linear
-from truefuse.ops import gemm as G
+from truefuse.ops.gemm import gemm_op, gemm_runners
 
 F32 = torch.float32
 
@@ -41,14 +41,15 @@ def requests(monkeypatch):
     """Every GEMM planned from now on: (its ``batch_invariant``, the switch when it was planned).
     The plain call's kept runners are emptied so that each call plans."""
     seen = []
-    real = G._request
+    real = gemm_runners.request
 
     def spy(*args):
         seen.append((args[10], truefuse.is_batch_invariant()))
         return real(*args)
 
-    monkeypatch.setattr(G, "_RUNNERS", {})
-    monkeypatch.setattr(G, "_request", spy)
+    monkeypatch.setattr(gemm_runners, "_RUNNERS", {})
+    monkeypatch.setattr(gemm_runners, "request", spy)  # the plain call's kept runners
+    monkeypatch.setattr(gemm_op, "request", spy)  # the custom ops' plans
     return seen
 
 

@@ -10,9 +10,9 @@ import triton.language as tl
 import truefuse
 from truefuse.config import get_tuning, tuning
 from truefuse.kernels.norm import _widen
-from truefuse.ops._triton import hopper
-from truefuse.ops.norm import bwd_staged, layer_norm_ref, ln_fwd_staged, norm_fwd, rms_norm_ref, rms_norm_torch, use_kernel
-from truefuse.ops.norm_config import bwd_config, bwd_staged_config, ln_fwd_config, ln_fwd_staged_config
+from truefuse.ops._launch.triton import hopper
+from truefuse.ops.norm.norm import bwd_staged, layer_norm_ref, ln_fwd_staged, norm_fwd, rms_norm_ref, rms_norm_torch, use_kernel
+from truefuse.ops.norm.norm_config import bwd_config, bwd_staged_config, ln_fwd_config, ln_fwd_staged_config
 from truefuse.testing import assert_bitwise, assert_bounded
 from truefuse.verify.registry import all_cases
 
@@ -177,10 +177,10 @@ def test_widen_is_exact(device):
 )
 @pytest.mark.parametrize("n", [5120, 16384])
 def test_bwd_math_keeps_bits(n, monkeypatch):
-    """``ops/norm_config.py::bwd_math``'s schedule choices for LayerNorm where it makes them (one reduction
+    """``ops/norm/norm_config.py::bwd_math``'s schedule choices for LayerNorm where it makes them (one reduction
     for its two row sums; x and dy held in bf16 through them at 16384) give the float64
     reference's dx, dw and db within bf16's bound, bit for bit as without them."""
-    from truefuse.ops import norm as ops_norm
+    from truefuse.ops.norm import norm as ops_norm
 
     chosen = ops_norm.bwd_math(n, False)
     assert chosen["ONE_REDUCE"] and chosen["REMAT"] == (n > 8192), "the case exercises the choices"
@@ -202,7 +202,7 @@ def test_bwd_math_keeps_bits(n, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n", [5120, 16384])  # both PDL trigger placements (ops/norm_config.py::pdl_trigger)
+@pytest.mark.parametrize("n", [5120, 16384])  # both PDL trigger placements (ops/norm/norm_config.py::pdl_trigger)
 @pytest.mark.parametrize("fn", ["rms_norm", "layer_norm"])
 def test_chained_launches_read_the_previous_output(fn, n):
     """Each norm kernel starts early under programmatic dependent launch (the previous kernel lets
@@ -344,7 +344,7 @@ def test_backward_launches_no_zero_fills(rms, path, device):
     if path == "eager":  # the public function: autograd/_eager_op.py, the backward op's body directly
         y = fn(x, *params)
     else:  # the op itself, as torch.compile traces it: its backward op through the dispatcher
-        from truefuse.ops.norm import norm_fwd_op
+        from truefuse.ops.norm.norm import norm_fwd_op
 
         y = norm_fwd_op(x, w, None if rms else params[1], 1e-6 if rms else 1e-5, rms, False)[0]
     dy = torch.randn_like(y)
@@ -362,7 +362,7 @@ def test_backward_launches_no_zero_fills(rms, path, device):
 def test_pdl_trigger_moves_no_bits(fn, n, monkeypatch):
     """Where a kernel lets the next one launch (its start or its exit) is the schedule only: the
     sizes where ``pdl_trigger`` picks the exit give the bits of every kernel triggering at its start."""
-    import truefuse.ops.norm as ops_norm
+    import truefuse.ops.norm.norm as ops_norm
 
     x = torch.randn(1000, n, device="cuda").bfloat16().requires_grad_()
     params = [(torch.rand(n, device="cuda") + 0.5).bfloat16().requires_grad_()]
@@ -384,7 +384,7 @@ def test_pdl_trigger_moves_no_bits(fn, n, monkeypatch):
 def test_backward_without_upstream_gradient(device):
     """Grads are not materialized (above): a backward reached with no gradient for y returns none,
     rather than launching the kernel on a missing dy."""
-    from truefuse.ops.norm import norm_fwd_op
+    from truefuse.ops.norm.norm import norm_fwd_op
 
     x = torch.randn(4, 16, device=device, requires_grad=True)
     w = torch.rand(16, device=device, requires_grad=True)
@@ -429,7 +429,7 @@ def test_rms_norm_hf_bi_with_and_without_grad_same_bits(style, n, device):
     statistics applied in place), with one the op applying those statistics; the same bits (a
     sampler's forward and a trainer's). Hidden sizes of both schedules, a masked row (1000: the
     statistics kernel compiled without the weight reduced such rows in another order on an H100)."""
-    from truefuse.ops.norm import rms_norm_hf_bi, rms_norm_hf_fwd_op
+    from truefuse.ops.norm.norm import rms_norm_hf_bi, rms_norm_hf_fwd_op
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = (torch.randn(37, n, device=device) * 3).to(dtype)

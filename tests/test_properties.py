@@ -25,12 +25,12 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import truefuse
-from truefuse.ops.activation import ACTIVATIONS
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_torch
-from truefuse.ops.gemm_plan import Capability, override_capabilities
+from truefuse.ops.gated_activation.gated_activation import GATED_ACTIVATIONS, gated_activation_torch
+from truefuse.ops.gemm.activation import ACTIVATIONS
+from truefuse.ops.gemm.gemm_plan import Capability, override_capabilities
 from truefuse.ops.linear import MLP_ACTIVATIONS, NORMALIZATIONS
 from truefuse.ops.lm_head.linear_cross_entropy import linear_cross_entropy_plain
-from truefuse.ops.norm import layer_norm_torch, rms_norm_torch
+from truefuse.ops.norm.norm import layer_norm_torch, rms_norm_torch
 from truefuse.ops.scale import scale_, scale_ref
 from truefuse.testing import bitwise_report, bounded_report, fwd_bwd_reports
 from truefuse.verify.cases_gemm import check_gemm

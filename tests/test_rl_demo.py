@@ -32,7 +32,7 @@ def torch_paths():
 
     plain = dataclasses.replace(get_config(), triton_interpret=False)
     with pytest.MonkeyPatch.context() as mp:
-        for name in ("_triton", "gemm_backends.triton", "attention", "rope"):
+        for name in ("_launch.triton", "gemm.gemm_backends.triton", "attention.attention", "rope"):
             mp.setattr(importlib.import_module(f"truefuse.ops.{name}"), "get_config", lambda: plain)
         yield
 

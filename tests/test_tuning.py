@@ -10,7 +10,7 @@ import torch
 import truefuse
 from truefuse.config import Tuning, get_tuning, knob_docs, tuning
 from truefuse.ops.lm_head.chunked_head_gemms import vocab_split
-from truefuse.ops.norm import use_kernel
+from truefuse.ops.norm.norm import use_kernel
 from truefuse.verify.cases_linear_cross_entropy import make_inputs
 
 KNOBS = (

@@ -33,14 +33,14 @@ from truefuse.nn.layernorm_mlp import LayerNormMLP
 from truefuse.nn.linear import Linear
 from truefuse.nn.linear_cross_entropy import LinearCrossEntropyLoss
 from truefuse.nn.norm import RMSNorm
-from truefuse.ops.gated_activation import gated_activation_ref
-from truefuse.ops.gemm import GemmOutput, gemm, gemm_plan_for, gemm_ref
-from truefuse.ops.gemm_plan import Capability, GemmPlan, override_capabilities
+from truefuse.ops.gated_activation.gated_activation import gated_activation_ref
+from truefuse.ops.gemm.gemm import GemmOutput, gemm, gemm_plan_for, gemm_ref
+from truefuse.ops.gemm.gemm_plan import Capability, GemmPlan, override_capabilities
 from truefuse.ops.linear import layernorm_linear_ref, layernorm_mlp_ref, linear_ref
 from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOutput, linear_cross_entropy_ref
 from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOutput, linear_log_probs_ref
-from truefuse.ops.norm import layer_norm_ref, rms_norm_ref
-from truefuse.ops.token_log_probs import LogProbs, token_log_probs_ref
+from truefuse.ops.lm_head.token_log_probs import LogProbs, token_log_probs_ref
+from truefuse.ops.norm.norm import layer_norm_ref, rms_norm_ref
 
 __version__ = "0.2.0"
 

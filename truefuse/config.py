@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 #: The GEMM backends ``TRUEFUSE_GEMM_BACKENDS`` may name, in default preference order. Each is one
-#: file of ``truefuse/ops/gemm_backends/``, whose registry checks at import that it lists exactly
+#: file of ``truefuse/ops/gemm/gemm_backends/``, whose registry checks at import that it lists exactly
 #: these (config sits below ops: it names them, it does not import them).
 KNOWN_GEMM_BACKENDS: tuple[str, ...] = ("torch", "triton")
 

@@ -8,9 +8,9 @@ import dataclasses
 import torch
 
 from truefuse.config import Tuning, get_config, get_tuning, knob_docs
-from truefuse.ops.gemm import gemm_plan_for
-from truefuse.ops.gemm_backends import backend_names
-from truefuse.ops.gemm_plan import FEATURES, backend_available, capability_table
+from truefuse.ops.gemm.gemm import gemm_plan_for
+from truefuse.ops.gemm.gemm_backends import backend_names
+from truefuse.ops.gemm.gemm_plan import FEATURES, backend_available, capability_table
 
 
 def _versions() -> dict[str, str]:

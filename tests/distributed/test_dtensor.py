@@ -104,7 +104,7 @@ def _gathered(ts) -> list:
 @contextlib.contextmanager
 def _torch_paths():
     """Every op on its PyTorch path (the interpreter off), as tests/hf's ``torch_paths`` fixture."""
-    import truefuse.ops._triton as tr
+    import truefuse.ops._launch.triton as tr
 
     real = tr.get_config
     tr.get_config = lambda: dataclasses.replace(real(), triton_interpret=False)

@@ -47,7 +47,7 @@ STEPS = 3
 
 
 def _torch_paths():
-    import truefuse.ops._triton as tr
+    import truefuse.ops._launch.triton as tr
 
     real = tr.get_config
     tr.get_config = lambda: dataclasses.replace(real(), triton_interpret=False)

@@ -38,7 +38,7 @@ def _rank(r, W, cases, queue):
     install()  # conftest's interpreter speed-up, in this spawned process
 
     from truefuse.kernels.allreduce import _allreduce_add_rmsnorm_kernel
-    from truefuse.ops.norm_config import block_and_warps
+    from truefuse.ops.norm.norm_config import block_and_warps
 
     epochs = []
     try:
@@ -188,7 +188,7 @@ def test_kernel_rstd_is_the_norm_forwards():
     """With ``rstd_ptr`` every rank stores each row's rstd: bitwise what the norm's own forward
     kernel (``ops.norm.norm_fwd``, what ``truefuse.rms_norm`` saves for its backward) gives on
     that rank's residual_out; without it (call 1) nothing is written and the outputs are unchanged."""
-    from truefuse.ops.norm import norm_fwd
+    from truefuse.ops.norm.norm import norm_fwd
 
     W = 2
     for case, (xs, res, w, outs, normed, rstds) in zip(_RSTD_CASES, _run(W, _RSTD_CASES, True), strict=True):

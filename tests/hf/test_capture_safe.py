@@ -1,6 +1,6 @@
 """A patched training step reads nothing on the host while a CUDA graph is captured (issue 47,
 docs/cuda_graphs.md): a read of device data during capture breaks it, and a value read once would be
-replayed for every step. On the CPU the capture is faked (``ops/_capture.py::capturing`` says yes)
+replayed for every step. On the CPU the capture is faked (``ops/_launch/capture.py::capturing`` says yes)
 and every host read whose innermost caller outside torch is truefuse's code is recorded. A host-split
 experts backend, which cannot be captured, is refused with an error that names it."""
 
@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 import truefuse  # noqa: E402
 from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
 from truefuse.integrations.huggingface import apply_truefuse  # noqa: E402
-from truefuse.ops import _capture  # noqa: E402
+from truefuse.ops._launch import capture as _capture  # noqa: E402
 
 #: tensor methods and functions that hand device data to the host (a sync on CUDA)
 HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "unique", "masked_select"}

@@ -95,7 +95,7 @@ def test_compiled_layer_graph_holds_truefuse_ops(device):
     machine's CPU (the interpreter off) every truefuse op takes its PyTorch path, and the graph
     held none of them (an H100: ``ops == set()``). The recording backend gets Dynamo's graph, where
     each op is one call on CUDA too: only AOT autograd, after it, inlines their kernels."""
-    from truefuse.ops._triton import triton_runs
+    from truefuse.ops._launch.triton import triton_runs
 
     if not triton_runs(torch.empty(0, device=device)):
         pytest.skip("no Triton kernel runs here (CPU without TRITON_INTERPRET=1): truefuse's ops take their PyTorch paths")
@@ -149,7 +149,7 @@ def test_batch_invariant_layers_compile_with_inductor(torch_paths):
     """``compile_layers`` with Inductor (its default) on a batch-invariant model, fullgraph: every
     routed ``F.linear`` is a ``truefuse::gemm`` whose optional outputs (pre-activation, bias
     gradient) are None, which Inductor failed to lower ("<built-in function getitem> is not an
-    OpOverload", ops/gemm.py::gemm_result_op). One training step: the loss is eager's bits; the
+    OpOverload", ops/gemm/gemm_op.py::gemm_result_op). One training step: the loss is eager's bits; the
     gradients are bounded, as Inductor compiles the stock ops between truefuse's (and on the CPU,
     the norm's PyTorch expression) into code of its own."""
     torch._dynamo.reset()
@@ -170,7 +170,7 @@ def test_batch_invariant_layers_compile_with_inductor(torch_paths):
 
 
 def test_compiled_attention_cpu_path_gives_eager_bits(torch_paths):
-    """``truefuse.attention``'s PyTorch path under Inductor: one opaque op (ops/attention.py), so
+    """``truefuse.attention``'s PyTorch path under Inductor: one opaque op (ops/attention/attention.py), so
     the output and the gradients are eager's bits (traced, Inductor's own code for its exp and
     sums gave rows 1-ulp differences: a compiled trainer would not match an eager sampler)."""
     import truefuse

@@ -45,7 +45,7 @@ def _torch_loss_path(request, monkeypatch):
     TRITON_INTERPRET=1). The interpreter off for truefuse's ops, as tests/hf's ``torch_paths`` does
     (the loss is the only truefuse op these models run; the loss's modules read ``triton_runs``)."""
     if "kernel_path" not in request.fixturenames:
-        import truefuse.ops._triton as tr
+        import truefuse.ops._launch.triton as tr
 
         real = tr.get_config
         monkeypatch.setattr(tr, "get_config", lambda: dataclasses.replace(real(), triton_interpret=False))
@@ -577,7 +577,7 @@ def test_bad_labels_from_the_check_ahead_of_the_decoder(monkeypatch, path, kerne
     which then skips its own wait (``targets_checked``: the host keeps its lead over the GPU). Played
     on the CPU: the check ahead must be what raises, the loss's own check being skipped, on the
     kernel path and on the torch path (which indexed the bad label before the check could raise)."""
-    import truefuse.ops._triton as tr
+    import truefuse.ops._launch.triton as tr
     import truefuse.ops.lm_head.linear_cross_entropy as ops_lce
 
     if path == "torch":  # the interpreter off: the loss's chunks run their PyTorch math

@@ -339,7 +339,7 @@ def test_backend_option_reaches_the_kernel(monkeypatch):
     ``truefuse.gemm``; both bounded against stock; a bad value raises naming the argument."""
     import truefuse.autograd.grouped as ag
     from truefuse.integrations.huggingface import apply_truefuse
-    from truefuse.ops.grouped_gemm import grouped_gemm_available
+    from truefuse.ops.grouped_gemm.grouped_gemm import grouped_gemm_available
 
     calls = []
     real = ag.grouped_mm_rows
@@ -382,7 +382,7 @@ def test_device_splits_same_bits_as_host_splits(monkeypatch):
     """``backend='triton'`` keeps the per-expert counts on the device (no ``.tolist()``: no host sync,
     CUDA graphs); a module marked expert-parallel takes them to the host to drop its sentinels by
     count. Without sentinels both give the same bits; an unmarked module given a sentinel raises."""
-    from truefuse.ops.grouped_gemm import grouped_gemm_available
+    from truefuse.ops.grouped_gemm.grouped_gemm import grouped_gemm_available
 
     if not grouped_gemm_available(torch.device("cpu"), torch.float32):
         pytest.skip("the Triton grouped GEMM runs on the CPU only under TRITON_INTERPRET=1")

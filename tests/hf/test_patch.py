@@ -203,7 +203,7 @@ def test_experts_backend_refused_at_patch_time(monkeypatch):
     ``experts_backend`` before anything is patched."""
     import dataclasses
 
-    import truefuse.ops.grouped_gemm as gg
+    import truefuse.ops.grouped_gemm.grouped_gemm as gg
 
     real = gg.get_config
     monkeypatch.setattr(gg, "get_config", lambda: dataclasses.replace(real(), triton_interpret=False))

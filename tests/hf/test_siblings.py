@@ -13,12 +13,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-import truefuse.ops.gemm_backends.triton as triton_backend  # noqa: E402
+import truefuse.ops.gemm.gemm_backends.triton as triton_backend  # noqa: E402
 from tests.hf.tiny import tiny_model  # noqa: E402
 from truefuse.integrations.huggingface import apply_truefuse  # noqa: E402
 from truefuse.integrations.huggingface import siblings as S  # noqa: E402
 from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant  # noqa: E402
-from truefuse.ops.gemm_plan import Capability, backend_available, override_capabilities  # noqa: E402
+from truefuse.ops.gemm.gemm_plan import Capability, backend_available, override_capabilities  # noqa: E402
 
 F32 = torch.float32
 

@@ -13,7 +13,7 @@ from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad, main_grad_target, main_grad_written
-from truefuse.ops.bias_grad import split_bias_grad
+from truefuse.ops.gemm.bias_grad import split_bias_grad
 from truefuse.ops.lm_head.chunked_head import HeadGrads, default_chunk, invariant_chunk
 from truefuse.ops.lm_head.chunked_head_gemms import input_grad_gemm, logits_gemm, weight_grad_gemm
 

@@ -7,14 +7,14 @@ silently lose its second-order term (``linear_cross_entropy`` did: 0.40 off in n
 graph (``create_graph=True``), returns its gradients through torch's ``DelayedError`` node, as
 ``torch.autograd.function.once_differentiable`` does: the first-order values are unchanged (the
 same storage) and a plain ``create_graph=True`` backward works, but differentiating one of them
-raises :func:`~truefuse.ops._custom_op.double_backward_message`. Unlike ``once_differentiable``
+raises :func:`~truefuse.ops._launch.custom_op.double_backward_message`. Unlike ``once_differentiable``
 the gradients are wrapped even when no incoming gradient requires grad, and the error node also
 takes the saved inputs that require grad (x, W): the second-order term through them is what
 would go missing, and without an edge to them ``torch.autograd.grad(penalty, [x, W])`` prunes
 the node and returns no error.
 
 The custom ops refuse with the same message from a stub on their backward ops
-(``ops/_custom_op.py::no_double_backward``).
+(``ops/_launch/custom_op.py::no_double_backward``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from truefuse.ops._custom_op import double_backward_message
+from truefuse.ops._launch.custom_op import double_backward_message
 
 
 def _differentiable(t) -> bool:

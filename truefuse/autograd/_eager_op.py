@@ -8,7 +8,7 @@ wrapper under FSDP2, 2 H100s; docs/benchmarks.md, FSDP2). Where the host is what
 (FSDP2's hooks, a small model, ``generate``) that host time is the step's.
 
 :func:`call` runs the same registered pieces (the op's body, its ``setup_context``, its backward,
-whose backward op runs as its body through ``ops/_custom_op.py::bwd_call``) in one plain autograd
+whose backward op runs as its body through ``ops/_launch/custom_op.py::bwd_call``) in one plain autograd
 Function, with the double-backward refusal of :func:`refuses_double_backward`. The same Python
 bodies and kernels: the same bits. The dispatcher stays wherever it does something: while
 torch.compile traces, under a dispatch mode (fake tensors, flop counters), for tensor subclasses
@@ -22,7 +22,7 @@ from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from truefuse.autograd._double_backward import refuses_double_backward
-from truefuse.ops._triton import PLAIN_TENSORS as _PLAIN
+from truefuse.ops._launch.triton import PLAIN_TENSORS as _PLAIN
 
 
 def _names(ctx) -> tuple[str, str]:
@@ -37,7 +37,7 @@ _refusing_backward = refuses_double_backward(_names)(_backward)
 
 
 class _EagerOp(torch.autograd.Function):
-    """``op.body(*args)`` with ``op``'s registered autograd (``op.eager``: ``ops/_custom_op.py``).
+    """``op.body(*args)`` with ``op``'s registered autograd (``op.eager``: ``ops/_launch/custom_op.py``).
 
     One ``forward(ctx, ...)`` rather than a separate ``setup_context``: with the latter,
     ``Function.apply`` binds the arguments through ``inspect.signature`` on every call (~80 µs
@@ -46,7 +46,7 @@ class _EagerOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, *args):
         out = op.body(*args)
-        ctx.truefuse_op = op  # also tells ops/_custom_op.py::bwd_call to run backward ops' bodies
+        ctx.truefuse_op = op  # also tells ops/_launch/custom_op.py::bwd_call to run backward ops' bodies
         op.eager.setup_context(ctx, args, out)
         return out
 
@@ -62,7 +62,7 @@ _apply_c = super(torch.autograd.Function, _EagerOp).apply
 
 
 def call(op, *args):
-    """``op(*args)`` (a custom op with a registered backward: ``ops/_custom_op.py::register_backward``)
+    """``op(*args)`` (a custom op with a registered backward: ``ops/_launch/custom_op.py::register_backward``)
     without the dispatcher in eager mode; through it while tracing, under a dispatch mode, or for a
     tensor subclass argument."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:

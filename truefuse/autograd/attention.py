@@ -10,10 +10,10 @@ import torch
 
 from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._eager_op import call
-from truefuse.ops._dtensor import refuse_dtensor
-from truefuse.ops.attention import attention_fwd_op, attention_pytorch_op, use_kernel
-from truefuse.ops.attention_blocked import attention_blocked
-from truefuse.ops.attention_mask import first_valid_key
+from truefuse.ops._launch.dtensor import refuse_dtensor
+from truefuse.ops.attention.attention import attention_fwd_op, attention_pytorch_op, use_kernel
+from truefuse.ops.attention.attention_blocked import attention_blocked
+from truefuse.ops.attention.attention_mask import first_valid_key
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -183,6 +183,6 @@ def attention(
         # backward; 196 µs of host time a decode call through it on an H100 host, docs/benchmarks.md)
         return call(attention_fwd_op, q, k, v, mask, ks, scale, bool(is_causal), window, softcap)[0]
     if torch.compiler.is_compiling():
-        # one opaque op: Inductor's code for the path's math gave other bits than eager's (ops/attention.py)
+        # one opaque op: Inductor's code for the path's math gave other bits than eager's (ops/attention/attention.py)
         return attention_pytorch_op(query, key, value, mask, ks, scale, bool(is_causal), window, softcap)
     return attention_blocked(query, key, value, mask, ks, scale, bool(is_causal), window, softcap)

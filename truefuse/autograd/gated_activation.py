@@ -6,8 +6,14 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._eager_op import call
-from truefuse.ops._dtensor import on_local_rows
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated2_fwd_op, gated_activation_ref, gated_fwd_op, use_kernel
+from truefuse.ops._launch.dtensor import on_local_rows
+from truefuse.ops.gated_activation.gated_activation import (
+    GATED_ACTIVATIONS,
+    gated2_fwd_op,
+    gated_activation_ref,
+    gated_fwd_op,
+    use_kernel,
+)
 
 
 def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,7 +10,7 @@ exactly the calls ``LinearFunction`` makes for one group, so a per-group Grouped
 
 Packed weights run on one of three *grouped paths* (``GroupSpec.path``; the modules' ``backend=``
 argument; docs/design.md §1 "Grouped GEMM", §3 for why one of them is not a planner backend):
-``triton`` (the batch-invariant grouped GEMM of ``ops/grouped_gemm.py``, outside the planner: the
+``triton`` (the batch-invariant grouped GEMM of ``ops/grouped_gemm/grouped_gemm.py``, outside the planner: the
 groups travel as device offsets, so nothing reads the sizes on the host, forward or backward),
 ``per_group`` (one planned ``truefuse.gemm`` per group: bits equal to one Linear per group) and
 ``cublas_grouped`` (the planner's fused grouped product, cuBLAS ``grouped_mm``, where it offers it).
@@ -28,15 +28,15 @@ from truefuse.autograd._autocast import autocast_disabled, cast
 from truefuse.autograd._double_backward import module_names, refuses_double_backward
 from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
-from truefuse.ops._custom_op import launch
-from truefuse.ops._dtypes import wgrad_dtype
-from truefuse.ops.activation import activation_ref
-from truefuse.ops.bias_grad import split_bias_grad
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_fwd_op, use_kernel
-from truefuse.ops.gated_recompute import gated_bwd_recompute_op
-from truefuse.ops.gemm import gemm as _gemm
-from truefuse.ops.gemm import gemm_groups
-from truefuse.ops.grouped_gemm import grouped_bias_grad, grouped_mm_rows, grouped_mm_wgrad, split_offsets
+from truefuse.ops._launch.custom_op import launch
+from truefuse.ops._launch.dtypes import wgrad_dtype
+from truefuse.ops.gated_activation.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_fwd_op, use_kernel
+from truefuse.ops.gated_activation.gated_recompute import gated_bwd_recompute_op
+from truefuse.ops.gemm.activation import activation_ref
+from truefuse.ops.gemm.bias_grad import split_bias_grad
+from truefuse.ops.gemm.gemm import gemm as _gemm
+from truefuse.ops.gemm.gemm import gemm_groups
+from truefuse.ops.grouped_gemm.grouped_gemm import grouped_bias_grad, grouped_mm_rows, grouped_mm_wgrad, split_offsets
 
 #: The packed weights' grouped paths: the batch-invariant Triton grouped GEMM, one planned GEMM per
 #: group (bits of one Linear per group), the planner's fused grouped product (cuBLAS grouped_mm).

@@ -13,11 +13,12 @@ from truefuse.autograd._autocast import autocast_disabled, autocast_dtype, cast
 from truefuse.autograd._double_backward import module_names, refuses_double_backward
 from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad
-from truefuse.ops._dtypes import wgrad_dtype
-from truefuse.ops._triton import PLAIN_TENSORS as _PLAIN
-from truefuse.ops.activation import activation_grad_ref
-from truefuse.ops.bias_grad import split_bias_grad
-from truefuse.ops.gemm import _FLOATS, checked_plain_gemm, gemm, plain_gemm
+from truefuse.ops._launch.dtypes import wgrad_dtype
+from truefuse.ops._launch.triton import PLAIN_TENSORS as _PLAIN
+from truefuse.ops.gemm.activation import activation_grad_ref
+from truefuse.ops.gemm.bias_grad import split_bias_grad
+from truefuse.ops.gemm.gemm import checked_plain_gemm, gemm, plain_gemm
+from truefuse.ops.gemm.gemm_checks import FLOATS
 
 
 class LinearFunction(torch.autograd.Function):
@@ -129,7 +130,7 @@ def _plain_call(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if type(x2) not in _PLAIN or type(weight) not in _PLAIN or torch.compiler.is_compiling():
         return False
     dt, dev = x2.dtype, x2.device
-    if weight.dtype is not dt or dt not in _FLOATS or weight.dim() != 2 or weight.device != dev:
+    if weight.dtype is not dt or dt not in FLOATS or weight.dim() != 2 or weight.device != dev:
         return False
     if dev.type not in ("cpu", "cuda") or x2.shape[1] != weight.shape[1]:
         return False

@@ -22,8 +22,8 @@ from truefuse.autograd._chunked_head import chunk_for, in_dtypes, recompute_back
 from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, check_main_grad, deliver_weight_grad
-from truefuse.ops._dtensor import refuse_dtensor
-from truefuse.ops._dtypes import wide_dtype
+from truefuse.ops._launch.dtensor import refuse_dtensor
+from truefuse.ops._launch.dtypes import wide_dtype
 from truefuse.ops.lm_head.chunked_head import head_chunks, kept_weight_grad
 from truefuse.ops.lm_head.linear_cross_entropy import check_args, target_prologue
 from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOptions, LinearLogProbsOutput, LogProbChunks

@@ -14,8 +14,8 @@ import torch
 from truefuse.autograd._eager_op import call
 from truefuse.autograd._modes import Modes
 from truefuse.config import get_tuning
-from truefuse.ops._dtensor import on_local_rows
-from truefuse.ops.norm import (
+from truefuse.ops._launch.dtensor import on_local_rows
+from truefuse.ops.norm.norm import (
     HF_NORM_STYLES,
     hf_statistics,
     layer_norm_ref,
@@ -76,7 +76,7 @@ def rms_norm(
         zero_centered_gamma: the scale is ``1 + weight`` (weight initialised to zeros).
 
     Differentiable in ``x`` and ``weight``; the weight gradient is summed in fp32 and rounded once to
-    ``weight.dtype``. Matches :func:`truefuse.ops.norm.rms_norm_ref` (bounded contract).
+    ``weight.dtype``. Matches :func:`truefuse.ops.norm.norm.rms_norm_ref` (bounded contract).
     """
     y = on_local_rows(
         "rms_norm", lambda x, w: rms_norm(x, w, eps, zero_centered_gamma=zero_centered_gamma), {"x": x}, {"weight": weight}
@@ -103,7 +103,7 @@ def layer_norm(
         eps: added to the variance.
         zero_centered_gamma: the scale is ``1 + weight``.
 
-    Matches :func:`truefuse.ops.norm.layer_norm_ref` (bounded contract).
+    Matches :func:`truefuse.ops.norm.norm.layer_norm_ref` (bounded contract).
     """
     y = on_local_rows(
         "layer_norm",
@@ -147,7 +147,7 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
 
     Returns:
         (..., H): ``promote(x.dtype, weight.dtype)`` for ``llama``, x's dtype for ``gemma`` (as stock).
-        Forward bitwise equal to :func:`truefuse.ops.norm.rms_norm_hf_ref`; gradients bounded.
+        Forward bitwise equal to :func:`truefuse.ops.norm.norm.rms_norm_hf_ref`; gradients bounded.
     """
     y = on_local_rows("rms_norm_hf", lambda x, w: rms_norm_hf(x, w, eps, style=style), {"x": x}, {"weight": weight})
     if y is not None:

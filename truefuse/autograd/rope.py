@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._eager_op import call
-from truefuse.ops._dtensor import refuse_dtensor
+from truefuse.ops._launch.dtensor import refuse_dtensor
 from truefuse.ops.rope import rope_fwd_op, rope_ref, use_kernel
 
 

@@ -1,5 +1,5 @@
 """``truefuse.token_log_probs``: each target's log-probability and each row's entropy from given
-logits, differentiable in the logits (``ops/token_log_probs.py``). The sampler's half of an RL
+logits, differentiable in the logits (``ops/lm_head/token_log_probs.py``). The sampler's half of an RL
 loop's log-probs, whose trainer half is ``linear_log_probs`` / ``model_log_probs``
 (docs/batch_invariance.md)."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._double_backward import refuses_double_backward
-from truefuse.ops._dtensor import refuse_dtensor
-from truefuse.ops._dtypes import wide_dtype
+from truefuse.ops._launch.dtensor import refuse_dtensor
+from truefuse.ops._launch.dtypes import wide_dtype
 from truefuse.ops.lm_head.linear_cross_entropy import target_prologue
 from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOptions, LinearLogProbsOutput
-from truefuse.ops.token_log_probs import token_log_probs_rows
+from truefuse.ops.lm_head.token_log_probs import token_log_probs_rows
 
 
 class TokenLogProbsFunction(torch.autograd.Function):
@@ -30,7 +30,7 @@ class TokenLogProbsFunction(torch.autograd.Function):
         return lp, ent
 
     @staticmethod
-    @refuses_double_backward("token_log_probs", "truefuse.ops.token_log_probs.token_log_probs_ref")
+    @refuses_double_backward("token_log_probs", "truefuse.ops.lm_head.token_log_probs.token_log_probs_ref")
     def backward(ctx, g_lp, g_ent):
         logits, t = ctx.saved_tensors
         wide = wide_dtype(logits)
@@ -56,7 +56,7 @@ def token_log_probs(
         same logits, the bits of ``linear_log_probs``' per-chunk math (docs/design.md §1), each row
         independent of the others. −inf logits (top-k / top-p-masked scores) have probability 0
         and add 0·log 0 = 0 to the entropy (``Categorical``'s): finite entropy and gradients, 0
-        at the masked logits. Semantics: ``truefuse.ops.token_log_probs.token_log_probs_ref``.
+        at the masked logits. Semantics: ``truefuse.ops.lm_head.token_log_probs.token_log_probs_ref``.
 
     Raises:
         TypeError / ValueError naming the argument before anything runs; ``ValueError`` for a

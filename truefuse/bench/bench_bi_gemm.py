@@ -5,7 +5,7 @@ training) and 1, 2, 4, 8, 16, 32, 64 (decode):
 
 * ``fwd``: ``y = x Wᵀ`` (M×K by N×K), ``dgrad``: ``dx = dy W`` (M×N by N×K). Providers ``cublas``
   (``torch.mm``, the reference) and ``bi`` (``truefuse.gemm(..., batch_invariant=True)``: the
-  Triton GEMM with the mode's launch table, ``truefuse/ops/gemm_bi_config.py``);
+  Triton GEMM with the mode's launch table, ``truefuse/ops/gemm/gemm_bi_config.py``);
 * the decode points again under CUDA-graph replay (the kernels' own time: an eager decode call is
   bound by its launch's host time): ``bi_gemm_decode_graph`` with each call on the next of several
   operand copies (the weight from HBM, as in a model's decode step), ``bi_gemm_decode_graph_l2``
@@ -29,7 +29,7 @@ import sys
 import torch
 
 from truefuse.bench.harness import Sweep, environment
-from truefuse.ops.gemm import gemm
+from truefuse.ops.gemm.gemm import gemm
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (K, N)
 DECODE = (1, 2, 4, 8, 16, 32, 64)
@@ -138,11 +138,11 @@ def _rows_differing(fn, a, ms=(*DECODE, 8192)) -> dict:
 
 
 def _configs_same_bits(K: int, N: int, device) -> dict:
-    """Every tile of batch-invariant mode's table (``ops/gemm_bi_config.py``), of the autotuned set
+    """Every tile of batch-invariant mode's table (``ops/gemm/gemm_bi_config.py``), of the autotuned set
     and 16/32-row tiles (mma instead of wgmma) on the same 200 rows, forward and input gradient:
     whether each gives the reference tile's bits (``REFERENCE``, the mode's former one tile)."""
-    from truefuse.ops import gemm_bi_config as bc
-    from truefuse.ops.gemm_backends.triton import _configs, run_tiles
+    import truefuse.ops.gemm.gemm_bi_config as bc
+    from truefuse.ops.gemm.gemm_backends.triton import _configs, run_tiles
 
     cfgs = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in _configs(torch.bfloat16)}
     cfgs |= {(16, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 8, 3), *bc.entries("bf16")}
@@ -158,8 +158,8 @@ def _configs_same_bits(K: int, N: int, device) -> dict:
 
 def table_same_bits(device) -> dict:
     """Each bf16 and fp32 entry of the table against the reference tile, at M = 1, 40, 200."""
-    from truefuse.ops import gemm_bi_config as bc
-    from truefuse.ops.gemm_backends.triton import run_tiles
+    import truefuse.ops.gemm.gemm_bi_config as bc
+    from truefuse.ops.gemm.gemm_backends.triton import run_tiles
 
     res = {}
     for g, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
@@ -204,7 +204,7 @@ def checks(device) -> dict:
     res["embedding_backward_run_to_run_equal"] = all(torch.equal(grads[0], g) for g in grads[1:])
     # rms_norm_hf's rows in batch-invariant mode (kernel statistics) and torch's statistics
     import truefuse
-    from truefuse.ops.norm import hf_rstd
+    from truefuse.ops.norm.norm import hf_rstd
 
     for H in (1024, 4096):
         x = torch.randn(8192, H, device=device, dtype=torch.bfloat16)

@@ -18,8 +18,8 @@ import contextlib
 import torch
 
 from truefuse.bench.harness import Sweep
-from truefuse.ops.gemm import gemm
-from truefuse.ops.gemm_plan import Capability, override_capabilities
+from truefuse.ops.gemm.gemm import gemm
+from truefuse.ops.gemm.gemm_plan import Capability, override_capabilities
 
 _NO_FUSED_BGRAD = [Capability("grad_bias"), Capability("grad_activation")]
 

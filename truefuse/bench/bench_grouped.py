@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from truefuse.bench.harness import Sweep
 from truefuse.nn.grouped import GroupedMLP
-from truefuse.ops.gemm import gemm
+from truefuse.ops.gemm.gemm import gemm
 
 _BF = torch.bfloat16
 

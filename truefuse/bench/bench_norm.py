@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from truefuse.autograd.norm import layer_norm, rms_norm, rms_norm_hf
 from truefuse.bench.harness import Sweep
-from truefuse.ops.norm import layer_norm_ref, rms_norm_hf_ref, rms_norm_ref
+from truefuse.ops.norm.norm import layer_norm_ref, rms_norm_hf_ref, rms_norm_ref
 
 CUDA_GRAPH = True
 _BF = torch.bfloat16

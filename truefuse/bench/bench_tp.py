@@ -42,7 +42,7 @@ def _providers(shape: dict, rank: int, world: int, dev: torch.device, ws) -> tup
     """name -> step function, and the outputs of one step of torch and truefuse (for a sanity check)."""
     from truefuse.distributed import TensorParallelMLP
     from truefuse.distributed._regions import torch_region
-    from truefuse.ops.gemm import gemm
+    from truefuse.ops.gemm.gemm import gemm
 
     M, H, Fw = shape["tokens"], shape["hidden"], shape["ffn"]
     f = Fw // world

@@ -71,7 +71,7 @@ def _steps(shape: dict, rank: int, world: int, dev: torch.device) -> tuple[dict,
     import truefuse
     from truefuse.distributed import linear_cross_entropy as vocab_parallel
     from truefuse.distributed._regions import torch_region
-    from truefuse.ops.gemm import gemm
+    from truefuse.ops.gemm.gemm import gemm
 
     N, V, H = shape["tokens"], shape["vocab"], shape["hidden"]
     shards = shape.get("shards", world)  # > world: one rank's work of a wider group (its compute alone)

@@ -16,9 +16,9 @@ from truefuse.autograd.norm import rms_norm
 from truefuse.config import get_tuning
 from truefuse.distributed._agree import agree, validating
 from truefuse.distributed.workspace import Workspace
-from truefuse.ops._custom_op import launch
+from truefuse.ops._launch.custom_op import launch
 from truefuse.ops.allreduce import allreduce_add_rmsnorm_fwd
-from truefuse.ops.norm import norm_bwd_op, norm_fwd_op, use_kernel
+from truefuse.ops.norm.norm import norm_bwd_op, norm_fwd_op, use_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what truefuse.rms_norm takes

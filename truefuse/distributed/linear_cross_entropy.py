@@ -32,7 +32,7 @@ from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, check_main_grad
 from truefuse.distributed._agree import gather_verdicts, problem_of, raise_disagreement, raise_problems
-from truefuse.ops._dtypes import wide_dtype
+from truefuse.ops._launch.dtypes import wide_dtype
 from truefuse.ops.lm_head.chunked_head import HeadGrads
 from truefuse.ops.lm_head.linear_cross_entropy import (
     LinearCrossEntropyOptions,

@@ -48,11 +48,11 @@ from truefuse.distributed.allreduce import allreduce_add_rmsnorm
 from truefuse.distributed.sharding import shard_columns, shard_rows
 from truefuse.distributed.workspace import Workspace
 from truefuse.nn._base import WgradModule
-from truefuse.ops.activation import activation_ref
-from truefuse.ops.bias_grad import split_bias_grad
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_torch
+from truefuse.ops.gated_activation.gated_activation import GATED_ACTIVATIONS, gated_activation_torch
+from truefuse.ops.gemm.activation import activation_ref
+from truefuse.ops.gemm.bias_grad import split_bias_grad
 from truefuse.ops.linear import MLP_ACTIVATIONS
-from truefuse.ops.norm import rms_norm_torch
+from truefuse.ops.norm.norm import rms_norm_torch
 
 #: dtypes of the layers' parameters and activations: what ``allreduce`` sums.
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from truefuse.config import get_tuning
 from truefuse.ops import allreduce as allreduce_ops
-from truefuse.ops._triton import sm_count
+from truefuse.ops._launch.triton import sm_count
 
 
 def layout(world_size: int, max_bytes: int) -> tuple[int, int, int]:

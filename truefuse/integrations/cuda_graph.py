@@ -5,7 +5,7 @@ a side stream (Triton compiles and caches its kernels, cuBLAS makes its workspac
 state), then one capture of the step, then a replay per step with the new batch copied into the
 captured inputs. A replay runs the kernels the capture recorded, at the addresses it recorded: so
 the step may not read device data on the host, size an allocation from data, or choose a kernel
-from values (truefuse's ops do none of these under capture: ``ops/_capture.py``); gradients live in
+from values (truefuse's ops do none of these under capture: ``ops/_launch/capture.py``); gradients live in
 the graph's pool, at stable addresses; the optimizer is built with ``capturable=True``.
 """
 

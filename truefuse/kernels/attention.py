@@ -3,7 +3,7 @@ decode are the same kernel), the backward's delta = rowsum(dO · O), a dK/dV pas
 and a separate dQ pass (no atomics: every gradient element is written by one program).
 
 Batch invariance (docs/design.md §1): a query row of batch ``b`` reduces over the keys in blocks of
-``BLOCK_N`` (a constexpr from the head dim and dtype, ``ops/attention_config.py``) starting at its
+``BLOCK_N`` (a constexpr from the head dim and dtype, ``ops/attention/attention_config.py``) starting at its
 sequence's first valid key ``key_start[b]``, with one online-softmax merge per block in key order.
 A block in which the row sees no key leaves (m, l, acc) bit for bit unchanged (max unchanged,
 rescale factor exp2(0) = 1, p = 0), so it does not matter whether a launch visits it: prefill

@@ -8,7 +8,7 @@ same rounded operand that enters the product.
 
 Batch invariance: BLOCK_K is fixed per input dtype (never tuned, never split-K), so each output
 element is reduced over K in the same order whatever M and N are; only BLOCK_M/BLOCK_N/warps/stages
-are tuned (batch-invariant mode: chosen from M by ``ops/gemm_bi_config.py``, checked bitwise on the GPU).
+are tuned (batch-invariant mode: chosen from M by ``ops/gemm/gemm_bi_config.py``, checked bitwise on the GPU).
 """
 
 import triton
@@ -88,7 +88,7 @@ def _gemm_segments_kernel(
     """``C_s = A @ B_s`` for up to three B_s (K×N_s, one layout) sharing A (the sibling projections
     q/k/v or gate/up of one input): each tile lies in one segment and runs :func:`_gemm_tile`, the
     plain kernel's tile, so each C_s has the bits of its own ``_gemm_kernel`` call with the same
-    tiles (``ops/gemm_backends/triton.py::bi_launch_segments``). C_s is contiguous (M×N_s). Unused
+    tiles (``ops/gemm/gemm_backends/triton.py::bi_launch_segments``). C_s is contiguous (M×N_s). Unused
     segments have N_s = 0."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)

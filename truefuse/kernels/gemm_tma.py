@@ -2,7 +2,7 @@
 tensor descriptors (issue 34: the plain kernel's forward reached 1.17× cuBLAS at 8192 rows).
 
 The descriptors are made on the device from pointers and strides (a 128-byte scratch each,
-``ops/gemm_backends/triton.py::_tma_scratch``): host-made ones cost Triton's launcher ~4× a plain
+``ops/gemm/gemm_backends/triton.py::_tma_scratch``): host-made ones cost Triton's launcher ~4× a plain
 launch's host time (encoded per call), which a host-bound training step pays twice per Linear
 (experiments/host_time.py bi-linear).
 

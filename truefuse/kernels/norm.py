@@ -38,7 +38,7 @@ def _pdl_enter(PDL: tl.constexpr):
     """Programmatic dependent launch (``launch_pdl=True``): this grid may start while the previous
     kernel drains; wait here, before any load (any input may be that kernel's output). PDL: 0 off;
     1 then lets the next kernel's programs launch at once (they wait in place, holding their SM
-    slots); 2 lets them launch only as this kernel's programs exit (``ops/norm_config.py::pdl_trigger``)."""
+    slots); 2 lets them launch only as this kernel's programs exit (``ops/norm/norm_config.py::pdl_trigger``)."""
     if PDL:
         gdc_wait()
         if PDL == 1:
@@ -123,7 +123,7 @@ def _fwd_row(
         xc = tl.where(mask, x - mean, 0.0)
         tl.store(mean_ptr + row, mean)
     if RSTD_IN or HF_STATS:
-        # a caller's rstd (a stock module's statistics, for its bits: ops/norm.py::rms_norm_hf_ref),
+        # a caller's rstd (a stock module's statistics, for its bits: ops/norm/norm.py::rms_norm_hf_ref),
         # or, HF_STATS, this kernel's own (batch-invariant mode's rms_norm_hf in one launch);
         # ROUND_NORMED rounds x * rstd to x's dtype before the weight, as Llama's RMSNorm does
         if RSTD_IN:
@@ -614,7 +614,7 @@ def _norm_bwd_split_kernel(
     REMAT: tl.constexpr = False,
 ):
     """The backward of ``_norm_bwd_kernel`` (one row at a time) with the row in two column parts,
-    A = [0, BLOCK_A) and B = [BLOCK_A, BLOCK_A + BLOCK_B): the rows above 8192 (``ops/norm.py::
+    A = [0, BLOCK_A) and B = [BLOCK_A, BLOCK_A + BLOCK_B): the rows above 8192 (``ops/norm/norm.py::
     bwd_config``), and a hidden size that is not a power of two pads less (5120 = 4096 + 1024
     instead of 8192). Each row reduced in an order fixed by the blocks and num_warps (batch
     invariance). A second pass that loaded x and dy again instead of holding them through the

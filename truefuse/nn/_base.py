@@ -20,7 +20,7 @@ from truefuse.autograd._wgrad import (
     run_pending,
 )
 from truefuse.nn._data_parallel import reducing_wrapper, refusal
-from truefuse.ops._dtensor import refuse_dtensor
+from truefuse.ops._launch.dtensor import refuse_dtensor
 
 
 def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:

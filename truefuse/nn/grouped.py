@@ -9,10 +9,10 @@ from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._wgrad import DEFAULT_MAX_PENDING_WGRAD
 from truefuse.autograd.grouped import GROUPED_PATHS, GroupedLinearFunction, GroupedMLPFunction, GroupSpec
 from truefuse.nn._base import WgradModule, init_linear_
-from truefuse.ops.activation import activation_ref
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_torch
-from truefuse.ops.gemm import check_splits
-from truefuse.ops.grouped_gemm import check_split_tensor, grouped_gemm_available, split_offsets
+from truefuse.ops.gated_activation.gated_activation import GATED_ACTIVATIONS, gated_activation_torch
+from truefuse.ops.gemm.activation import activation_ref
+from truefuse.ops.gemm.gemm_checks import check_splits
+from truefuse.ops.grouped_gemm.grouped_gemm import check_split_tensor, grouped_gemm_available, split_offsets
 from truefuse.ops.linear import MLP_ACTIVATIONS
 
 

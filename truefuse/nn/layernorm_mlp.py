@@ -8,7 +8,7 @@ from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.linear import linear
 from truefuse.nn._base import WgradModule, init_linear_
 from truefuse.nn.layernorm_linear import add_norm, apply_norm, reset_norm_
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS
+from truefuse.ops.gated_activation.gated_activation import GATED_ACTIVATIONS
 from truefuse.ops.linear import MLP_ACTIVATIONS, layernorm_mlp_ref
 
 

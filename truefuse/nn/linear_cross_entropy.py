@@ -9,7 +9,7 @@ import torch
 from truefuse.autograd._wgrad import DEFAULT_MAX_PENDING_WGRAD, WgradState, check_max_pending
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy_with
 from truefuse.nn._base import DelayedWgrad
-from truefuse.ops._dtensor import refuse_dtensor
+from truefuse.ops._launch.dtensor import refuse_dtensor
 from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOptions
 
 

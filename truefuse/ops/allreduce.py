@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from truefuse.config import get_config, get_tuning
-from truefuse.ops._custom_op import custom_op, launch
-from truefuse.ops.norm_config import block_and_warps
+from truefuse.ops._launch.custom_op import custom_op, launch
+from truefuse.ops.norm.norm_config import block_and_warps
 
 
 def default_two_stage_bytes(world_size: int) -> int:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from truefuse.ops.activation import ACTIVATIONS, activation_ref
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_torch
-from truefuse.ops.norm import layer_norm_torch, rms_norm_torch
+from truefuse.ops.gated_activation.gated_activation import GATED_ACTIVATIONS, gated_activation_torch
+from truefuse.ops.gemm.activation import ACTIVATIONS, activation_ref
+from truefuse.ops.norm.norm import layer_norm_torch, rms_norm_torch
 
 #: Normalizations of LayerNormLinear / LayerNormMLP.
 NORMALIZATIONS: tuple[str, ...] = ("LayerNorm", "RMSNorm")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from truefuse.config import get_config
-from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
-from truefuse.ops._triton import kernel_for, triton_runs
+from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
+from truefuse.ops._launch.triton import kernel_for, triton_runs
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops._custom_op import custom_op, launch
-from truefuse.ops._dtensor import refuse_dtensor
-from truefuse.ops._triton import sm_count, triton_runs
+from truefuse.ops._launch.custom_op import custom_op, launch
+from truefuse.ops._launch.dtensor import refuse_dtensor
+from truefuse.ops._launch.triton import sm_count, triton_runs
 
 
 def scale_ref(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

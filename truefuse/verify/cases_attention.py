@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from truefuse.autograd.attention import attention
-from truefuse.ops.attention import attention_ref
+from truefuse.ops.attention.attention import attention_ref
 from truefuse.testing import bitwise_report, fwd_bwd_reports
 from truefuse.verify.registry import register
 
@@ -22,7 +22,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _shape(device):
     """(B, Hq, Hk, L, D): tiny under the CPU interpreter; on a GPU several key chunks (512 keys),
-    and decode's 12 query programs split them (ops/attention.py)."""
+    and decode's 12 query programs split them (ops/attention/attention.py)."""
     return (3, 4, 2, 1100, 128) if device.type == "cuda" else (2, 2, 1, 18, 16)
 
 

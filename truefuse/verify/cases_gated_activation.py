@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd.gated_activation import gated_activation
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_activation_torch
+from truefuse.ops.gated_activation.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_activation_torch
 from truefuse.testing import fwd_bwd_reports
 from truefuse.verify.registry import register
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from truefuse.config import batch_invariant
-from truefuse.ops.gemm import GemmOutput, gemm, gemm_ref
-from truefuse.ops.gemm_plan import Capability, override_capabilities
+from truefuse.ops.gemm.gemm import GemmOutput, gemm, gemm_ref
+from truefuse.ops.gemm.gemm_plan import Capability, override_capabilities
 from truefuse.testing import bitwise_report, bounded_report
 from truefuse.verify.registry import register
 
@@ -20,7 +20,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def _sizes(device) -> tuple[int, int, int]:
     """(tokens, in_features, out_features): odd sizes on purpose (tails in every tile dimension).
-    Smaller under the CPU interpreter, whose 32x32x16 tile (ops/gemm_backends/triton.py) they
+    Smaller under the CPU interpreter, whose 32x32x16 tile (ops/gemm/gemm_backends/triton.py) they
     still split into several tiles with tails in every dimension (the weight gradient's M = 136:
     five row tiles, more than one GROUP_M group; N = 41: two column tiles; K = 150: ten K steps),
     at a seventh of the interpreted programs of the GPU's sizes."""

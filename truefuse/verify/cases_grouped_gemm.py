@@ -1,4 +1,4 @@
-"""Contract cases of the batch-invariant grouped GEMM (``truefuse/ops/grouped_gemm.py``,
+"""Contract cases of the batch-invariant grouped GEMM (``truefuse/ops/grouped_gemm/grouped_gemm.py``,
 docs/design.md §1 "Grouped GEMM"):
 
 * ``bounded_<dtype>``: forward with bias, input gradient, weight gradient (written, and accumulated
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops.grouped_gemm import (
+from truefuse.ops.grouped_gemm.grouped_gemm import (
     grouped_bias_grad,
     grouped_gemm_available,
     grouped_gemm_ref,

@@ -12,7 +12,7 @@ import torch
 
 from truefuse.autograd.norm import layer_norm, rms_norm, rms_norm_hf
 from truefuse.config import tuning
-from truefuse.ops.norm import HF_NORM_STYLES, layer_norm_ref, layer_norm_torch, rms_norm_hf_ref, rms_norm_ref, rms_norm_torch
+from truefuse.ops.norm.norm import HF_NORM_STYLES, layer_norm_ref, layer_norm_torch, rms_norm_hf_ref, rms_norm_ref, rms_norm_torch
 from truefuse.testing import bitwise_report, fwd_bwd_reports
 from truefuse.verify.registry import register
 

@@ -10,8 +10,8 @@ import torch
 
 from truefuse.autograd.linear_log_probs import linear_log_probs
 from truefuse.autograd.token_log_probs import token_log_probs
-from truefuse.ops.gemm import gemm
-from truefuse.ops.token_log_probs import token_log_probs_plain, token_log_probs_ref
+from truefuse.ops.gemm.gemm import gemm
+from truefuse.ops.lm_head.token_log_probs import token_log_probs_plain, token_log_probs_ref
 from truefuse.testing import bitwise_report, bounded_report
 from truefuse.verify.cases_linear_cross_entropy import make_inputs
 from truefuse.verify.registry import register

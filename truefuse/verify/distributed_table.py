@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from truefuse.autograd.norm import rms_norm
 from truefuse.distributed.allreduce import allreduce, allreduce_add_rmsnorm, ordered_sum
-from truefuse.ops.norm import use_kernel
+from truefuse.ops.norm.norm import use_kernel
 from truefuse.testing import bitwise_report
 
 ROWS = (1, 4, 8, 16, 20, 32, 64, 128, 1000)

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from truefuse.ops.activation import activation_ref
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_activation_torch
-from truefuse.ops.norm import rms_norm_ref, rms_norm_torch
+from truefuse.ops.gated_activation.gated_activation import GATED_ACTIVATIONS, gated_activation_ref, gated_activation_torch
+from truefuse.ops.gemm.activation import activation_ref
+from truefuse.ops.norm.norm import rms_norm_ref, rms_norm_torch
 from truefuse.testing import bitwise_report, bounded_report, rel_error, same_on_all_ranks
 
 #: The layers the table checks; ``verify --world-size N --op NAME`` selects among them.

@@ -45,10 +45,10 @@ class OpDecl:
         verify: its contract's op names in ``python -m truefuse verify`` (``--op``); for a
             distributed op, in ``verify --world-size N``'s tables.
         inline: its custom ops trace into their kernels under torch.compile
-            (``ops/_custom_op.py::custom_op(inline=)``; docs/design.md §6.7).
+            (``ops/_launch/custom_op.py::custom_op(inline=)``; docs/design.md §6.7).
         eager: its forward custom ops run without the dispatcher in eager mode
             (``autograd/_eager_op.py``: ``register_backward`` gave them ``.eager``).
-        dtensor: ``"refused"`` (one ``TypeError`` naming it, ``ops/_dtensor.py::refuse_dtensor``),
+        dtensor: ``"refused"`` (one ``TypeError`` naming it, ``ops/_launch/dtensor.py::refuse_dtensor``),
             ``"row-local"`` (each rank's rows, exact: ``on_local_rows``), or ``"no rule"`` (no
             public entry of its own, its callers refuse; or a process-group op, whose inputs are
             each rank's plain tensors by its contract).
@@ -157,7 +157,7 @@ def truefuse_attr(name: str):
 
 
 def _grouped_gemm_opcheck(device):
-    from truefuse.ops.grouped_gemm import split_offsets
+    from truefuse.ops.grouped_gemm.grouped_gemm import split_offsets
 
     splits, K, N = [5, 0, 1, 19, 3], 24, 20  # an empty group, a one-row group, several tiles
     M, G = sum(splits), len(splits)
@@ -173,7 +173,7 @@ def _grouped_gemm_opcheck(device):
 
 def _norm_opcheck(rms: bool):
     def sample(device):
-        from truefuse.ops.norm import norm_fwd_op
+        from truefuse.ops.norm.norm import norm_fwd_op
 
         x, w = _r(9, 40, device=device, grad=True), _r(40, device=device, grad=True, seed=1)
         b = None if rms else _r(40, device=device, grad=True, seed=2)
@@ -188,7 +188,7 @@ def _norm_opcheck(rms: bool):
 
 
 def _rms_norm_hf_opcheck(device):
-    from truefuse.ops.norm import hf_rstd
+    from truefuse.ops.norm.norm import hf_rstd
 
     x, w = _r(6, 32, device=device, grad=True), _r(32, device=device, grad=True, seed=1)
     rstd = hf_rstd(x.detach(), 1e-6).reshape(-1)
@@ -335,7 +335,7 @@ def _attention_opcheck(device):
     ks = torch.zeros(1, dtype=torch.int32, device=device)
     args = (None, ks, 0.25, True, 0, 0.0)
     with torch.no_grad():  # the backward op takes plain tensors (a traced backward graph does)
-        out, lse = resolve("truefuse.ops.attention:attention_fwd_op")(q, k, v, *args)
+        out, lse = resolve("truefuse.ops.attention.attention:attention_fwd_op")(q, k, v, *args)
     detached = (q.detach(), k.detach(), v.detach(), out, lse)
     # the PyTorch path's ops (what torch.compile traces in its place), fp64: no kernel takes it
     q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -386,7 +386,10 @@ def _allreduce_opcheck(device):
     return [("truefuse::allreduce_add_rmsnorm", args, ("test_schema", "test_faketensor"))]
 
 
-_NORM_OPS = {"truefuse::norm_fwd": "truefuse.ops.norm:norm_fwd_op", "truefuse::norm_bwd": "truefuse.ops.norm:norm_bwd_op"}
+_NORM_OPS = {
+    "truefuse::norm_fwd": "truefuse.ops.norm.norm:norm_fwd_op",
+    "truefuse::norm_bwd": "truefuse.ops.norm.norm:norm_bwd_op",
+}
 _NO_COMPILE_GROUPED = "no public function: GroupedLinear's and GroupedMLP's samples on backend='triton' trace it"
 
 OPS: tuple[OpDecl, ...] = (
@@ -394,11 +397,11 @@ OPS: tuple[OpDecl, ...] = (
         name="gemm",
         stem="gemm",
         custom_ops={
-            "truefuse::gemm": "truefuse.ops.gemm:gemm_op",
-            "truefuse::gemm_result": "truefuse.ops.gemm:gemm_result_op",
-            "truefuse::gemm_out": "truefuse.ops.gemm:gemm_out_op",
+            "truefuse::gemm": "truefuse.ops.gemm.gemm:gemm_op",
+            "truefuse::gemm_result": "truefuse.ops.gemm.gemm:gemm_result_op",
+            "truefuse::gemm_out": "truefuse.ops.gemm.gemm:gemm_out_op",
         },
-        ref="truefuse.ops.gemm:gemm_ref",
+        ref="truefuse.ops.gemm.gemm:gemm_ref",
         verify=("gemm",),
         inline=False,
         eager=False,
@@ -412,9 +415,10 @@ OPS: tuple[OpDecl, ...] = (
         name="ops.grouped_gemm",
         stem="grouped_gemm",
         custom_ops={
-            f"truefuse::grouped_gemm_{k}": f"truefuse.ops.grouped_gemm:grouped_gemm_{k}_op" for k in ("rows", "wgrad", "bgrad")
+            f"truefuse::grouped_gemm_{k}": f"truefuse.ops.grouped_gemm.grouped_gemm:grouped_gemm_{k}_op"
+            for k in ("rows", "wgrad", "bgrad")
         },
-        ref="truefuse.ops.grouped_gemm:grouped_gemm_ref",
+        ref="truefuse.ops.grouped_gemm.grouped_gemm:grouped_gemm_ref",
         verify=("grouped_gemm",),
         inline=False,
         eager=False,
@@ -428,7 +432,7 @@ OPS: tuple[OpDecl, ...] = (
         name="rms_norm",
         stem="norm",
         custom_ops=_NORM_OPS,
-        ref="truefuse.ops.norm:rms_norm_ref",
+        ref="truefuse.ops.norm.norm:rms_norm_ref",
         verify=("rms_norm",),
         inline=True,
         eager=True,
@@ -450,7 +454,7 @@ OPS: tuple[OpDecl, ...] = (
         name="layer_norm",
         stem="norm",
         custom_ops=_NORM_OPS,
-        ref="truefuse.ops.norm:layer_norm_ref",
+        ref="truefuse.ops.norm.norm:layer_norm_ref",
         verify=("layer_norm",),
         inline=True,
         eager=True,
@@ -470,10 +474,10 @@ OPS: tuple[OpDecl, ...] = (
         name="rms_norm_hf",
         stem="norm",
         custom_ops={
-            "truefuse::rms_norm_hf_fwd": "truefuse.ops.norm:rms_norm_hf_fwd_op",
+            "truefuse::rms_norm_hf_fwd": "truefuse.ops.norm.norm:rms_norm_hf_fwd_op",
             "truefuse::norm_bwd": _NORM_OPS["truefuse::norm_bwd"],
         },
-        ref="truefuse.ops.norm:rms_norm_hf_ref",
+        ref="truefuse.ops.norm.norm:rms_norm_hf_ref",
         verify=("rms_norm_hf",),
         inline=True,
         eager=True,
@@ -494,11 +498,11 @@ OPS: tuple[OpDecl, ...] = (
         name="gated_activation",
         stem="gated_activation",
         custom_ops={
-            f"truefuse::gated_activation{n}_{d}": f"truefuse.ops.gated_activation:gated{n}_{d}_op"
+            f"truefuse::gated_activation{n}_{d}": f"truefuse.ops.gated_activation.gated_activation:gated{n}_{d}_op"
             for n in ("", "2")
             for d in ("fwd", "bwd")
         },
-        ref="truefuse.ops.gated_activation:gated_activation_ref",
+        ref="truefuse.ops.gated_activation.gated_activation:gated_activation_ref",
         verify=("gated_activation",),
         inline=True,
         eager=True,
@@ -540,7 +544,7 @@ OPS: tuple[OpDecl, ...] = (
         name="token_log_probs",
         stem="token_log_probs",
         custom_ops={},  # PyTorch row by row: no kernel of its own
-        ref="truefuse.ops.token_log_probs:token_log_probs_ref",
+        ref="truefuse.ops.lm_head.token_log_probs:token_log_probs_ref",
         verify=("token_log_probs",),
         inline=False,
         eager=False,
@@ -587,12 +591,12 @@ OPS: tuple[OpDecl, ...] = (
         name="attention",
         stem="attention",
         custom_ops={
-            "truefuse::attention_fwd": "truefuse.ops.attention:attention_fwd_op",
-            "truefuse::attention_bwd": "truefuse.ops.attention:attention_bwd_op",
-            "truefuse::attention_pytorch_fwd": "truefuse.ops.attention:attention_pytorch_op",
-            "truefuse::attention_pytorch_bwd": "truefuse.ops.attention:attention_pytorch_bwd_op",
+            "truefuse::attention_fwd": "truefuse.ops.attention.attention:attention_fwd_op",
+            "truefuse::attention_bwd": "truefuse.ops.attention.attention:attention_bwd_op",
+            "truefuse::attention_pytorch_fwd": "truefuse.ops.attention.attention:attention_pytorch_op",
+            "truefuse::attention_pytorch_bwd": "truefuse.ops.attention.attention:attention_pytorch_bwd_op",
         },
-        ref="truefuse.ops.attention:attention_ref",
+        ref="truefuse.ops.attention.attention:attention_ref",
         verify=("attention",),
         inline=False,
         eager=True,
@@ -639,7 +643,7 @@ OPS: tuple[OpDecl, ...] = (
         name="GroupedMLP",
         stem="grouped",
         custom_ops={
-            "truefuse::gated_activation_bwd_recompute": "truefuse.ops.gated_recompute:gated_bwd_recompute_op",
+            "truefuse::gated_activation_bwd_recompute": "truefuse.ops.gated_activation.gated_recompute:gated_bwd_recompute_op",
             # the patched Hugging Face experts' forward as one op, for torch.export
             "truefuse::hf_experts_mlp": "truefuse.integrations.huggingface.experts_op:experts_mlp",
         },

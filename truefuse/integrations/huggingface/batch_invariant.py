@@ -31,8 +31,8 @@ from truefuse.autograd.linear import linear as _truefuse_linear
 from truefuse.config import batch_invariant, is_batch_invariant
 from truefuse.integrations.huggingface import modules
 from truefuse.integrations.huggingface.siblings import Siblings, find_groups, fused_call
-from truefuse.ops._triton import PLAIN_TENSORS as _PLAIN_TYPES
-from truefuse.ops.gemm import _FLOATS as _GEMM_DTYPES
+from truefuse.ops._launch.triton import PLAIN_TENSORS as _PLAIN_TYPES
+from truefuse.ops.gemm.gemm_checks import FLOATS as _GEMM_DTYPES
 
 #: What F.linear's weight gradient goes through: the plain configuration (autograd's ``.grad``).
 _PLAIN = WgradState(owner="F.linear (batch-invariant)")

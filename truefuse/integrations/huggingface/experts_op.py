@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._wgrad import WgradState
-from truefuse.ops._capture import refuse_under_capture
+from truefuse.ops._launch.capture import refuse_under_capture
 from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
 
 

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from truefuse.autograd._modes import Modes
-from truefuse.ops._capture import host_may_wait
+from truefuse.ops._launch.capture import host_may_wait
 
 __all__ = [
     "SUPPORTED",

@@ -101,9 +101,9 @@ from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
 from truefuse.integrations.huggingface.experts_op import experts_mlp
 from truefuse.integrations.huggingface.modules import gated_for, truefuse_subclass
 from truefuse.nn.grouped import check_grouped_path, resolve_grouped_path
-from truefuse.ops._capture import refuse_under_capture
-from truefuse.ops._dtensor import refuse_dtensor
-from truefuse.ops.grouped_gemm import split_offsets
+from truefuse.ops._launch.capture import refuse_under_capture
+from truefuse.ops._launch.dtensor import refuse_dtensor
+from truefuse.ops.grouped_gemm.grouped_gemm import split_offsets
 
 #: The transformers experts classes :func:`patch_experts` takes (matched by class name, the module's
 #: own class or a stock base of it).

@@ -30,7 +30,7 @@ def _refuse_tensor_parallel(model: torch.nn.Module) -> None:
     experts their weights (docs/huggingface.md, "Tensor parallelism"). FSDP2's own DTensors (under a
     ``fully_shard`` module, one ``Shard(0)``, replicated on an HSDP mesh's other dimension) are
     plain tensors again when its forward runs: allowed."""
-    from truefuse.ops._dtensor import _dtensor_class
+    from truefuse.ops._launch.dtensor import _dtensor_class
 
     cls = _dtensor_class()
     if cls is None:

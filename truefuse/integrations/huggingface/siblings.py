@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._autocast import autocast_dtype
-from truefuse.ops._triton import PLAIN_TENSORS
-from truefuse.ops.gemm import runs_bi_triton
-from truefuse.ops.gemm_bi_config import M_BUCKETS, bucket
+from truefuse.ops._launch.triton import PLAIN_TENSORS
+from truefuse.ops.gemm.gemm_bi_config import M_BUCKETS, bucket
+from truefuse.ops.gemm.gemm_runners import runs_bi_triton
 
 #: Attribute names of the sibling ``nn.Linear`` children that read one input, per module kind.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -62,7 +62,7 @@ def fused_call(state: Siblings, x: torch.Tensor, weight: torch.Tensor, bias) -> 
     weights = [m.weight for m in group]
     if weights[0] is not weight or not _fusable(x, weights, [m.bias is not None for m in group]):
         return None
-    from truefuse.ops.gemm_backends.triton import bi_launch_segments
+    from truefuse.ops.gemm.gemm_backends.triton import bi_launch_segments
 
     x2 = x.reshape(-1, x.shape[-1])
     outs = [torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
@@ -73,7 +73,7 @@ def fused_call(state: Siblings, x: torch.Tensor, weight: torch.Tensor, bias) -> 
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, bias) -> torch.Tensor:
-    if bias is not None:  # as the plain call's runner adds a split bias (ops/gemm.py::_runner)
+    if bias is not None:  # as the plain call's runner adds a split bias (ops/gemm/gemm_runners.py::_runner)
         y.add_(bias.to(y.dtype))
     return y.view(*x.shape[:-1], y.shape[-1])
 

@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from truefuse.config import get_tuning
-from truefuse.ops._dtypes import wgrad_dtype, wide_dtype
+from truefuse.ops._launch.dtypes import wgrad_dtype, wide_dtype
 from truefuse.ops.lm_head.chunked_head_gemms import input_grad_gemm, logits_buffer, logits_gemm, vocab_split, weight_grad_gemm
 
 

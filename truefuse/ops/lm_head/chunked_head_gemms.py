@@ -33,9 +33,9 @@ from __future__ import annotations
 import torch
 
 from truefuse.config import get_tuning
-from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops._triton import triton_runs
-from truefuse.ops.gemm import gemm
+from truefuse.ops._launch.dtypes import wide_dtype
+from truefuse.ops._launch.triton import triton_runs
+from truefuse.ops.gemm.gemm import gemm
 
 
 def vocab_split(x: torch.Tensor, V: int, batch_invariant: bool = False) -> int | None:

@@ -32,10 +32,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from truefuse.ops._capture import host_may_wait
-from truefuse.ops._custom_op import custom_op, launch
-from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops._triton import triton_runs
+from truefuse.ops._launch.capture import host_may_wait
+from truefuse.ops._launch.custom_op import custom_op, launch
+from truefuse.ops._launch.dtypes import wide_dtype
+from truefuse.ops._launch.triton import triton_runs
 
 REDUCTIONS = ("mean", "sum", "none")
 MEMORY_MODES = ("default", "lean")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops._custom_op import custom_op, launch
-from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops._triton import recorded, triton_runs
+from truefuse.ops._launch.custom_op import custom_op, launch
+from truefuse.ops._launch.dtypes import wide_dtype
+from truefuse.ops._launch.triton import recorded, triton_runs
 from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOptions
 
 

@@ -40,10 +40,10 @@ from typing import NamedTuple
 import torch
 
 from truefuse.config import get_tuning
-from truefuse.ops._custom_op import custom_op, launch
-from truefuse.ops._dtypes import wgrad_dtype, wide_dtype
-from truefuse.ops._triton import triton_runs
-from truefuse.ops.gemm import gemm
+from truefuse.ops._launch.custom_op import custom_op, launch
+from truefuse.ops._launch.dtypes import wgrad_dtype, wide_dtype
+from truefuse.ops._launch.triton import triton_runs
+from truefuse.ops.gemm.gemm import gemm
 from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOptions
 
 #: Slices are multiples of this many classes (but for an odd vocabulary's last < ALIGN classes).

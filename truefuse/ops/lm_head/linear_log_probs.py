@@ -26,9 +26,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from truefuse.ops._custom_op import custom_op, launch
-from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops._triton import recorded, triton_runs
+from truefuse.ops._launch.custom_op import custom_op, launch
+from truefuse.ops._launch.dtypes import wide_dtype
+from truefuse.ops._launch.triton import recorded, triton_runs
 
 
 class LinearLogProbsOutput(NamedTuple):

@@ -16,9 +16,9 @@ This module must not ``import torch``: the submodule ``torch`` below takes that 
 from __future__ import annotations
 
 from truefuse.config import KNOWN_GEMM_BACKENDS
-from truefuse.ops.gemm_backends import torch as _torch_backend
-from truefuse.ops.gemm_backends import triton as _triton_backend
-from truefuse.ops.gemm_backends._base import GemmBackend
+from truefuse.ops.gemm.gemm_backends import torch as _torch_backend
+from truefuse.ops.gemm.gemm_backends import triton as _triton_backend
+from truefuse.ops.gemm.gemm_backends._base import GemmBackend
 
 #: name -> backend, in default preference order.
 BACKENDS: dict[str, GemmBackend] = {b.name: b for b in (_torch_backend.BACKEND, _triton_backend.BACKEND)}

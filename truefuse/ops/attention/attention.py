@@ -16,11 +16,11 @@ import math
 import torch
 
 from truefuse.config import get_config
-from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
-from truefuse.ops._triton import sm_count, triton_runs
-from truefuse.ops.attention_blocked import attention_blocked, score_transform
-from truefuse.ops.attention_config import attention_config, forward_tile
-from truefuse.ops.attention_mask import score_mask
+from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
+from truefuse.ops._launch.triton import sm_count, triton_runs
+from truefuse.ops.attention.attention_blocked import attention_blocked, score_transform
+from truefuse.ops.attention.attention_config import attention_config, forward_tile
+from truefuse.ops.attention.attention_mask import score_mask
 
 #: widest head dim of the kernels (Gemma 2's 256)
 MAX_KERNEL_HEAD_DIM = 256
@@ -325,7 +325,12 @@ def _backward(ctx, dout, dlse):
 
 
 register_backward(
-    attention_fwd_op, _backward, _setup, bwd_ops=(attention_bwd_op,), name="attention", ref="truefuse.ops.attention.attention_ref"
+    attention_fwd_op,
+    _backward,
+    _setup,
+    bwd_ops=(attention_bwd_op,),
+    name="attention",
+    ref="truefuse.ops.attention.attention.attention_ref",
 )
 
 
@@ -412,5 +417,5 @@ register_backward(
     _pytorch_setup,
     bwd_ops=(attention_pytorch_bwd_op,),
     name="attention",
-    ref="truefuse.ops.attention.attention_ref",
+    ref="truefuse.ops.attention.attention.attention_ref",
 )

@@ -1,7 +1,7 @@
 """The GEMM planner: policy only. Which backend runs a request, and what it fuses or splits.
 
 A request names the features it needs (see :data:`FEATURES`). Each backend registered in
-``truefuse.ops.gemm_backends`` states, as a set of ``(feature, input dtype, output dtype, device
+``truefuse.ops.gemm.gemm_backends`` states, as a set of ``(feature, input dtype, output dtype, device
 type)`` rows, what it can fuse into one call. The planner takes the first backend in preference
 order that can run the product for these dtypes on this device; it fuses what that backend can, and
 every feature it lacks is *split*: done as the same math in separate PyTorch steps. The preference
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from truefuse.config import get_config
-from truefuse.ops.gemm_backends import BACKENDS, backend_names
-from truefuse.ops.gemm_backends._base import FEATURES, Row
+from truefuse.ops.gemm.gemm_backends import BACKENDS, backend_names
+from truefuse.ops.gemm.gemm_backends._base import FEATURES, Row
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ _MAX_PLANS = 4096  # distinct requests are few (dtypes x flags x devices); overr
 def plan_context(device: str) -> tuple:
     """Everything a plan depends on beside its request: the overrides in force, the configuration
     and which backends are available on ``device`` (the key of :data:`_PLANS`, and of the plain
-    call's runners in ``ops/gemm.py``)."""
+    call's runners in ``ops/gemm/gemm_runners.py``)."""
     return (_OVERRIDES.get(), get_config(), tuple([b.available(device) for b in BACKENDS.values()]))
 
 

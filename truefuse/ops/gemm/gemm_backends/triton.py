@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 
 from truefuse.config import get_config
-from truefuse.ops._triton import hopper, sm_count
-from truefuse.ops.gemm_backends._base import BF16, F16, F32, WIDEN, GemmArgs, GemmBackend, rows
-from truefuse.ops.gemm_bi_config import BLOCK_K as BI_BLOCK_K
-from truefuse.ops.gemm_bi_config import GROUP_M, M_BUCKETS, TMA_TILE, WIDE_N, bucket, group, layout
+from truefuse.ops._launch.triton import hopper, sm_count
+from truefuse.ops.gemm.gemm_backends._base import BF16, F16, F32, WIDEN, GemmArgs, GemmBackend, rows
+from truefuse.ops.gemm.gemm_bi_config import BLOCK_K as BI_BLOCK_K
+from truefuse.ops.gemm.gemm_bi_config import GROUP_M, M_BUCKETS, TMA_TILE, WIDE_N, bucket, group, layout
 
 _FEATURES = ["mm", "accumulate", "grad_activation", "grad_bias"]
 # ``batch_invariant``: BLOCK_K fixed per dtype, no split-K, and in that mode a launch table
-# (``bi_config``, ``truefuse/ops/gemm_bi_config.py``) whose tiles, chosen from M, all give a row the
+# (``bi_config``, ``truefuse/ops/gemm/gemm_bi_config.py``) whose tiles, chosen from M, all give a row the
 # same bits (checked on the GPU), so a row's bits never depend on M (docs/design.md §1). Not on the CPU:
 # the interpreter's tl.dot is NumPy's matmul of the tiles, whose rows change bits with their place
 # in the tile (a row moved within a 32x16 @ 16x32 product differed), so there rows invariant to M
@@ -57,7 +57,7 @@ _BI: dict = {}
 
 def bi_config(dtype: torch.dtype, M: int, form: str = "nt", N: int = 0):
     """Batch-invariant mode's tile configuration for ``M`` rows of an ``N``-column output
-    (``truefuse/ops/gemm_bi_config.py``).
+    (``truefuse/ops/gemm/gemm_bi_config.py``).
 
     BLOCK_K is fixed per dtype in every entry and the K loop is one sequence, so the table's tile,
     chosen from M, N and B's layout ``form``, only decides which program computes a row, never its
@@ -65,7 +65,7 @@ def bi_config(dtype: torch.dtype, M: int, form: str = "nt", N: int = 0):
     §1). Under the interpreter: the one CPU configuration, whatever M."""
     import triton
 
-    from truefuse.ops import gemm_bi_config as bc
+    import truefuse.ops.gemm.gemm_bi_config as bc
 
     if get_config().triton_interpret:
         return _configs(dtype)[0]
@@ -148,7 +148,7 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
 def bi_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> None:
     """:func:`product`'s batch-invariant launch for a bare product (no derivative prologue, no
     bias-gradient, not accumulated; M and N not 0): the plain call's runner
-    (``ops/gemm.py::_runner``) launches it without the plan's executor around it."""
+    (``ops/gemm/gemm_runners.py::_runner``) launches it without the plan's executor around it."""
     from truefuse.kernels.activation import ACT_CODES
     from truefuse.kernels.gemm import _gemm_kernel
 
@@ -288,8 +288,8 @@ def run_tiles(a: torch.Tensor, b: torch.Tensor, tiles: tuple[int, int, int, int]
     bits (tests, ``bench_bi_gemm``, ``experiments/exp_bi_gemm_tiles.py``)."""
     import triton
 
+    import truefuse.ops.gemm.gemm_bi_config as bc
     from truefuse.kernels.gemm import _gemm_kernel
-    from truefuse.ops import gemm_bi_config as bc
 
     (M, K), N = a.shape, b.shape[1]
     out = torch.empty(M, N, device=a.device, dtype=a.dtype)

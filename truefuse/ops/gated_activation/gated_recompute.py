@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops._custom_op import custom_op, no_double_backward
-from truefuse.ops.gated_activation import GATED_ACTIVATIONS, gated_bwd
+from truefuse.ops._launch.custom_op import custom_op, no_double_backward
+from truefuse.ops.gated_activation.gated_activation import GATED_ACTIVATIONS, gated_bwd
 
 
 @custom_op("truefuse::gated_activation_bwd_recompute", mutates_args=())

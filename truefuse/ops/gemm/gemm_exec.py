@@ -1,7 +1,7 @@
-"""Carrying out a :class:`~truefuse.ops.gemm_plan.GemmPlan`: the split steps around the product of
-the plan's backend (``truefuse.ops.gemm_backends``), and the loop over groups.
+"""Carrying out a :class:`~truefuse.ops.gemm.gemm_plan.GemmPlan`: the split steps around the product of
+the plan's backend (``truefuse.ops.gemm.gemm_backends``), and the loop over groups.
 
-Only :func:`run` (and :class:`GemmArgs`, its argument) is used from outside; ``truefuse.ops.gemm``
+Only :func:`run` (and :class:`GemmArgs`, its argument) is used from outside; ``truefuse.ops.gemm.gemm``
 validates before calling it, so nothing here checks user input.
 """
 
@@ -11,13 +11,11 @@ from dataclasses import replace
 
 import torch
 
-# re-export until the loss files are repointed (and truefuse/ops/norm.py); it lives in ops/_dtypes.py
-from truefuse.ops._dtypes import wide_dtype  # noqa: F401
-from truefuse.ops.activation import activation_grad_ref, activation_ref
-from truefuse.ops.bias_grad import split_bias_grad
-from truefuse.ops.gemm_backends import get_backend
-from truefuse.ops.gemm_backends._base import GemmArgs
-from truefuse.ops.gemm_plan import GemmPlan
+from truefuse.ops.gemm.activation import activation_grad_ref, activation_ref
+from truefuse.ops.gemm.bias_grad import split_bias_grad
+from truefuse.ops.gemm.gemm_backends import get_backend
+from truefuse.ops.gemm.gemm_backends._base import GemmArgs
+from truefuse.ops.gemm.gemm_plan import GemmPlan
 
 # ---------------------------------------------------------------------------------------------
 # one GEMM: split prologue, fused product, split epilogue

@@ -13,7 +13,7 @@ sum of the group sizes; :func:`split_offsets` makes it from a list or a tensor w
 
 Contract (docs/design.md §1, "Grouped GEMM"): each group's output rows (and dW_g, db_g) are bitwise
 independent of the other groups' sizes, their order and the batch they arrive in (one tile
-configuration per dtype and problem kind, ``ops/grouped_gemm_config.py``), and bounded against one
+configuration per dtype and problem kind, ``ops/grouped_gemm/grouped_gemm_config.py``), and bounded against one
 ``F.linear`` / matmul per group (:func:`grouped_gemm_ref`, :func:`grouped_gemm_wgrad_ref`).
 
 A device tensor of sizes cannot be checked on the host without a sync: :func:`split_offsets` checks
@@ -28,10 +28,10 @@ import itertools
 import torch
 
 from truefuse.config import get_config
-from truefuse.ops._custom_op import custom_op, launch
-from truefuse.ops._triton import sm_count
-from truefuse.ops.gemm import check_splits
-from truefuse.ops.grouped_gemm_config import HALF, INTERPRETER_PROGRAMS, TileConfig, tile_config
+from truefuse.ops._launch.custom_op import custom_op, launch
+from truefuse.ops._launch.triton import sm_count
+from truefuse.ops.gemm.gemm_checks import check_splits
+from truefuse.ops.grouped_gemm.grouped_gemm_config import HALF, INTERPRETER_PROGRAMS, TileConfig, tile_config
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

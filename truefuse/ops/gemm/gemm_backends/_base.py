@@ -1,7 +1,7 @@
 """What a GEMM backend is: the features it may fuse, the arguments its product receives, and the
 :class:`GemmBackend` record each backend module defines as ``BACKEND``.
 
-Nothing here names a backend; the registry (``truefuse.ops.gemm_backends``) lists them.
+Nothing here names a backend; the registry (``truefuse.ops.gemm.gemm_backends``) lists them.
 """
 
 from __future__ import annotations

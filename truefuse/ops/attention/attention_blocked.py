@@ -5,7 +5,7 @@ It keeps the kernels' guarantee by a construction of the same kind. Every produc
 matmul of one fixed shape: a tile of :data:`BLOCK_M` query rows against a block of
 :func:`block_n` keys. The BLAS picks its kernel from the shape, and within a fixed-shape call a
 row's bits depend neither on its place nor on the other rows, nor on how many products the batch
-holds (``ops/gemm_exec.py::BI_ROWS``; tests/test_attention.py). The key blocks start at each
+holds (``ops/gemm/gemm_exec.py::BI_ROWS``; tests/test_attention.py). The key blocks start at each
 sequence's first valid key. A row's softmax shifts by its maximum over the keys it sees (exact in
 any order), sums each block's probabilities over the fixed block, and adds the blocks' sums and
 products with V in key order; a block the row does not see adds zeros, so the causal prefill skips
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops.attention_mask import score_mask
+from truefuse.ops.attention.attention_mask import score_mask
 
 #: query rows per product: a speed setting, never chosen from the number of rows (that would
 #: change the BLAS kernel, and so the bits, with the batch)

@@ -1,5 +1,5 @@
 """RMSNorm and LayerNorm: the references, and the host launchers of the Triton kernels (their
-launch tables are ``ops/norm_config.py``).
+launch tables are ``ops/norm/norm_config.py``).
 
 ``rms_norm_ref`` / ``layer_norm_ref`` state truefuse's rounding rule in plain PyTorch (fp32
 statistics, one rounding of the output; see ``truefuse/kernels/norm.py``). They are the CPU path
@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from truefuse.config import get_tuning
-from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
-from truefuse.ops._triton import hopper, kernel_for, sm_count, traced, triton_runs
-from truefuse.ops.gemm_exec import wide_dtype
-from truefuse.ops.norm_config import (
+from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
+from truefuse.ops._launch.dtypes import wide_dtype
+from truefuse.ops._launch.triton import hopper, kernel_for, sm_count, traced, triton_runs
+from truefuse.ops.norm.norm_config import (
     STAGED_INNER,
     block_and_warps,
     bwd_config,
@@ -400,7 +400,7 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, par
 
 
 def _fwd_traceable(x, weight, bias, eps, rms, zero_centered_gamma) -> bool:
-    """Whether a compiled graph may take ``norm_fwd``'s kernel itself (``_custom_op.custom_op``'s
+    """Whether a compiled graph may take ``norm_fwd``'s kernel itself (``_launch/custom_op.py::custom_op``'s
     ``inline``): not the TMA-staged LayerNorm forward, whose host-side descriptor torch 2.11
     cannot trace; that call stays one opaque op, with eager mode's bits."""
     return _fwd_staged(x, rms) is None
@@ -482,7 +482,7 @@ def _norm_names(inputs) -> tuple[str, str]:
 
 def _norm_op_names(rms: bool) -> tuple[str, str]:
     op = "rms_norm" if rms else "layer_norm"
-    return op, f"truefuse.ops.norm.{op}_ref"
+    return op, f"truefuse.ops.norm.norm.{op}_ref"
 
 
 register_backward(

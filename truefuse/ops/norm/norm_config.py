@@ -1,6 +1,6 @@
 """The norm kernels' launch tables: block sizes, warps, programs per SM, stages and schedule
 choices, each from the hidden size (and dtype, norm) only, never the row count (batch invariance,
-docs/design.md §1). Data and pure functions; the launchers in ``ops/norm.py`` read them.
+docs/design.md §1). Data and pure functions; the launchers in ``ops/norm/norm.py`` read them.
 
 Each choice names the experiment that measured it (experiments/, docs/benchmarks.md).
 """

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops._custom_op import bwd_call, custom_op, register_backward
-from truefuse.ops._dtypes import wide_dtype
-from truefuse.ops._triton import kernel_for, triton_runs
-from truefuse.ops.activation import activation_ref
+from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
+from truefuse.ops._launch.dtypes import wide_dtype
+from truefuse.ops._launch.triton import kernel_for, triton_runs
+from truefuse.ops.gemm.activation import activation_ref
 
 #: Gated activation name -> the activation applied to the gate half.
 GATED_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh", "reglu": "relu"}
@@ -170,7 +170,10 @@ def _gated_backward(ctx, dy):
     return bwd_call(ctx, gated_bwd_op, dy, x, ctx.name), None
 
 
-_REFUSAL = {"name": "gated_activation", "ref": "truefuse.ops.gated_activation.gated_activation_ref"}  # double backward
+_REFUSAL = {
+    "name": "gated_activation",
+    "ref": "truefuse.ops.gated_activation.gated_activation.gated_activation_ref",
+}  # double backward
 register_backward(gated_fwd_op, _gated_backward, _gated_setup, bwd_ops=(gated_bwd_op,), **_REFUSAL)
 
 

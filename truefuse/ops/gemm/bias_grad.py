@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops._dtypes import wide_dtype
+from truefuse.ops._launch.dtypes import wide_dtype
 
 
 def split_bias_grad(grad_output: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The batch-invariant grouped GEMM's launch tables: ONE tile configuration per (problem kind,
 dtype, GPU), part of the bits, never chosen from the token count or the group sizes
 (docs/design.md §1, "Grouped GEMM"). Data and :func:`tile_config`; the launchers in
-``ops/grouped_gemm.py`` read them.
+``ops/grouped_gemm/grouped_gemm.py`` read them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from truefuse.ops._triton import capability
+from truefuse.ops._launch.triton import capability
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops._dtypes import wide_dtype
+from truefuse.ops._launch.dtypes import wide_dtype
 from truefuse.ops.lm_head.chunked_head import invariant_chunk
 from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOptions, LinearLogProbsOutput, LogProbChunks, _from_logits
 

@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from truefuse.ops.gemm_backends._base import BF16, SAME, WIDEN, GemmArgs, GemmBackend, rows
+from truefuse.ops.gemm.gemm_backends._base import BF16, SAME, WIDEN, GemmArgs, GemmBackend, rows
 
 CAPABILITIES = frozenset(
     rows(["mm", "accumulate", "bias"], SAME, ["cpu", "cuda"])

@@ -22,7 +22,7 @@ def custom_op(name: str, *, mutates_args, inline: bool | Callable = False) -> Ca
     """``torch.library.custom_op(name, mutates_args=...)`` that also keeps the undecorated body as
     the op's ``body``, for :func:`launch`.
 
-    ``inline``: the body launches its kernels through ``ops/_triton.py::kernel_for`` and nothing
+    ``inline``: the body launches its kernels through ``ops/_launch/triton.py::kernel_for`` and nothing
     else it does depends on data, so where Triton compiles (not its CPU interpreter, whose kernels
     cannot be traced), torch.compile's AOT graph takes the body instead of one opaque call: the
     graph holds the kernels and Inductor launches them from its generated code, without the op's

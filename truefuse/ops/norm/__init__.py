@@ -1,0 +1,1 @@
+"""RMSNorm and LayerNorm: the launchers and references (`norm`) and their launch table (`norm_config`)."""
