@@ -24,8 +24,11 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 
 tests_rc=skipped
 if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0: benchmarks only
-  $PY -m pytest -q -x -p no:cacheprovider -m "" tests 2>&1 | tee "$OUT/pytest.log" | tail -n 25
-  tests_rc=${PIPESTATUS[0]}
+  # -v: each result is in the log as it happens (a run cut at a time limit still names its failures)
+  $PY -m pytest -n "${JOBS:-8}" -v --tb=short -p no:cacheprovider -m "" tests > "$OUT/pytest.log" 2>&1
+  tests_rc=$?
+  grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)|^(FAILED|ERROR) " "$OUT/pytest.log" | head -n 40
+  tail -n 1 "$OUT/pytest.log"
 fi
 $PY -m truefuse verify --device cuda --quiet > "$OUT/verify.log" 2>&1
 verify_rc=$?
