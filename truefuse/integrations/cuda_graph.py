@@ -85,7 +85,8 @@ class GraphedStep:
             raise RuntimeError(
                 f"capturing the step in a CUDA graph failed: {type(cause).__name__}: {cause} "
                 "(a host read, a CPU-to-GPU copy from pageable memory or a data-sized allocation in the step; "
-                "docs/cuda_graphs.md lists what a captured step may not do)"
+                "docs/cuda_graphs.md lists what a captured step may not do; after a failed capture, torch 2.11 "
+                "leaves this process's CUDA random generator unusable: restart it)"
             ) from cause
         self.graph = graph
 
