@@ -51,7 +51,7 @@ def test_graphed_steps_equal_eager_steps(arch, mode):
         a, b = eager(ids), graphed(ids).clone()
         assert torch.equal(a, b), f"step {i}: eager loss {float(a)} vs graphed {float(b)}"
     assert graphed.graph is not None and graphed.calls == STEPS
-    for (name, p), q in zip(m_eager.named_parameters(), m_graph.parameters()):
+    for (name, p), q in zip(m_eager.named_parameters(), m_graph.parameters(), strict=True):
         assert torch.equal(p, q), f"{name} differs after {STEPS} steps"
 
 

@@ -93,7 +93,7 @@ class GraphedStep:
     def _load(self, inputs) -> None:
         if len(inputs) != len(self._inputs):
             raise ValueError(f"the step was captured with {len(self._inputs)} inputs, got {len(inputs)}")
-        for i, (new, old) in enumerate(zip(inputs, self._inputs)):
+        for i, (new, old) in enumerate(zip(inputs, self._inputs, strict=True)):
             if isinstance(old, torch.Tensor):
                 if not isinstance(new, torch.Tensor) or (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
                     got = (tuple(new.shape), new.dtype, new.device) if isinstance(new, torch.Tensor) else type(new).__name__

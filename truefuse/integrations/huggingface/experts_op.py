@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from truefuse.autograd._wgrad import WgradState
-from truefuse.ops._launch.capture import refuse_under_capture
 from truefuse.autograd.grouped import GroupedMLPFunction, GroupSpec
+from truefuse.ops._launch.capture import refuse_under_capture
 
 
 def _run(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, activation: str, backend: str):
