@@ -12,6 +12,7 @@ from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.linear import LinearFunction, linear
 from truefuse.ops.gemm import gemm as G
 from truefuse.ops.gemm import gemm_runners
+from truefuse.ops.gemm.gemm_checks import validate
 from truefuse.ops.gemm.gemm_plan import Capability, backend_available, override_capabilities
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
@@ -23,7 +24,8 @@ def _t(shape, dtype=F32, seed=0):
 
 
 def _general(a, b, **kw):
-    return G._gemm(a, b, per_group=False, **kw)
+    checks = {k: v for k, v in kw.items() if k != "batch_invariant"}  # the entries resolve the mode
+    return G._gemm(a, b, validate(a, b, **checks), per_group=False, **kw)  # the general path, checked as they check
 
 
 def _triton_bi():

@@ -8,6 +8,7 @@ import torch
 import truefuse
 from truefuse.ops.gemm import gemm as G
 from truefuse.ops.gemm import gemm_plan
+from truefuse.ops.gemm.gemm_checks import validate
 from truefuse.ops.gemm.gemm_plan import Capability, override_capabilities
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -18,7 +19,8 @@ def _t(shape, dtype=F32, seed=0):
 
 
 def _general(a, b, **kw):
-    return G._gemm(a, b, per_group=False, **kw)
+    checks = {k: v for k, v in kw.items() if k != "batch_invariant"}  # the entries resolve the mode
+    return G._gemm(a, b, validate(a, b, **checks), per_group=False, **kw)  # the general path, checked as they check
 
 
 CASES = [

@@ -398,3 +398,46 @@ def test_chunk_kernel_ties_and_infinities(device):
     assert got[2].tolist() == ref[2].tolist() == [True, True, True, True, False, True]
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("memory", ["default", "split", "lean"])
+def test_each_head_gemm_checks_its_operands_once(monkeypatch, memory):
+    """Issue 46: the loss's entry checks ``x`` and refuses DTensors once; each of the head's GEMMs
+    (3 chunks x logits, d_input, d_weight; lean: 4 slices x logits twice, d_input, d_weight) then
+    checks its operands once (one ``validate``: its first step, and the general checks where that
+    step declines, as for the split logits' two GEMMs into padded rows) and refuses no DTensor again."""
+    import truefuse.autograd.linear_cross_entropy as lce_mod
+    import truefuse.ops.lm_head.chunked_head as head_mod
+    from truefuse.ops.gemm import gemm as gemm_mod
+    from truefuse.ops.gemm import gemm_checks
+
+    counts = dict.fromkeys(("door", "validate", "plain_step", "gemm_refusal", "general"), 0)
+
+    def counted(key, fn):
+        def wrapper(*a, **k):
+            counts[key] += 1
+            return fn(*a, **k)
+
+        return wrapper
+
+    monkeypatch.setattr(lce_mod, "refuse_dtensor", counted("door", lce_mod.refuse_dtensor))
+    monkeypatch.setattr(gemm_mod, "validate", counted("validate", gemm_mod.validate))
+    monkeypatch.setattr(gemm_checks, "_plain_out_dtype", counted("plain_step", gemm_checks._plain_out_dtype))
+    monkeypatch.setattr(gemm_checks, "refuse_dtensor", counted("gemm_refusal", gemm_checks.refuse_dtensor))
+    monkeypatch.setattr(gemm_mod, "_gemm", counted("general", gemm_mod._gemm))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 12, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    V = 203 if memory == "split" else 256
+    W = torch.randn(V, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, V, (2, 12), generator=g)
+    kw = {"memory": "lean", "vocab_slice": 64} if memory == "lean" else {"chunk_size": 8}
+    if memory == "split":  # the Triton kernel's rule, taken on the CPU: the vocabulary split at 192
+        monkeypatch.setattr(head_mod, "vocab_split", lambda *a: 192)
+    loss = truefuse.linear_cross_entropy(x, W, t, **kw)
+    loss.backward()
+    # split: per chunk the logits' 2 GEMMs (general: padded rows), d_input's 2 and d_weight's 2
+    gemms, general = {"default": (9, 0), "split": (18, 6), "lean": (16, 0)}[memory]
+    assert counts == {"door": 1, "validate": gemms, "plain_step": gemms, "gemm_refusal": 0, "general": general}, counts
+    if memory == "split":  # the same loss as one GEMM each
+        ref = truefuse.linear_cross_entropy_ref(x.detach(), W.detach(), t)
+        torch.testing.assert_close(loss.detach(), ref)

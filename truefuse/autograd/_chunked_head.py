@@ -4,6 +4,7 @@ chunks again under docs/design.md §2 (plain, delayed, or fused into ``main_grad
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -13,6 +14,7 @@ from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, deliver_weight_grad, main_grad_target, main_grad_written
+from truefuse.ops._launch.dtensor import refuse_dtensor
 from truefuse.ops.gemm.bias_grad import split_bias_grad
 from truefuse.ops.lm_head.chunked_head import HeadGrads, default_chunk, invariant_chunk
 from truefuse.ops.lm_head.chunked_head_gemms import input_grad_gemm, logits_gemm, weight_grad_gemm
@@ -123,9 +125,11 @@ def head_logits(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None)
     """The logits (..., V) of hidden states ``x`` (..., H) by the head's GEMM (``HeadLogitsFunction``).
     Under ``torch.autocast`` as ``F.linear`` there (the stock head): the operands cast to its dtype
     (differentiable), the logits in it, the bits of the head's chunks under the same autocast."""
+    refuse_dtensor("head_logits", input=x, weight=W, bias=b)  # the head's GEMMs do not refuse them again
     dt = autocast_dtype(x.device)
+    scope = contextlib.nullcontext()
     if dt is not None:
         x, W, b = cast(x, dt), cast(W, dt), cast(b, dt)
-        with torch.autocast(x.device.type, enabled=False):
-            return head_logits(x, W, b)
-    return HeadLogitsFunction.apply(x.reshape(-1, x.shape[-1]), W, b).view(*x.shape[:-1], W.shape[0])
+        scope = torch.autocast(x.device.type, enabled=False)
+    with scope:
+        return HeadLogitsFunction.apply(x.reshape(-1, x.shape[-1]), W, b).view(*x.shape[:-1], W.shape[0])

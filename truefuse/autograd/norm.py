@@ -15,6 +15,7 @@ from truefuse.autograd._eager_op import call
 from truefuse.autograd._modes import Modes
 from truefuse.config import get_tuning
 from truefuse.ops._launch.dtensor import on_local_rows
+from truefuse.ops._launch.triton import PLAIN_TENSORS
 from truefuse.ops.norm.norm import (
     HF_NORM_STYLES,
     hf_statistics,
@@ -30,13 +31,16 @@ from truefuse.ops.norm.norm import (
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check(x, params: dict[str, torch.Tensor | None], eps) -> None:
+def _check(x, params: dict[str, torch.Tensor | None], eps) -> bool:
+    """Each argument checked once, in one pass: a clear error naming it, else whether any is a
+    tensor subclass (a DTensor, for ``on_local_rows``; plain tensors skip that check)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOATS:
         raise TypeError(f"x has dtype {x.dtype}; expected a float dtype")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the hidden size is its last)")
+    subclass = type(x) not in PLAIN_TENSORS
     for name, p in params.items():
         if p is None:
             continue
@@ -48,8 +52,10 @@ def _check(x, params: dict[str, torch.Tensor | None], eps) -> None:
             raise TypeError(f"{name} has dtype {p.dtype}; expected a float dtype")
         if p.device != x.device:
             raise ValueError(f"{name} is on {p.device} but x is on {x.device}")
+        subclass = subclass or type(p) not in PLAIN_TENSORS
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    return subclass
 
 
 def _run(x, weight, bias, eps, rms: bool, zero_centered_gamma: bool):
@@ -78,12 +84,12 @@ def rms_norm(
     Differentiable in ``x`` and ``weight``; the weight gradient is summed in fp32 and rounded once to
     ``weight.dtype``. Matches :func:`truefuse.ops.norm.norm.rms_norm_ref` (bounded contract).
     """
-    y = on_local_rows(
-        "rms_norm", lambda x, w: rms_norm(x, w, eps, zero_centered_gamma=zero_centered_gamma), {"x": x}, {"weight": weight}
-    )
-    if y is not None:
-        return y
-    _check(x, {"weight": weight}, eps)
+    if _check(x, {"weight": weight}, eps):  # a tensor subclass: a DTensor runs on each rank's rows
+        y = on_local_rows(
+            "rms_norm", lambda x, w: rms_norm(x, w, eps, zero_centered_gamma=zero_centered_gamma), {"x": x}, {"weight": weight}
+        )
+        if y is not None:
+            return y
     return _run(x, weight, None, eps, True, zero_centered_gamma)
 
 
@@ -105,15 +111,15 @@ def layer_norm(
 
     Matches :func:`truefuse.ops.norm.norm.layer_norm_ref` (bounded contract).
     """
-    y = on_local_rows(
-        "layer_norm",
-        lambda x, w, b: layer_norm(x, w, b, eps, zero_centered_gamma=zero_centered_gamma),
-        {"x": x},
-        {"weight": weight, "bias": bias},
-    )
-    if y is not None:
-        return y
-    _check(x, {"weight": weight, "bias": bias}, eps)
+    if _check(x, {"weight": weight, "bias": bias}, eps):  # a tensor subclass: a DTensor runs on each rank's rows
+        y = on_local_rows(
+            "layer_norm",
+            lambda x, w, b: layer_norm(x, w, b, eps, zero_centered_gamma=zero_centered_gamma),
+            {"x": x},
+            {"weight": weight, "bias": bias},
+        )
+        if y is not None:
+            return y
     return _run(x, weight, bias, eps, False, zero_centered_gamma)
 
 
@@ -149,10 +155,10 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         (..., H): ``promote(x.dtype, weight.dtype)`` for ``llama``, x's dtype for ``gemma`` (as stock).
         Forward bitwise equal to :func:`truefuse.ops.norm.norm.rms_norm_hf_ref`; gradients bounded.
     """
-    y = on_local_rows("rms_norm_hf", lambda x, w: rms_norm_hf(x, w, eps, style=style), {"x": x}, {"weight": weight})
-    if y is not None:
-        return y
-    _check(x, {"weight": weight}, eps)
+    if _check(x, {"weight": weight}, eps):  # a tensor subclass: a DTensor runs on each rank's rows
+        y = on_local_rows("rms_norm_hf", lambda x, w: rms_norm_hf(x, w, eps, style=style), {"x": x}, {"weight": weight})
+        if y is not None:
+            return y
     if style not in HF_NORM_STYLES:
         raise ValueError(f"style must be one of {HF_NORM_STYLES}, got {style!r}")
     if weight is None:

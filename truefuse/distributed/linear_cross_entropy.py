@@ -32,6 +32,7 @@ from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._modes import Modes
 from truefuse.autograd._wgrad import WgradState, check_main_grad
 from truefuse.distributed._agree import gather_verdicts, problem_of, raise_disagreement, raise_problems
+from truefuse.ops._launch.dtensor import refuse_dtensor
 from truefuse.ops._launch.dtypes import wide_dtype
 from truefuse.ops.lm_head.chunked_head import HeadGrads
 from truefuse.ops.lm_head.linear_cross_entropy import (
@@ -293,7 +294,17 @@ def linear_cross_entropy(
     problem = None
     if memory not in ("default", "lean"):
         problem = ("ValueError", f"memory must be 'default' or 'lean', got {memory!r}")
-    problem = problem or problem_of(lambda: check_args(input, linear_weight_shard, target, linear_bias, None))
+    problem = problem or problem_of(
+        # DTensors refused at the door: the head's GEMMs below do not refuse them again
+        lambda: refuse_dtensor(
+            "distributed.linear_cross_entropy",
+            input=input,
+            linear_weight_shard=linear_weight_shard,
+            target=target,
+            linear_bias=linear_bias,
+        ),
+        lambda: check_args(input, linear_weight_shard, target, linear_bias, None),
+    )
     t, t_sum, t_range = None, None, None
     if problem is None:
         t = target.reshape(-1).to(torch.int64)

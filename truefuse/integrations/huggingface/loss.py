@@ -293,8 +293,7 @@ def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict, bi: bo
 
     ignore_index = int(kwargs.get("ignore_index", -100))
     name, t = _targets(labels, kwargs, hidden.shape[:-1], ignore_index)
-    x = hidden.reshape(-1, hidden.shape[-1])
-    t = t.reshape(-1).to(device=x.device)
+    t = t.to(device=hidden.device)  # shaped as the tokens: the op flattens both, once
     V = self.lm_head.out_features  # the weight may be an FSDP2 shard until on_head's call
     if not host_may_wait(t):
         # traced (torch.export, torch.compile): reading the labels on the host would be a
@@ -316,7 +315,7 @@ def _fused_loss(self, hidden: torch.Tensor, labels, kwargs, traits: dict, bi: bo
 
     try:  # under torch.autocast the op casts its operands as F.linear does (autograd/_autocast.py)
         with targets_checked() if early is not None else contextlib.nullcontext():
-            loss = on_head(self.lm_head, head_loss, x, t)  # an FSDP2 unit's own hooks run around it (head.py)
+            loss = on_head(self.lm_head, head_loss, hidden, t)  # an FSDP2 unit's own hooks run around it (head.py)
         if early is not None:
             early()
     except ValueError as e:

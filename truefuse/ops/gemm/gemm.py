@@ -22,8 +22,8 @@ from truefuse.ops.gemm.activation import activation_grad_ref, activation_ref
 from truefuse.ops.gemm.bias_grad import split_bias_grad
 from truefuse.ops.gemm.gemm_checks import Checked, check_splits, validate
 from truefuse.ops.gemm.gemm_op import gemm_op, gemm_out_op, gemm_result_op
-from truefuse.ops.gemm.gemm_plan import GemmPlan, plan
-from truefuse.ops.gemm.gemm_runners import plain_runner, request, run_plain
+from truefuse.ops.gemm.gemm_plan import GemmPlan, plan, request
+from truefuse.ops.gemm.gemm_runners import plain_runner
 
 
 class GemmOutput(NamedTuple):
@@ -40,12 +40,19 @@ class GemmOutput(NamedTuple):
     grad_bias: torch.Tensor | None
 
 
-def _resolve_batch_invariant(batch_invariant):
+def _resolve_batch_invariant(batch_invariant) -> bool:
     """``batch_invariant`` as a public call means it: None reads the switch
-    (``truefuse.batch_invariant()``). The one place in ``ops/`` that reads it, called once at each
-    public entry (:func:`gemm`, :func:`gemm_plan_for`); everything below takes a bool
-    (``tests/test_layers.py``). Anything else is returned as given, for the argument check."""
-    return is_batch_invariant() if batch_invariant is None else batch_invariant
+    (``truefuse.batch_invariant()``), a bool is kept, anything else is the ``TypeError`` naming
+    it. The one place in ``ops/`` that reads the switch and the one check of the argument, called
+    once at each public entry (:func:`gemm`, :func:`gemm_plan_for`); everything below takes a bool
+    (``tests/test_layers.py``)."""
+    if batch_invariant is None:
+        return is_batch_invariant()
+    if type(batch_invariant) is not bool:
+        raise TypeError(
+            f"batch_invariant must be None (the truefuse.batch_invariant() switch) or a bool, got {batch_invariant!r}"
+        )
+    return batch_invariant
 
 
 def gemm(
@@ -111,10 +118,12 @@ def gemm(
     batch_invariant = _resolve_batch_invariant(batch_invariant)
     checked = validate(
         a, b, out, out_dtype, accumulate, bias, activation, return_pre_activation, grad_bias, grad_activation,
-        pre_activation, m_splits, batch_invariant,
+        pre_activation, m_splits,
     )  # fmt: skip
-    if checked.plain:
-        return run_plain(a, b, out, checked.out_dtype, accumulate, bias, batch_invariant)
+    if checked.plain:  # the kept runner, into out or a new output
+        odt, accumulate = checked.out_dtype, bool(accumulate)
+        out = torch.empty(checked.out_shape, dtype=odt, device=a.device) if out is None else out
+        return plain_runner(a, b, odt, accumulate, bias is not None, batch_invariant)(a, b, out, odt, accumulate, bias)
     return _gemm(
         a,
         b,
@@ -139,18 +148,26 @@ def plain_gemm(
     b: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
     batch_invariant: bool,
+    dtensors_refused: bool = False,
 ) -> torch.Tensor:
-    """``gemm(a, b, bias=bias, out_dtype=out_dtype, batch_invariant=batch_invariant)`` for callers
-    inside truefuse (the Linear Function, the eager no-grad linear), which pass the mode their call
-    read (``autograd/_modes.py``): :func:`gemm`'s path for these arguments, checked once."""
-    if batch_invariant is None:  # a bool from its callers; None as gemm reads it
-        batch_invariant = _resolve_batch_invariant(None)
-    checked = validate(a, b, None, out_dtype, False, bias, None, False, False, None, None, None, batch_invariant)
-    if checked.plain:
-        return run_plain(a, b, None, checked.out_dtype, False, bias, batch_invariant)
-    return _gemm(a, b, checked, bias=bias, out_dtype=out_dtype, per_group=False, batch_invariant=batch_invariant)
+    """``gemm(a, b, bias=bias, out=out, out_dtype=out_dtype, accumulate=accumulate,
+    batch_invariant=batch_invariant)`` for callers inside truefuse (the Linear Function, the eager
+    no-grad linear, the LM head's GEMMs), which pass the mode their call read as a bool
+    (``autograd/_modes.py``): :func:`gemm`'s path for these arguments, checked once.
+    ``dtensors_refused``: the caller's public entry refused DTensor operands already (the LM head's
+    entries: ``linear_cross_entropy``, ``linear_log_probs``, their modules, ``head_logits``, the
+    vocab-parallel loss), so a call that is not plain meets the general checks without a second
+    refusal."""
+    checked = validate(a, b, out, out_dtype, accumulate, bias, refuse_dtensors=not dtensors_refused)
+    if checked.plain:  # as gemm's
+        odt, accumulate = checked.out_dtype, bool(accumulate)
+        out = torch.empty(checked.out_shape, dtype=odt, device=a.device) if out is None else out
+        return plain_runner(a, b, odt, accumulate, bias is not None, batch_invariant)(a, b, out, odt, accumulate, bias)
+    return _gemm(a, b, checked, out=out, bias=bias, out_dtype=out_dtype, accumulate=accumulate, batch_invariant=batch_invariant)
 
 
 def checked_plain_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, odt: torch.dtype, bi: bool) -> torch.Tensor:
@@ -180,21 +197,20 @@ def gemm_groups(
     """
     if m_splits is None:
         raise ValueError("gemm_groups needs m_splits")
-    return _gemm(a, b, m_splits=m_splits, per_group=per_group, batch_invariant=batch_invariant, **kwargs)
+    checked = validate(a, b, m_splits=m_splits, **kwargs, refuse_dtensors=False)  # as always: no DTensor refusal here
+    return _gemm(a, b, checked, m_splits=m_splits, per_group=per_group, batch_invariant=batch_invariant, **kwargs)
 
 
-def _gemm(a, b, checked: Checked | None = None, *, per_group=False, **kw):
+def _gemm(a, b, checked: Checked, *, per_group=False, **kw):
     """:func:`gemm`'s general path: ``kw`` holds its keywords, ``per_group`` the request's flag (see
-    :func:`gemm_groups`), ``checked`` what ``validate`` found (checked here when None); every default
-    there is None or False, so a missing one reads as its default (``batch_invariant``: False; the
-    public entry resolved None to the switch)."""
-    if checked is None:
-        checked = validate(a, b, **kw, refuse_dtensors=False)  # as gemm_groups always checked: no DTensor refusal
+    :func:`gemm_groups`), ``checked`` what the entry's ``validate`` found; every default there is
+    None or False, so a missing one reads as its default (``batch_invariant``: a bool, which every
+    entry resolved)."""
     out_shape, odt, splits, rows_mode = checked.out_shape, checked.out_dtype, checked.splits, checked.rows_mode
     out, accumulate, bias, activation = kw.get("out"), bool(kw.get("accumulate")), kw.get("bias"), kw.get("activation")
     grad_activation, pre_activation = kw.get("grad_activation"), kw.get("pre_activation")
     return_pre_activation, grad_bias = kw.get("return_pre_activation"), kw.get("grad_bias")
-    bi = kw.get("batch_invariant") is True
+    bi = kw.get("batch_invariant", False)
     pre_out = torch.empty(out_shape, dtype=odt, device=a.device) if return_pre_activation else None
     gb_shape = (len(splits), a.shape[0]) if (splits is not None and not rows_mode) else (a.shape[0],)
     gb_out = torch.empty(gb_shape, dtype=a.dtype, device=a.device) if grad_bias else None
@@ -231,7 +247,7 @@ def gemm_plan_for(a: torch.Tensor, b: torch.Tensor, **kwargs) -> GemmPlan:
     unknown = sorted(set(kwargs) - set(inspect.signature(gemm).parameters))
     if unknown:
         raise TypeError(f"gemm_plan_for: unknown gemm argument(s) {unknown}")
-    kwargs["batch_invariant"] = bi = _resolve_batch_invariant(kwargs.get("batch_invariant"))
+    bi = _resolve_batch_invariant(kwargs.pop("batch_invariant", None))
     # no DTensor refusal, as before the one validator: a plan is asked of the local tensors' shapes
     checked = validate(a, b, **kwargs, refuse_dtensors=False)
     get = kwargs.get
@@ -248,7 +264,7 @@ def gemm_plan_for(a: torch.Tensor, b: torch.Tensor, **kwargs) -> GemmPlan:
             get("grad_bias", False),
             grouped,
             False,
-            bi is True,
+            bi,
         )  # fmt: skip
     )
 

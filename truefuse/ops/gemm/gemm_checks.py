@@ -151,17 +151,18 @@ def validate(
     grad_activation=None,
     pre_activation=None,
     m_splits=None,
-    batch_invariant=None,
     *,
     refuse_dtensors=True,
 ) -> Checked:
     """Check every argument of a ``gemm`` call (its keywords, positional here so that the common
     call's check costs little host time), or raise the ``TypeError`` / ``ValueError`` naming the
     argument. ``refuse_dtensors``: a DTensor operand is refused as ``truefuse.gemm`` refuses it,
-    after the first step (which takes plain tensors only) and before the general checks."""
+    after the first step (which takes plain tensors only) and before the general checks.
+    ``batch_invariant`` is not among them: the public entries check it where they resolve it
+    (``gemm._resolve_batch_invariant``); the internal ones take the bool their caller's mode holds."""
     odt = _plain_out_dtype(
         a, b, out, out_dtype, accumulate, bias, activation, return_pre_activation, grad_bias, grad_activation,
-        pre_activation, m_splits, batch_invariant,
+        pre_activation, m_splits,
     )  # fmt: skip
     if odt is not None:
         return Checked((a.shape[0], b.shape[1]), odt, None, False, True)
@@ -242,16 +243,12 @@ def validate(
             "grad_bias/grad_activation belong to a weight-gradient GEMM (a = grad_output.t()); "
             "a grouped one is split along the contraction (b 2-D), not by rows of a (b 3-D)"
         )
-    if batch_invariant is not None and not isinstance(batch_invariant, bool):
-        raise TypeError(
-            f"batch_invariant must be None (the truefuse.batch_invariant() switch) or a bool, got {batch_invariant!r}"
-        )
     return Checked(out_shape, odt, splits, rows_mode, False)
 
 
 def _plain_out_dtype(
     a, b, out, out_dtype, accumulate, bias, activation, return_pre_activation, grad_bias, grad_activation,
-    pre_activation, m_splits, batch_invariant,
+    pre_activation, m_splits,
 ) -> torch.dtype | None:  # fmt: skip
     """:func:`validate`'s first step: the output dtype of the common call when every argument is
     plainly valid and the call is eager, else None (having raised nothing: the general step then
@@ -271,7 +268,7 @@ def _plain_out_dtype(
     if b.dtype is not dt or dt not in FLOATS or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         return None
     kind = dev.type
-    if b.device != dev or kind not in ("cpu", "cuda") or type(batch_invariant) is not bool:
+    if b.device != dev or kind not in ("cpu", "cuda"):
         return None
     if torch.is_grad_enabled() and (
         a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad) or (out is not None and out.requires_grad)

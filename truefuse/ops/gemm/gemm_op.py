@@ -15,8 +15,7 @@ import torch
 from truefuse.ops._launch.custom_op import custom_op
 from truefuse.ops.gemm.gemm_checks import check_out_not_aliased
 from truefuse.ops.gemm.gemm_exec import GemmArgs, run
-from truefuse.ops.gemm.gemm_plan import plan
-from truefuse.ops.gemm.gemm_runners import request
+from truefuse.ops.gemm.gemm_plan import plan, request
 
 
 def _execute(

@@ -185,6 +185,30 @@ class GemmRequest:
         return tuple(f for f in FEATURES if flags[f])
 
 
+def _aligned16(*ts: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 and all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride()) for t in ts)
+
+
+def request(
+    a, b, odt, accumulate, bias, activation, grad_activation, grad_bias, grouped, per_group, batch_invariant=False
+) -> GemmRequest:
+    """What the planner is asked (reads the operands' addresses: run on real tensors, not traced)."""
+    return GemmRequest(
+        device=a.device.type,
+        in_dtype=a.dtype,
+        out_dtype=odt,
+        accumulate=bool(accumulate),
+        bias=bias is not None,
+        activation=activation is not None,
+        grad_activation=grad_activation is not None,
+        grad_bias=bool(grad_bias),
+        grouped=grouped,
+        aligned=(not grouped) or _aligned16(a, b),
+        per_group=grouped and bool(per_group),
+        batch_invariant=bool(batch_invariant),
+    )
+
+
 @dataclass(frozen=True)
 class GemmPlan:
     """How a request is carried out.

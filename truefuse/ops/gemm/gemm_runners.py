@@ -1,12 +1,12 @@
 """The plain call's kept plans: the batch-invariant plan's host-time cut (docs/benchmarks.md,
 "Batch-invariant mode").
 
-:func:`request` is what the planner is asked of given operands. For the common call that
-``gemm_checks.validate`` accepts in its first step, the request, its plan and the call that runs it
+For the common call that ``gemm_checks.validate`` accepts in its first step, the request
+(``gemm_plan.request``), its plan and the call that runs it
 are made once and kept, by the request's fields and :func:`plan_context` (:func:`plain_runner`):
 for the batch-invariant Triton product that call is the very launch its backend makes
 (``gemm_backends/triton.py::bi_launch``), for the ``torch`` backend's bare product the backend's
-product in its scope, else ``gemm_exec.run`` of the plan. :func:`run_plain` runs it.
+product in its scope, else ``gemm_exec.run`` of the plan. The entries in ``gemm.py`` run it.
 """
 
 from __future__ import annotations
@@ -14,40 +14,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.ops.gemm.gemm_exec import GemmArgs, run
-from truefuse.ops.gemm.gemm_plan import GemmPlan, GemmRequest, plan, plan_context
-
-
-def _aligned16(*ts: torch.Tensor) -> bool:
-    return all(t.data_ptr() % 16 == 0 and all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride()) for t in ts)
-
-
-def request(
-    a, b, odt, accumulate, bias, activation, grad_activation, grad_bias, grouped, per_group, batch_invariant=False
-) -> GemmRequest:
-    """What the planner is asked (reads the operands' addresses: run on real tensors, not traced)."""
-    return GemmRequest(
-        device=a.device.type,
-        in_dtype=a.dtype,
-        out_dtype=odt,
-        accumulate=bool(accumulate),
-        bias=bias is not None,
-        activation=activation is not None,
-        grad_activation=grad_activation is not None,
-        grad_bias=bool(grad_bias),
-        grouped=grouped,
-        aligned=(not grouped) or _aligned16(a, b),
-        per_group=grouped and bool(per_group),
-        batch_invariant=bool(batch_invariant),
-    )
-
-
-def run_plain(a, b, out, odt, accumulate, bias, bi: bool) -> torch.Tensor:
-    """The call that ``validate`` accepted in its first step (``odt``: its output dtype), run by
-    the kept runner, into ``out`` or a new output."""
-    accumulate = bool(accumulate)
-    if out is None:
-        out = torch.empty((a.shape[0], b.shape[1]), dtype=odt, device=a.device)
-    return plain_runner(a, b, odt, accumulate, bias is not None, bi)(a, b, out, odt, accumulate, bias)
+from truefuse.ops.gemm.gemm_plan import GemmPlan, plan, plan_context, request
 
 
 def plain_runner(a, b, odt, accumulate: bool, has_bias: bool, bi: bool):

@@ -35,7 +35,7 @@ import torch
 from truefuse.config import get_tuning
 from truefuse.ops._launch.dtypes import wide_dtype
 from truefuse.ops._launch.triton import triton_runs
-from truefuse.ops.gemm.gemm import gemm
+from truefuse.ops.gemm.gemm import plain_gemm
 
 
 def vocab_split(x: torch.Tensor, V: int, batch_invariant: bool = False) -> int | None:
@@ -63,13 +63,15 @@ def logits_gemm(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, out: t
     """The logits ``x @ Wᵀ (+ b)`` (tokens, V): one GEMM with the bias into a new tensor when
     ``split`` is None; else the two column ranges into ``out`` (``buf[:, :V]`` of a
     :func:`logits_buffer`), without a bias (the loss adds it in fp32). Returns the logits.
-    ``bi``, here and in the two below: the batch-invariant mode the caller's forward read."""
+    ``bi``, here and in the two below: the batch-invariant mode the caller's forward read. The
+    GEMMs take ``plain_gemm``, checked once each, without a second DTensor refusal: every entry
+    to the head refused DTensor operands at its door."""
     if split is None:
-        return gemm(x, W.t(), bias=b, batch_invariant=bi)
+        return plain_gemm(x, W.t(), b, batch_invariant=bi, dtensors_refused=True)
     if b is not None:
         raise ValueError("logits_gemm: a split GEMM takes no bias (cuBLAS would add it after rounding)")
     for cols in (slice(0, split), slice(split, None)):
-        gemm(x, W[cols].t(), out=out[:, cols], batch_invariant=bi)
+        plain_gemm(x, W[cols].t(), out=out[:, cols], batch_invariant=bi, dtensors_refused=True)
     return out
 
 
@@ -77,10 +79,10 @@ def input_grad_gemm(d: torch.Tensor, W: torch.Tensor, out: torch.Tensor, split: 
     """``out = d @ W``: the input gradient of a chunk, ``d`` (tokens, V), into ``out`` (tokens, H),
     contiguous."""
     if split is None:
-        gemm(d, W, out=out, batch_invariant=bi)  # straight into its rows: no temporary, no copy
+        plain_gemm(d, W, out=out, batch_invariant=bi, dtensors_refused=True)  # straight into its rows: no temporary, no copy
         return
-    acc = gemm(d[:, split:], W[split:], out_dtype=wide_dtype(d), batch_invariant=bi)
-    gemm(d[:, :split], W[:split], out=acc, accumulate=True, batch_invariant=bi)
+    acc = plain_gemm(d[:, split:], W[split:], out_dtype=wide_dtype(d), batch_invariant=bi, dtensors_refused=True)
+    plain_gemm(d[:, :split], W[:split], out=acc, accumulate=True, batch_invariant=bi, dtensors_refused=True)
     out.copy_(acc)  # the one rounding to the input dtype
 
 
@@ -88,9 +90,9 @@ def weight_grad_gemm(d: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None,
     """``dᵀ @ x`` (V, H) written, or added with ``accumulate``, into ``out`` (a new tensor in
     ``d``'s dtype when None); returns it."""
     if split is None:
-        return gemm(d.t(), x, out=out, accumulate=accumulate, batch_invariant=bi)
+        return plain_gemm(d.t(), x, out=out, accumulate=accumulate, batch_invariant=bi, dtensors_refused=True)
     if out is None:
         out = torch.empty(d.shape[1], x.shape[1], dtype=d.dtype, device=d.device)
     for rows in (slice(0, split), slice(split, None)):
-        gemm(d[:, rows].t(), x, out=out[rows], accumulate=accumulate, batch_invariant=bi)
+        plain_gemm(d[:, rows].t(), x, out=out[rows], accumulate=accumulate, batch_invariant=bi, dtensors_refused=True)
     return out

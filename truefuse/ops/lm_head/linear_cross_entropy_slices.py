@@ -43,7 +43,7 @@ from truefuse.config import get_tuning
 from truefuse.ops._launch.custom_op import custom_op, launch
 from truefuse.ops._launch.dtypes import wgrad_dtype, wide_dtype
 from truefuse.ops._launch.triton import triton_runs
-from truefuse.ops.gemm.gemm import gemm
+from truefuse.ops.gemm.gemm import plain_gemm
 from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOptions
 
 #: Slices are multiples of this many classes (but for an odd vocabulary's last < ALIGN classes).
@@ -193,7 +193,7 @@ def _slice_logits(x, W, b, v0, v1, bi: bool):
     """The slice's logits ``x @ W[v0:v1]ᵀ + b[v0:v1]`` (N, v1 - v0): one GEMM, the bias in its
     epilogue (``F.linear``'s rounding: once, after the bias), into a new contiguous tensor. The
     caller drops a slice's logits before the next's are made: one slice alive at a time."""
-    return gemm(x, W[v0:v1].t(), bias=None if b is None else b[v0:v1], batch_invariant=bi)
+    return plain_gemm(x, W[v0:v1].t(), None if b is None else b[v0:v1], batch_invariant=bi, dtensors_refused=True)
 
 
 def stats_pass(
@@ -458,10 +458,14 @@ def grad_pass(
         if gb:
             db[v0:v1] = torch.sum(d, dim=0, dtype=wide)
         if gx:
-            gemm(d, W[v0:v1], out=dx, accumulate=i > 0, batch_invariant=batch_invariant)  # fp32 inside and across slices (beta=1)
+            # fp32 inside and across slices (beta=1)
+            plain_gemm(d, W[v0:v1], out=dx, accumulate=i > 0, batch_invariant=batch_invariant, dtensors_refused=True)
         if gw:
             out = main_grad[v0:v1] if main_grad is not None else dW[v0:v1]
-            gemm(d.t(), x, out=out, accumulate=main_grad is not None and accumulate, batch_invariant=batch_invariant)
+            plain_gemm(
+                d.t(), x, out=out, accumulate=main_grad is not None and accumulate, batch_invariant=batch_invariant,
+                dtensors_refused=True,
+            )  # fmt: skip
     return Grads(dx, dW, db)
 
 
