@@ -446,3 +446,40 @@ def test_rms_norm_hf_bi_with_and_without_grad_same_bits(style, n, device):
         assert trainer.grad_fn is not None
         assert_bitwise(sampler, y, "no grad")
         assert_bitwise(trainer.detach(), y, "with grad")
+
+
+@pytest.mark.parametrize("rms", [True, False])
+def test_forward_launch_names_every_parameter(rms, monkeypatch):
+    """``norm_fwd``'s launch names every kernel parameter, defaults included: Dynamo traces it
+    itself where no op wraps it (batch-invariant ``rms_norm_hf``'s statistics under torch.compile)
+    and records only the named ones; Inductor's launcher then takes an unnamed constexpr as a
+    positional argument and its call missed the last grid one (issue 47: "launcher() missing 1
+    required positional argument: '_grid_2'" in a graphed generate on an H100)."""
+    import inspect
+
+    import truefuse.ops.norm.norm as norm_mod
+    from truefuse.kernels.norm import _norm_fwd_kernel
+
+    params = list(inspect.signature(_norm_fwd_kernel.fn).parameters)  # a JIT or an interpreted kernel
+    named = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            assert kernel is _norm_fwd_kernel
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                named.append(params[: len(args)] + list(kwargs))
+
+            return run
+
+    monkeypatch.setattr(norm_mod, "kernel_for", lambda kernel, t: Recorder(kernel))
+    x, w = torch.randn(3, 64), torch.rand(64)
+    if rms:
+        norm_fwd(x, w, None, 1e-6, rms=True, zero_centered_gamma=False, round_normed=True, hf_stats=True)
+        norm_fwd(x, w, None, 1e-6, rms=True, zero_centered_gamma=False, rstd=torch.ones(3))
+    else:
+        norm_fwd(x, w, torch.rand(64), 1e-5, rms=False, zero_centered_gamma=False)
+    assert named
+    for names in named:
+        assert set(params) <= set(names), f"left to their defaults: {sorted(set(params) - set(names))}"

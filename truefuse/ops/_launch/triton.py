@@ -70,7 +70,13 @@ def kernel_for(kernel, t: torch.Tensor):
     """``kernel`` for a launch on tensors like ``t``: itself in eager mode (no wrapper on the
     launch path), ``torch.library.wrap_triton(kernel)`` where ``t`` is traced, so that a compiled
     graph holds the kernel itself and Inductor launches it from its own code (docs/design.md §6.7).
-    The same kernel with the same arguments either way: the same bits."""
+    The same kernel with the same arguments either way: the same bits.
+
+    Where Dynamo itself traces a launch (a launcher called outside a custom op, such as
+    ``rms_norm_hf``'s batch-invariant statistics), ``t`` reads as a plain tensor and the kernel
+    goes to Dynamo as it is; Dynamo records only the arguments the call names (it cannot read the
+    kernel's parameters to fill the rest, and neither can :class:`_Traced` there), so such a
+    launch names every parameter itself (``ops/norm/norm.py::norm_fwd``)."""
     return _Traced(kernel) if traced(t) else kernel
 
 
