@@ -102,3 +102,21 @@ def test_host_split_experts_refused_under_capture(monkeypatch):
     monkeypatch.setattr(_capture, "capturing", lambda t: True)
     with pytest.raises(RuntimeError, match=r"experts' group sizes \(experts_backend='per_group'\).*CUDA-graph capture"):
         model(input_ids=ids)
+
+
+def test_attention_keeps_no_mask_result_across_a_capture(monkeypatch):
+    """``truefuse.attention`` keeps a mask's first valid keys on the mask between calls; under
+    capture it computes them (a replay runs no Python: a result kept from before the capture would
+    be replayed whatever the mask's input later holds)."""
+    import truefuse.autograd.attention as A
+
+    calls = []
+    real = A.first_valid_key
+    monkeypatch.setattr(A, "first_valid_key", lambda *a: calls.append(1) or real(*a))
+    mask = torch.ones(2, 1, 4, 6, dtype=torch.bool)
+    A._first_valid_key(mask, 2, 6, mask.device)
+    A._first_valid_key(mask, 2, 6, mask.device)
+    assert len(calls) == 1  # kept: the mask is unwritten
+    monkeypatch.setattr(_capture, "capturing", lambda t: True)
+    A._first_valid_key(mask, 2, 6, mask.device)
+    assert len(calls) == 2

@@ -10,6 +10,7 @@ import torch
 
 from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._eager_op import call
+from truefuse.ops._launch.capture import host_may_wait
 from truefuse.ops._launch.dtensor import refuse_dtensor
 from truefuse.ops.attention.attention import attention_fwd_op, attention_pytorch_op, use_kernel
 from truefuse.ops.attention.attention_blocked import attention_blocked
@@ -90,8 +91,10 @@ def _broadcast(shape, target) -> None:
 
 def _first_valid_key(mask, B: int, Lk: int, device) -> torch.Tensor:
     """:func:`first_valid_key`, kept on the mask for the next call with the same mask unwritten (a
-    decoder's layers share one mask: four ops, ~25 µs of host a layer in a decode step)."""
-    if mask is None or type(mask) is not torch.Tensor or torch.compiler.is_compiling():
+    decoder's layers share one mask: four ops, ~25 µs of host a layer in a decode step). Not while
+    a CUDA graph is captured: a kept result from before the capture would be replayed for every
+    mask the graph's input later holds (a replay runs no Python to check the version)."""
+    if mask is None or type(mask) is not torch.Tensor or not host_may_wait(mask):
         return first_valid_key(mask, B, Lk, device)
     try:
         key = (mask._version, B, Lk, device)
