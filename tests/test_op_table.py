@@ -88,11 +88,14 @@ def test_references_and_public_names_resolve(name):
 @pytest.mark.parametrize("name", [d.name for d in OPS if d.custom_ops])
 def test_inline_and_eager_are_what_the_custom_ops_do(name):
     """``inline``: every custom op was made with ``custom_op(inline=...)`` truthy (a callable
-    deciding per call counts); ``eager``: a forward op carries ``register_backward``'s ``.eager``."""
+    deciding per call counts), but those declared ``opaque``; ``eager``: a forward op carries
+    ``register_backward``'s ``.eager``."""
     d = by_name()[name]
+    assert set(d.opaque) <= set(d.custom_ops), f"{name} declares opaque ops it does not have"
     ops = [resolve(w) for w in d.custom_ops.values() if available(w)]
-    inline = [bool(getattr(op, "inline", False)) for op in ops]
-    assert all(inline) if d.inline else not any(inline), f"{name} declares inline={d.inline}, its ops: {inline}"
+    inline = {n: bool(getattr(resolve(w), "inline", False)) for n, w in d.custom_ops.items() if available(w)}
+    wanted = {n: d.inline and n not in d.opaque for n in inline}
+    assert inline == wanted, f"{name} declares inline={d.inline} (opaque: {d.opaque}), its ops: {inline}"
     assert any(hasattr(op, "eager") for op in ops) == d.eager, f"{name} declares eager={d.eager}"
 
 

@@ -60,6 +60,9 @@ class OpDecl:
             ``gemm`` refuses inputs that require grad, ``ops.scale_`` and the grouped GEMM's
             ops have no autograd formula).
         modules: its ``truefuse`` modules, which answer as the op does (``RMSNorm``).
+        opaque: custom ops of an ``inline`` op kept whole under torch.compile on purpose: a
+            PyTorch path whose math Inductor would compile into other roundings (``rms_norm_hf``'s
+            in batch-invariant mode off CUDA).
         opcheck: ``f(device) -> [OpcheckSample]``: every custom op of ``custom_ops`` at least once.
         compile: ``f(device) -> [CompileSample]``, or None with ``why_not_compiled``.
     """
@@ -78,6 +81,7 @@ class OpDecl:
     compile: Callable[[torch.device], list[CompileSample]] | None = None
     why_not_compiled: str = ""
     modules: tuple[str, ...] = field(default=())
+    opaque: tuple[str, ...] = field(default=())
 
 
 def resolve(path: str):
@@ -195,7 +199,10 @@ def _rms_norm_hf_opcheck(device):
     out = [("truefuse::rms_norm_hf_fwd", (x, w, rstd, style), None) for style in ("llama", "gemma")]
     # its backward's call of norm_bwd: the statistics given, no mean, the weight zero-centered (gemma)
     dy = _r(6, 32, device=device, seed=2)
-    return out + [("truefuse::norm_bwd", (dy, x.detach(), w.detach(), None, rstd.new_empty(0), rstd, True, True), None)]
+    out.append(("truefuse::norm_bwd", (dy, x.detach(), w.detach(), None, rstd.new_empty(0), rstd, True, True), None))
+    # the PyTorch path kept opaque under torch.compile in batch-invariant mode off CUDA
+    out += [("truefuse::rms_norm_hf_pytorch_fwd", (x, w, 1e-6, style), None) for style in ("llama", "gemma")]
+    return out + [("truefuse::rms_norm_hf_pytorch_bwd", (dy, x.detach(), w.detach(), 1e-6, "llama"), None)]
 
 
 def _gated_opcheck(device):
@@ -476,6 +483,8 @@ OPS: tuple[OpDecl, ...] = (
         custom_ops={
             "truefuse::rms_norm_hf_fwd": "truefuse.ops.norm.norm:rms_norm_hf_fwd_op",
             "truefuse::norm_bwd": _NORM_OPS["truefuse::norm_bwd"],
+            "truefuse::rms_norm_hf_pytorch_fwd": "truefuse.ops.norm.norm:rms_norm_hf_pytorch_op",
+            "truefuse::rms_norm_hf_pytorch_bwd": "truefuse.ops.norm.norm:rms_norm_hf_pytorch_bwd_op",
         },
         ref="truefuse.ops.norm.norm:rms_norm_hf_ref",
         verify=("rms_norm_hf",),
@@ -485,6 +494,7 @@ OPS: tuple[OpDecl, ...] = (
         # its statistics are torch's reduction on CUDA outside batch-invariant mode (stock's bits)
         batch_invariant="switch-dependent",
         double_backward="refused",
+        opaque=("truefuse::rms_norm_hf_pytorch_fwd", "truefuse::rms_norm_hf_pytorch_bwd"),
         opcheck=_rms_norm_hf_opcheck,
         compile=lambda d: [
             (

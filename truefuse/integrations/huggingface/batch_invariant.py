@@ -189,6 +189,28 @@ def _layer_forward(self, *args, **kwargs):
         return forward(self, *args, **kwargs)
 
 
+@torch.compiler.disable
+def _rotary_eager(module: torch.nn.Module, args, kwargs):
+    return module._truefuse_stock.forward(module, *args, **kwargs)
+
+
+def _rotary_forward(self, *args, **kwargs):
+    """A rotary embedding's cos and sin, computed outside any compiled graph: Inductor computes
+    ``cos`` to other roundings than eager (1 ulp at some positions on the CPU, torch 2.13), and a
+    batch-invariant model's compiled logits must be its eager ones (a graphed ``generate`` that
+    still equals the trainer). One graph break a forward."""
+    return _rotary_eager(self, args, kwargs)
+
+
+def _rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """transformers' rotary embeddings (``*RotaryEmbedding`` with its ``inv_freq``), not yet patched."""
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq") and not modules.is_patched(m)
+    ]
+
+
 def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules gradient checkpointing may recompute: transformers' ``GradientCheckpointingLayer``s."""
     try:
@@ -212,6 +234,8 @@ def enable(model: torch.nn.Module) -> None:
     for layer in _checkpointed_layers(model):
         layer.__dict__["_truefuse_bi_mode"] = mode
         layer.__class__ = modules.truefuse_subclass(type(layer), "batch_invariant_layer", _layer_forward)
+    for rotary in _rotary_modules(model):
+        rotary.__class__ = modules.truefuse_subclass(type(rotary), "batch_invariant_rotary", _rotary_forward)
 
 
 def disable(model: torch.nn.Module) -> None:
@@ -219,7 +243,7 @@ def disable(model: torch.nn.Module) -> None:
     for h in getattr(model, "_truefuse_bi_handles", None) or ():
         h.remove()
     for m in model.modules():  # the layers (unpatch_truefuse may have given them their class back)
-        if getattr(type(m), "_truefuse_kind", None) == "batch_invariant_layer":
+        if getattr(type(m), "_truefuse_kind", None) in ("batch_invariant_layer", "batch_invariant_rotary"):
             modules.unpatch(m)
         if m is not model:
             m.__dict__.pop("_truefuse_bi_mode", None)

@@ -10,13 +10,13 @@ batch and in decode against a KV cache.
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 
 import torch
 
 from truefuse.config import get_config
 from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
+from truefuse.ops._launch.eager_grad import eager_grads
 from truefuse.ops._launch.triton import sm_count, triton_runs
 from truefuse.ops.attention.attention_blocked import attention_blocked, score_transform
 from truefuse.ops.attention.attention_config import attention_config, forward_tile
@@ -374,23 +374,9 @@ def attention_pytorch_bwd_op(
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (contiguous): autograd's, through the recomputed forward."""
-
-    def grads():
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = attention_blocked(*leaves, attn_mask, key_start, scale, is_causal, window, softcap)
-            return tuple(g.contiguous() for g in torch.autograd.grad(out, leaves, do))
-
-    # in a thread of its own: an op's body runs with autograd's dispatch keys excluded (thread-local
-    # state that enable_grad does not lift), so here autograd would record nothing. One worker,
-    # made at the first compiled backward and kept (not a pool per call)
-    global _GRAD_THREAD
-    if _GRAD_THREAD is None:
-        _GRAD_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="truefuse-attention-grad")
-    return _GRAD_THREAD.submit(grads).result()
-
-
-_GRAD_THREAD: concurrent.futures.ThreadPoolExecutor | None = None
+    return eager_grads(
+        lambda q, k, v: attention_blocked(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap), (q, k, v), do
+    )
 
 
 @attention_pytorch_bwd_op.register_fake

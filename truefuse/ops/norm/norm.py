@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from truefuse.config import get_tuning
 from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._launch.dtypes import wide_dtype
+from truefuse.ops._launch.eager_grad import eager_grads
 from truefuse.ops._launch.triton import hopper, kernel_for, sm_count, traced, triton_runs
 from truefuse.ops.norm.norm_config import (
     STAGED_INNER,
@@ -545,3 +546,55 @@ def _hf_backward(ctx, dy):
 
 # its double-backward refusal: norm_bwd_op's, which names rms_norm (the eager path names the same)
 register_backward(rms_norm_hf_fwd_op, _hf_backward, _hf_setup, eager_names=lambda ctx: _norm_op_names(True))
+
+
+# ``rms_norm_hf``'s PyTorch path as one opaque op while torch.compile traces a batch-invariant model
+# off CUDA (autograd/norm.py): traced into the graph, Inductor fuses the mean and rsqrt into other
+# roundings (1 ulp on the CPU, torch 2.13), and a batch-invariant model's compiled bits must be its
+# eager ones (tests/hf/test_bi_compile.py). The op runs the stock expression; its backward
+# recomputes it and takes autograd's gradients, eager's bits too.
+@custom_op("truefuse::rms_norm_hf_pytorch_fwd", mutates_args=())
+def rms_norm_hf_pytorch_op(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str) -> torch.Tensor:
+    """:func:`rms_norm_hf_ref` (contiguous)."""
+    return rms_norm_hf_ref(x, weight, eps, style=style).contiguous()
+
+
+@rms_norm_hf_pytorch_op.register_fake
+def _(x, weight, eps, style):
+    return torch.empty_like(x, dtype=_hf_out_dtype(x, weight, style), memory_format=torch.contiguous_format)
+
+
+@custom_op("truefuse::rms_norm_hf_pytorch_bwd", mutates_args=())
+def rms_norm_hf_pytorch_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, style: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx, dweight (contiguous): autograd's, through the recomputed stock expression."""
+    return eager_grads(lambda x, w: rms_norm_hf_ref(x, w, eps, style=style), (x, weight), dy)
+
+
+@rms_norm_hf_pytorch_bwd_op.register_fake
+def _(dy, x, weight, eps, style):
+    cf = torch.contiguous_format
+    return torch.empty_like(x, memory_format=cf), torch.empty_like(weight, memory_format=cf)
+
+
+def _hf_pytorch_setup(ctx, inputs, output):
+    x, weight, eps, style = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.style = eps, style
+
+
+def _hf_pytorch_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw = rms_norm_hf_pytorch_bwd_op(dy, x, weight, ctx.eps, ctx.style)
+    return dx, dw, None, None
+
+
+register_backward(
+    rms_norm_hf_pytorch_op,
+    _hf_pytorch_backward,
+    _hf_pytorch_setup,
+    bwd_ops=(rms_norm_hf_pytorch_bwd_op,),
+    name="rms_norm_hf",
+    ref="truefuse.ops.norm.norm.rms_norm_hf_ref",
+)
