@@ -101,7 +101,9 @@ def test_gradients_bounded_by_each_output(style, device):
 
         got = run(lambda r, h, w: truefuse.add_rms_norm_hf(r, h, w, 1e-6, style=style), (r, h, w))
         base = run(lambda r, h, w: add_rms_norm_hf_ref(r, h, w, 1e-6, style=style), (r, h, w))
-        ref = run(lambda r, h, w: (rms_norm_ref(r + h, w, 1e-6, zero_centered_gamma=zc), r + h), [t.double().cpu() for t in (r, h, w)])
+        ref = run(
+            lambda r, h, w: (rms_norm_ref(r + h, w, 1e-6, zero_centered_gamma=zc), r + h), [t.double().cpu() for t in (r, h, w)]
+        )
         for name, a, b, c in zip(("d_residual", "d_h", "d_weight"), got, base, ref, strict=True):
             if use == "summed" and name == "d_weight":
                 assert a is None or not a.any(), "the weight has no gradient through the sum alone"

@@ -216,14 +216,18 @@ def _norm_fwd_kernel(
         x_nxt = tl.load(x_ptr + first * stride_x + cols, mask=cols < tl.where(first < M, N, 0), other=0.0, eviction_policy=EVICT)
         r_nxt = x_nxt
         if HAS_RES:
-            r_nxt = tl.load(r_ptr + first * stride_r + cols, mask=cols < tl.where(first < M, N, 0), other=0.0, eviction_policy=EVICT)
+            r_nxt = tl.load(
+                r_ptr + first * stride_r + cols, mask=cols < tl.where(first < M, N, 0), other=0.0, eviction_policy=EVICT
+            )
         for r in range(pid, M, P):
             row = tl.cast(r, tl.int64)
             x = _res_add(x_nxt, r_nxt, s_ptr, row, stride_s, cols, mask, HAS_RES)
             nxt = row + P
             x_nxt = tl.load(x_ptr + nxt * stride_x + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0, eviction_policy=EVICT)
             if HAS_RES:
-                r_nxt = tl.load(r_ptr + nxt * stride_r + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0, eviction_policy=EVICT)
+                r_nxt = tl.load(
+                    r_ptr + nxt * stride_r + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0, eviction_policy=EVICT
+                )
             _fwd_row(
                 x,
                 w,

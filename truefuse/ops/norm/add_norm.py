@@ -73,7 +73,9 @@ def add_rms_norm_hf_fwd_op(
         return normed, summed, rstd
     summed = residual + h
     rstd = hf_rstd(summed, eps)
-    normed, _, _ = norm_fwd(summed, weight, None, 0.0, rms=True, zero_centered_gamma=zc, rstd=rstd, round_normed=rn, out_dtype=out_dtype)
+    normed, _, _ = norm_fwd(
+        summed, weight, None, 0.0, rms=True, zero_centered_gamma=zc, rstd=rstd, round_normed=rn, out_dtype=out_dtype
+    )
     return normed, summed, rstd
 
 
@@ -101,7 +103,9 @@ def add_rms_norm_bwd_op(
     stream's own gradient ``d_summed`` (or none), in one kernel; dweight summed from the
     backward's per-program partials (deterministic, no atomics)."""
     dres = None if d_summed is None else d_summed.contiguous()
-    d, dw, _ = norm_bwd(d_normed.contiguous(), summed, weight, None, None, rstd, rms=True, zero_centered_gamma=zero_centered_gamma, dres=dres)
+    d, dw, _ = norm_bwd(
+        d_normed.contiguous(), summed, weight, None, None, rstd, rms=True, zero_centered_gamma=zero_centered_gamma, dres=dres
+    )
     return d, dw
 
 
