@@ -14,8 +14,11 @@ pytest.importorskip("transformers")
 
 from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
 from truefuse.config import tuning  # noqa: E402
-from truefuse.integrations.huggingface import apply_truefuse, unpatch_truefuse  # noqa: E402
-from truefuse.integrations.huggingface import residual_norm  # noqa: E402
+from truefuse.integrations.huggingface import (  # noqa: E402
+    apply_truefuse,
+    residual_norm,  # noqa: E402
+    unpatch_truefuse,
+)
 
 FUSED = "truefuse.add_rms_norm_hf (post-attention add + norm: stock bits)"
 KERNEL_IDS = (2, 6)  # tests/hf/test_patch.py's: the interpreter runs a program per row
@@ -53,7 +56,7 @@ def test_fused_model_is_the_unfused_patched_model_bit_for_bit(model_type):
     assert all(type(layer).__name__.endswith("FusedAddNorm") for layer in fused.model.layers)
     ids = _ids()
     with tuning(hf_norm_stock_numel=1):
-        (la, sa, ga), (lb, sb, gb) = _step(unfused, ids, None), _step(fused, ids, None)
+        (la, _, ga), (lb, _, gb) = _step(unfused, ids, None), _step(fused, ids, None)
     assert torch.equal(la, lb), (la - lb).abs().max()
     assert ga.keys() == gb.keys()
     for name in ga:

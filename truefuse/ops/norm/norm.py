@@ -309,7 +309,9 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     """Launch the backward kernel; ``dy`` and ``x`` contiguous (M, N).
 
     ``dres`` (M, N) contiguous, or None: a gradient added to dx in fp32 before its one rounding (the
-    residual stream's, ``ops/norm/add_norm.py``). Returns ``(dx, dweight, dbias)``: dx in ``x.dtype``; dweight / dbias (N,) summed in fp32 from
+    residual stream's, ``ops/norm/add_norm.py``).
+
+    Returns ``(dx, dweight, dbias)``: dx in ``x.dtype``; dweight / dbias (N,) summed in fp32 from
     per-program partials and rounded once to the parameter's dtype (None where there is no weight / bias).
     """
     from truefuse.kernels.norm import _norm_bwd_kernel, _norm_bwd_split_kernel
