@@ -68,6 +68,11 @@ def _head_logits(x, W):
     return head_logits(x, W).square().sum()
 
 
+def _add_norm(r, h, w):
+    normed, summed = truefuse.add_rms_norm_hf(r, h, w)
+    return normed.square().sum() + summed.square().sum()
+
+
 # name: (the op(s) the error may name, f(*inputs) -> scalar, the inputs' shapes (x first) or None,
 # a module's parameters (x is then (N, H)) or None)
 CASES = {
@@ -95,6 +100,7 @@ CASES = {
     "layer_norm": ("layer_norm", lambda x, w, b: truefuse.layer_norm(x, w, b).square().sum(), [(N, H), (H,), (H,)], None),
     "rms_norm_hf": ("rms_norm", lambda x, w: truefuse.rms_norm_hf(x, w).square().sum(), [(N, H), (H,)], None),
     "RMSNorm": ("rms_norm", *_module(lambda: truefuse.RMSNorm(H))),
+    "add_rms_norm_hf": ("add_rms_norm_hf", _add_norm, [(N, H), (N, H), (H,)], None),
     "gated_activation": ("gated_activation", lambda x: truefuse.gated_activation(x, "swiglu").square().sum(), [(N, H)], None),
     "gated_activation_two": (
         "gated_activation",

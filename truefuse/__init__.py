@@ -13,12 +13,14 @@ Public API (see README.md and docs/design.md):
 * :func:`attention`: ``scaled_dot_product_attention``, batch-invariant (a row's bits alone, in a
   padded batch and in decode are the same), deterministic backward (docs/attention.md).
 * :func:`rms_norm_hf`, :func:`apply_rotary_pos_emb`: transformers' RMSNorm and rotary embedding,
-  bit for bit, fused (``truefuse.integrations.huggingface`` patches models with them).
+  bit for bit, fused (``truefuse.integrations.huggingface`` patches models with them);
+  :func:`add_rms_norm_hf` a decoder layer's residual add and the norm after it (docs/add_norm.md).
 * :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP`, :class:`GroupedLinear`,
   :class:`GroupedMLP`: modules with fp32 ``main_grad``
   accumulation and delayed weight gradients under one weight-gradient contract (docs/design.md §2).
 """
 
+from truefuse.autograd.add_norm import add_rms_norm_hf
 from truefuse.autograd.attention import attention
 from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
@@ -45,6 +47,7 @@ from truefuse.ops.norm.norm import layer_norm_ref, rms_norm_ref
 __version__ = "0.2.0"
 
 __all__ = [
+    "add_rms_norm_hf",
     "apply_rotary_pos_emb",
     "attention",
     "batch_invariant",

@@ -32,27 +32,27 @@ from truefuse.ops.norm.norm import (
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check(x, params: dict[str, torch.Tensor | None], eps) -> bool:
-    """Each argument checked once, in one pass: a clear error naming it, else whether any is a
-    tensor subclass (a DTensor, for ``on_local_rows``; plain tensors skip that check)."""
+def _check(x, params: dict[str, torch.Tensor | None], eps, name: str = "x") -> bool:
+    """Each argument checked once, in one pass: a clear error naming it (``name``: x's), else whether
+    any is a tensor subclass (a DTensor, for ``on_local_rows``; plain tensors skip that check)."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOATS:
-        raise TypeError(f"x has dtype {x.dtype}; expected a float dtype")
+        raise TypeError(f"{name} has dtype {x.dtype}; expected a float dtype")
     if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (the hidden size is its last)")
+        raise ValueError(f"{name} must have at least one dimension (the hidden size is its last)")
     subclass = type(x) not in PLAIN_TENSORS
-    for name, p in params.items():
+    for pname, p in params.items():
         if p is None:
             continue
         if not isinstance(p, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")
+            raise TypeError(f"{pname} must be a torch.Tensor or None, got {type(p).__name__}")
         if tuple(p.shape) != (x.shape[-1],):
-            raise ValueError(f"{name} has shape {tuple(p.shape)}; x's last dimension is {x.shape[-1]}")
+            raise ValueError(f"{pname} has shape {tuple(p.shape)}; {name}'s last dimension is {x.shape[-1]}")
         if p.dtype not in _FLOATS:
-            raise TypeError(f"{name} has dtype {p.dtype}; expected a float dtype")
+            raise TypeError(f"{pname} has dtype {p.dtype}; expected a float dtype")
         if p.device != x.device:
-            raise ValueError(f"{name} is on {p.device} but x is on {x.device}")
+            raise ValueError(f"{pname} is on {p.device} but {name} is on {x.device}")
         subclass = subclass or type(p) not in PLAIN_TENSORS
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")

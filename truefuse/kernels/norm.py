@@ -15,6 +15,10 @@ and ``+ b`` before the rounding.
 The backward runs ``grid`` persistent programs; each walks a contiguous block of rows, writes each
 row's input gradient and accumulates ``Σ dy·x̂`` (and ``Σ dy`` for LayerNorm's bias) in fp32
 registers, stored as one partial row per program. The host sums the partials in fp32.
+
+Residual add + RMSNorm (``ops/norm/add_norm.py``) is these kernels with one more input each way:
+the forward's HAS_RES reads the residual, stores ``residual + x`` and norms that; the backward's
+HAS_DRES adds the residual stream's gradient to dx before its one rounding.
 """
 
 import triton
@@ -85,6 +89,19 @@ def _fwd_wb(w_ptr, b_ptr, cols, mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr, 
         w = w.to(tl.float32)
         b = b.to(tl.float32)
     return w, b
+
+
+@triton.jit
+def _res_add(x, r, s_ptr, row, stride_s, cols, mask, HAS_RES: tl.constexpr):
+    """The row the forward norms, in fp32: ``x`` itself, or with HAS_RES the residual sum
+    ``r + x`` rounded once to the sum's dtype and stored (what torch's ``residual + h`` gives:
+    fp32 math, one rounding; docs/add_norm.md), then normed from those rounded values, as stock
+    norms the stored sum."""
+    if HAS_RES:
+        s = (r.to(tl.float32) + x.to(tl.float32)).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * stride_s + cols, s, mask=mask)
+        return s.to(tl.float32)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -172,13 +189,21 @@ def _norm_fwd_kernel(
     PDL: tl.constexpr = False,
     WB: tl.constexpr = "reg",
     HF_STATS: tl.constexpr = False,
+    r_ptr=None,
+    s_ptr=None,
+    stride_r=0,
+    stride_s=0,
+    HAS_RES: tl.constexpr = False,
 ):
     """PERSISTENT: ``num_programs`` programs, program p norms rows p, p + P, ... (M rows), the next
     row's load issued before this row's math; else one program per row. Each row is normed by the
     same code in the same layout either way (same bits: only the schedule differs). WB: where the
     weight and bias rows live between rows: "reg" in fp32 registers, "narrow" in registers in their
     own dtype (half the registers; upcast per row: the same values, the same bits). Reloading them
-    per row from L1 was never faster (experiments/exp_norm_sums.py at d49a912)."""
+    per row from L1 was never faster (experiments/exp_norm_sums.py at d49a912). HAS_RES: the
+    normed row is ``r + x`` (``r_ptr``, strided ``stride_r``), stored to ``s_ptr`` first
+    (``_res_add``: the residual add + RMSNorm of ``ops/norm/add_norm.py``); off, the kernel's
+    code is what it was (the unused pointers are placeholders)."""
     _pdl_enter(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_N)
@@ -189,11 +214,20 @@ def _norm_fwd_kernel(
         P = tl.num_programs(0)
         first = pid.to(tl.int64)
         x_nxt = tl.load(x_ptr + first * stride_x + cols, mask=cols < tl.where(first < M, N, 0), other=0.0, eviction_policy=EVICT)
+        r_nxt = x_nxt
+        if HAS_RES:
+            r_nxt = tl.load(
+                r_ptr + first * stride_r + cols, mask=cols < tl.where(first < M, N, 0), other=0.0, eviction_policy=EVICT
+            )
         for r in range(pid, M, P):
             row = tl.cast(r, tl.int64)
-            x = x_nxt.to(tl.float32)
+            x = _res_add(x_nxt, r_nxt, s_ptr, row, stride_s, cols, mask, HAS_RES)
             nxt = row + P
             x_nxt = tl.load(x_ptr + nxt * stride_x + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0, eviction_policy=EVICT)
+            if HAS_RES:
+                r_nxt = tl.load(
+                    r_ptr + nxt * stride_r + cols, mask=cols < tl.where(nxt < M, N, 0), other=0.0, eviction_policy=EVICT
+                )
             _fwd_row(
                 x,
                 w,
@@ -218,7 +252,11 @@ def _norm_fwd_kernel(
             )
     else:
         row = tl.program_id(0).to(tl.int64)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0, eviction_policy=EVICT)
+        r_row = x
+        if HAS_RES:
+            r_row = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0, eviction_policy=EVICT)
+        x = _res_add(x, r_row, s_ptr, row, stride_s, cols, mask, HAS_RES)
         _fwd_row(
             x,
             w,
@@ -367,6 +405,9 @@ def _norm_bwd_kernel(
     PREFETCH: tl.constexpr = True,
     EVICT: tl.constexpr = "",
     PDL: tl.constexpr = False,
+    dres_ptr=None,
+    stride_dres=0,
+    HAS_DRES: tl.constexpr = False,
 ):
     """Program p takes rows [p·rows_per_program, (p+1)·rows_per_program) ∩ [0, M) in tiles of ROWS
     rows (a (ROWS, BLOCK_N) block; each row reduced alone along its columns, in an order fixed by
@@ -423,6 +464,7 @@ def _norm_bwd_kernel(
         else:
             c2 = (tl.sum(wdy, axis=1) / N)[:, None]
             dx = (wdy - (xhat * c1 + c2)) * rstd
+        dx = _plus_dres(dx, dres_ptr, rows[:, None] * stride_dres + cols[None, :], m2, HAS_DRES)
         tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
         dw_acc += dy * xhat
         db_acc += dy
@@ -457,6 +499,9 @@ def _norm_bwd_staged_kernel(
     PDL: tl.constexpr = False,
     ONE_REDUCE: tl.constexpr = False,
     REMAT: tl.constexpr = False,
+    dres_ptr=None,
+    stride_dres=0,
+    HAS_DRES: tl.constexpr = False,
 ):
     """``_norm_bwd_kernel``'s rows (program p: rows [p·rows_per_program, ...) ∩ [0, M), one at a
     time) with x and dy brought in by TMA through a software-pipelined loop: STAGES rows of both in
@@ -507,6 +552,7 @@ def _norm_bwd_staged_kernel(
             dx = (wdy - xhat * c1) * rstd
         else:
             dx = (wdy - (xhat * c1 + c2)) * rstd
+        dx = _plus_dres(dx, dres_ptr, tl.cast(row, tl.int64) * stride_dres + cols, cmask, HAS_DRES)
         tl.store(dx_ptr + tl.cast(row, tl.int64) * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
         dw_acc += dy * xhat
         db_acc += dy
@@ -514,6 +560,16 @@ def _norm_bwd_staged_kernel(
         tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=cmask)
     if HAS_B:
         tl.store(db_part_ptr + pid * N + cols, db_acc, mask=cmask)
+
+
+@triton.jit
+def _plus_dres(dx, dres_ptr, offs, mask, HAS_DRES: tl.constexpr):
+    """``dx`` (fp32) plus, with HAS_DRES, the residual stream's own gradient at ``offs``: the sum's
+    total gradient in one rounding where autograd would round dx, then add (the same bits in
+    fp32 where no FMA contracts the add; ``ops/norm/add_norm.py``)."""
+    if HAS_DRES:
+        dx = dx + tl.load(dres_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return dx
 
 
 @triton.jit
@@ -573,12 +629,16 @@ def _bwd_part_dx(
     HAS_B: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     REMAT: tl.constexpr = False,
+    dres_ptr=None,
+    stride_dres=0,
+    HAS_DRES: tl.constexpr = False,
 ):
     """One column part's dx (stored) and weight / bias-gradient terms (added to dw / db), from the
     row's c1, c2 and the first pass's x and dy (its x̂ and w·dy recomputed from them: the same
     values, merged by the compiler)."""
     xhat, wdy, dy = _bwd_part_math(x, dy, w_ptr, c, m, mean, rstd, IS_RMS, HAS_W, ZERO_CENTERED, REMAT)
-    tl.store(dx_ptr + row * stride_dx + c, ((wdy - (xhat * c1 + c2)) * rstd).to(dx_ptr.dtype.element_ty), mask=m)
+    dx = _plus_dres((wdy - (xhat * c1 + c2)) * rstd, dres_ptr, row * stride_dres + c, m, HAS_DRES)
+    tl.store(dx_ptr + row * stride_dx + c, dx.to(dx_ptr.dtype.element_ty), mask=m)
     dw += dy * xhat
     if HAS_B:
         db += dy
@@ -612,6 +672,9 @@ def _norm_bwd_split_kernel(
     PDL: tl.constexpr = False,
     ONE_REDUCE: tl.constexpr = False,
     REMAT: tl.constexpr = False,
+    dres_ptr=None,
+    stride_dres=0,
+    HAS_DRES: tl.constexpr = False,
 ):
     """The backward of ``_norm_bwd_kernel`` (one row at a time) with the row in two column parts,
     A = [0, BLOCK_A) and B = [BLOCK_A, BLOCK_A + BLOCK_B): the rows above 8192 (``ops/norm/norm.py::
@@ -679,6 +742,9 @@ def _norm_bwd_split_kernel(
             HAS_B,
             ZERO_CENTERED,
             REMAT,
+            dres_ptr,
+            stride_dres,
+            HAS_DRES,
         )
         dwb, dbb = _bwd_part_dx(
             xb,
@@ -700,6 +766,9 @@ def _norm_bwd_split_kernel(
             HAS_B,
             ZERO_CENTERED,
             REMAT,
+            dres_ptr,
+            stride_dres,
+            HAS_DRES,
         )
     if HAS_W:
         tl.store(dw_part_ptr + pid * N + ca, dwa, mask=ma)

@@ -393,6 +393,21 @@ def _allreduce_opcheck(device):
     return [("truefuse::allreduce_add_rmsnorm", args, ("test_schema", "test_faketensor"))]
 
 
+def _add_rms_norm_hf_opcheck(device):
+    r, h = _r(6, 32, device=device, grad=True), _r(6, 32, device=device, grad=True, seed=1)
+    w = _r(32, device=device, grad=True, seed=2)
+    # torch's statistics (every mode but batch-invariant on CUDA) and the kernel's (one launch), both styles
+    out = [
+        ("truefuse::add_rms_norm_hf_fwd", (r, h, w, 1e-6, style, kernel_stats), None)
+        for style in ("llama", "gemma")
+        for kernel_stats in (False, True)
+    ]
+    s, rstd = (r + h).detach(), torch.rand(6, device=device) + 0.5
+    dn, ds = _r(6, 32, device=device, seed=3), _r(6, 32, device=device, seed=4)
+    # its backward with the residual stream's gradient and without (only the normed output used)
+    return out + [("truefuse::add_rms_norm_bwd", (dn, d, s, w.detach(), rstd, zc), None) for d, zc in ((ds, False), (None, True))]
+
+
 _NORM_OPS = {
     "truefuse::norm_fwd": "truefuse.ops.norm.norm:norm_fwd_op",
     "truefuse::norm_bwd": "truefuse.ops.norm.norm:norm_bwd_op",
@@ -500,6 +515,30 @@ OPS: tuple[OpDecl, ...] = (
             (
                 lambda x, w: truefuse_attr("rms_norm_hf")(x, w, 1e-6),
                 (_r(2, 3, 32, device=d, grad=True), _r(32, device=d, grad=True)),
+                (),
+            )
+        ],
+    ),
+    OpDecl(
+        name="add_rms_norm_hf",
+        stem="add_norm",
+        custom_ops={
+            "truefuse::add_rms_norm_hf_fwd": "truefuse.ops.norm.add_norm:add_rms_norm_hf_fwd_op",
+            "truefuse::add_rms_norm_bwd": "truefuse.ops.norm.add_norm:add_rms_norm_bwd_op",
+        },
+        ref="truefuse.ops.norm.add_norm:add_rms_norm_hf_ref",
+        verify=("add_rms_norm_hf",),
+        inline=True,
+        eager=True,
+        dtensor="refused",
+        # its statistics are torch's reduction on CUDA outside batch-invariant mode (stock's bits), as rms_norm_hf's
+        batch_invariant="switch-dependent",
+        double_backward="refused",
+        opcheck=_add_rms_norm_hf_opcheck,
+        compile=lambda d: [
+            (
+                lambda r, h, w: truefuse_attr("add_rms_norm_hf")(r, h, w, 1e-6),
+                tuple(_r(*s, device=d, seed=i, grad=True) for i, s in enumerate([(2, 3, 32), (2, 3, 32), (32,)])),
                 (),
             )
         ],

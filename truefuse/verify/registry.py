@@ -22,6 +22,7 @@ CaseFn = Callable[[torch.device], dict[str, Report]]
 CASE_MODULES: tuple[str, ...] = (
     "truefuse.verify.cases_gemm",
     "truefuse.verify.cases_norm",
+    "truefuse.verify.cases_add_norm",
     "truefuse.verify.cases_gated_activation",
     "truefuse.verify.cases_linear",
     "truefuse.verify.cases_grouped",

@@ -217,7 +217,7 @@ def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # no such base class: checkpointing calls the layer's __call__ (hooks)
         return []
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and not modules.is_patched(m)]
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def enable(model: torch.nn.Module) -> None:
@@ -233,7 +233,8 @@ def enable(model: torch.nn.Module) -> None:
     )
     for layer in _checkpointed_layers(model):
         layer.__dict__["_truefuse_bi_mode"] = mode
-        layer.__class__ = modules.truefuse_subclass(type(layer), "batch_invariant_layer", _layer_forward)
+        if not modules.is_patched(layer):  # a patched layer's forward enters the mode itself (residual_norm.py)
+            layer.__class__ = modules.truefuse_subclass(type(layer), "batch_invariant_layer", _layer_forward)
     for rotary in _rotary_modules(model):
         rotary.__class__ = modules.truefuse_subclass(type(rotary), "batch_invariant_rotary", _rotary_forward)
 

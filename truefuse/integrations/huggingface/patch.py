@@ -67,6 +67,7 @@ def apply_truefuse(
     batch_invariant: bool = False,
     attention: bool | None = None,
     loss_memory: str = "default",
+    fuse_residual_norm: bool = False,
 ) -> PatchReport:
     """Patch an instantiated transformers model in place.
 
@@ -101,6 +102,12 @@ def apply_truefuse(
             step time (docs/benchmarks.md, "The demo on one H100"). Lean is not batch invariant:
             refused with ``batch_invariant=True``; inside ``truefuse.batch_invariant()`` the loss
             runs the default path.
+        fuse_residual_norm: each decoder layer's post-attention residual add and
+            ``post_attention_layernorm`` run as one ``truefuse.add_rms_norm_hf`` (the stock bits
+            forward, one backward kernel; ``residual_norm.py``). Off by default: its kernels' bf16
+            bits and speed on a GPU are not measured yet (docs/add_norm.md). Needs ``rms_norm=True``
+            and ``stock_norm_bits=True`` (the layer's norm is then ``rms_norm_hf``, whose bits it
+            keeps); llama-style layers only (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
 
     Returns:
         A :class:`PatchReport`. Calling it again on a patched model changes nothing (an experts
@@ -116,6 +123,11 @@ def apply_truefuse(
     from truefuse.nn.grouped import check_grouped_path
 
     experts_backend = check_grouped_path(experts_backend, False, True, arg="experts_backend")
+    if fuse_residual_norm and not (rms_norm and stock_norm_bits):
+        raise ValueError(
+            "apply_truefuse: fuse_residual_norm=True needs rms_norm=True and stock_norm_bits=True (the fused op "
+            "keeps rms_norm_hf's bits). Nothing was patched."
+        )
     _check_loss_memory(loss_memory, batch_invariant)
     model_type = _model_type(model)
     arch = architecture_of(model_type)
@@ -159,6 +171,8 @@ def apply_truefuse(
                 expert_mods.append(m)
             else:
                 report.left[(stock.__name__, "experts=False")] += 1
+    if fuse_residual_norm:
+        plan += _residual_norm_plan(model, arch, norm_cls, report)
     expert_patch = _experts_patcher(expert_mods, report, experts_backend) if expert_mods else None
     loss_patch = _loss_patcher(model, arch, linear_cross_entropy, report, loss_memory)
     bi_patch = _bi.patcher(model, report) if batch_invariant else None
@@ -176,6 +190,25 @@ def apply_truefuse(
     if attention_patch:
         attention_patch()
     return report
+
+
+def _residual_norm_plan(model: torch.nn.Module, arch: Architecture, norm_cls: type, report: PatchReport) -> list:
+    """The decoder layers (modules with a ``post_attention_layernorm``) whose forward fuses its
+    post-attention add and norm (``residual_norm.py``); the others counted as left, with why."""
+    from truefuse.integrations.huggingface import residual_norm
+
+    plan = []
+    for m in model.modules():
+        if not hasattr(m, "post_attention_layernorm"):
+            continue
+        stock = getattr(type(m), "_truefuse_stock", type(m))
+        reason = residual_norm.unsupported_reason(m, norm_cls, arch.norm_style)
+        if reason:
+            report.left[(stock.__name__, f"fuse_residual_norm: {reason}")] += 1
+        else:
+            plan.append((m, residual_norm.layer_class(stock)))
+            report.replaced[(stock.__name__, "truefuse.add_rms_norm_hf (post-attention add + norm: stock bits)")] += 1
+    return plan
 
 
 #: Where ``apply_truefuse(attention=True)`` keeps the model's own ``attn_implementation``.

@@ -188,14 +188,18 @@ def norm_fwd(
     round_normed=False,
     out_dtype=None,
     hf_stats=False,
+    residual=None,
+    summed=None,
 ):
     """Launch the forward kernel on a contiguous (M, N) ``x``.
 
     ``rstd`` (M,) fp32, given: the kernel takes it instead of its own statistics (RMSNorm only);
     ``round_normed`` then rounds ``x * rstd`` to x's dtype before the weight; ``hf_stats``: the
     kernel's own statistics applied as a given rstd is (``rms_norm_hf_bi``); ``out_dtype``: y's
-    dtype (default x's). Returns ``(y, mean, rstd)``: y (M, N); mean (M,) fp32 (None for RMSNorm);
-    rstd (M,) fp32.
+    dtype (default x's). ``residual`` (M, N) like x, with ``summed`` (M, N) x's dtype to write:
+    the kernel norms ``residual + x`` rounded to x's dtype and writes that sum to ``summed``
+    (``ops/norm/add_norm.py``). Returns ``(y, mean, rstd)``: y (M, N); mean (M,) fp32 (None for
+    RMSNorm); rstd (M,) fp32.
     """
     from truefuse.kernels.norm import _norm_fwd_kernel
 
@@ -204,13 +208,15 @@ def norm_fwd(
     rstd_in = rstd is not None
     if (rstd_in or hf_stats) and not rms:
         raise ValueError("a given rstd or hf_stats is for RMSNorm only")
+    if (residual is None) != (summed is None) or (residual is not None and rstd_in):
+        raise ValueError("residual and summed come together, and not with a given rstd (it is the sum's)")
     if rstd is None:
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     mean = None if rms else torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0:
         return y, mean, rstd
     pdl = hopper(x) and not traced(x)  # Hopper; not in a compiled graph (a launch attribute: the same bits)
-    staged = _fwd_staged(x, rms)
+    staged = _fwd_staged(x, rms) if residual is None else None
     if staged is not None:
         ln_fwd_staged(x, weight, bias, eps, zero_centered_gamma, y, mean, rstd, staged, pdl)
         return y, mean, rstd
@@ -238,7 +244,6 @@ def norm_fwd(
         BLOCK_N=block,
         RSTD_IN=rstd_in,
         ROUND_NORMED=bool(round_normed),
-        HF_STATS=bool(hf_stats) and not rstd_in,
         M=M,
         PERSISTENT=bool(per_sm),
         # named though it is the default: Dynamo traces this launch itself where no op wraps it
@@ -249,6 +254,12 @@ def norm_fwd(
         EVICT="",
         PDL=pdl and pdl_trigger("fwd", N, rms),
         WB=wb,
+        HF_STATS=bool(hf_stats) and not rstd_in,
+        r_ptr=x if residual is None else residual,
+        s_ptr=y if summed is None else summed,
+        stride_r=0 if residual is None else residual.stride(0),
+        stride_s=0 if summed is None else summed.stride(0),
+        HAS_RES=residual is not None,
         num_warps=warps,
         **_pdl_kw(pdl),
     )
@@ -295,8 +306,11 @@ def ln_fwd_staged(x, weight, bias, eps: float, zero_centered_gamma: bool, y, mea
     )
 
 
-def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma: bool):
+def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma: bool, dres=None):
     """Launch the backward kernel; ``dy`` and ``x`` contiguous (M, N).
+
+    ``dres`` (M, N) contiguous, or None: a gradient added to dx in fp32 before its one rounding (the
+    residual stream's, ``ops/norm/add_norm.py``).
 
     Returns ``(dx, dweight, dbias)``: dx in ``x.dtype``; dweight / dbias (N,) summed in fp32 from
     per-program partials and rounded once to the parameter's dtype (None where there is no weight / bias).
@@ -320,6 +334,8 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if has_bias else None
     if M == 0:
         return dx, (torch.zeros_like(weight) if has_w else None), (torch.zeros_like(bias) if has_bias else None)
+    if dres is not None and (dres.shape != x.shape or dres.stride(1) != 1):
+        raise ValueError(f"dres must be ({M}, {N}) with contiguous rows, got {tuple(dres.shape)} strides {dres.stride()}")
     tail = (
         weight if has_w else x,
         mean if mean is not None else rstd,
@@ -334,6 +350,9 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
         HAS_B=has_bias,
         ZERO_CENTERED=zero_centered_gamma,
         PDL=pdl and pdl_trigger("bwd", N, rms),
+        dres_ptr=dx if dres is None else dres,
+        stride_dres=0 if dres is None else dres.stride(0),
+        HAS_DRES=dres is not None,
         num_warps=warps,
         **_pdl_kw(pdl),
     )

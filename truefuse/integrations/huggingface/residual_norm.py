@@ -1,0 +1,135 @@
+"""``apply_truefuse(model, fuse_residual_norm=True)``: each decoder layer's post-attention residual
+add and ``post_attention_layernorm`` as one ``truefuse.add_rms_norm_hf`` (docs/add_norm.md). Opt-in:
+the fused kernels' bf16 bits and speed on a GPU are not measured yet.
+
+The layer's forward is the stock forward itself, recompiled from its own source with one change:
+the three statements
+
+    hidden_states = residual + hidden_states
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+
+become ``hidden_states, residual = <add_rms_norm_hf of residual and hidden_states>``. Everything
+else (the signature, decorators such as transformers' keyword renames, the attention call and its
+arguments) is the stock code as it is, so no argument handling is copied here. A layer whose
+forward does not hold those statements exactly once (Gemma's, which norms the attention output
+before its add; a transformers version that writes the layer otherwise) is left stock, with the
+reason in the report. Only the within-layer add is fused: the last add of a layer and the next
+layer's ``input_layernorm`` meet in the model's loop, which this does not rewrite.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+import textwrap
+
+import torch
+
+from truefuse.autograd.add_norm import add_rms_norm_hf
+from truefuse.integrations.huggingface import modules
+
+KIND = "fused_residual_norm"
+_FUSED: dict[type, object] = {}  # stock layer class -> its recompiled forward
+_HELPER = "_truefuse_add_rms_norm_hf"
+
+
+def _add_norm(layer, residual, h):
+    """``(normed, summed)`` of the layer's post-attention add and norm (a llama-style RMSNorm)."""
+    norm = layer.post_attention_layernorm
+    return add_rms_norm_hf(residual, h, norm.weight, norm.variance_epsilon, style="llama")
+
+
+def _is_pattern(stmts: list[ast.stmt]) -> bool:
+    want = [
+        "hidden_states = residual + hidden_states",
+        "residual = hidden_states",
+        "hidden_states = self.post_attention_layernorm(hidden_states)",
+    ]
+    return [ast.dump(s) for s in stmts] == [ast.dump(ast.parse(w).body[0]) for w in want]
+
+
+class _Fuse(ast.NodeTransformer):
+    """Replaces each run of the three statements (in any statement list) with the fused call."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def generic_visit(self, node):
+        super().generic_visit(node)
+        for field in ("body", "orelse", "finalbody"):
+            stmts = getattr(node, field, None)
+            if not isinstance(stmts, list) or not stmts or not isinstance(stmts[0], ast.stmt):
+                continue
+            out, i = [], 0
+            while i < len(stmts):
+                if _is_pattern(stmts[i : i + 3]):
+                    new = ast.parse(f"hidden_states, residual = {_HELPER}(self, residual, hidden_states)").body[0]
+                    out.append(ast.copy_location(new, stmts[i]))
+                    self.count += 1
+                    i += 3
+                else:
+                    out.append(stmts[i])
+                    i += 1
+            setattr(node, field, out)
+        return node
+
+
+def fused_forward(stock: type):
+    """The stock decoder layer class's forward with its post-attention add and norm fused, or a
+    string saying why it cannot be (cached per class)."""
+    if stock in _FUSED:
+        return _FUSED[stock]
+    try:
+        source = textwrap.dedent(inspect.getsource(stock.forward))
+    except (OSError, TypeError) as e:
+        return f"its forward's source is not readable ({e})"
+    tree = ast.parse(source)
+    fn = tree.body[0]
+    if not isinstance(fn, ast.FunctionDef) or fn.name != "forward":
+        return "its forward is not a plain function"
+    fuse = _Fuse()
+    fuse.visit(fn)
+    if fuse.count != 1:
+        return f"its forward holds the post-attention add and norm {fuse.count} times, not once"
+    module = sys.modules[stock.__module__]
+    # the stock module's globals (its decorators, Cache, ...) plus the helper: a copy, so the
+    # modeling module itself gains no name
+    scope = dict(vars(module))
+    scope[_HELPER] = _add_norm
+    code = compile(ast.fix_missing_locations(tree), f"<truefuse: {stock.__qualname__}.forward, add and norm fused>", "exec")
+    exec(code, scope)  # noqa: S102 -- the stock source, transformed above
+    _FUSED[stock] = scope["forward"]
+    return _FUSED[stock]
+
+
+def _forward(self, *args, **kwargs):
+    """The fused forward, in the model's batch-invariant mode where it has one (as
+    ``batch_invariant.py::_layer_forward`` enters it: gradient checkpointing recomputes a layer
+    outside the model's hooks)."""
+    forward = _FUSED[self._truefuse_stock]
+    mode = self.__dict__.get("_truefuse_bi_mode")
+    if mode is None or torch.compiler.is_compiling() or mode.active():
+        return forward(self, *args, **kwargs)
+    with mode.entered():
+        return forward(self, *args, **kwargs)
+
+
+def unsupported_reason(layer: torch.nn.Module, norm_cls: type, norm_style: str) -> str | None:
+    """Why ``layer`` (a decoder layer) cannot take the fusion, or None."""
+    if norm_style != "llama":
+        return f"norm style {norm_style!r}: the layer norms the attention output before its add"
+    post = getattr(layer, "post_attention_layernorm", None)
+    if not isinstance(post, norm_cls):
+        return "no post_attention_layernorm of the architecture's RMSNorm class"
+    stock = getattr(type(layer), "_truefuse_stock", type(layer))
+    if modules.is_patched(layer) and type(layer)._truefuse_kind not in (KIND, "batch_invariant_layer"):
+        return f"already patched as {type(layer)._truefuse_kind}"
+    fused = fused_forward(stock)
+    return fused if isinstance(fused, str) else None
+
+
+def layer_class(stock: type) -> type:
+    """The truefuse subclass of a stock decoder layer whose forward fuses the post-attention add and norm."""
+    return modules.truefuse_subclass(stock, KIND, _forward, "FusedAddNorm")

@@ -1,0 +1,97 @@
+"""Contract cases of ``add_rms_norm_hf`` (docs/add_norm.md): the forward bitwise the stock layer's
+two expressions (``add_rms_norm_hf_ref``), also in batch-invariant mode against ``rms_norm_hf`` of
+the sum there (on CUDA the one fused launch's statistics against the norm's); forward and every
+input gradient bounded against float64 (``rms_norm_ref``'s math on ``residual + h``), the stock
+expressions under autograd as the baseline.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.autograd.add_norm import add_rms_norm_hf
+from truefuse.autograd.norm import rms_norm_hf
+from truefuse.config import batch_invariant, tuning
+from truefuse.ops.norm.add_norm import add_rms_norm_hf_ref
+from truefuse.ops.norm.norm import HF_NORM_STYLES, rms_norm_ref
+from truefuse.testing import bitwise_report, fwd_bwd_reports
+from truefuse.verify.registry import register
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_M, _H = 77, 300  # odd on purpose: masked tails
+_EPS = 1e-6
+
+
+def _rand(shape, dtype, device, seed, scale=1.0, shift=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale + shift).to(device, dtype)
+
+
+def _inputs(style: str, dtype, device):
+    residual = _rand((_M, _H), dtype, device, 11, 2.0, 0.5)
+    h = _rand((_M, _H), dtype, device, 12, 0.5)
+    w = _rand((_H,), dtype, device, 13, 0.5, 0.0 if style == "gemma" else 1.0)
+    return residual, h, w
+
+
+def _fwd_case(style: str, dtype):
+    """Both outputs bit for bit; the kernel path pinned (nothing requires grad, so a small call would
+    otherwise run the stock expressions themselves)."""
+
+    def case(device):
+        r, h, w = _inputs(style, dtype, device)
+        with tuning(hf_norm_stock_numel=1):
+            normed, summed = add_rms_norm_hf(r, h, w, _EPS, style=style)
+        want_normed, want_summed = add_rms_norm_hf_ref(r, h, w, _EPS, style=style)
+        return {"normed": bitwise_report(normed, want_normed), "summed": bitwise_report(summed, want_summed)}
+
+    return case
+
+
+def _bi_case(style: str, dtype):
+    """In batch-invariant mode, with a gradient (a trainer's call) and without (a sampler's): the
+    sum is ``residual + h`` and the normed rows ``rms_norm_hf``'s of it in the same mode. On CUDA
+    that is the fused launch's statistics against the norm kernel's (another variant of the same
+    kernel, docs/design.md §6.10); on the CPU both are torch's."""
+
+    def case(device):
+        r, h, w = _inputs(style, dtype, device)
+        want_summed = r + h
+        with tuning(hf_norm_stock_numel=1), batch_invariant():
+            with torch.no_grad():
+                want = rms_norm_hf(want_summed, w, _EPS, style=style)
+                sampler, _ = add_rms_norm_hf(r, h, w, _EPS, style=style)
+            trainer, summed = add_rms_norm_hf(r.clone().requires_grad_(), h, w, _EPS, style=style)
+        return {
+            "normed_with_grad": bitwise_report(trainer.detach(), want),
+            "normed_no_grad": bitwise_report(sampler, want),
+            "summed": bitwise_report(summed.detach(), want_summed),
+        }
+
+    return case
+
+
+def _pack(normed, summed):
+    """One output of both (the same dtype here), so one random upstream reaches each."""
+    return torch.stack([normed, summed])
+
+
+def _bwd_case(style: str, dtype):
+    def case(device):
+        r, h, w = _inputs(style, dtype, device)
+        zc = style == "gemma"
+        return fwd_bwd_reports(
+            lambda r, h, w: _pack(*add_rms_norm_hf(r, h, w, _EPS, style=style)),
+            lambda r, h, w: _pack(rms_norm_ref(r + h, w, _EPS, zero_centered_gamma=zc), r + h),
+            lambda r, h, w: _pack(*add_rms_norm_hf_ref(r, h, w, _EPS, style=style)),
+            {"residual": r, "h": h, "weight": w},
+        )
+
+    return case
+
+
+for _dn, _dt in _DTYPES.items():
+    for _style in HF_NORM_STYLES:
+        register("add_rms_norm_hf", f"fwd_{_style}_{_dn}", "bitwise")(_fwd_case(_style, _dt))
+        register("add_rms_norm_hf", f"fwd_batch_invariant_{_style}_{_dn}", "bitwise")(_bi_case(_style, _dt))
+        register("add_rms_norm_hf", f"fwd_bwd_{_style}_{_dn}", "bounded")(_bwd_case(_style, _dt))
