@@ -244,6 +244,25 @@ def _rope_compile(device):
     return [(truefuse_attr("apply_rotary_pos_emb"), (q, k, cos, sin), ())]
 
 
+def _hf_rotary_opcheck(device):
+    """The batch-invariant model's rotary embedding op (integrations/huggingface/rotary_op.py) on a
+    registered stock Llama embedding; none without transformers."""
+    try:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        from truefuse.integrations.huggingface import modules
+        from truefuse.integrations.huggingface.batch_invariant import _rotary_forward
+        from truefuse.integrations.huggingface.rotary_op import register
+    except ImportError:
+        return []
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4)).to(device)
+    rotary.__class__ = modules.truefuse_subclass(type(rotary), "batch_invariant_rotary", _rotary_forward)
+    _hf_rotary_opcheck.kept = rotary  # registered by a weak reference: alive while opcheck runs
+    x, pos = _r(2, 5, 64, device=device), torch.arange(5, device=device)[None].expand(2, 5)
+    return [("truefuse::hf_rotary_cos_sin", (register(rotary), x, pos), None)]
+
+
 def _scale_opcheck(device):
     one = torch.tensor(1.0, device=device)  # the kernel's early exit
     return [
@@ -564,7 +583,12 @@ OPS: tuple[OpDecl, ...] = (
     OpDecl(
         name="apply_rotary_pos_emb",
         stem="rope",
-        custom_ops={"truefuse::rope_fwd": "truefuse.ops.rope:rope_fwd_op", "truefuse::rope_bwd": "truefuse.ops.rope:rope_bwd_op"},
+        custom_ops={
+            "truefuse::rope_fwd": "truefuse.ops.rope:rope_fwd_op",
+            "truefuse::rope_bwd": "truefuse.ops.rope:rope_bwd_op",
+            # a batch-invariant model's cos and sin, opaque under torch.compile (its eager bits)
+            "truefuse::hf_rotary_cos_sin": "truefuse.integrations.huggingface.rotary_op:rotary_cos_sin",
+        },
         ref="truefuse.ops.rope:rope_ref",
         verify=("rope",),
         inline=True,
@@ -572,7 +596,8 @@ OPS: tuple[OpDecl, ...] = (
         dtensor="refused",
         batch_invariant="invariant by construction",
         double_backward="refused",
-        opcheck=_rope_opcheck,
+        opaque=("truefuse::hf_rotary_cos_sin",),
+        opcheck=lambda d: _rope_opcheck(d) + _hf_rotary_opcheck(d),
         compile=_rope_compile,
     ),
     OpDecl(

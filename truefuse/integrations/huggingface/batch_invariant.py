@@ -30,6 +30,8 @@ from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.linear import linear as _truefuse_linear
 from truefuse.config import batch_invariant, is_batch_invariant
 from truefuse.integrations.huggingface import modules
+from truefuse.integrations.huggingface.rotary_op import register as register_rotary
+from truefuse.integrations.huggingface.rotary_op import rotary_cos_sin
 from truefuse.integrations.huggingface.siblings import Siblings, find_groups, fused_call
 from truefuse.ops._launch.triton import PLAIN_TENSORS as _PLAIN_TYPES
 from truefuse.ops.gemm.gemm_checks import FLOATS as _GEMM_DTYPES
@@ -189,17 +191,14 @@ def _layer_forward(self, *args, **kwargs):
         return forward(self, *args, **kwargs)
 
 
-@torch.compiler.disable
-def _rotary_eager(module: torch.nn.Module, args, kwargs):
-    return module._truefuse_stock.forward(module, *args, **kwargs)
-
-
-def _rotary_forward(self, *args, **kwargs):
-    """A rotary embedding's cos and sin, computed outside any compiled graph: Inductor computes
-    ``cos`` to other roundings than eager (1 ulp at some positions on the CPU, torch 2.13), and a
-    batch-invariant model's compiled logits must be its eager ones (a graphed ``generate`` that
-    still equals the trainer). One graph break a forward."""
-    return _rotary_eager(self, args, kwargs)
+def _rotary_forward(self, x, position_ids, *args, **kwargs):
+    """A rotary embedding's stock forward; while torch.compile traces, as one opaque op
+    (``rotary_op.py``: Inductor computes ``cos`` to other roundings than eager, and a
+    batch-invariant model's compiled logits must be its eager ones)."""
+    stock = self._truefuse_stock.forward
+    if args or kwargs or not torch.compiler.is_compiling():
+        return stock(self, x, position_ids, *args, **kwargs)
+    return rotary_cos_sin(self.__dict__["_truefuse_rotary_key"], x, position_ids)
 
 
 def _rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -236,6 +235,7 @@ def enable(model: torch.nn.Module) -> None:
         if not modules.is_patched(layer):  # a patched layer's forward enters the mode itself (residual_norm.py)
             layer.__class__ = modules.truefuse_subclass(type(layer), "batch_invariant_layer", _layer_forward)
     for rotary in _rotary_modules(model):
+        rotary.__dict__["_truefuse_rotary_key"] = register_rotary(rotary)
         rotary.__class__ = modules.truefuse_subclass(type(rotary), "batch_invariant_rotary", _rotary_forward)
 
 
@@ -248,6 +248,7 @@ def disable(model: torch.nn.Module) -> None:
             modules.unpatch(m)
         if m is not model:
             m.__dict__.pop("_truefuse_bi_mode", None)
+            m.__dict__.pop("_truefuse_rotary_key", None)
     for name in ("_truefuse_bi_handles", "_truefuse_bi_mode", "_truefuse_bi_groups"):
         if name in vars(model):
             delattr(model, name)
