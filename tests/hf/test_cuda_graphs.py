@@ -55,30 +55,77 @@ def test_graphed_steps_equal_eager_steps(arch, mode):
         assert torch.equal(p, q), f"{name} differs after {STEPS} steps"
 
 
-_FAILING_CAPTURE = """
+def _in_a_process_of_its_own(code: str) -> str:
+    """``code`` run by a fresh interpreter: on torch 2.11 a failed capture leaves the CUDA generator
+    marked as capturing, and every later CUDA random draw of the process raises ("Offset increment
+    outside graph capture"): run in the suite's worker, one failed 81 tests after it on an H100."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return run.stdout + run.stderr
+
+
+_PRELUDE = """
 import torch
 from truefuse.integrations.cuda_graph import GraphedStep
-graphed = GraphedStep(lambda x: x * float(x.sum()), warmup=1)  # a host read in the step
 x = torch.ones(4, device="cuda")
+"""
+
+
+@requires_cuda
+def test_a_host_sync_is_refused_before_any_capture():
+    """A host read in the step: the last warm-up step finds it (torch's sync-debug "warn" mode) and
+    raises naming it, before a capture could fail; the process's CUDA generator still works."""
+    out = _in_a_process_of_its_own(
+        _PRELUDE
+        + """
+graphed = GraphedStep(lambda x: x * float(x.sum()), warmup=1)
+try:
+    graphed(x)
+except RuntimeError as e:
+    print("RAISED", e)
+print("GRAPH", graphed.graph)
+print("RANDN", torch.randn(3, device="cuda").shape)
+"""
+    )
+    assert "RAISED the step synchronizes with the host" in out and "GRAPH None" in out, out
+    assert "RANDN torch.Size([3])" in out, out
+
+
+@requires_cuda
+def test_host_syncs_eager_runs_the_step_uncaptured():
+    out = _in_a_process_of_its_own(
+        _PRELUDE
+        + """
+graphed = GraphedStep(lambda x: x * float(x.sum()), warmup=1, host_syncs="eager")
+got = [graphed(x * i).sum().item() for i in range(1, 4)]
+print("GOT", got, graphed.graph is None, graphed.eager_reason is not None)
+"""
+    )
+    assert "GOT [16.0, 64.0, 144.0] True True" in out, out
+
+
+@requires_cuda
+def test_a_capture_failure_names_its_cause():
+    """A step that reads the host only once captured (past the warm-up's check): the error says it
+    was the capture and keeps the step's own error."""
+    out = _in_a_process_of_its_own(
+        _PRELUDE
+        + """
+calls = []
+def step(x):
+    calls.append(1)
+    return x * float(x.sum()) if len(calls) > 1 else x * 2
+graphed = GraphedStep(step, warmup=1)
 graphed(x)
 try:
     graphed(x)
 except RuntimeError as e:
     print("RAISED", e)
 """
-
-
-@requires_cuda
-def test_a_capture_failure_names_its_cause():
-    """A host read in the step: the error says it was the capture and keeps the step's own error.
-    In a process of its own: on torch 2.11 a failed capture leaves the CUDA generator marked as
-    capturing, and every later CUDA random draw of the process raises ("Offset increment outside
-    graph capture"): run in the suite's worker, it failed 81 tests after it on an H100."""
-    import subprocess
-    import sys
-
-    run = subprocess.run([sys.executable, "-c", _FAILING_CAPTURE], capture_output=True, text=True, timeout=300)
-    assert "RAISED capturing the step in a CUDA graph failed" in run.stdout, run.stdout + run.stderr
+    )
+    assert "RAISED capturing the step in a CUDA graph failed" in out, out
 
 
 def test_arguments_checked():

@@ -116,6 +116,7 @@ def print_table(result: DemoResult, rows: list[dict], console=None) -> None:
     cfg = result.config
     notes = [f"mean step time leaves out the first {cfg.timing_warmup} steps", memory_note(result), speed_note(result)]
     notes.append(fsdp_note(result))
+    notes += [f"{r.name} not CUDA-graphed ({r.extra['not_graphed']})" for r in result.runs if r.extra.get("not_graphed")]
     t = Table(title=title(result), caption="; ".join(n for n in notes if n))
     host = cfg.world_size > 1
     cols = ["run", "final loss", "max |Δloss| vs stock", f"curve (tol {cfg.tol:g})", "step ms"]

@@ -309,7 +309,8 @@ class Trainer:
         if graphs:
             from truefuse.integrations.cuda_graph import graph_step
 
-            self.graphed = graph_step(self._step_body, warmup=max(1, cfg.timing_warmup))
+            # a step that reads the host (Liger's loss does) runs eagerly, said in the table's caption
+            self.graphed = graph_step(self._step_body, warmup=max(1, cfg.timing_warmup), host_syncs="eager")
         self.autocast_dtype = autocast_dtype
         self.model = model
         torch.manual_seed(cfg.seed)
@@ -354,6 +355,8 @@ class Trainer:
         (with ``cuda_graphs``, the captured step's loss tensor, overwritten by the next step)."""
         loss = self._step_body(ids) if self.graphed is None else self.graphed(ids)
         self.sched.step()  # outside the graph: it writes the learning-rate tensor the graph reads
+        if self.graphed is not None and self.graphed.eager_reason:
+            self.result.extra["not_graphed"] = self.graphed.eager_reason
         return loss
 
     def _step_body(self, ids: torch.Tensor) -> torch.Tensor:
