@@ -17,14 +17,34 @@ from truefuse.integrations.huggingface import apply_truefuse  # noqa: E402
 from truefuse.integrations.huggingface.batch_invariant import model_mode  # noqa: E402
 
 
-def _bi(model_type):
+def _bi(model_type, **patch):
     model = tiny_model(model_type, num_hidden_layers=2).eval()
-    apply_truefuse(model, batch_invariant=True)
+    apply_truefuse(model, batch_invariant=True, **patch)
     return model
 
 
-def test_compiled_forward_is_the_eager_bits():
-    model = _bi("qwen3")  # its q/k norms too
+def _eager_and_static_compiled(model, ids, new: int):
+    """``generate``'s logits (B, new, V): eager (dynamic cache), then with a static cache and the
+    forward compiled (the recipe a graphed ``generate`` runs); and whether the tokens agree."""
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    kw.update(output_logits=True, return_dict_in_generate=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)
+        model.forward = torch.compile(model.forward)
+        graphed = model.generate(ids, cache_implementation="static", **kw)
+    torch._dynamo.reset()
+    same_tokens = torch.equal(eager.sequences, graphed.sequences)
+    return torch.stack(eager.logits, 1), torch.stack(graphed.logits, 1), same_tokens
+
+
+def _rows_differing(a, b) -> str:
+    return f"{int((~(a == b).all(-1)).sum())} of {a.shape[0] * a.shape[1]} rows differ"
+
+
+@pytest.mark.parametrize("patch", [{}, {"fuse_residual_norm": True}], ids=["layers", "fused-residual-norm"])
+def test_compiled_forward_is_the_eager_bits(patch):
+    model = _bi("qwen3", **patch)  # its q/k norms too
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     with torch.no_grad():
@@ -37,16 +57,9 @@ def test_compiled_forward_is_the_eager_bits():
 def test_static_cache_compiled_generate_is_the_eager_bits():
     model = _bi("llama")
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
-    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
-    kw.update(output_logits=True, return_dict_in_generate=True)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        eager = model.generate(ids, **kw)
-        model.forward = torch.compile(model.forward)
-        graphed = model.generate(ids, cache_implementation="static", **kw)
-    assert torch.equal(eager.sequences, graphed.sequences)
-    a, b = torch.stack(eager.logits, 1), torch.stack(graphed.logits, 1)
-    assert torch.equal(a, b), f"{int((~(a == b).all(-1)).sum())} of {a.shape[0] * a.shape[1]} rows differ"
+    a, b, same_tokens = _eager_and_static_compiled(model, ids, 6)
+    assert same_tokens
+    assert torch.equal(a, b), _rows_differing(a, b)
 
 
 def test_unpatch_gives_the_rotary_embedding_back():
@@ -70,13 +83,5 @@ def test_static_cache_compiled_generate_is_the_eager_bits_cuda():
     model.config._attn_implementation = "sdpa"
     apply_truefuse(model, batch_invariant=True)
     ids = torch.randint(1, 32000, (2, 16), generator=torch.Generator().manual_seed(2)).cuda()
-    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-    kw.update(output_logits=True, return_dict_in_generate=True)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        eager = model.generate(ids, **kw)
-        model.forward = torch.compile(model.forward)
-        graphed = model.generate(ids, cache_implementation="static", **kw)
-    torch._dynamo.reset()
-    a, b = torch.stack(eager.logits, 1), torch.stack(graphed.logits, 1)
-    assert torch.equal(a, b), f"{int((~(a == b).all(-1)).sum())} of {a.shape[0] * a.shape[1]} rows differ"
+    a, b, _ = _eager_and_static_compiled(model, ids, 8)
+    assert torch.equal(a, b), _rows_differing(a, b)

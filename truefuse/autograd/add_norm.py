@@ -10,7 +10,7 @@ from truefuse.autograd._modes import Modes
 from truefuse.autograd.norm import _check, _stock_cheaper
 from truefuse.ops._launch.dtensor import refuse_dtensor
 from truefuse.ops.norm.add_norm import add_rms_norm_hf_fwd_op, add_rms_norm_hf_ref
-from truefuse.ops.norm.norm import HF_NORM_STYLES, use_kernel
+from truefuse.ops.norm.norm import HF_NORM_STYLES, kernel_statistics, rms_norm_hf_pytorch_op, use_kernel
 
 
 def _check_residual(residual, h) -> None:
@@ -56,11 +56,14 @@ def add_rms_norm_hf(
     if weight is None:
         raise ValueError("weight must be a tensor: the stock modules always scale")
     bi = Modes.now().batch_invariant  # read once: which statistics, for the whole call
+    if bi and not h.is_cuda and torch.compiler.is_compiling():
+        summed = residual + h  # the norm's PyTorch path as one opaque op, as rms_norm_hf's: eager's bits
+        return rms_norm_hf_pytorch_op(summed, weight, float(eps), style), summed
     cheaper = _stock_cheaper(h, weight, bi) and not (torch.is_grad_enabled() and residual.requires_grad)
     if not use_kernel(h) or cheaper:
         return add_rms_norm_hf_ref(residual, h, weight, eps, style=style)
     n = h.shape[-1]
     r2, h2 = residual.reshape(-1, n).contiguous(), h.reshape(-1, n).contiguous()
-    kernel_stats = h.is_cuda and bi  # as ops/norm/norm.py::hf_statistics decides rms_norm_hf's
+    kernel_stats = kernel_statistics(h, bi)
     normed, summed, _ = call(add_rms_norm_hf_fwd_op, r2, h2, weight, float(eps), style, kernel_stats)
     return normed.view(h.shape), summed.view(h.shape)

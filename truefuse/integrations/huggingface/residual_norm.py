@@ -32,7 +32,10 @@ from truefuse.integrations.huggingface import modules
 
 KIND = "fused_residual_norm"
 _FUSED: dict[type, object] = {}  # stock layer class -> its recompiled forward
-_HELPER = "_truefuse_add_rms_norm_hf"
+#: the fused call in the recompiled source: a method of the truefuse subclass, not a global (the
+#: forward runs over a copy of the modeling module's globals, and Dynamo guards a global by reading
+#: it from that module again: a name only the copy held failed under torch.compile)
+_METHOD = "_truefuse_add_norm"
 
 
 def _add_norm(layer, residual, h):
@@ -65,7 +68,7 @@ class _Fuse(ast.NodeTransformer):
             out, i = [], 0
             while i < len(stmts):
                 if _is_pattern(stmts[i : i + 3]):
-                    new = ast.parse(f"hidden_states, residual = {_HELPER}(self, residual, hidden_states)").body[0]
+                    new = ast.parse(f"hidden_states, residual = self.{_METHOD}(residual, hidden_states)").body[0]
                     out.append(ast.copy_location(new, stmts[i]))
                     self.count += 1
                     i += 3
@@ -94,10 +97,9 @@ def fused_forward(stock: type):
     if fuse.count != 1:
         return f"its forward holds the post-attention add and norm {fuse.count} times, not once"
     module = sys.modules[stock.__module__]
-    # the stock module's globals (its decorators, Cache, ...) plus the helper: a copy, so the
-    # modeling module itself gains no name
+    # the stock module's globals (its decorators, Cache, ...): a copy, so the modeling module
+    # itself gains no name (the recompiled ``forward``)
     scope = dict(vars(module))
-    scope[_HELPER] = _add_norm
     code = compile(ast.fix_missing_locations(tree), f"<truefuse: {stock.__qualname__}.forward, add and norm fused>", "exec")
     exec(code, scope)  # noqa: S102 -- the stock source, transformed above
     _FUSED[stock] = scope["forward"]
@@ -132,4 +134,6 @@ def unsupported_reason(layer: torch.nn.Module, norm_cls: type, norm_style: str) 
 
 def layer_class(stock: type) -> type:
     """The truefuse subclass of a stock decoder layer whose forward fuses the post-attention add and norm."""
-    return modules.truefuse_subclass(stock, KIND, _forward, "FusedAddNorm")
+    cls = modules.truefuse_subclass(stock, KIND, _forward, "FusedAddNorm")
+    setattr(cls, _METHOD, _add_norm)
+    return cls
