@@ -19,6 +19,7 @@ from truefuse.ops._launch.triton import PLAIN_TENSORS
 from truefuse.ops.norm.norm import (
     HF_NORM_STYLES,
     hf_statistics,
+    kernel_statistics,
     layer_norm_ref,
     norm_fwd_op,
     rms_norm_hf_bi,
@@ -170,7 +171,7 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
     if not use_kernel(x) or _stock_cheaper(x, weight, bi):
         return rms_norm_hf_ref(x, weight, eps, style=style)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x.is_cuda and bi and not _differentiated(x, weight) and not torch.compiler.is_compiling():
+    if kernel_statistics(x, bi) and not _differentiated(x, weight) and not torch.compiler.is_compiling():
         return rms_norm_hf_bi(x2, weight, eps, style)[0].view(x.shape)  # one launch
     with torch.no_grad():  # the op's backward differentiates through the statistics itself
         rstd = hf_statistics(x2, weight, eps, style, bi)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from truefuse.distributed.workspace import Workspace
+from truefuse.ops._launch.capture import capturing
 
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
 
@@ -16,7 +17,7 @@ _ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": Run
 def validating(x, workspace: Workspace | None) -> bool:
     """Agree across ranks (one small all-gather) unless a CUDA graph is being captured or the
     workspace says ``validate=False``: then each rank checks locally only (docs/design.md §4)."""
-    if isinstance(x, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing():
+    if isinstance(x, torch.Tensor) and capturing(x):
         return False
     return workspace is None or workspace.validate
 

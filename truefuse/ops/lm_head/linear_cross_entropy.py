@@ -200,11 +200,6 @@ def check_targets(target: torch.Tensor, V: int, ignore_index: int, valid: torch.
     if valid is None:  # ``target != ignore_index``, when the caller has it already
         valid = target != ignore_index
     bad = valid & (target.clamp(0, V - 1) != target)  # three kernels: each launch counts here
-    if not host_may_wait(target):
-        # a traced graph or a CUDA-graph capture cannot wait on the host: the check stays on the
-        # device (an async error with no value named; on the CPU it still raises before the return)
-        torch._assert_async(~bad.any(), f"target outside [0, {V}) and not ignore_index={ignore_index}")
-        return lambda: None
     return _check_finish(bad.any(), target, V, ignore_index)
 
 
@@ -231,10 +226,13 @@ def _check_finish(flag: torch.Tensor, target: torch.Tensor, V: int, ignore_index
     """:func:`check_targets`' callable from ``flag``, a 0-dim device tensor, nonzero when a target
     is bad (copied to pinned memory behind an event on CUDA; the first bad value is looked up only
     then). Under :func:`targets_checked`: nothing (the caller's check covers it)."""
-    if _CHECKED_BY_CALLER.get():
-        return _nothing
-    if not host_may_wait(target):  # captured in a CUDA graph: the check stays on the device
+    if not host_may_wait(target):
+        # a traced graph or a CUDA-graph capture cannot wait on the host: the check stays on the
+        # device (an async error with no value named; on the CPU it still raises before the return).
+        # First: dynamo cannot trace ContextVar.get (torch 2.11), and no caller checks ahead here
         torch._assert_async(flag == 0, f"target outside [0, {V}) and not ignore_index={ignore_index}")
+        return _nothing
+    if _CHECKED_BY_CALLER.get():
         return _nothing
     if not target.is_cuda:
         any_bad = bool(flag)

@@ -96,9 +96,15 @@ def hf_statistics(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str,
     threads, so a row's bits changed with the batch (docs/design.md §1). On the CPU torch's row
     sums were the same bits at every row count measured (tests/test_batch_invariant.py), so
     stock's stay. (M,) fp32."""
-    if x.is_cuda and batch_invariant and use_kernel(x):
+    if kernel_statistics(x, batch_invariant):
         return rms_norm_hf_bi(x, weight, eps, style)[1]
     return hf_rstd(x, eps)
+
+
+def kernel_statistics(x: torch.Tensor, batch_invariant: bool) -> bool:
+    """Whether ``rms_norm_hf``'s statistics over ``x`` are the norm kernel's own (batch-invariant
+    mode on CUDA, where the kernel runs) rather than torch's (stock's): see :func:`hf_statistics`."""
+    return x.is_cuda and batch_invariant and use_kernel(x)
 
 
 def rms_norm_hf_bi(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str) -> tuple[torch.Tensor, torch.Tensor]:
