@@ -21,8 +21,10 @@ from truefuse.integrations.huggingface import apply_truefuse  # noqa: E402
 from truefuse.ops._launch import capture as _capture  # noqa: E402
 
 #: tensor methods and functions that hand device data to the host (a sync on CUDA)
-HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "unique"}
-HOST_READS |= {"masked_select"}
+HOST_READS = {
+    *("item", "tolist", "__bool__", "__int__", "__float__", "__index__"),
+    *("nonzero", "cpu", "numpy", "unique", "masked_select"),
+}
 PACKAGE = os.path.dirname(truefuse.__file__)
 OUTSIDE = (os.path.dirname(torch.__file__), os.sep + "triton" + os.sep)
 

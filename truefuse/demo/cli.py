@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import sys
 
 import torch
+
+from truefuse.demo import needs
 
 HF_HINT = "pip install truefuse[hf]"
 
@@ -137,19 +138,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        import tokenizers  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as e:
-        return _fail(f"needs transformers and tokenizers ({e.name or e} is missing): {HF_HINT}")
-    if importlib.util.find_spec("matplotlib") is None:
-        return _fail("needs matplotlib for its plot: pip install truefuse[bench]")
+    why = needs.missing(("transformers", "tokenizers"), HF_HINT)
+    if why:
+        return _fail(why)
     from truefuse.demo.report import print_syncs, print_table, summarize, write
     from truefuse.demo.train import make_config, run_demo
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        return _fail("--device cuda asked for, but torch sees no CUDA device")
+    device, why = needs.device(args.device)
+    if why:
+        return _fail(why)
     size = args.size or ("gpu" if device == "cuda" else "cpu")
     settings = {k: getattr(args, k, None) for k in _SETTINGS}
     settings["head_unit"] = settings["head_unit"] or None

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 
-import torch
+from truefuse.demo import needs
 
 #: command-line settings that override the preset (None: the preset's)
 _SETTINGS = ("dtype", "steps", "hidden", "layers", "digits", "prompts", "group", "lr", "temperature", "seed")
@@ -39,18 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        return _fail(f"needs transformers ({e.name or e} is missing): pip install truefuse[hf]")
-    if importlib.util.find_spec("matplotlib") is None:
-        return _fail("needs matplotlib for its plot: pip install truefuse[bench]")
+    why = needs.missing(("transformers",), "pip install truefuse[hf]")
+    if why:
+        return _fail(why)
     from truefuse.demo.rl import make_config, progress_bar, run_rl
     from truefuse.demo.rl_report import bi_exact, print_table, summarize, write
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        return _fail("--device cuda asked for, but torch sees no CUDA device")
+    device, why = needs.device(args.device)
+    if why:
+        return _fail(why)
     settings = {k: getattr(args, k, None) for k in _SETTINGS}
     try:
         cfg = make_config("gpu" if device == "cuda" else "cpu", device=device, fast=bool(args.fast) or None, **settings)
