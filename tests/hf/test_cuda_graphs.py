@@ -58,11 +58,12 @@ def test_graphed_steps_equal_eager_steps(arch, mode):
 def _in_a_process_of_its_own(code: str) -> str:
     """``code`` run by a fresh interpreter: on torch 2.11 a failed capture leaves the CUDA generator
     marked as capturing, and every later CUDA random draw of the process raises ("Offset increment
-    outside graph capture"): run in the suite's worker, one failed 81 tests after it on an H100."""
+    outside graph capture"): run in the suite's worker, one failed 81 tests after it on an H100.
+    Unbuffered (``-u``): such a process can die at exit, and a pipe's buffer would die with it."""
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-u", "-c", code], capture_output=True, text=True, timeout=300)
     return run.stdout + run.stderr
 
 
