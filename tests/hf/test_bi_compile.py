@@ -23,17 +23,22 @@ def _bi(model_type, **patch):
     return model
 
 
-def _eager_and_static_compiled(model, ids, new: int):
+def _eager_and_static_compiled(model, ids, new: int, mode: str | None = None, outputs: list | None = None):
     """``generate``'s logits (B, new, V): eager (dynamic cache), then with a static cache and the
-    forward compiled (the recipe a graphed ``generate`` runs); and whether the tokens agree."""
+    forward compiled (``mode="reduce-overhead"``: replayed as CUDA graphs, the recipe a graphed
+    ``generate`` runs); and whether the tokens agree. ``outputs`` gets both generate outputs."""
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     kw.update(output_logits=True, return_dict_in_generate=True)
     torch._dynamo.reset()
     with torch.no_grad():
         eager = model.generate(ids, **kw)
-        model.forward = torch.compile(model.forward)
+        stock_forward = model.forward
+        model.forward = torch.compile(model.forward, mode=mode)
         graphed = model.generate(ids, cache_implementation="static", **kw)
+        model.forward = stock_forward
     torch._dynamo.reset()
+    if outputs is not None:
+        outputs += [eager, graphed]
     same_tokens = torch.equal(eager.sequences, graphed.sequences)
     return torch.stack(eager.logits, 1), torch.stack(graphed.logits, 1), same_tokens
 
@@ -73,15 +78,25 @@ def test_unpatch_gives_the_rotary_embedding_back():
 
 
 @requires_cuda
-def test_static_cache_compiled_generate_is_the_eager_bits_cuda():
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["compiled", "cuda-graphs"])
+def test_static_cache_compiled_generate_is_the_eager_bits_cuda(mode):
     """The same on the GPU's kernels, bf16 (the Triton norm inside the compiled graph: Inductor's
     launch of a kernel Dynamo traced itself once came one argument short, "launcher() missing 1
-    required positional argument: '_grid_2'", H100, torch 2.11)."""
+    required positional argument: '_grid_2'", H100, torch 2.11); with ``reduce-overhead`` the
+    decode steps replay as CUDA graphs. The graphed sampler's log-probs (``generate_log_probs``)
+    are the trainer's (``model_log_probs`` over the sampled sequences) bit for bit."""
     from truefuse.demo.parity_cli import build
+    from truefuse.integrations.huggingface.log_probs import generate_log_probs, model_log_probs
 
     model = build("llama", 2, 256, 32000, torch.bfloat16, torch.device("cuda"), 0)
     model.config._attn_implementation = "sdpa"
     apply_truefuse(model, batch_invariant=True)
     ids = torch.randint(1, 32000, (2, 16), generator=torch.Generator().manual_seed(2)).cuda()
-    a, b, _ = _eager_and_static_compiled(model, ids, 8)
+    outputs: list = []
+    a, b, _ = _eager_and_static_compiled(model, ids, 8, mode, outputs)
     assert torch.equal(a, b), _rows_differing(a, b)
+    graphed = outputs[1]
+    sampler = generate_log_probs(model, graphed, ids.shape[1]).log_probs
+    with torch.no_grad():
+        trainer = model_log_probs(model, graphed.sequences).log_probs[:, ids.shape[1] - 1 :]
+    assert torch.equal(sampler, trainer), f"{int((sampler != trainer).sum())} of {sampler.numel()} tokens differ"
