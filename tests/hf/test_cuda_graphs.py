@@ -75,36 +75,23 @@ x = torch.ones(4, device="cuda")
 
 
 @requires_cuda
-def test_a_host_sync_is_refused_before_any_capture():
-    """A host read in the step: the last warm-up step finds it (torch's sync-debug "warn" mode) and
-    raises naming it, before a capture could fail; the process's CUDA generator still works."""
+def test_a_step_that_reads_the_host_only_in_eager_mode_is_captured():
+    """transformers' masks read a value on the host in eager mode and not while a capture runs
+    (``is_tracing``); so does truefuse's label check. Such a step captures and replays: a check of
+    the warm-up step under torch's sync-debug mode refused it (stock and patched Llama, H100)."""
     out = _in_a_process_of_its_own(
         _PRELUDE
         + """
-graphed = GraphedStep(lambda x: x * float(x.sum()), warmup=1)
-try:
-    graphed(x)
-except RuntimeError as e:
-    print("RAISED", e)
-print("GRAPH", graphed.graph)
-print("RANDN", torch.randn(3, device="cuda").shape)
+def step(x):
+    if torch.cuda.is_current_stream_capturing() or bool((x > 0).all()):
+        return x * 2
+    return x
+graphed = GraphedStep(step, warmup=2)
+got = [graphed(x * i).sum().item() for i in range(1, 5)]
+print("GOT", got, graphed.graph is not None)
 """
     )
-    assert "RAISED the step synchronizes with the host" in out and "GRAPH None" in out, out
-    assert "RANDN torch.Size([3])" in out, out
-
-
-@requires_cuda
-def test_host_syncs_eager_runs_the_step_uncaptured():
-    out = _in_a_process_of_its_own(
-        _PRELUDE
-        + """
-graphed = GraphedStep(lambda x: x * float(x.sum()), warmup=1, host_syncs="eager")
-got = [graphed(x * i).sum().item() for i in range(1, 4)]
-print("GOT", got, graphed.graph is None, graphed.eager_reason is not None)
-"""
-    )
-    assert "GOT [16.0, 64.0, 144.0] True True" in out, out
+    assert "GOT [8.0, 16.0, 24.0, 32.0] True" in out, out
 
 
 @requires_cuda

@@ -610,3 +610,22 @@ def test_bad_labels_from_the_check_ahead_of_the_decoder(monkeypatch, path, kerne
         patched(input_ids=ids, labels=labels)
     except RuntimeError as err:
         assert "vocab_size" not in str(err), err
+
+
+def test_the_forward_imports_nothing(monkeypatch):
+    """The patched forward's slicing of the kept positions imports nothing while it runs: Dynamo
+    (torch 2.11, transformers 5.17, ``fullgraph=True``) traced a failed ``from transformers...
+    import`` there into an AttributeError the code's ``except ImportError`` never caught."""
+    import builtins
+
+    real = builtins.__import__
+
+    def guard(name, *args, **kwargs):
+        if name.startswith("transformers"):
+            raise AssertionError(f"imported {name} inside the forward")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", guard)
+    h = torch.randn(2, 5, 3)
+    assert torch.equal(hf_loss._slice_to_keep(h, 2), h[:, -2:, :])
+    assert torch.equal(hf_loss._slice_to_keep(h, 0), h)

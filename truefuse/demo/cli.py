@@ -58,6 +58,10 @@ def _apply_liger(model):
     return "liger_kernel.transformers.apply_liger_kernel_to_llama(model=...) with its defaults"
 
 
+#: why ``--cuda-graphs`` leaves this run's step eager (demo/train.py reads it): a capture would fail
+_apply_liger.reads_host = "Liger's fused linear cross-entropy reads its token count on the host (.item())"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("size (each overrides the --size preset)")
     p.add_argument("--size", choices=["cpu", "gpu"], help="preset: cpu (small, fp32) or gpu (~1.3B, bf16); default: by --device")

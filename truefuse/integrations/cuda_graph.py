@@ -11,7 +11,6 @@ the graph's pool, at stable addresses; the optimizer is built with ``capturable=
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,23 +32,20 @@ class GraphedStep:
         warmup: eager steps before the capture (≥ 1: the first call compiles kernels and builds
             optimizer state, which a capture cannot do). TorchTitan warms up for 1-3 steps.
         pool: a memory pool to share with other graphs (``torch.cuda.graph_pool_handle()``).
-        host_syncs: what the last warm-up step does when it finds the step synchronizing with the
-            host (``torch.cuda.set_sync_debug_mode("warn")`` around it: a value read, a copy from
-            pageable memory), which a capture cannot hold: ``"raise"`` a ``RuntimeError`` naming
-            the first one, or ``"eager"``: never capture, run every call eagerly (the reason in
-            :attr:`eager_reason`). Either way before any capture: on torch 2.11 a failed capture
-            leaves the process's CUDA random generator unusable.
+
+    A step that reads the host makes the capture fail: the ``RuntimeError`` names the step's own
+    error. No eager check can find such reads beforehand: libraries branch on whether a capture
+    runs (transformers' masks read a value on the host in eager mode and not while capturing; so
+    does truefuse's label check), so a step that syncs eagerly may capture cleanly (a sync-debug
+    check of the last warm-up step refused stock and patched Llama steps that capture, H100).
     """
 
-    def __init__(self, step: Callable[..., Any], *, warmup: int = 3, pool=None, host_syncs: str = "raise"):
+    def __init__(self, step: Callable[..., Any], *, warmup: int = 3, pool=None):
         if not callable(step):
             raise TypeError(f"step must be callable, got {type(step).__name__}")
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
             raise ValueError(f"warmup must be an int >= 1 (the first steps compile and build state), got {warmup!r}")
-        if host_syncs not in ("raise", "eager"):
-            raise ValueError(f"host_syncs must be 'raise' or 'eager', got {host_syncs!r}")
-        self.step, self.warmup, self.pool, self.host_syncs = step, warmup, pool, host_syncs
-        self.eager_reason: str | None = None
+        self.step, self.warmup, self.pool = step, warmup, pool
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self._inputs: tuple = ()
@@ -59,10 +55,8 @@ class GraphedStep:
     def __call__(self, *inputs):
         _check_cuda(inputs)
         self.calls += 1
-        if self.calls < self.warmup or self.eager_reason is not None:
+        if self.calls <= self.warmup:
             return self._eager(inputs)
-        if self.calls == self.warmup:
-            return self._checked_eager(inputs)
         if self.graph is None:
             self._capture(inputs)
         else:
@@ -79,28 +73,6 @@ class GraphedStep:
         with torch.cuda.stream(self._side):
             out = self.step(*inputs)
         torch.cuda.current_stream().wait_stream(self._side)
-        return out
-
-    def _checked_eager(self, inputs):
-        """The last warm-up step, with the host syncs it makes recorded (each is a warning in
-        torch's "warn" sync-debug mode); see ``host_syncs``."""
-        old = torch.cuda.get_sync_debug_mode()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                out = self._eager(inputs)
-            finally:
-                torch.cuda.set_sync_debug_mode(old)
-        syncs = [w for w in seen if "synchronizing" in str(w.message)]
-        if syncs:
-            where = f"{syncs[0].filename}:{syncs[0].lineno}"
-            reason = f"the step synchronizes with the host {len(syncs)} time(s), first at {where}"
-            if self.host_syncs == "raise":
-                raise RuntimeError(
-                    f"{reason}: a CUDA graph cannot hold that (docs/cuda_graphs.md lists what a captured step may not do)"
-                )
-            self.eager_reason = reason
         return out
 
     def _capture(self, inputs) -> None:
@@ -148,6 +120,6 @@ def _check_cuda(inputs) -> None:
             raise ValueError(f"input {i} is on {x.device}: the inputs a captured step reads must be CUDA tensors")
 
 
-def graph_step(step: Callable[..., Any], *, warmup: int = 3, pool=None, host_syncs: str = "raise") -> GraphedStep:
+def graph_step(step: Callable[..., Any], *, warmup: int = 3, pool=None) -> GraphedStep:
     """``step`` as a :class:`GraphedStep`: eager for ``warmup`` calls, then captured and replayed."""
-    return GraphedStep(step, warmup=warmup, pool=pool, host_syncs=host_syncs)
+    return GraphedStep(step, warmup=warmup, pool=pool)

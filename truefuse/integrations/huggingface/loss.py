@@ -142,15 +142,27 @@ def _return_tuple(func):
     return wrapper
 
 
-def _slice_to_keep(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
-    """The hidden states the stock forward projects: transformers' ``slice_logits_to_keep`` where it
-    exists (newer releases: also 2-D index / boolean tensors), else the older inline slicing."""
+def _hf_slice_logits_to_keep():
     try:
         from transformers.modeling_utils import slice_logits_to_keep
     except ImportError:
+        return None
+    return slice_logits_to_keep
+
+
+#: transformers' ``slice_logits_to_keep`` (newer releases: also 2-D index / boolean tensors) or None,
+#: looked up at import: Dynamo, tracing a failed ``from ... import`` inside the forward, raised
+#: an AttributeError the ``except ImportError`` never saw (torch 2.11, transformers 5.17, fullgraph)
+_HF_SLICE = _hf_slice_logits_to_keep()
+
+
+def _slice_to_keep(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """The hidden states the stock forward projects: transformers' own slicing where it has one,
+    else the older inline slicing."""
+    if _HF_SLICE is None:
         idx = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return hidden[:, idx, :]
-    return slice_logits_to_keep(hidden, logits_to_keep)
+    return _HF_SLICE(hidden, logits_to_keep)
 
 
 def _softcap(self, traits: dict) -> float | None:
