@@ -5,7 +5,8 @@ Public API (see README.md and docs/design.md):
 * :func:`gemm` / :func:`gemm_ref`, :func:`gemm_plan_for`, :func:`override_capabilities`,
   :class:`Capability`: the one GEMM entry point (docs/design.md §3).
 * :func:`rms_norm`, :func:`layer_norm`, :func:`gated_activation` and :class:`RMSNorm`: fused
-  norms and gated activations (references in ``truefuse.ops``).
+  norms and gated activations (references in ``truefuse.ops``); :func:`add_rms_norm` (and
+  ``RMSNorm(x, residual=)``) a residual add and the norm after it in one kernel.
 * :func:`linear_cross_entropy` / :func:`linear_cross_entropy_ref`: the LM head's loss in chunks.
 * :func:`linear_log_probs` / :func:`linear_log_probs_ref`: per-token log-probabilities and entropy
   from the LM head (what RL trainers compute), on the same chunked head; :func:`token_log_probs`
@@ -20,7 +21,7 @@ Public API (see README.md and docs/design.md):
   accumulation and delayed weight gradients under one weight-gradient contract (docs/design.md §2).
 """
 
-from truefuse.autograd.add_norm import add_rms_norm_hf
+from truefuse.autograd.add_norm import add_rms_norm, add_rms_norm_hf
 from truefuse.autograd.attention import attention
 from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
@@ -42,11 +43,14 @@ from truefuse.ops.linear import layernorm_linear_ref, layernorm_mlp_ref, linear_
 from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOutput, linear_cross_entropy_ref
 from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOutput, linear_log_probs_ref
 from truefuse.ops.lm_head.token_log_probs import LogProbs, token_log_probs_ref
+from truefuse.ops.norm.add_norm import add_rms_norm_ref
 from truefuse.ops.norm.norm import layer_norm_ref, rms_norm_ref
 
 __version__ = "0.2.0"
 
 __all__ = [
+    "add_rms_norm",
+    "add_rms_norm_ref",
     "add_rms_norm_hf",
     "apply_rotary_pos_emb",
     "attention",

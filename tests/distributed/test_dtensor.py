@@ -53,6 +53,7 @@ def _op_cases(mesh=None) -> dict:
         "token_log_probs": ("logits", lambda: truefuse.token_log_probs(D(W), torch.zeros(16, dtype=torch.long))),
         "attention": ("value", lambda: truefuse.attention(q, q, D(q), is_causal=True)),
         "add_rms_norm_hf": ("h", lambda: truefuse.add_rms_norm_hf(x, D(x), x[0])),
+        "add_rms_norm": ("residual", lambda: truefuse.add_rms_norm(D(x), x, x[0])),
         "ops.scale_": ("tensor", lambda: scale_(D(x.clone()), torch.tensor(2.0))),
         "Linear": ("input", lambda: _colwise(truefuse.Linear(8, 16), mesh, x)),
         "LayerNormLinear": ("input", lambda: truefuse.LayerNormLinear(8, 16)(D(x))),

@@ -1,5 +1,6 @@
-"""``truefuse.add_rms_norm_hf``: a decoder layer's residual add and the RMSNorm after it, stock's
-bits forward, one backward kernel (docs/add_norm.md). Validation, flattening, dispatch."""
+"""``truefuse.add_rms_norm_hf`` and ``truefuse.add_rms_norm``: a decoder layer's residual add and
+the RMSNorm after it, with stock transformers' bits or truefuse's own rounding, one kernel each way
+(docs/add_norm.md). Validation, flattening, dispatch."""
 
 from __future__ import annotations
 
@@ -9,20 +10,22 @@ from truefuse.autograd._eager_op import call
 from truefuse.autograd._modes import Modes
 from truefuse.autograd.norm import _check, _stock_cheaper
 from truefuse.ops._launch.dtensor import refuse_dtensor
-from truefuse.ops.norm.add_norm import add_rms_norm_hf_fwd_op, add_rms_norm_hf_ref
+from truefuse.ops.norm.add_norm import add_rms_norm_fwd_op, add_rms_norm_hf_fwd_op, add_rms_norm_hf_ref, add_rms_norm_ref
 from truefuse.ops.norm.norm import HF_NORM_STYLES, kernel_statistics, rms_norm_hf_pytorch_op, use_kernel
 
 
-def _check_residual(residual, h) -> None:
+def _check_residual(residual, h, name: str = "h") -> None:
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
     if residual.shape != h.shape:
-        raise ValueError(f"residual has shape {tuple(residual.shape)}; h has {tuple(h.shape)} (the same shape, no broadcast)")
+        raise ValueError(
+            f"residual has shape {tuple(residual.shape)}; {name} has {tuple(h.shape)} (the same shape, no broadcast)"
+        )
     if residual.dtype != h.dtype:
         # torch would promote; the stock layer's residual stream has one dtype, and the sum's is what it keeps
-        raise TypeError(f"residual has dtype {residual.dtype}; h has {h.dtype} (the same dtype)")
+        raise TypeError(f"residual has dtype {residual.dtype}; {name} has {h.dtype} (the same dtype)")
     if residual.device != h.device:
-        raise ValueError(f"residual is on {residual.device} but h is on {h.device}")
+        raise ValueError(f"residual is on {residual.device} but {name} is on {h.device}")
 
 
 def add_rms_norm_hf(
@@ -67,3 +70,44 @@ def add_rms_norm_hf(
     kernel_stats = kernel_statistics(h, bi)
     normed, summed, _ = call(add_rms_norm_hf_fwd_op, r2, h2, weight, float(eps), style, kernel_stats)
     return normed.view(h.shape), summed.view(h.shape)
+
+
+def add_rms_norm(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    zero_centered_gamma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``summed = residual + x`` and ``normed = truefuse.rms_norm(summed, weight, eps)`` in one kernel
+    each way: a pre-norm block's residual add and the norm after it (``truefuse.RMSNorm(x,
+    residual=...)``; vLLM's and TransformerEngine's fused add + norm take the same pair).
+
+    ``summed`` is torch's ``residual + x`` (one rounding to the inputs' dtype); ``normed`` is
+    :func:`truefuse.rms_norm` of it bit for bit (the same kernel, which here reads the two inputs
+    and stores their rounded sum before norming it). The backward is the norm's with the residual
+    stream's gradient added before dx's one rounding, returned for both ``residual`` and ``x`` (the
+    same tensor, as autograd's add returns); the weight gradient from per-program partials
+    (deterministic). A row's bits never depend on the other rows (every mode).
+
+    Args:
+        residual, x: (..., H), fp16 / bf16 / fp32 / fp64, the same shape, dtype and device.
+        weight: (H,) or None. eps: added to the mean square.
+        zero_centered_gamma: the scale is ``1 + weight``.
+
+    Returns:
+        ``(normed, summed)``, both (..., H) in x's dtype. Forward bitwise
+        :func:`truefuse.ops.norm.add_norm.add_rms_norm_ref`; gradients bounded.
+    """
+    _check(x, {"weight": weight}, eps)
+    refuse_dtensor("add_rms_norm", residual=residual, x=x, weight=weight)
+    _check_residual(residual, x, name="x")
+    if zero_centered_gamma and weight is None:
+        raise ValueError("zero_centered_gamma=True needs a weight")
+    if not use_kernel(x):
+        return add_rms_norm_ref(residual, x, weight, eps, zero_centered_gamma=zero_centered_gamma)
+    n = x.shape[-1]
+    r2, x2 = residual.reshape(-1, n).contiguous(), x.reshape(-1, n).contiguous()
+    normed, summed, _ = call(add_rms_norm_fwd_op, r2, x2, weight, float(eps), bool(zero_centered_gamma))
+    return normed.view(x.shape), summed.view(x.shape)

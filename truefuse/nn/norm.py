@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from truefuse.autograd.add_norm import add_rms_norm
 from truefuse.autograd.norm import rms_norm
 
 
@@ -19,6 +20,10 @@ class RMSNorm(torch.nn.RMSNorm):
         zero_centered_gamma: the scale is ``1 + weight``, and ``weight`` starts at zeros.
 
     Shapes: input (..., *normalized_shape), output the same shape and dtype.
+
+    ``forward(x, residual=None)``: with a ``residual`` (x's shape and dtype), a pre-norm block's
+    add and norm in one kernel, :func:`truefuse.add_rms_norm`: returns ``(norm(residual + x),
+    residual + x)``, the first bit for bit what ``self(residual + x)`` gives.
     """
 
     def __init__(
@@ -34,14 +39,20 @@ class RMSNorm(torch.nn.RMSNorm):
         if self.weight is not None and getattr(self, "zero_centered_gamma", False):
             torch.nn.init.zeros_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         k = len(self.normalized_shape)
         if tuple(x.shape[-k:]) != tuple(self.normalized_shape):
             raise ValueError(f"input has shape {tuple(x.shape)}; its last dimensions must be {tuple(self.normalized_shape)}")
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         flat = x.reshape(*x.shape[:-k], math.prod(self.normalized_shape))
         w = self.weight.reshape(-1) if self.weight is not None else None
-        return rms_norm(flat, w, eps, zero_centered_gamma=self.zero_centered_gamma).view(x.shape)
+        if residual is None:
+            return rms_norm(flat, w, eps, zero_centered_gamma=self.zero_centered_gamma).view(x.shape)
+        if isinstance(residual, torch.Tensor) and residual.shape != x.shape:
+            raise ValueError(f"residual has shape {tuple(residual.shape)}; input has {tuple(x.shape)} (the same shape)")
+        res = residual.reshape(flat.shape) if isinstance(residual, torch.Tensor) else residual
+        normed, summed = add_rms_norm(res, flat, w, eps, zero_centered_gamma=self.zero_centered_gamma)
+        return normed.view(x.shape), summed.view(x.shape)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", zero_centered_gamma=True" if self.zero_centered_gamma else "")

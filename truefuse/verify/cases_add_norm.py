@@ -1,4 +1,4 @@
-"""Contract cases of ``add_rms_norm_hf`` (docs/add_norm.md): the forward bitwise the stock layer's
+"""Contract cases of ``add_rms_norm_hf`` and ``add_rms_norm`` (docs/add_norm.md): the forward bitwise the stock layer's
 two expressions (``add_rms_norm_hf_ref``), also in batch-invariant mode against ``rms_norm_hf`` of
 the sum there (on CUDA the one fused launch's statistics against the norm's); forward and every
 input gradient bounded against float64 (``rms_norm_ref``'s math on ``residual + h``), the stock
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.autograd.add_norm import add_rms_norm_hf
-from truefuse.autograd.norm import rms_norm_hf
+from truefuse.autograd.add_norm import add_rms_norm, add_rms_norm_hf
+from truefuse.autograd.norm import rms_norm, rms_norm_hf
 from truefuse.config import batch_invariant, tuning
-from truefuse.ops.norm.add_norm import add_rms_norm_hf_ref
+from truefuse.ops.norm.add_norm import add_rms_norm_hf_ref, add_rms_norm_ref
 from truefuse.ops.norm.norm import HF_NORM_STYLES, rms_norm_ref
 from truefuse.testing import bitwise_report, fwd_bwd_reports
 from truefuse.verify.registry import register
@@ -95,3 +95,41 @@ for _dn, _dt in _DTYPES.items():
         register("add_rms_norm_hf", f"fwd_{_style}_{_dn}", "bitwise")(_fwd_case(_style, _dt))
         register("add_rms_norm_hf", f"fwd_batch_invariant_{_style}_{_dn}", "bitwise")(_bi_case(_style, _dt))
         register("add_rms_norm_hf", f"fwd_bwd_{_style}_{_dn}", "bounded")(_bwd_case(_style, _dt))
+
+
+# truefuse's own rounding: the sum torch's add, the normed rows truefuse.rms_norm's of it, bit for bit
+# (on CUDA the fused launch against the norm's launch on the stored sum); gradients bounded against
+# float64, the unfused composition under autograd as the baseline
+
+
+def _own_fwd_case(dtype, zc: bool):
+    def case(device):
+        r, x, w = _inputs("gemma" if zc else "llama", dtype, device)
+        normed, summed = add_rms_norm(r, x, w, _EPS, zero_centered_gamma=zc)
+        want_summed = r + x
+        return {
+            "normed": bitwise_report(normed, rms_norm(want_summed, w, _EPS, zero_centered_gamma=zc)),
+            "summed": bitwise_report(summed, want_summed),
+        }
+
+    return case
+
+
+def _own_bwd_case(dtype, zc: bool):
+    def case(device):
+        r, x, w = _inputs("gemma" if zc else "llama", dtype, device)
+        return fwd_bwd_reports(
+            lambda r, x, w: _pack(*add_rms_norm(r, x, w, _EPS, zero_centered_gamma=zc)),
+            lambda r, x, w: _pack(rms_norm_ref(r + x, w, _EPS, zero_centered_gamma=zc), r + x),
+            lambda r, x, w: _pack(*add_rms_norm_ref(r, x, w, _EPS, zero_centered_gamma=zc)),
+            {"residual": r, "x": x, "weight": w},
+        )
+
+    return case
+
+
+for _dn, _dt in _DTYPES.items():
+    for _zc in (False, True):
+        _tag = "zero_centered_" if _zc else ""
+        register("add_rms_norm", f"fwd_{_tag}{_dn}", "bitwise")(_own_fwd_case(_dt, _zc))
+        register("add_rms_norm", f"fwd_bwd_{_tag}{_dn}", "bounded")(_own_bwd_case(_dt, _zc))

@@ -427,6 +427,16 @@ def _add_rms_norm_hf_opcheck(device):
     return out + [("truefuse::add_rms_norm_bwd", (dn, d, s, w.detach(), rstd, zc), None) for d, zc in ((ds, False), (None, True))]
 
 
+def _add_rms_norm_opcheck(device):
+    r, x = _r(6, 32, device=device, grad=True), _r(6, 32, device=device, grad=True, seed=1)
+    w = _r(32, device=device, grad=True, seed=2)
+    # with a weight, zero-centred, and without one; the shared backward without a weight (its own
+    # samples with one are add_rms_norm_hf's)
+    out = [("truefuse::add_rms_norm_fwd", (r, x, wt, 1e-6, zc), None) for wt, zc in ((w, False), (w, True), (None, False))]
+    s, rstd, dn = (r + x).detach(), torch.rand(6, device=device) + 0.5, _r(6, 32, device=device, seed=3)
+    return out + [("truefuse::add_rms_norm_bwd", (dn, dn.flip(0), s, None, rstd, False), None)]
+
+
 _NORM_OPS = {
     "truefuse::norm_fwd": "truefuse.ops.norm.norm:norm_fwd_op",
     "truefuse::norm_bwd": "truefuse.ops.norm.norm:norm_bwd_op",
@@ -557,6 +567,29 @@ OPS: tuple[OpDecl, ...] = (
         compile=lambda d: [
             (
                 lambda r, h, w: truefuse_attr("add_rms_norm_hf")(r, h, w, 1e-6),
+                tuple(_r(*s, device=d, seed=i, grad=True) for i, s in enumerate([(2, 3, 32), (2, 3, 32), (32,)])),
+                (),
+            )
+        ],
+    ),
+    OpDecl(
+        name="add_rms_norm",
+        stem="add_norm",
+        custom_ops={
+            "truefuse::add_rms_norm_fwd": "truefuse.ops.norm.add_norm:add_rms_norm_fwd_op",
+            "truefuse::add_rms_norm_bwd": "truefuse.ops.norm.add_norm:add_rms_norm_bwd_op",
+        },
+        ref="truefuse.ops.norm.add_norm:add_rms_norm_ref",
+        verify=("add_rms_norm",),
+        inline=True,
+        eager=True,
+        dtensor="refused",
+        batch_invariant="invariant by construction",
+        double_backward="refused",
+        opcheck=_add_rms_norm_opcheck,
+        compile=lambda d: [
+            (
+                lambda r, x, w: truefuse_attr("add_rms_norm")(r, x, w, 1e-6),
                 tuple(_r(*s, device=d, seed=i, grad=True) for i, s in enumerate([(2, 3, 32), (2, 3, 32), (32,)])),
                 (),
             )

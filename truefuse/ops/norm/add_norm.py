@@ -1,5 +1,6 @@
-"""Residual add + RMSNorm with stock transformers' rounding (``truefuse.add_rms_norm_hf``): the
-reference and the custom ops (docs/add_norm.md).
+"""Residual add + RMSNorm: with stock transformers' rounding (``truefuse.add_rms_norm_hf``) and with
+truefuse's own (``truefuse.add_rms_norm``, ``truefuse.RMSNorm(x, residual=)``): the references and
+the custom ops (docs/add_norm.md).
 
 The stock decoder layer writes ``h = residual + h; residual = h; h = norm(h)``: one rounding of
 the sum to the stream's dtype, then the norm of that rounded sum. These ops keep both: ``summed``
@@ -17,7 +18,15 @@ from __future__ import annotations
 import torch
 
 from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
-from truefuse.ops.norm.norm import _bwd_staged, _hf_out_dtype, hf_rstd, norm_bwd, norm_fwd, rms_norm_hf_ref
+from truefuse.ops.norm.norm import (
+    _bwd_staged,
+    _hf_out_dtype,
+    hf_rstd,
+    norm_bwd,
+    norm_fwd,
+    rms_norm_hf_ref,
+    rms_norm_ref,
+)
 
 #: where a gradient penalty goes instead (the double-backward refusal names it)
 REF = "truefuse.ops.norm.add_norm.add_rms_norm_hf_ref"
@@ -95,7 +104,7 @@ def add_rms_norm_bwd_op(
     d_normed: torch.Tensor,
     d_summed: torch.Tensor | None,
     summed: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     rstd: torch.Tensor,
     zero_centered_gamma: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,12 +115,12 @@ def add_rms_norm_bwd_op(
     d, dw, _ = norm_bwd(
         d_normed.contiguous(), summed, weight, None, None, rstd, rms=True, zero_centered_gamma=zero_centered_gamma, dres=dres
     )
-    return d, dw
+    return d, (summed.new_empty(0) if dw is None else dw)  # an op's outputs are tensors: empty for no weight
 
 
 @add_rms_norm_bwd_op.register_fake
 def _(d_normed, d_summed, summed, weight, rstd, zero_centered_gamma):
-    return torch.empty_like(summed), torch.empty_like(weight)
+    return torch.empty_like(summed), (summed.new_empty(0) if weight is None else torch.empty_like(weight))
 
 
 def _setup(ctx, inputs, output):
@@ -124,15 +133,82 @@ def _setup(ctx, inputs, output):
     ctx.zero_centered_gamma = style == "gemma"
 
 
-def _backward(ctx, d_normed, d_summed, _drstd):
+def _grads(ctx, d_normed, d_summed):
+    """``(d_sum, dweight)`` of both ops' backward (``dweight`` None where nothing reached ``normed``
+    or there is no weight)."""
     summed, weight, rstd = ctx.saved_tensors
-    dw = None
     if d_normed is None:  # only the residual stream was used: its gradient is the sum's
-        d = d_summed
-    else:
-        d, dw = bwd_call(ctx, add_rms_norm_bwd_op, d_normed, d_summed, summed, weight, rstd, ctx.zero_centered_gamma)
+        return d_summed, None
+    d, dw = bwd_call(ctx, add_rms_norm_bwd_op, d_normed, d_summed, summed, weight, rstd, ctx.zero_centered_gamma)
+    return d, (None if weight is None else dw)
+
+
+def _backward(ctx, d_normed, d_summed, _drstd):
+    d, dw = _grads(ctx, d_normed, d_summed)
     # the same tensor for residual and h, as autograd's own add returns: nothing writes into it
     return d, d, dw, None, None, None
 
 
 register_backward(add_rms_norm_hf_fwd_op, _backward, _setup, bwd_ops=(add_rms_norm_bwd_op,), name="add_rms_norm_hf", ref=REF)
+
+
+# truefuse's own rounding (``truefuse.rms_norm``'s: fp32 statistics of the sum, one rounding): the
+# sum, its statistics and the normed rows in one launch in every mode (a row's reduction is the
+# norm kernel's, the same for every row count), the shared backward above.
+
+#: where a gradient penalty goes instead
+OWN_REF = "truefuse.ops.norm.add_norm.add_rms_norm_ref"
+
+
+def add_rms_norm_ref(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    zero_centered_gamma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``summed = residual + x`` (torch's add in the inputs' dtype) and
+    ``normed = rms_norm_ref(summed, weight, eps)``: ``(normed, summed)``, both in x's dtype."""
+    summed = residual + x
+    return rms_norm_ref(summed, weight, eps, zero_centered_gamma=zero_centered_gamma), summed
+
+
+@custom_op("truefuse::add_rms_norm_fwd", mutates_args=(), inline=True)
+def add_rms_norm_fwd_op(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, zero_centered_gamma: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(normed, summed, rstd)`` of contiguous (M, N) ``residual`` and ``x``: one launch of the norm
+    kernel with ``HAS_RES`` (the launch ``rms_norm`` makes on the stored sum, which reads the same
+    rounded values: its bits)."""
+    summed = torch.empty_like(x)
+    normed, _, rstd = norm_fwd(
+        x, weight, None, eps, rms=True, zero_centered_gamma=zero_centered_gamma, residual=residual, summed=summed
+    )
+    return normed, summed, rstd
+
+
+@add_rms_norm_fwd_op.register_fake
+def _(residual, x, weight, eps, zero_centered_gamma):
+    return torch.empty_like(x), torch.empty_like(x), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+def _own_setup(ctx, inputs, output):
+    _residual, _x, weight, _eps, zero_centered_gamma = inputs
+    _, summed, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output: -0 stays -0
+    ctx.save_for_backward(summed, weight, rstd)
+    ctx.zero_centered_gamma = zero_centered_gamma
+
+
+def _own_backward(ctx, d_normed, d_summed, _drstd):
+    d, dw = _grads(ctx, d_normed, d_summed)
+    return d, d, dw, None, None
+
+
+# the shared backward op's refusal names add_rms_norm_hf (as norm_bwd's names rms_norm for rms_norm_hf);
+# the eager path names this op
+register_backward(
+    add_rms_norm_fwd_op, _own_backward, _own_setup, eager_names=lambda ctx: ("add_rms_norm", OWN_REF)
+)
