@@ -15,7 +15,9 @@ so both are bit for bit the stock module's. Every rounding is to the output's dt
 torch's promotion of x's and cos's dtypes (a bf16 query with fp32 cos under autocast gives fp32),
 in the backward x's input's dtype (autograd casts each path's gradient to it before summing
 them). Products use ``mul.rn`` on a GPU so that no product is contracted into a fused multiply-add
-with the sum (an fp32 x would round once instead of twice).
+with the sum, in every dtype: with plain multiplies a bf16 rope compiled to ``fma.rn.bf16`` through
+its casts (one rounding where stock rounds twice; tests/test_kernel_ptx.py reads the PTX). The
+cost: Inductor cannot analyse inline assembly and takes every input of the kernel as written.
 One program takes one (batch, position) row: every head of it, with cos/sin loaded once.
 """
 
