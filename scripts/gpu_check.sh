@@ -25,7 +25,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 tests_rc=skipped
 if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0: benchmarks only
   # -v: each result is in the log as it happens (a run cut at a time limit still names its failures)
-  $PY -m pytest -n "${JOBS:-8}" -v --tb=short -p no:cacheprovider -m "" tests > "$OUT/pytest.log" 2>&1
+  $PY -m pytest -n "${JOBS:-8}" -v --tb=short --durations=25 -p no:cacheprovider -m "" tests > "$OUT/pytest.log" 2>&1
   tests_rc=$?
   grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)|^(FAILED|ERROR) " "$OUT/pytest.log" | head -n 40
   tail -n 1 "$OUT/pytest.log"
