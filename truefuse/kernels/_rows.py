@@ -11,15 +11,29 @@ import triton.language as tl
 
 
 @triton.jit
-def tanh_fp32(y):
-    """tanh in fp32 without the cancellation of 2σ(2y) − 1 near 0: an odd Taylor polynomial for
-    |y| < 0.1 (truncation < 1e-10), (1 − e^{−2|y|}) / (1 + e^{−2|y|}) with the sign above."""
-    a = tl.abs(y)
+def _tanh_of(y, e):
+    """tanh(y) from ``e = e^{−2|y|}``, within ~2 ulp in fp32: an odd Taylor polynomial for
+    |y| < 0.55 (to y^17; the first term left out is < 6e-9 of tanh there), else
+    (1 − e) / (1 + e) with y's sign (once e ≤ 1/3, 1 − e cancels nothing). The old split at 0.1 left
+    1 − e cancelling just above it: up to 7.8 ulp off (tests/test_properties.py)."""
     y2 = y * y
-    small = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0))))
-    e = tl.exp(-2.0 * a)
+    c = 6404582.0 / 10854718875.0
+    c = -929569.0 / 638512875.0 + y2 * c
+    c = 21844.0 / 6081075.0 + y2 * c
+    c = -1382.0 / 155925.0 + y2 * c
+    c = 62.0 / 2835.0 + y2 * c
+    c = -17.0 / 315.0 + y2 * c
+    c = 2.0 / 15.0 + y2 * c
+    c = -1.0 / 3.0 + y2 * c
+    small = y + y * (y2 * c)
     big = (1.0 - e) / (1.0 + e)
-    return tl.where(a < 0.1, small, tl.where(y < 0, -big, big))
+    return tl.where(tl.abs(y) < 0.55, small, tl.where(y < 0, -big, big))
+
+
+@triton.jit
+def tanh_fp32(y):
+    """tanh in fp32 within ~2 ulp (``_tanh_of``)."""
+    return _tanh_of(y, tl.exp(-2.0 * tl.abs(y)))
 
 
 @triton.jit
@@ -27,6 +41,21 @@ def softcap(x, cap, SOFTCAP: tl.constexpr):
     if SOFTCAP:
         x = cap * tanh_fp32(x / cap)
     return x
+
+
+@triton.jit
+def softcap_slope(x, cap, SOFTCAP: tl.constexpr):
+    """``(softcap(x), d softcap / dx)``: the slope 1 − tanh²(x/cap) as 4e / (1 + e)², e = e^{−2|x/cap|},
+    not from the rounded tanh, where 1 − t² cancels as t nears ±1 (a saturated softcap's gradient
+    came out twice the plain path's error, tests/test_properties.py). Without a softcap the slope is
+    x itself, a placeholder no caller reads (one return: the compiler types both branches alike)."""
+    slope = x
+    if SOFTCAP:
+        y = x / cap
+        e = tl.exp(-2.0 * tl.abs(y))
+        x = cap * _tanh_of(y, e)
+        slope = 4.0 * e / ((1.0 + e) * (1.0 + e))
+    return x, slope
 
 
 @triton.jit
@@ -38,12 +67,23 @@ def load_block(base, cols, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
-    """A block of a row's logits in fp32: plus the bias when the GEMM left it out, then softcap."""
+def _raw_logits(base, bias_ptr, cols, mask, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr):
     z = load_block(base, cols, mask, MASKED).to(tl.float32)
     if HAS_BIAS:
         z += load_block(bias_ptr, cols, mask, MASKED).to(tl.float32)
-    return softcap(z, cap, SOFTCAP)
+    return z
+
+
+@triton.jit
+def logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """A block of a row's logits in fp32: plus the bias when the GEMM left it out, then softcap."""
+    return softcap(_raw_logits(base, bias_ptr, cols, mask, HAS_BIAS, MASKED), cap, SOFTCAP)
+
+
+@triton.jit
+def logits_slope_block(base, bias_ptr, cols, mask, cap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """``logits_block``'s logits and the softcap's slope at them (``softcap_slope``), for a gradient pass."""
+    return softcap_slope(_raw_logits(base, bias_ptr, cols, mask, HAS_BIAS, MASKED), cap, SOFTCAP)
 
 
 @triton.jit
@@ -152,7 +192,7 @@ def ce_grad_block(
     merged lse and 0. ``t_col``: the target's column, outside [0, V) when it is not in the block's
     row; ``eps_v``: ε / V of the whole vocabulary."""
     mask = cols < V
-    z = logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
+    z, slope = logits_slope_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
     p = tl.exp((z - shift) - log_s)
     g = a * p - tl.where(cols == t_col, a, 0.0)
     if SMOOTH:
@@ -163,7 +203,7 @@ def ce_grad_block(
         g += eps_v * (p * w_sum - w_c) * s_ce
     g += 2.0 * z_loss * lse * s_z * p
     if SOFTCAP:
-        g = g * (1.0 - (z / cap) * (z / cap))
+        g = g * slope
     g = g.to(base.dtype.element_ty)
     if MASKED:
         tl.store(base + cols, g, mask=mask)

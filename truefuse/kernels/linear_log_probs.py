@@ -23,7 +23,7 @@ torch's backward through the selection gives).
 import triton
 import triton.language as tl
 
-from truefuse.kernels._rows import logits_block
+from truefuse.kernels._rows import logits_block, logits_slope_block
 
 
 @triton.jit
@@ -56,14 +56,14 @@ def _stats_block(base, bias_ptr, cols, V, cap, temp, m, s, r, HAS_BIAS, SOFTCAP,
 def _grad_block(base, bias_ptr, cols, V, t_safe, a, c, mx, log_s, ent, cap, temp, HAS_BIAS, SOFTCAP, MASKED: tl.constexpr):
     """Pass 2 over one block of a row: the logits' gradient, written over them."""
     mask = cols < V
-    zc = logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
+    zc, slope = logits_slope_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)
     lp = (zc / temp - mx) - log_s  # divided, as the reference: no rounding of 1/temperature
     p = tl.exp(lp)
     # p·log p = 0 at a −inf logit (p = 0, lp = −inf): its gradient is a·δ_jt, never NaN
     g = tl.where(cols == t_safe, a, 0.0) - a * p - tl.where(lp == float("-inf"), 0.0, c * p * (lp + ent))
     g = g / temp
     if SOFTCAP:
-        g = g * (1.0 - (zc / cap) * (zc / cap))
+        g = g * slope
     g = g.to(base.dtype.element_ty)
     if MASKED:
         tl.store(base + cols, g, mask=mask)
