@@ -90,3 +90,21 @@ def test_logits_come_from_the_heads_gemm(torch_paths, monkeypatch):
         mine = truefuse.token_log_probs(logits[:, :-1], target)
         theirs = model_log_probs(model, ids, mask)
     assert torch.equal(mine.log_probs, theirs.log_probs) and torch.equal(mine.entropy, theirs.entropy)
+
+
+def test_a_direct_forward_call_runs_in_the_mode():
+    """``model.forward(...)`` (what a compile recipe or a wrapper library may call, past the hooks
+    ``model(...)`` runs): the final norm and the head run in batch-invariant mode too, as under
+    ``model(...)`` (they ran outside it: only the decoder layers enter it themselves)."""
+    model = _bi(tiny_model("llama", **ONE_LAYER))
+    seen = []
+    for m in (model.model.norm, model.lm_head):
+        m.register_forward_pre_hook(lambda mod, args: seen.append(truefuse.is_batch_invariant()))
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids)
+        called = seen[:]
+        seen.clear()
+        model.forward(ids)
+    assert called == [True, True] and seen == [True, True], (called, seen)
+    assert not truefuse.is_batch_invariant()  # nothing leaks out of the call

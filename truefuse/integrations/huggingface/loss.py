@@ -474,8 +474,16 @@ def causal_lm_forward(self, *args, **kwargs):
     materialized; ``logits`` is None unless ``return_logits=True``, or ``return_logits`` is not
     given and the model is not training. Loss keywords as ``ForCausalLMLoss``:
     ``num_items_in_batch``, ``shift_labels``, ``ignore_index``. Everything else (base model
-    keywords, ``return_dict``, the router auxiliary loss of MoE models) as stock."""
-    return _forward(self, args, kwargs)
+    keywords, ``return_dict``, the router auxiliary loss of MoE models) as stock.
+
+    A batch-invariant model (``apply_truefuse(..., batch_invariant=True)``) enters its mode here
+    too, not only in the hooks ``model(...)`` runs: a direct ``model.forward(...)`` ran its final
+    norm and head outside it (its decoder layers enter it themselves)."""
+    mode = self.__dict__.get("_truefuse_bi_mode")
+    if mode is None or torch.compiler.is_compiling() or mode.active():
+        return _forward(self, args, kwargs)
+    with mode.entered():
+        return _forward(self, args, kwargs)
 
 
 causal_lm_forward._truefuse_loss = True
