@@ -1,6 +1,7 @@
 """A patched model's whole training step (forward, backward, clipping, fused AdamW) captured in one
 CUDA graph replays the eager step's bits (issue 47, docs/cuda_graphs.md): 8 graphed steps against 8
-eager ones, fast and batch-invariant, Llama and Qwen3-MoE (experts with their sizes on the device)."""
+eager ones, stock, fast, batch-invariant and the lean loss, Llama, Qwen3 and Qwen3-MoE (experts with
+their sizes on the device)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _trainer(arch: str, mode: str):
     model = build(arch, 2, 256, 32000, torch.bfloat16, torch.device("cuda"), 0).train()
     model.config._attn_implementation = "sdpa"  # HF's default; its eager mask copies a CPU scalar
     if mode != "stock":
-        apply_truefuse(model, batch_invariant=mode == "bi")
+        # "lean": the fused loss's low-memory form (vocabulary slices; fast mode only)
+        apply_truefuse(model, batch_invariant=mode == "bi", loss_memory="lean" if mode == "lean" else "default")
     params = [p for p in model.parameters() if p.requires_grad]
     lr = torch.tensor(1e-3, device="cuda")  # a tensor: a scheduler may change it between replays
     opt = torch.optim.AdamW(params, lr=lr, fused=True, capturable=True)
@@ -39,8 +41,8 @@ def _trainer(arch: str, mode: str):
 
 
 @requires_cuda
-@pytest.mark.parametrize("mode", ["stock", "fast", "bi"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("mode", ["stock", "fast", "bi", "lean"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_graphed_steps_equal_eager_steps(arch, mode):
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(1, 32000, (B, S), generator=g).cuda() for _ in range(STEPS)]
