@@ -87,6 +87,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exp_bi_speed as bis  # noqa: E402  (build, variant: the same Llama and patches as exp_bi_speed)
 
+from truefuse.demo.cli import LIGER_READS_HOST  # noqa: E402
+
 CONFIGS = {
     "small": dict(layers=4, hidden=1024, heads=16, kv_heads=8, intermediate=2816, vocab=32000, batch=4, seq=2048),
     "demo": dict(layers=16, hidden=2048, heads=16, kv_heads=8, intermediate=5632, vocab=128256, batch=4, seq=2048),
@@ -232,7 +234,7 @@ def make_step(model, ctx: Ctx):
 #: torch 2.11's CUDA generator unusable for the process): they run eagerly in both columns. No eager
 #: check finds these: transformers' masks sync in eager mode and not while capturing, so a step
 #: run under ``set_sync_debug_mode("error")`` raised for every variant (H100, 2026-12-07).
-READS_HOST = {"liger": "Liger's fused loss reads its token count on the host (.item())"}
+READS_HOST = {"liger": LIGER_READS_HOST}
 
 
 # ---------------------------------------------------------------- training

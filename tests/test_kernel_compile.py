@@ -11,9 +11,6 @@ code paths are the GPU suite's."""
 
 import importlib
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +18,8 @@ import torch
 import truefuse
 
 pytest.importorskip("triton")
+
+from _sm90 import compile_sm90  # noqa: E402
 
 from truefuse.config import get_config  # noqa: E402
 
@@ -152,25 +151,6 @@ def launches() -> dict:
     return {op: list(specs.values()) for op, specs in seen.items()}
 
 
-_COMPILE = """
-import importlib, json, sys, traceback
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-out = []
-for spec in json.loads(sys.stdin.read()):
-    kernel = getattr(importlib.import_module(spec["module"]), spec["name"])
-    names = list(spec["sig"])
-    const = {(names.index(k),): v for k, v in spec["const"].items()}
-    try:
-        triton.compile(ASTSource(kernel, spec["sig"], const), target=GPUTarget("cuda", 90, 32), options=spec["options"])
-        out.append(None)
-    except Exception as e:
-        out.append(f"{spec['name']} {spec['const']}: {type(e).__name__}: {str(e)[-600:]}")
-print(json.dumps(out))
-"""
-
-
 def test_every_op_launched_a_kernel(launches):
     """The calls above reach the kernels (else the compile test below checks nothing): each op
     launched at least one."""
@@ -180,21 +160,7 @@ def test_every_op_launched_a_kernel(launches):
 
 def test_every_launch_compiles_for_sm90(launches):
     specs = [s for op in sorted(launches) for s in launches[op]]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE],
-        input=json.dumps(specs, default=str),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    if run.returncode:
-        if "GPUTarget" in run.stderr or "backends" in run.stderr:
-            pytest.skip(f"Triton cannot compile for sm_90 here: {run.stderr.strip().splitlines()[-1:]}")
-        raise AssertionError(run.stderr[-2000:])
-    errors = [e for e in json.loads(run.stdout.strip().splitlines()[-1]) if e]
+    errors = [o["error"] for o in compile_sm90(specs) if "error" in o]
     assert not errors, f"{len(errors)} of {len(specs)} launches do not compile for sm_90:\n" + "\n".join(errors[:5])
 
 

@@ -58,8 +58,10 @@ def _apply_liger(model):
     return "liger_kernel.transformers.apply_liger_kernel_to_llama(model=...) with its defaults"
 
 
-#: why ``--cuda-graphs`` leaves this run's step eager (demo/train.py reads it): a capture would fail
-_apply_liger.reads_host = "Liger's fused linear cross-entropy reads its token count on the host (.item())"
+#: why ``--cuda-graphs`` leaves Liger's step eager (demo/train.py reads it off the patch; so does
+#: experiments/exp_graphs.py): a capture of it would fail
+LIGER_READS_HOST = "Liger's fused linear cross-entropy reads its token count on the host (.item())"
+_apply_liger.reads_host = LIGER_READS_HOST
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

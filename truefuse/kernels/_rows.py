@@ -31,19 +31,6 @@ def _tanh_of(y, e):
 
 
 @triton.jit
-def tanh_fp32(y):
-    """tanh in fp32 within ~2 ulp (``_tanh_of``)."""
-    return _tanh_of(y, tl.exp(-2.0 * tl.abs(y)))
-
-
-@triton.jit
-def softcap(x, cap, SOFTCAP: tl.constexpr):
-    if SOFTCAP:
-        x = cap * tanh_fp32(x / cap)
-    return x
-
-
-@triton.jit
 def softcap_slope(x, cap, SOFTCAP: tl.constexpr):
     """``(softcap(x), d softcap / dx)``: the slope 1 − tanh²(x/cap) as 4e / (1 + e)², e = e^{−2|x/cap|},
     not from the rounded tanh, where 1 − t² cancels as t nears ±1 (a saturated softcap's gradient
@@ -59,6 +46,12 @@ def softcap_slope(x, cap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def softcap(x, cap, SOFTCAP: tl.constexpr):
+    """``softcap_slope``'s logits alone (the unused slope compiles away)."""
+    return softcap_slope(x, cap, SOFTCAP)[0]
+
+
+@triton.jit
 def load_block(base, cols, mask, MASKED: tl.constexpr):
     """A block of a row: unmasked (16-byte vectors) but for a row's last, partial block."""
     if MASKED:
@@ -67,23 +60,19 @@ def load_block(base, cols, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _raw_logits(base, bias_ptr, cols, mask, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr):
+def logits_slope_block(base, bias_ptr, cols, mask, cap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """A block of a row's logits in fp32: plus the bias when the GEMM left it out, then softcap;
+    and the softcap's slope at them (``softcap_slope``), for a gradient pass."""
     z = load_block(base, cols, mask, MASKED).to(tl.float32)
     if HAS_BIAS:
         z += load_block(bias_ptr, cols, mask, MASKED).to(tl.float32)
-    return z
+    return softcap_slope(z, cap, SOFTCAP)
 
 
 @triton.jit
 def logits_block(base, bias_ptr, cols, mask, cap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
-    """A block of a row's logits in fp32: plus the bias when the GEMM left it out, then softcap."""
-    return softcap(_raw_logits(base, bias_ptr, cols, mask, HAS_BIAS, MASKED), cap, SOFTCAP)
-
-
-@triton.jit
-def logits_slope_block(base, bias_ptr, cols, mask, cap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
-    """``logits_block``'s logits and the softcap's slope at them (``softcap_slope``), for a gradient pass."""
-    return softcap_slope(_raw_logits(base, bias_ptr, cols, mask, HAS_BIAS, MASKED), cap, SOFTCAP)
+    """``logits_slope_block``'s logits alone."""
+    return logits_slope_block(base, bias_ptr, cols, mask, cap, HAS_BIAS, SOFTCAP, MASKED)[0]
 
 
 @triton.jit

@@ -180,15 +180,24 @@ def _post_hook(module, args, output):
     module._truefuse_bi_mode.pop()
 
 
+def in_mode(module: torch.nn.Module, forward, *args, **kwargs):
+    """``forward(module, *args, **kwargs)`` inside ``module``'s batch-invariant mode, where
+    :func:`enable` gave it one (its ``_truefuse_bi_mode``) and it is not already the innermost; not
+    while torch.compile traces (the hooks around a compiled call enter it). The one rule of the
+    forwards that enter the mode themselves: a decoder layer's (gradient checkpointing recomputes it
+    outside the model's hooks), the fused add + norm layer's, the patched causal-LM forward's (a
+    direct ``model.forward`` call skips the hooks)."""
+    mode = module.__dict__.get("_truefuse_bi_mode")
+    if mode is None or torch.compiler.is_compiling() or mode.active():
+        return forward(module, *args, **kwargs)
+    with mode.entered():
+        return forward(module, *args, **kwargs)
+
+
 def _layer_forward(self, *args, **kwargs):
     """A decoder layer's forward in its model's mode (:class:`ModelMode`): the stock forward (the
     class's checkpointing wrapper, which runs it directly for a subclass) inside the mode."""
-    forward = self._truefuse_stock.forward
-    mode = self.__dict__.get("_truefuse_bi_mode")
-    if mode is None or torch.compiler.is_compiling() or mode.active():
-        return forward(self, *args, **kwargs)
-    with mode.entered():
-        return forward(self, *args, **kwargs)
+    return in_mode(self, self._truefuse_stock.forward, *args, **kwargs)
 
 
 def _rotary_forward(self, x, position_ids, *args, **kwargs):

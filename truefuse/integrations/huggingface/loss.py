@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from truefuse.autograd._modes import Modes
+from truefuse.integrations.huggingface.batch_invariant import in_mode
 from truefuse.ops._launch.capture import host_may_wait
 
 __all__ = [
@@ -479,11 +480,7 @@ def causal_lm_forward(self, *args, **kwargs):
     A batch-invariant model (``apply_truefuse(..., batch_invariant=True)``) enters its mode here
     too, not only in the hooks ``model(...)`` runs: a direct ``model.forward(...)`` ran its final
     norm and head outside it (its decoder layers enter it themselves)."""
-    mode = self.__dict__.get("_truefuse_bi_mode")
-    if mode is None or torch.compiler.is_compiling() or mode.active():
-        return _forward(self, args, kwargs)
-    with mode.entered():
-        return _forward(self, args, kwargs)
+    return in_mode(self, _forward, args, kwargs)
 
 
 causal_lm_forward._truefuse_loss = True

@@ -29,6 +29,7 @@ import torch
 
 from truefuse.autograd.add_norm import add_rms_norm_hf
 from truefuse.integrations.huggingface import modules
+from truefuse.integrations.huggingface.batch_invariant import in_mode
 
 KIND = "fused_residual_norm"
 _FUSED: dict[type, object] = {}  # stock layer class -> its recompiled forward
@@ -110,12 +111,7 @@ def _forward(self, *args, **kwargs):
     """The fused forward, in the model's batch-invariant mode where it has one (as
     ``batch_invariant.py::_layer_forward`` enters it: gradient checkpointing recomputes a layer
     outside the model's hooks)."""
-    forward = _FUSED[self._truefuse_stock]
-    mode = self.__dict__.get("_truefuse_bi_mode")
-    if mode is None or torch.compiler.is_compiling() or mode.active():
-        return forward(self, *args, **kwargs)
-    with mode.entered():
-        return forward(self, *args, **kwargs)
+    return in_mode(self, _FUSED[self._truefuse_stock], *args, **kwargs)
 
 
 def unsupported_reason(layer: torch.nn.Module, norm_cls: type, norm_style: str) -> str | None:
