@@ -44,9 +44,10 @@ the last variant, so that a failed capture of it spoils no other.
 
 ``generate``: prompts of ``--prompt-len`` random tokens, ``--new-tokens`` new tokens (``min_new_tokens``
 too), greedy, at each of ``--gen-batches``. Recipes: ``eager`` (dynamic cache), ``static`` (static
-cache, eager forward: the smoke test's), ``compiled`` (static cache, forward compiled with
+cache, eager forward: the smoke test's), ``graphed`` (static cache, decode steps replayed as CUDA
+graphs of the eager forward: ``truefuse.integrations.huggingface.graph_decode``), ``compiled`` (static cache, forward compiled with
 ``--compile-mode``; transformers' own auto-compile off, ``disable_compile=True``, so the forward is
-compiled once, by this script). Eager and static are timed round-robin over variants and batches.
+compiled once, by this script). Eager, static and graphed are timed round-robin over variants and batches.
 ``compiled`` runs a block per variant (``torch._dynamo.reset()`` before each, as a compiled forward per
 variant would hit Dynamo's recompile limit and share its CUDA-graph trees; the limit raised to 64 for
 the graph breaks' frames): per batch one eager ``generate`` with logits (the reference), one compiled
@@ -88,6 +89,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exp_bi_speed as bis  # noqa: E402  (build, variant: the same Llama and patches as exp_bi_speed)
 
 from truefuse.demo.cli import LIGER_READS_HOST  # noqa: E402
+from truefuse.integrations.huggingface import graph_decode  # noqa: E402
 
 CONFIGS = {
     "small": dict(layers=4, hidden=1024, heads=16, kv_heads=8, intermediate=2816, vocab=32000, batch=4, seq=2048),
@@ -530,20 +532,33 @@ def part_generate(ctx: Ctx) -> None:
     g = torch.Generator().manual_seed(2)
     prompts = {b: torch.randint(1, c["vocab"], (b, args.prompt_len), generator=g).to(ctx.device) for b in batches}
 
+    graphs = {}  # variant -> graph_decode's handle: installed only around its "graphed" runs
+
     def gen(model, b, recipe, logits=False):
         ids = prompts[b]
-        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **gen_kwargs(args, recipe, logits))
+        v = next(k for k, m in models.items() if m is model) if recipe == "graphed" else None
+        if v is not None:
+            if v not in graphs:
+                graphs[v] = graph_decode(model)
+            vars(model)["forward"] = graphs[v]
+        try:
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **gen_kwargs(args, recipe, logits))
+        finally:
+            if v is not None:
+                vars(model).pop("forward", None)
 
     def key(recipe, v, b):
         return f"{recipe} | {v} | {b}"
 
-    # eager and static: every (recipe, variant, batch) resident, one generate of each a round
-    plain = [r for r in recipes if r in ("eager", "static")]
+    # eager, static and graphed: every (recipe, variant, batch) resident, one generate of each a round
+    plain = [r for r in recipes if r in ("eager", "static", "graphed")]
     runs = [(r, v, b) for r in plain for b in batches for v in models]
     eager_logits: dict = {}
     for r, v, b in list(runs):
         try:
             out = gen(models[v], b, r, logits=True)  # the warm-up, with logits for the bits checks
+            if r == "graphed":
+                out = gen(models[v], b, r, logits=True)  # the first call captured: check a replayed one
             if r == "eager":
                 eager_logits[(v, b)] = out
             elif (v, b) in eager_logits:
@@ -844,7 +859,7 @@ def main() -> None:
     p.add_argument("--gen-rounds", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--recipes", default="eager,compiled", help="of eager, static, compiled")
+    p.add_argument("--recipes", default="eager,graphed,compiled", help="of eager, static, graphed, compiled")
     p.add_argument("--compile-mode", default="reduce-overhead")
     p.add_argument("--deadline-s", type=float, default=0, help="past this many seconds no new block or round starts (0: none)")
     args = p.parse_args()

@@ -11,6 +11,7 @@ from truefuse.integrations.huggingface import attention as _attention
 from truefuse.integrations.huggingface.architectures import ARCHITECTURES
 from truefuse.integrations.huggingface.class_patch import ClassPatch
 from truefuse.integrations.huggingface.compile import compile_layers
+from truefuse.integrations.huggingface.graphed_decode import GraphedDecode, graph_decode
 from truefuse.integrations.huggingface.log_probs import generate_log_probs, model_log_probs
 from truefuse.integrations.huggingface.patch import (
     apply_truefuse,
@@ -32,6 +33,7 @@ _attention.register()  # attn_implementation="truefuse" (where transformers is i
 __all__ = [
     "ARCHITECTURES",
     "ClassPatch",
+    "GraphedDecode",
     "PatchReport",
     "apply_truefuse",
     "apply_truefuse_to",
@@ -45,6 +47,7 @@ __all__ = [
     "apply_truefuse_to_qwen3_moe",
     "compile_layers",
     "generate_log_probs",
+    "graph_decode",
     "model_log_probs",
     "unpatch_truefuse",
 ]

@@ -1,0 +1,193 @@
+"""``graph_decode``: ``generate``'s decode steps replayed as CUDA graphs (issue 47.2).
+
+On the CPU the graph engine is a stand-in that keeps a capture's semantics the wrapper relies on
+(its outputs are overwritten in place by every later replay; a replay gets its inputs copied into the
+captured ones): so these check the wrapper's keys (one capture for a whole ``generate``), its copies
+out of the graph's memory, what it leaves eager, and what it sets and restores. On CUDA the real
+graphs: the logits are the eager bits, fast and batch-invariant, and the sampler is the trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from conftest import requires_cuda  # noqa: E402
+
+from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
+from truefuse.integrations.huggingface import apply_truefuse, graph_decode  # noqa: E402
+from truefuse.integrations.huggingface import graphed_decode as gd  # noqa: E402
+
+_KW = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+
+
+class _FakeGraph:
+    """A stand-in for ``GraphedStep``: eager for ``warmup`` calls; then "captured": the step's
+    output tensors are kept and each later call copies its inputs into the captured ones, reruns
+    the step on those and writes the results into the kept outputs in place (as a replay would)."""
+
+    def __init__(self, step, *, warmup, pool=None):
+        self.step, self.warmup, self.calls, self.outputs, self.inputs = step, warmup, 0, None, None
+
+    def __call__(self, *inputs):
+        self.calls += 1
+        if self.calls <= self.warmup:
+            return self.step(*inputs)
+        if self.outputs is None:
+            self.inputs = [t.clone() for t in inputs]
+            self.outputs = self.step(*self.inputs)
+            return self.outputs
+        for old, new in zip(self.inputs, inputs, strict=True):
+            old.copy_(new)
+        fresh = self.step(*self.inputs)
+        for old, new in zip(_tensors(self.outputs), _tensors(fresh), strict=True):
+            old.copy_(new)
+        return self.outputs
+
+
+def _tensors(out):
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(gd, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(gd.cuda_graph, "graph_step", _FakeGraph)
+    monkeypatch.setattr(gd.torch.cuda, "graph_pool_handle", lambda: None)
+
+
+def _ids(batch=2, length=5, seed=3):
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, **kw):
+    with torch.no_grad():
+        out = model.generate(ids, **{**_KW, **kw})
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("bi", [False, True])
+def test_one_capture_serves_every_decode_step_with_the_eager_bits(fake_cuda, bi):
+    """A whole ``generate``: the prefill and one warm-up step eager, one capture, the other decode
+    steps replayed; the logits those replays return are the eager ones bit for bit and stay so
+    after later replays overwrite the graph's outputs (the wrapper copies them out)."""
+    model = tiny_model("llama", num_hidden_layers=2).eval()
+    apply_truefuse(model, batch_invariant=bi)
+    ids = _ids()
+    seq_e, logits_e = _generate(model, ids, cache_implementation="static")
+    handle = graph_decode(model)
+    seq_g, logits_g = _generate(model, ids)  # graph_decode set the static cache itself
+    assert (handle.captures, handle.replays, handle.eager) == (1, 4, 2)  # 6 tokens: prefill, warm-up, capture + 3
+    assert torch.equal(seq_e, seq_g) and torch.equal(logits_e, logits_g)
+    seq_2, logits_2 = _generate(model, ids)  # the same cache again (generate resets it): no new capture
+    assert (handle.captures, len(handle.graphs)) == (1, 1) and handle.replays == 4 + 5
+    assert torch.equal(logits_2, logits_e)
+
+
+def test_each_batch_size_its_graph_the_least_recent_freed(fake_cuda):
+    """Batch 1 (where ``generate`` passes ``logits_to_keep``, read from the forward's signature: the
+    wrapper keeps it), batch 3, batch 1 again with room for one graph: three captures, one kept,
+    every run the eager bits."""
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    eager = {b: _generate(model, _ids(b), cache_implementation="static", disable_compile=True) for b in (1, 3)}
+    handle = graph_decode(model, max_graphs=1)
+    for b in (1, 3, 1):
+        seq, logits = _generate(model, _ids(b))
+        assert torch.equal(seq, eager[b][0]) and torch.equal(logits, eager[b][1])
+    assert handle.captures == 3 and len(handle.graphs) == 1
+
+
+def test_graphs_beyond_max_graphs_are_freed(fake_cuda):
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    handle = graph_decode(model, max_graphs=2)
+    for batch in (1, 2, 3, 3):
+        _generate(model, _ids(batch))
+    assert handle.captures == 3 and len(handle.graphs) == 2
+
+
+def test_outputs_returned_are_not_the_graphs_memory(fake_cuda):
+    """Direct decode-step calls: a replay rewrites the graph's outputs in place, so each call's
+    logits must be a copy, unchanged by the calls after it."""
+    from transformers import StaticCache
+
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    graph_decode(model)
+    cache = StaticCache(config=model.config, max_cache_len=12)
+    ids = _ids(2, 4)
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache)
+        kept = []
+        for _ in range(4):  # warm-up, capture, two replays
+            nxt = out.logits[:, -1:].argmax(-1)
+            out = model(input_ids=nxt, past_key_values=cache)
+            kept.append((out.logits, out.logits.clone()))
+    assert all(torch.equal(a, b) for a, b in kept)
+
+
+def test_what_stays_eager(fake_cuda):
+    """A dynamic cache (its shapes grow each step), autograd on, positional arguments: eager."""
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    handle = graph_decode(model)
+    _generate(model, _ids(), cache_implementation="dynamic")
+    assert handle.captures == 0 and handle.replays == 0 and handle.eager == 6
+    out = model(_ids())  # a training-style forward: autograd on
+    assert out.logits.requires_grad and handle.replays == 0
+
+
+def test_remove_restores_forward_and_generation_config(fake_cuda):
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    gc = model.generation_config
+    before = (gc.cache_implementation, gc.disable_compile)
+    handle = graph_decode(model)
+    assert (gc.cache_implementation, gc.disable_compile) == ("static", True)
+    assert "forward" in model.__dict__
+    handle.remove()
+    assert "forward" not in model.__dict__ and (gc.cache_implementation, gc.disable_compile) == before
+
+
+def test_refusals_name_the_argument():
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    with pytest.raises(ValueError, match="model has parameters on cpu"):
+        graph_decode(model)  # the real device check: CUDA graphs record GPU kernels
+    with pytest.raises(TypeError, match="model must be"):
+        graph_decode(torch.nn.Linear(2, 2))
+
+
+def test_bad_arguments_and_a_second_call_refused(fake_cuda):
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    for kw, name in (({"warmup": 0}, "warmup"), ({"max_graphs": 0}, "max_graphs"), ({"warmup": True}, "warmup")):
+        with pytest.raises(ValueError, match=name):
+            graph_decode(model, **kw)
+    graph_decode(model)
+    with pytest.raises(ValueError, match="already graphed"):
+        graph_decode(model)
+
+
+@requires_cuda
+@pytest.mark.parametrize("bi", [False, True])
+def test_graphed_generate_is_the_eager_bits_cuda(bi):
+    """Real CUDA graphs on a bf16 Llama: the graphed ``generate``'s tokens and logits are the eager
+    static-cache run's bits, fast and batch-invariant; in BI mode the sampler's log-probs
+    (``generate_log_probs``) are the trainer's (``model_log_probs``) bit for bit."""
+    from truefuse.demo.parity_cli import build
+    from truefuse.integrations.huggingface.log_probs import generate_log_probs, model_log_probs
+
+    model = build("llama", 2, 256, 32000, torch.bfloat16, torch.device("cuda"), 0)
+    model.config._attn_implementation = "sdpa"
+    apply_truefuse(model, batch_invariant=bi)
+    ids = torch.randint(1, 32000, (3, 16), generator=torch.Generator().manual_seed(2)).cuda()
+    kw = {**_KW, "max_new_tokens": 8, "min_new_tokens": 8}
+    with torch.no_grad():
+        eager = model.generate(ids, cache_implementation="static", disable_compile=True, **kw)
+        handle = graph_decode(model)
+        graphed = model.generate(ids, **kw)
+    assert handle.captures == 1 and handle.replays == 6, (handle.captures, handle.replays)
+    assert torch.equal(eager.sequences, graphed.sequences)
+    assert torch.equal(torch.stack(eager.logits, 1), torch.stack(graphed.logits, 1))
+    if bi:
+        sampler = generate_log_probs(model, graphed, ids.shape[1]).log_probs
+        with torch.no_grad():
+            trainer = model_log_probs(model, graphed.sequences).log_probs[:, ids.shape[1] - 1 :]
+        assert torch.equal(sampler, trainer)
+    handle.remove()

@@ -1,0 +1,225 @@
+"""``generate``'s decode steps replayed as CUDA graphs, in fast and batch-invariant mode
+(docs/cuda_graphs.md, "Graphed generate").
+
+A decode step is a few hundred small kernels: with ``generate``'s Python launching each, the host
+sets the speed (issue 47: truefuse's eager ``generate`` at 0.57-0.86× stock's tokens/s on an H100).
+transformers' own answer, a static cache with ``torch.compile(mode="reduce-overhead")``, failed on
+a patched model inside Inductor's static-cache kernel (H100, torch 2.11, transformers 5.17). This
+captures the eager forward itself: the first decode step of a shape runs eagerly, the next is
+captured with :class:`truefuse.integrations.cuda_graph.GraphedStep` and replayed after, with the
+step's tensors copied into the captured ones. The same kernels with the same arguments: a replay's
+logits are the eager step's bits (truefuse's kernels choose from shapes and dtypes, never values).
+
+What a graph may bake in is keyed: the step's tensors' shapes and dtypes, every other argument's
+value, the static cache's layout and the mode record (``Modes.now()``). A static cache is written in
+place at the addresses the graph recorded: a new cache of the same layout (transformers 5.25 builds
+one a ``generate``) is adopted, its prefilled contents copied into the graph's tensors
+(:meth:`_Graph.adopt`), instead of capturing again. Anything else (a prefill, a dynamic cache,
+autograd on, a CPU tensor) runs the forward eagerly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch.utils import _pytree as pytree
+
+from truefuse.autograd._modes import Modes
+from truefuse.integrations import cuda_graph
+from truefuse.integrations.huggingface.batch_invariant import unwrap
+
+__all__ = ["GraphedDecode", "graph_decode"]
+
+#: the cache's keyword across transformers versions (5.25 renamed ``past_key_values`` to ``cache``)
+_CACHE_KEYS = ("past_key_values", "cache", "cache_params")
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+class GraphedDecode:
+    """The handle :func:`graph_decode` returns: its graphs, their counts, and :meth:`remove`.
+
+    Attributes:
+        captures: graphs captured so far (one per key: shapes, argument values, cache addresses, mode).
+        replays: decode steps served by a replay (the capturing step included: a capture runs nothing,
+            so it replays once).
+        eager: forward calls run eagerly (prefills, warm-up steps, anything not a graphable decode step).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, warmup: int, max_graphs: int):
+        self.model, self.warmup, self.max_graphs = model, warmup, max_graphs
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.pool = None
+        self.captures = self.replays = self.eager = 0
+        self._rebuild = None
+        self._forward = model.forward  # the bound forward the wrapper replaces (patched or stock)
+        # generate reads the forward's parameters to choose what to pass (``logits_to_keep``: without
+        # it the prefill computes every position's logits)
+        self.__signature__ = inspect.signature(self._forward)
+        gc = getattr(model, "generation_config", None)
+        self._config = None if gc is None else (gc.cache_implementation, gc.disable_compile)
+
+    def __call__(self, *args, **kwargs):
+        key_and_inputs = None if args else self._graphable(kwargs)
+        if key_and_inputs is None:
+            self.eager += 1
+            return self._forward(*args, **kwargs)
+        key, tensors, rebuild, cache, held = key_and_inputs
+        graph = self.graphs.get(key)
+        if graph is None:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            step = cuda_graph.graph_step(self._step, warmup=self.warmup, pool=self.pool)
+            graph = self.graphs[key] = _Graph(step, [t for _, _, t in held], weakref.ref(cache))
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)  # the least recently used
+        else:
+            self.graphs.move_to_end(key)
+            if graph.cache() is not cache:
+                graph.adopt(cache, held)
+        step = graph.step
+        before, self._rebuild = step.calls, rebuild
+        try:
+            out = step(*tensors)
+        finally:
+            self._rebuild = None
+        if step.calls > self.warmup:
+            self.replays += 1
+            self.captures += before == self.warmup
+        else:
+            self.eager += 1
+        # the step's outputs live in the graph's memory, which the next replay overwrites
+        return pytree.tree_map_only(torch.Tensor, torch.clone, out)
+
+    def _step(self, *tensors):
+        # this call's arguments around the step's tensors (eager warm-up and capture; a replay runs
+        # no Python): the graph holds no reference to a cache, which its key's addresses name
+        return self._forward(**self._rebuild(tensors))
+
+    def _graphable(self, kwargs: dict):
+        """``(key, tensors, rebuild)`` for a decode step a graph may replay, else None."""
+        if torch.is_grad_enabled():
+            return None
+        names = [k for k in _CACHE_KEYS if k in kwargs]
+        if len(names) != 1:
+            return None
+        cache = kwargs[names[0]]
+        if not getattr(cache, "is_compileable", False):  # a dynamic cache grows: new shapes every step
+            return None
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[1] != 1:
+            return None  # a prefill (or a chunk of one): its shapes change from call to call
+        held = _cache_tensors(cache)
+        if held is None:
+            return None
+        layout = tuple((name, tuple(t.shape), t.dtype, t.device) for _, name, t in held)
+        rest = {k: v for k, v in kwargs.items() if k != names[0]}
+        leaves, spec = pytree.tree_flatten(rest)
+        tensors, others = [], []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if not _on_cuda(leaf):
+                    return None
+                tensors.append(leaf)
+                others.append((tuple(leaf.shape), leaf.dtype, leaf.stride()))
+            else:
+                try:
+                    hash(leaf)
+                except TypeError:
+                    return None
+                others.append(("value", type(leaf), leaf))
+        key = (names[0], spec, tuple(others), layout, Modes.now())
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+        def rebuild(ts):
+            filled = list(leaves)
+            for i, t in zip(slots, ts, strict=True):
+                filled[i] = t
+            return {**pytree.tree_unflatten(filled, spec), names[0]: cache}
+
+        return key, tensors, rebuild, cache, held
+
+    def remove(self) -> None:
+        """Put the model's forward and generation config back and free the graphs."""
+        if self.model.__dict__.get("forward") is self:
+            del self.model.forward
+        gc = getattr(self.model, "generation_config", None)
+        if gc is not None and self._config is not None:
+            gc.cache_implementation, gc.disable_compile = self._config
+        self.graphs.clear()
+
+
+class _Graph:
+    """One captured decode step and the cache tensors it was captured on."""
+
+    def __init__(self, step, tensors: list, cache):
+        self.step, self.tensors, self.cache = step, tensors, cache
+
+    def adopt(self, cache, held: list) -> None:
+        """Serve a new cache of the same layout (``generate`` builds one a call, transformers 5.25):
+        its contents (the prefill's keys and values) copied into the tensors the graph writes, which
+        its layers then hold. One copy of the cache a ``generate``, instead of a capture; the cache a
+        graphed ``generate`` returned is thus the graph's, rewritten by the next one."""
+        for (layer, name, t), mine in zip(held, self.tensors, strict=True):
+            if t is not mine:
+                mine.copy_(t)
+                setattr(layer, name, mine)
+        self.cache = weakref.ref(cache)
+
+
+def _cache_tensors(cache) -> list | None:
+    """``[(layer, name, tensor)]``: every tensor a static cache's layers hold (keys, values, position
+    counters), what a captured step writes to and reads from. None where the cache has no layers
+    (an unknown cache class: not graphed)."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return None
+    return [(layer, name, t) for layer in layers for name, t in sorted(vars(layer).items()) if isinstance(t, torch.Tensor)]
+
+
+def graph_decode(model: torch.nn.Module, *, warmup: int = 1, max_graphs: int = 8) -> GraphedDecode:
+    """Replay ``model.generate``'s decode steps as CUDA graphs (fast or batch-invariant mode, patched
+    or not): a static cache, the forward's first step of each shape eager, the next captured, the
+    rest replayed. The logits are the eager forward's bits.
+
+    Sets ``model.generation_config.cache_implementation = "static"`` (a graph needs the cache at fixed
+    addresses) and ``disable_compile = True`` (transformers would otherwise compile the forward with
+    ``mode="reduce-overhead"`` around this). :meth:`GraphedDecode.remove` puts both back.
+
+    Args:
+        model: a transformers causal LM on CUDA (or a PEFT model wrapping one).
+        warmup: eager decode steps of a shape before its capture (≥ 1: the first launch compiles).
+        max_graphs: graphs kept (the oldest freed first): one per batch size, cache and mode in use.
+
+    Returns:
+        :class:`GraphedDecode`, the handle (``captures``, ``replays``, ``eager``, ``remove()``).
+
+    Raises:
+        ValueError naming the argument: a model not on CUDA, one already graphed, bad ``warmup`` or
+        ``max_graphs``.
+    """
+    inner = unwrap(model)
+    if not isinstance(inner, torch.nn.Module) or not callable(getattr(inner, "generate", None)):
+        raise TypeError(f"model must be a transformers model with generate(), got {type(model).__name__}")
+    param = next(inner.parameters(), None)
+    if param is None or not _on_cuda(param):
+        where = "no parameters" if param is None else f"parameters on {param.device}"
+        raise ValueError(f"model has {where}: CUDA graphs record GPU kernels (move it to CUDA first)")
+    if isinstance(inner.__dict__.get("forward"), GraphedDecode):
+        raise ValueError("model's decode steps are already graphed: call .remove() on its GraphedDecode first")
+    for name, v, low in (("warmup", warmup, 1), ("max_graphs", max_graphs, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    handle = GraphedDecode(inner, warmup=warmup, max_graphs=max_graphs)
+    inner.forward = handle
+    gc = getattr(inner, "generation_config", None)
+    if gc is not None:
+        gc.cache_implementation, gc.disable_compile = "static", True
+    return handle
