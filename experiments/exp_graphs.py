@@ -722,12 +722,17 @@ def gen_ratios(res: dict, batches) -> dict:
                 a, s = tok(recipe, v, b), tok(recipe, "stock", b)
                 if a and s:
                     out[f"{recipe} {v} / {recipe} stock @ {b}"] = a / s
-    for recipe in ("compiled", "static"):
+    for recipe in ("compiled", "static", "graphed"):
         for b in batches:
             for v in GEN_VARIANTS:
                 a, e = tok(recipe, v, b), tok("eager", v, b)
                 if a and e:
                     out[f"{recipe} {v} / eager {v} @ {b}"] = a / e
+    for b in batches:  # what a user switching to graph_decode gets against stock's eager generate
+        for v in ("truefuse", "truefuse BI"):
+            a, s = tok("graphed", v, b), tok("eager", "stock", b)
+            if a and s:
+                out[f"graphed {v} / eager stock @ {b}"] = a / s
     b = batches[0]
     a, s = tok("compiled", "truefuse BI", b), tok("eager", "stock", b)
     if a and s:
