@@ -242,7 +242,7 @@ def _hf_cases(mesh) -> dict:
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     from tests.hf.tiny import tiny_model
-    from truefuse.integrations.huggingface import apply_truefuse
+    from truefuse.integrations.huggingface import apply_truefuse, graph_decode
 
     tp = tiny_model("llama")
     _tensor_parallel(tp, mesh)
@@ -252,6 +252,7 @@ def _hf_cases(mesh) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
     out["fsdp_patch"] = _error(lambda: apply_truefuse(fsdp))
+    out["fsdp_graph_decode"] = _error(lambda: graph_decode(fsdp))
     out["fsdp_norm"] = type(fsdp.model.norm).__name__
     moe = tiny_model("mixtral")
     apply_truefuse(moe)
@@ -319,3 +320,5 @@ def test_dtensor_inputs_refused_by_name_and_tp_models_at_patch_time():
         want = "truefuse.GroupedMLP (the patched MixtralExperts) does not take DTensor inputs (hidden_states is a DTensor"
         assert res["experts"][0] == "TypeError" and res["experts"][1].startswith(want), res["experts"]
         assert res["fsdp_patch"] is None and res["fsdp_norm"].startswith("Truefuse"), res  # FSDP2's DTensors are not refused
+        kind, msg = res["fsdp_graph_decode"]  # its gathered parameters move: a graph cannot follow them
+        assert kind == "ValueError" and msg.startswith("model is sharded by FSDP2 (its root module is a unit)"), msg

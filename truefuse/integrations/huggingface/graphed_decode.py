@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from truefuse.autograd._modes import Modes
 from truefuse.integrations import cuda_graph
 from truefuse.integrations.huggingface.batch_invariant import unwrap
+from truefuse.integrations.huggingface.head import is_fsdp_unit
 
 __all__ = ["GraphedDecode", "graph_decode"]
 
@@ -202,12 +203,18 @@ def graph_decode(model: torch.nn.Module, *, warmup: int = 1, max_graphs: int = 8
         :class:`GraphedDecode`, the handle (``captures``, ``replays``, ``eager``, ``remove()``).
 
     Raises:
-        ValueError naming the argument: a model not on CUDA, one already graphed, bad ``warmup`` or
-        ``max_graphs``.
+        ValueError naming the argument: a model not on CUDA or sharded by FSDP2, one already graphed,
+        bad ``warmup`` or ``max_graphs``.
     """
     inner = unwrap(model)
     if not isinstance(inner, torch.nn.Module) or not callable(getattr(inner, "generate", None)):
         raise TypeError(f"model must be a transformers model with generate(), got {type(model).__name__}")
+    sharded = next((name for name, m in inner.named_modules() if is_fsdp_unit(m)), None)
+    if sharded is not None:
+        raise ValueError(
+            f"model is sharded by FSDP2 ({'its root module' if not sharded else repr(sharded)} is a unit): its parameters are gathered to new addresses "
+            "each forward, which a CUDA graph cannot follow; generate with the unsharded model"
+        )
     param = next(inner.parameters(), None)
     if param is None or not _on_cuda(param):
         where = "no parameters" if param is None else f"parameters on {param.device}"
