@@ -125,6 +125,17 @@ def test_outputs_returned_are_not_the_graphs_memory(fake_cuda):
     assert all(torch.equal(a, b) for a, b in kept)
 
 
+def test_autocast_gets_its_own_graph(fake_cuda, monkeypatch):
+    """A step recorded without autocast replays without its casts: autocast on (accelerate's bf16
+    runs TRL's generate so) must capture its own graph."""
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    handle = graph_decode(model)
+    _generate(model, _ids())
+    monkeypatch.setattr(gd.torch, "is_autocast_enabled", lambda device: device == "cuda")
+    _generate(model, _ids())
+    assert handle.captures == 2
+
+
 def test_what_stays_eager(fake_cuda):
     """A dynamic cache (its shapes grow each step), autograd on, positional arguments: eager."""
     model = tiny_model("llama", num_hidden_layers=1).eval()

@@ -11,7 +11,7 @@ step's tensors copied into the captured ones. The same kernels with the same arg
 logits are the eager step's bits (truefuse's kernels choose from shapes and dtypes, never values).
 
 What a graph may bake in is keyed: the step's tensors' shapes and dtypes, every other argument's
-value, the static cache's layout and the mode record (``Modes.now()``). A static cache is written in
+value, the static cache's layout, the mode record (``Modes.now()``) and autocast's dtype. A static cache is written in
 place at the addresses the graph recorded: a new cache of the same layout (transformers 5.25 builds
 one a ``generate``) is adopted, its prefilled contents copied into the graph's tensors
 (:meth:`_Graph.adopt`), instead of capturing again. Anything else (a prefill, a dynamic cache,
@@ -136,7 +136,9 @@ class GraphedDecode:
                 except TypeError:
                     return None
                 others.append(("value", type(leaf), leaf))
-        key = (names[0], spec, tuple(others), layout, Modes.now())
+        # autocast's casts are recorded like any kernel (accelerate runs TRL's generate under bf16 autocast)
+        cast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        key = (names[0], spec, tuple(others), layout, Modes.now(), cast)
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
         def rebuild(ts):
