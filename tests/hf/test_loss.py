@@ -612,20 +612,45 @@ def test_bad_labels_from_the_check_ahead_of_the_decoder(monkeypatch, path, kerne
         assert "vocab_size" not in str(err), err
 
 
-def test_the_forward_imports_nothing(monkeypatch):
-    """The patched forward's slicing of the kept positions imports nothing while it runs: Dynamo
-    (torch 2.11, transformers 5.17, ``fullgraph=True``) traced a failed ``from transformers...
-    import`` there into an AttributeError the code's ``except ImportError`` never caught."""
+@pytest.mark.parametrize("bi", [False, True])
+def test_the_forward_imports_nothing(monkeypatch, bi):
+    """truefuse's code in a patched forward (with labels: the fused loss; without: the logits)
+    imports no transformers module while it runs: Dynamo (torch 2.11, transformers 5.17,
+    ``fullgraph=True``) traced a failed ``from transformers... import`` into an AttributeError the
+    code's ``except ImportError`` never caught, and could not import a transformers lazy module at
+    all ("Bad import result", the output class's module)."""
     import builtins
+    import importlib
+    import sys
 
-    real = builtins.__import__
+    from tests.hf.tiny import tiny_model
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    model = tiny_model("llama", num_hidden_layers=1)
+    apply_truefuse(model, batch_invariant=bi)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids)  # transformers' own lazy imports, once, before the guard
+    model.eval()(input_ids=ids)
+    seen = []
+    real_import, real_module = builtins.__import__, importlib.import_module
+
+    def from_truefuse(name):
+        caller = sys._getframe(2).f_code.co_filename
+        if name.startswith("transformers") and "/truefuse/" in caller:
+            seen.append((name, caller))
 
     def guard(name, *args, **kwargs):
-        if name.startswith("transformers"):
-            raise AssertionError(f"imported {name} inside the forward")
-        return real(name, *args, **kwargs)
+        from_truefuse(name)
+        return real_import(name, *args, **kwargs)
+
+    def guard_module(name, *args, **kwargs):
+        from_truefuse(name)
+        return real_module(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", guard)
+    monkeypatch.setattr(importlib, "import_module", guard_module)
+    model.train()(input_ids=ids, labels=ids).loss.backward()
+    model.eval()(input_ids=ids)
+    assert seen == []
     h = torch.randn(2, 5, 3)
     assert torch.equal(hf_loss._slice_to_keep(h, 2), h[:, -2:, :])
-    assert torch.equal(hf_loss._slice_to_keep(h, 0), h)

@@ -143,18 +143,25 @@ def _return_tuple(func):
     return wrapper
 
 
-def _hf_slice_logits_to_keep():
+def _hf(module: str, name: str | None = None):
+    """``transformers.<module>`` (or its ``name``), None where this transformers lacks it."""
+    import importlib
+
     try:
-        from transformers.modeling_utils import slice_logits_to_keep
+        mod = importlib.import_module(f"transformers.{module}")
     except ImportError:
         return None
-    return slice_logits_to_keep
+    return mod if name is None else getattr(mod, name, None)
 
 
-#: transformers' ``slice_logits_to_keep`` (newer releases: also 2-D index / boolean tensors) or None,
-#: looked up at import: Dynamo, tracing a failed ``from ... import`` inside the forward, raised
-#: an AttributeError the ``except ImportError`` never saw (torch 2.11, transformers 5.17, fullgraph)
-_HF_SLICE = _hf_slice_logits_to_keep()
+# transformers' names the patched forward uses, looked up at import: Dynamo (torch 2.11,
+# transformers 5.17, fullgraph) cannot trace an import inside the forward ("Bad import result" for
+# transformers' lazy modules; a failed ``from ... import`` became an AttributeError ``except
+# ImportError`` never saw). tests/hf/test_loss.py::test_the_forward_imports_nothing
+#: ``slice_logits_to_keep`` (newer releases: also 2-D index / boolean tensors) or None
+_HF_SLICE = _hf("modeling_utils", "slice_logits_to_keep")
+_HF_OUTPUTS = _hf("modeling_outputs")
+_HF_CAUSAL_LOSS = _hf("loss.loss_utils", "ForCausalLMLoss")
 
 
 def _slice_to_keep(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
@@ -198,11 +205,9 @@ def _fallback_reason(self) -> str | None:
         return reason
     if hasattr(self, "_loss_function"):  # what PreTrainedModel.loss_function's setter sets
         return "model.loss_function was replaced"
-    try:
-        from transformers.loss.loss_utils import ForCausalLMLoss
-    except ImportError:  # pragma: no cover - transformers 5 has it
+    if _HF_CAUSAL_LOSS is None:  # pragma: no cover - transformers 5 has it
         return None
-    if getattr(self.loss_function, "__func__", self.loss_function) is not ForCausalLMLoss:
+    if getattr(self.loss_function, "__func__", self.loss_function) is not _HF_CAUSAL_LOSS:
         return f"model.loss_function is {getattr(self.loss_function, '__name__', self.loss_function)!r}, not ForCausalLMLoss"
     return None
 
@@ -381,9 +386,7 @@ def _output(cls_name: str, cache, **fields):
     """``transformers.modeling_outputs.<cls_name>`` with the cache under the installed version's
     field name (``cache`` from transformers 5.24, ``past_key_values`` before): feature-checked, so
     setting the other name never triggers transformers' deprecation warning."""
-    import transformers.modeling_outputs as mo
-
-    cls = getattr(mo, cls_name)
+    cls = getattr(_HF_OUTPUTS, cls_name)
     fields[_cache_field(cls)] = cache
     return cls(**fields)
 
