@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import torch
 
+from truefuse.config import get_config
 from truefuse.ops._launch.capture import capturing
 from truefuse.ops._launch.custom_op import custom_op, launch
 from truefuse.ops._launch.dtensor import refuse_dtensor
@@ -177,10 +178,12 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, betas, eps, weigh
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         w = masters[i] if masters is not None else None
-        groups.setdefault((p.device, p.dtype, grads[i].dtype, w is not None), []).append(i)
+        # a 0-dim bf16/fp16 parameter: apart, its group runs adamw_ref (_kernel_runs)
+        scalar = p.dim() == 0 and w is None and p.dtype in _LOW
+        groups.setdefault((p.device, p.dtype, grads[i].dtype, w is not None, scalar), []).append(i)
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
     lr_float = 0.0 if lr_tensor is not None else float(lr)
-    for (_, _, _, has_master), idx in groups.items():
+    for (_, _, _, has_master, _), idx in groups.items():
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         launch(
             adamw_op,
@@ -197,6 +200,21 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, betas, eps, weigh
             float(eps),
             float(weight_decay),
         )
+
+
+def _kernel_runs(params, state_dtype: torch.dtype, master: bool) -> bool:
+    """Whether the kernel takes the group: ``triton_runs``, and fp16 parameters with fp32 masters
+    under the CPU interpreter (every op then runs in fp32 and the parameter's one cast is numpy's
+    float16, correctly rounded; the interpreter's bf16 cast truncates): the master path's kernel
+    is tested on the CPU. Not a 0-dim bf16/fp16 parameter without a master: there torch's ops
+    meet 0-dim fp32 scalars as equals (fp32 results, not rounded to the parameter's dtype between
+    ops), which the kernel's rounding rule (``device_scalars``) does not describe."""
+    p = params[0]
+    if state_dtype in _LOW and any(q.dim() == 0 for q in params):
+        return False
+    if triton_runs(p):
+        return True
+    return master and p.dtype == torch.float16 and p.device.type == "cpu" and get_config().triton_interpret
 
 
 @custom_op("truefuse::adamw_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "masters", "steps"))
@@ -220,7 +238,7 @@ def adamw_op(
         return
     lr_ = lr_tensor if lr_tensor is not None else lr
     tensors = [*params, *grads, *exp_avgs, *exp_avg_sqs, *masters]
-    if not (triton_runs(params[0]) and all(t.is_contiguous() for t in tensors)):
+    if not (_kernel_runs(params, exp_avgs[0].dtype, bool(masters)) and all(t.is_contiguous() for t in tensors)):
         # fp64, the CPU's bf16 (the interpreter truncates its casts), a strided tensor: torch's ops
         adamw_ref(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr_, beta1=beta1, beta2=beta2, eps=eps,
                   weight_decay=weight_decay, masters=masters or None)  # fmt: skip
@@ -232,6 +250,8 @@ def adamw_op(
     cuda = params[0].is_cuda
     block, chunk, warps = (1024, 16384, 4) if cuda else (64, 128, 1)
     table, chunks, aligned = _tables(params, grads, exp_avgs, exp_avg_sqs, masters, chunk)
+    if chunks.numel() == 0:  # every tensor empty
+        return
     w1, c2 = _fp32(1 - beta1), _fp32(1 - beta2)
     _adamw_kernel[(chunks.shape[0] // 2,)](
         table, chunks, scalars, params[0], grads[0], exp_avgs[0], w1, _fp32(beta2), c2,
