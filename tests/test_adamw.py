@@ -129,6 +129,14 @@ def test_one_tensor_is_the_same_alone_and_in_a_group(device):
     assert_bitwise(group[3].detach(), alone[0].detach(), "a tensor in a group vs alone")
 
 
+def test_lr_of_one_element_is_a_scalar(device):
+    """A one-element lr of shape (1,) steps as the 0-dim one (torch squeezes it: ``_to_scalar``)."""
+    a, b = _params(device), _params(device)
+    _train(AdamW(a, lr=torch.tensor([3e-3], device=device), weight_decay=0.1), a, steps=2)
+    _train(AdamW(b, lr=torch.tensor(3e-3, device=device), weight_decay=0.1), b, steps=2)
+    _assert_same(a, b)
+
+
 def test_main_grad_is_the_gradient(device, torch_capturable_here):
     """An fp32 ``main_grad`` is the gradient, also over a ``.grad`` that is there."""
     ours, ref = _params(device), _params(device)
@@ -238,9 +246,6 @@ def test_step_refuses_bad_gradients_before_any_launch(device, case, match):
     before = [p.detach().clone() for p in ps]
     for p, g in zip(ps, _grads(ps, 0), strict=True):
         p.grad = g
-    ps[2].grad = None
-    opt = AdamW(ps)
-    opt.state[ps[2]]  # noqa: B018
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         adamw_(ps, [p.grad for p in ps[:2]] + [_bad_grad(case, ps[2])], *_states(ps), lr=1e-3, betas=(0.9, 0.999),
                eps=1e-8, weight_decay=0.0)  # fmt: skip

@@ -174,6 +174,8 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, betas, eps, weigh
     (``truefuse::adamw_``; docs/design.md §6.7).
     """
     _check(params, grads, exp_avgs, exp_avg_sqs, steps, masters, lr)
+    if isinstance(lr, torch.Tensor) and lr.dim():
+        lr = lr.reshape(())  # torch's _to_scalar: a one-element tensor acts as a 0-dim one
     beta1, beta2 = betas
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
