@@ -14,9 +14,9 @@ import copy
 import pytest
 import torch
 import torch.optim.adam as torch_adam
+from conftest import requires_cuda
 
 import truefuse.ops.adamw as adamw_ops
-from conftest import requires_cuda
 from truefuse.ops.adamw import adamw_, adamw_ref, sqrt_rn
 from truefuse.optim import AdamW
 from truefuse.testing import assert_bitwise

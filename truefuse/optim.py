@@ -94,7 +94,9 @@ class AdamW(torch.optim.Optimizer):
         if not isinstance(mg, torch.Tensor) or mg.dtype != torch.float32:
             raise TypeError(f"{_NAME}: a parameter's main_grad must be an fp32 tensor, got {getattr(mg, 'dtype', type(mg))}")
         if mg.shape != p.shape or mg.device != p.device:
-            raise ValueError(f"{_NAME}: main_grad {tuple(mg.shape)} on {mg.device} for a parameter {tuple(p.shape)} on {p.device}")
+            raise ValueError(
+                f"{_NAME}: main_grad {tuple(mg.shape)} on {mg.device} for a parameter {tuple(p.shape)} on {p.device}"
+            )
         return mg
 
     def _init_group(self, group):

@@ -154,7 +154,10 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, steps, masters, lr) -> None:
                     f"{p.dtype} {tuple(p.shape)} on {p.device} (states {dtype})"
                 )
         if s.dim() != 0 or s.dtype != torch.float32 or s.device != p.device:
-            raise ValueError(f"truefuse.{_OP}: steps[{i}] must be a 0-dim fp32 tensor on params[{i}]'s device, got {s.dtype} {tuple(s.shape)} on {s.device}")
+            raise ValueError(
+                f"truefuse.{_OP}: steps[{i}] must be a 0-dim fp32 tensor on params[{i}]'s device, "
+                f"got {s.dtype} {tuple(s.shape)} on {s.device}"
+            )
 
 
 def adamw_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, betas, eps, weight_decay, masters=None) -> None:
@@ -186,15 +189,17 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, betas, eps, weigh
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
     lr_float = 0.0 if lr_tensor is not None else float(lr)
     for (_, _, _, has_master, _), idx in groups.items():
-        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        params_, grads_, exp_avgs_, exp_avg_sqs_, steps_ = (
+            [xs[i] for i in idx] for xs in (params, grads, exp_avgs, exp_avg_sqs, steps)
+        )
         launch(
             adamw_op,
-            pick(params),
-            pick(grads),
-            pick(exp_avgs),
-            pick(exp_avg_sqs),
-            pick(masters) if has_master else [],
-            pick(steps),
+            params_,
+            grads_,
+            exp_avgs_,
+            exp_avg_sqs_,
+            [masters[i] for i in idx] if has_master else [],
+            steps_,
             lr_float,
             lr_tensor,
             float(beta1),
