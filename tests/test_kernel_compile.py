@@ -66,7 +66,17 @@ def _calls():
         "gemm": lambda: _on_triton(lambda: truefuse.gemm(x.detach(), W.detach().t(), bias=b.detach()[:40], activation="gelu")),
         "gemm batch-invariant": lambda: _on_triton(lambda: truefuse.gemm(x.detach(), W.detach().t(), batch_invariant=True)),
         "GroupedMLP": lambda: back(truefuse.GroupedMLP(2, 64, 32)(x, [2, 4])),
+        "adamw": lambda: [_adamw_step(r(300), torch.float32, False), _adamw_step(r(300), torch.float16, True)],
     }
+
+
+def _adamw_step(p, dtype, master):
+    """One ``truefuse.optim.AdamW`` step (fp16 parameters only with fp32 masters: what the interpreter runs)."""
+    from truefuse.optim import AdamW
+
+    p = p.detach().to(dtype).requires_grad_()
+    p.grad = torch.ones_like(p)
+    AdamW([p], master_weights=master).step()
 
 
 def _on_triton(call):

@@ -33,6 +33,7 @@ def _op_cases(mesh=None) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import truefuse
+    from truefuse.ops.adamw import adamw_
     from truefuse.ops.scale import scale_
 
     def D(t):
@@ -55,6 +56,12 @@ def _op_cases(mesh=None) -> dict:
         "add_rms_norm_hf": ("h", lambda: truefuse.add_rms_norm_hf(x, D(x), x[0])),
         "add_rms_norm": ("residual", lambda: truefuse.add_rms_norm(D(x), x, x[0])),
         "ops.scale_": ("tensor", lambda: scale_(D(x.clone()), torch.tensor(2.0))),
+        "ops.adamw_": (
+            "params[0]",
+            lambda: adamw_(
+                [D(x.clone())], [x], [x * 0], [x * 0], [torch.zeros(())], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+            ),
+        ),
         "Linear": ("input", lambda: _colwise(truefuse.Linear(8, 16), mesh, x)),
         "LayerNormLinear": ("input", lambda: truefuse.LayerNormLinear(8, 16)(D(x))),
         "LayerNormMLP": ("input", lambda: truefuse.LayerNormMLP(8, 16)(R(x))),

@@ -17,6 +17,7 @@ BENCHES = {
     "linear_cross_entropy": "truefuse.bench.bench_linear_cross_entropy",
     "linear_log_probs": "truefuse.bench.bench_linear_log_probs",
     "attention": "truefuse.bench.bench_attention",
+    "adamw": "truefuse.bench.bench_adamw",
 }
 
 

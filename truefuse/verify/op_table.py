@@ -278,6 +278,35 @@ def _scale_compile(device):
     return [(lambda t, f: scale_(t * 1, f), (_r(100, device=device), torch.tensor(0.5, device=device)), ())]
 
 
+def _adamw_args(device, lr, lr_tensor=None):
+    """``truefuse::adamw_``'s arguments over two odd-sized tensors (a masked tail), fresh states."""
+    ps = [_r(5, device=device), _r(3, 7, device=device, seed=1)]
+    gs = [_r(5, device=device, seed=2), _r(3, 7, device=device, seed=3)]
+    zeros = [torch.zeros_like(p) for p in ps]
+    steps = [torch.zeros((), device=device) for _ in ps]
+    return (ps, gs, zeros, [z.clone() for z in zeros], [], steps, lr, lr_tensor, 0.9, 0.999, 1e-8, 0.1)
+
+
+def _adamw_opcheck(device):
+    return [
+        ("truefuse::adamw_", _adamw_args(device, 1e-2), None),
+        ("truefuse::adamw_", _adamw_args(device, 0.0, torch.tensor(3e-3, device=device)), None),  # lr as a tensor
+    ]
+
+
+def _adamw_compile(device):
+    from truefuse.ops.adamw import adamw_
+
+    def step(p, g):
+        # adamw_ mutates its arguments: compile and eager each step a fresh copy (tests/test_compile.py)
+        p = p * 1
+        m, v, s = torch.zeros_like(p), torch.zeros_like(p), torch.zeros((), device=p.device)
+        adamw_([p], [g], [m], [v], [s], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+        return p, m, v
+
+    return [(step, (_r(37, device=device), _r(37, device=device, seed=1)), ())]
+
+
 def _targets(n: int, v: int, device) -> torch.Tensor:
     t = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(1)).to(device)
     t[3 % n] = -100  # an ignored token
@@ -633,19 +662,24 @@ OPS: tuple[OpDecl, ...] = (
         opcheck=lambda d: _rope_opcheck(d) + _hf_rotary_opcheck(d),
         compile=_rope_compile,
     ),
-    OpDecl(
-        name="ops.scale_",
-        stem="scale",
-        custom_ops={"truefuse::scale_": "truefuse.ops.scale:scale_op"},
-        ref="truefuse.ops.scale:scale_ref",
-        verify=("scale",),
-        inline=False,
-        eager=False,
-        dtensor="refused",
-        batch_invariant="invariant by construction",
-        double_backward="not differentiable",
-        opcheck=_scale_opcheck,
-        compile=_scale_compile,
+    # the in-place elementwise ops without an autograd formula: ops.scale_ (the loss backward's
+    # scaling) and ops.adamw_ (truefuse.optim.AdamW's update, docs/optim.md)
+    *(
+        OpDecl(
+            name=f"ops.{stem}_",
+            stem=stem,
+            custom_ops={f"truefuse::{stem}_": f"truefuse.ops.{stem}:{stem}_op"},
+            ref=f"truefuse.ops.{stem}:{stem}_ref",
+            verify=(stem,),
+            inline=False,
+            eager=False,
+            dtensor="refused",
+            batch_invariant="invariant by construction",  # elementwise: an element's bits never see the others
+            double_backward="not differentiable",
+            opcheck=opcheck,
+            compile=compile_,
+        )
+        for stem, opcheck, compile_ in (("scale", _scale_opcheck, _scale_compile), ("adamw", _adamw_opcheck, _adamw_compile))
     ),
     OpDecl(
         name="token_log_probs",

@@ -31,6 +31,7 @@ CASE_MODULES: tuple[str, ...] = (
     "truefuse.verify.cases_linear_log_probs",
     "truefuse.verify.cases_token_log_probs",
     "truefuse.verify.cases_scale",
+    "truefuse.verify.cases_adamw",
     "truefuse.verify.cases_rope",
     "truefuse.verify.cases_attention",
 )
