@@ -19,42 +19,9 @@ from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
 from truefuse.integrations.huggingface import apply_truefuse, graph_decode  # noqa: E402
 from truefuse.integrations.huggingface import graphed_decode as gd  # noqa: E402
 
+from tests.hf._fake_graph import fake_cuda  # noqa: E402, F401  (a fixture)
+
 _KW = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-
-
-class _FakeGraph:
-    """A stand-in for ``GraphedStep``: eager for ``warmup`` calls; then "captured": the step's
-    output tensors are kept and each later call copies its inputs into the captured ones, reruns
-    the step on those and writes the results into the kept outputs in place (as a replay would)."""
-
-    def __init__(self, step, *, warmup, pool=None):
-        self.step, self.warmup, self.calls, self.outputs, self.inputs = step, warmup, 0, None, None
-
-    def __call__(self, *inputs):
-        self.calls += 1
-        if self.calls <= self.warmup:
-            return self.step(*inputs)
-        if self.outputs is None:
-            self.inputs = [t.clone() for t in inputs]
-            self.outputs = self.step(*self.inputs)
-            return self.outputs
-        for old, new in zip(self.inputs, inputs, strict=True):
-            old.copy_(new)
-        fresh = self.step(*self.inputs)
-        for old, new in zip(_tensors(self.outputs), _tensors(fresh), strict=True):
-            old.copy_(new)
-        return self.outputs
-
-
-def _tensors(out):
-    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    monkeypatch.setattr(gd, "_on_cuda", lambda t: True)
-    monkeypatch.setattr(gd.cuda_graph, "graph_step", _FakeGraph)
-    monkeypatch.setattr(gd.torch.cuda, "graph_pool_handle", lambda: None)
 
 
 def _ids(batch=2, length=5, seed=3):
@@ -131,7 +98,7 @@ def test_autocast_gets_its_own_graph(fake_cuda, monkeypatch):
     model = tiny_model("llama", num_hidden_layers=1).eval()
     handle = graph_decode(model)
     _generate(model, _ids())
-    monkeypatch.setattr(gd.torch, "is_autocast_enabled", lambda device: device == "cuda")
+    monkeypatch.setattr(gd.torch, "is_autocast_enabled", lambda device: True)
     _generate(model, _ids())
     assert handle.captures == 2
 

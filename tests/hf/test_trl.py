@@ -25,7 +25,8 @@ datasets = pytest.importorskip("datasets")
 import truefuse  # noqa: E402
 import truefuse.integrations.trl as tf_trl  # noqa: E402
 from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
-from truefuse.integrations.huggingface import apply_truefuse, model_log_probs  # noqa: E402
+from tests.hf._fake_graph import fake_cuda  # noqa: E402, F401  (a fixture)
+from truefuse.integrations.huggingface import apply_truefuse, graph_decode, model_log_probs  # noqa: E402
 from truefuse.integrations.huggingface.log_probs import logits_dtype, positions  # noqa: E402
 
 ALL = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -417,7 +418,7 @@ def test_trainers_with_trl_defaults_stock_fast_bi(kind, counts, tmp_path, torch_
 # GRPO: the sampler's log-probs are the trainer's, bit for bit
 
 
-def _sampler_equals_trainer(tmp_path, **over):
+def _sampler_equals_trainer(tmp_path, graphed: bool = False, **over):
     import trl
 
     samples: dict[tuple, torch.Tensor] = {}
@@ -433,6 +434,7 @@ def _sampler_equals_trainer(tmp_path, **over):
 
     tf_trl.use_truefuse_head()
     model = _model("bi")
+    graphs = graph_decode(model) if graphed else None
     args = _args("grpo", tmp_path, **over)
     generate = model.generate
 
@@ -470,6 +472,8 @@ def _sampler_equals_trainer(tmp_path, **over):
             assert torch.equal(lp[r][mask[r]], sampled), (lp[r][mask[r]], sampled)
             compared += int(mask[r].sum())
     assert compared >= 2 * 6
+    if graphs is not None:  # the sampler's decode steps were replays, not the eager forward
+        assert graphs.captures >= 1 and graphs.replays >= 2, (graphs.captures, graphs.replays)
     return trainer, autocast
 
 
@@ -487,4 +491,15 @@ def test_grpo_sampler_equals_trainer_bitwise_defaults(tmp_path, torch_paths):
     """The same under TRL's defaults: bf16 (accelerate runs the model's forward, generate's included,
     under bf16 autocast) and gradient checkpointing (the recompute runs batch-invariant)."""
     trainer, autocast = _sampler_equals_trainer(tmp_path, bf16=True, gradient_checkpointing=True)
+    assert trainer.model.is_gradient_checkpointing and autocast == {(True, True), (False, True)}
+
+
+def test_grpo_graphed_sampler_equals_trainer_bitwise(tmp_path, torch_paths, fake_cuda):
+    """The same with the sampler's decode steps replayed as graphs (``graph_decode`` and
+    ``GRPOConfig(cache_implementation="static")``, docs/trl.md), under TRL's defaults: the graphs
+    (a CPU stand-in here; tests/hf/test_graphed_decode.py runs the real ones on CUDA) sit behind
+    accelerate's autocast wrapper of the forward, and the log-probs stay the trainer's bits."""
+    trainer, autocast = _sampler_equals_trainer(
+        tmp_path, graphed=True, bf16=True, gradient_checkpointing=True, cache_implementation="static"
+    )
     assert trainer.model.is_gradient_checkpointing and autocast == {(True, True), (False, True)}

@@ -137,7 +137,8 @@ class GraphedDecode:
                     return None
                 others.append(("value", type(leaf), leaf))
         # autocast's casts are recorded like any kernel (accelerate runs TRL's generate under bf16 autocast)
-        cast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        dev = ids.device.type
+        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         key = (names[0], spec, tuple(others), layout, Modes.now(), cast)
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
