@@ -16,6 +16,7 @@ pytest.importorskip("matplotlib")
 
 from truefuse.demo import rl  # noqa: E402
 from truefuse.demo.rl_report import bi_exact, print_table, summarize, write  # noqa: E402
+from tests.hf._fake_graph import fake_cuda  # noqa: E402, F401  (a fixture)
 
 TINY = dict(hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64, prompts=4, group=4, steps=3)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -166,3 +167,21 @@ def test_cli_refuses_a_bad_setting_with_status_2(capsys, tmp_path):
     assert main(args) == 2
     assert "group" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_graphed_generate_is_refused_off_cuda():
+    with pytest.raises(ValueError, match="graphed generate needs device cuda"):
+        rl.make_config("cpu", graphed=True)
+
+
+def test_graphed_generate_draws_the_same_samples(tiny, fake_cuda):
+    """``--graphed-generate`` (graph_decode; a CPU stand-in for the graphs here): every run draws the
+    completions its eager sampler drew, step by step, and BI's sampler still equals its trainer."""
+    import dataclasses
+
+    result, _ = tiny
+    graphed = rl.run_rl(dataclasses.replace(rl.make_config("cpu", **TINY), graphed=True), ["stock", "truefuse BI"])
+    for eager, run in zip(result.runs, graphed.runs, strict=True):
+        assert run.samples_sha256 == eager.samples_sha256, run.name
+        assert run.graphs["captures"] >= 1 and run.graphs["replays"] >= TINY["steps"], run.graphs
+    assert graphed.runs[1].gap == [0.0] * TINY["steps"]

@@ -59,6 +59,7 @@ class RLConfig:
     clip_eps: float = 0.2  # the ratio's clip range [1 - eps, 1 + eps]
     seed: int = 0
     fast: bool = False  # also a run of plain apply_truefuse (fast mode)
+    graphed: bool = False  # every run samples with its decode steps as CUDA graphs (graph_decode)
     timing_warmup: int = 2  # first steps left out of the mean step time
 
     @property
@@ -112,6 +113,8 @@ def make_config(size: str, **overrides) -> RLConfig:
     cfg = replace(base, **given)
     if cfg.device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {cfg.device!r}")
+    if cfg.graphed and cfg.device != "cuda":
+        raise ValueError("graphed generate needs device cuda (CUDA graphs record GPU kernels)")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "prompts", "steps"):
@@ -205,6 +208,7 @@ class RunRecord:
     step_s: list[float] = field(default_factory=list)
     generate_s: list[float] = field(default_factory=list)
     train_s: list[float] = field(default_factory=list)  # trainer log-probs, loss, backward, AdamW
+    graphs: dict | None = None  # with --graphed-generate: graph_decode's captures and replays
 
 
 @dataclass
@@ -274,6 +278,11 @@ class GRPORun:
             self.record.patch_report = str(apply_truefuse(model, **patch))
         self.record.params_sha256 = _sha256(model.state_dict().values())
         self.model = model
+        self.graphs = None
+        if cfg.graphed:  # the decode steps replayed as CUDA graphs of the same eager forward: the same bits
+            from truefuse.integrations.huggingface import graph_decode
+
+            self.graphs = graph_decode(model)
         self.params = [p for p in model.parameters() if p.requires_grad]  # after the patch, which may swap modules
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         # plain multinomial sampling at the temperature: no top-k / top-p cut, no early-stop tweaks
@@ -288,6 +297,7 @@ class GRPORun:
             bos_token_id=BOS,
             output_logits=True,
             return_dict_in_generate=True,
+            **({"cache_implementation": "static", "disable_compile": True} if cfg.graphed else {}),
         )
 
     @torch.no_grad()
@@ -354,7 +364,10 @@ class GRPORun:
         rec.step_s.append(t2 - t0)
 
     def close(self) -> RunRecord:
-        del self.model, self.opt, self.params
+        if self.graphs is not None:
+            self.record.graphs = {"captures": self.graphs.captures, "replays": self.graphs.replays}
+            self.graphs.remove()
+        del self.model, self.opt, self.params, self.graphs
         return self.record
 
 

@@ -33,6 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ]:
         g.add_argument(f"--{name}", type=typ, help=help_)
     p.add_argument("--fast", action="store_true", help="add a third run: plain apply_truefuse (fast mode, not batch-invariant)")
+    p.add_argument(
+        "--graphed-generate",
+        action="store_true",
+        help="every run samples with generate's decode steps replayed as CUDA graphs (graph_decode; cuda only)",
+    )
     p.add_argument("--out", default="rl_out", help="folder for rl.json and rl.png (default: ./rl_out)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -49,7 +54,13 @@ def main(args: argparse.Namespace) -> int:
         return _fail(why)
     settings = {k: getattr(args, k, None) for k in _SETTINGS}
     try:
-        cfg = make_config("gpu" if device == "cuda" else "cpu", device=device, fast=bool(args.fast) or None, **settings)
+        cfg = make_config(
+            "gpu" if device == "cuda" else "cpu",
+            device=device,
+            fast=bool(args.fast) or None,
+            graphed=bool(getattr(args, "graphed_generate", False)) or None,
+            **settings,
+        )
     except ValueError as e:
         return _fail(str(e))
 
