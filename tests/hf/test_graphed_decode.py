@@ -52,6 +52,61 @@ def test_one_capture_serves_every_decode_step_with_the_eager_bits(fake_cuda, bi)
     assert torch.equal(logits_2, logits_e)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_other_architectures_one_capture_and_the_eager_bits(fake_cuda, model_type):
+    """Qwen3 and the experts of Qwen3-MoE: one capture a ``generate``, the eager bits, the second
+    ``generate``'s cache adopted."""
+    model = tiny_model(model_type, num_hidden_layers=2).eval()
+    apply_truefuse(model, batch_invariant=True)
+    ids = _ids()
+    eager = _generate(model, ids, cache_implementation="static", disable_compile=True)
+    handle = graph_decode(model)
+    for _ in range(2):
+        seq, logits = _generate(model, ids)
+        assert torch.equal(seq, eager[0]) and torch.equal(logits, eager[1])
+    assert handle.captures == 1 and handle.replays == 4 + 5, (handle.captures, handle.replays)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma2", "gemma3_text"])
+def test_a_cache_with_host_state_stays_eager(fake_cuda, model_type):
+    """Sliding-window layers keep a Python counter that picks their update's branch (transformers
+    5.25): a replay would run neither. Such steps stay eager (no capture), with the eager bits; the
+    cache returned is the one generate built, not the first step's."""
+    model = tiny_model(model_type, num_hidden_layers=2).eval()
+    apply_truefuse(model, batch_invariant=True)
+    ids = _ids()
+    eager = _generate(model, ids, cache_implementation="static", disable_compile=True)
+    handle = graph_decode(model)
+    for _ in range(2):
+        seq, logits = _generate(model, ids)
+        assert torch.equal(seq, eager[0]) and torch.equal(logits, eager[1])
+    sliding = any(getattr(layer, "is_sliding", False) for layer in _cache_of(model, ids).layers)
+    assert handle.captures == (0 if sliding else 1), (model_type, sliding, handle.captures)
+
+
+def _cache_of(model, ids):
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 2)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+    return cache
+
+
+def test_the_cache_returned_is_this_generates(fake_cuda):
+    """A replay's output names the capture's cache object; the wrapper hands back the call's own
+    (generate passes the returned cache to the next step and to its caller)."""
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    graph_decode(model)
+    caches = []
+    for _ in range(2):
+        with torch.no_grad():
+            out = model.generate(_ids(), **_KW)
+        caches.append(getattr(out, "past_key_values", None) or getattr(out, "cache", None))
+    assert caches[0] is not None and caches[0] is not caches[1]
+    assert int(caches[1].get_seq_length()) == 5 + 5  # the prompt and 5 of the 6 new tokens cached
+
+
 def test_each_batch_size_its_graph_the_least_recent_freed(fake_cuda):
     """Batch 1 (where ``generate`` passes ``logits_to_keep``, read from the forward's signature: the
     wrapper keeps it), batch 3, batch 1 again with room for one graph: three captures, one kept,

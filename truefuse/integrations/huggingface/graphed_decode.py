@@ -58,6 +58,7 @@ class GraphedDecode:
         self.pool = None
         self.captures = self.replays = self.eager = 0
         self._rebuild = None
+        self._host_state: set[tuple] = set()  # keys whose step changes the cache's host-side state
         self._forward = model.forward  # the bound forward the wrapper replaces (patched or stock)
         # generate reads the forward's parameters to choose what to pass (``logits_to_keep``: without
         # it the prefill computes every position's logits)
@@ -71,6 +72,9 @@ class GraphedDecode:
             self.eager += 1
             return self._forward(*args, **kwargs)
         key, tensors, rebuild, cache, held = key_and_inputs
+        if key in self._host_state:
+            self.eager += 1
+            return self._forward(**kwargs)
         graph = self.graphs.get(key)
         if graph is None:
             if self.pool is None:
@@ -85,17 +89,24 @@ class GraphedDecode:
                 graph.adopt(cache, held)
         step = graph.step
         before, self._rebuild = step.calls, rebuild
+        state = _host_state(cache) if before < self.warmup else None
         try:
             out = step(*tensors)
         finally:
             self._rebuild = None
+        if state is not None and _host_state(cache) != state:
+            # the step keeps state on the host (a sliding window's Python counter, which chooses its
+            # update's branch): a replay would neither advance it nor rechoose; this key stays eager
+            self._host_state.add(key)
+            del self.graphs[key]
         if step.calls > self.warmup:
             self.replays += 1
             self.captures += before == self.warmup
         else:
             self.eager += 1
-        # the step's outputs live in the graph's memory, which the next replay overwrites
-        return pytree.tree_map_only(torch.Tensor, torch.clone, out)
+        # the step's outputs live in the graph's memory, which the next replay overwrites; the cache
+        # they name is the capture's: this call's is the one the caller continues with
+        return pytree.tree_map_only(torch.Tensor, torch.clone, _with_cache(out, cache))
 
     def _step(self, *tensors):
         # this call's arguments around the step's tensors (eager warm-up and capture; a replay runs
@@ -176,6 +187,26 @@ class _Graph:
                 mine.copy_(t)
                 setattr(layer, name, mine)
         self.cache = weakref.ref(cache)
+
+
+def _host_state(cache) -> tuple:
+    """Every host-side value a cache's layers hold (ints, floats, bools): what a replay leaves as the
+    capture found it."""
+    return tuple(
+        (i, name, v)
+        for i, layer in enumerate(cache.layers)
+        for name, v in sorted(vars(layer).items())
+        if isinstance(v, (int, float, bool))
+    )
+
+
+def _with_cache(out, cache):
+    """``out`` (a model output) with every cache it holds replaced by ``cache``."""
+    return pytree.tree_map(lambda leaf: cache if _is_cache(leaf) else leaf, out)
+
+
+def _is_cache(leaf) -> bool:
+    return not isinstance(leaf, torch.Tensor) and hasattr(leaf, "layers") and hasattr(leaf, "is_compileable")
 
 
 def _cache_tensors(cache) -> list | None:
