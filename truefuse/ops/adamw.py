@@ -299,7 +299,10 @@ def _tables(params, grads, exp_avgs, exp_avg_sqs, masters, chunk: int):
         owner = torch.repeat_interleave(torch.arange(len(rows)), counts)
         starts = (torch.arange(int(counts.sum())) - first[owner]) * chunk
         host = torch.cat([host_rows.flatten(), torch.stack([owner, starts], 1).flatten()])
-        # non_blocking: under a capture the copy becomes a graph node reading `host` at each replay
+        if device.type == "cuda":
+            # pinned: a capture may record a copy from page-locked memory only (a pageable one fails
+            # it, docs/cuda_graphs.md); the graph's copy node then reads `host` at each replay
+            host = host.pin_memory()
         dev = host.to(device, non_blocking=True)
         aligned = all(a % 16 == 0 for r in rows for a in r[:5])
         entry = (host, dev[: host_rows.numel()], dev[host_rows.numel() :], aligned)
