@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import functools
 import math
 import subprocess
 import sys
@@ -272,3 +273,23 @@ def test_cuda_graphs_refused_off_cuda_and_with_ranks(capsys):
 
     assert main(["demo", "--device", "cpu", "--cuda-graphs", "--steps", "1"]) == 2
     assert "cuda_graphs needs device cuda" in capsys.readouterr().err
+
+
+def test_truefuse_adamw_run_steps_with_truefuse_optimizer(cache_dir, monkeypatch):
+    """``--truefuse-adamw`` adds a run that steps with ``truefuse.optim.AdamW``: its curve is stock's
+    within the demo's tolerance (fp32 on the CPU, the optimizer's kernel under the interpreter)."""
+    from truefuse.demo import cli
+    from truefuse.demo import train as demo_train
+    from truefuse.optim import AdamW
+
+    used = []
+    real = AdamW.step
+    monkeypatch.setattr(AdamW, "step", lambda self, *a, **k: used.append(1) or real(self, *a, **k))
+    patch = cli.truefuse_adamw_patch()
+    cfg = make_config("cpu", device="cpu", **{**TINY, "steps": 3})
+    adamw_identity = functools.partial(identity)
+    adamw_identity.optimizer = patch.optimizer
+    result = demo_train.run_demo(cfg, {"identity adamw": adamw_identity}, cache_dir=str(cache_dir), quiet=True)
+    stock, ours = result.runs
+    assert len(used) == 3  # every step went through truefuse's optimizer
+    assert max(abs(a - b) for a, b in zip(stock.losses, ours.losses, strict=True)) <= cfg.tol

@@ -37,6 +37,16 @@ def truefuse_bi_patch():
     return functools.partial(apply_truefuse, batch_invariant=True)
 
 
+def truefuse_adamw_patch():
+    """``apply_truefuse``, the run then stepping with ``truefuse.optim.AdamW`` (one launch a step)
+    instead of torch's fused AdamW: the optimizer's share of the step (issue 48.4)."""
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    patch = functools.partial(apply_truefuse)
+    patch.optimizer = "truefuse"  # read by train.py's Trainer
+    return patch
+
+
 def stock_again(model):
     """The yardstick run: stock again, nothing patched (how far stock is from itself)."""
     return "nothing: stock run a second time (the yardstick of the loss columns)"
@@ -104,6 +114,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="capture every run's whole step (forward, backward, clip, AdamW) in one CUDA graph after the timing warm-up "
         "and replay it (docs/cuda_graphs.md); CUDA, one process",
+    )
+    p.add_argument(
+        "--truefuse-adamw",
+        action="store_true",
+        help="add a run of truefuse stepping with truefuse.optim.AdamW instead of torch's fused AdamW (docs/optim.md)",
     )
     p.add_argument(
         "--batch-invariant",
@@ -174,6 +189,8 @@ def main(args: argparse.Namespace) -> int:
         peers = {"truefuse": truefuse_patch()}
     except ImportError as e:
         return _fail(f"truefuse.integrations.huggingface.apply_truefuse is not importable here ({e})")
+    if getattr(args, "truefuse_adamw", False):
+        peers["truefuse adamw"] = truefuse_adamw_patch()
     if getattr(args, "batch_invariant", False):
         peers["stock again"] = stock_again
         peers["truefuse BI"] = truefuse_bi_patch()

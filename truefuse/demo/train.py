@@ -303,9 +303,14 @@ class Trainer:
         not_graphed = getattr(patch, "reads_host", None) if cfg.cuda_graphs else None
         graphs = cfg.cuda_graphs and not_graphed is None
         lr = torch.tensor(cfg.lr, device=device) if graphs else cfg.lr
-        self.opt = torch.optim.AdamW(
-            self.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, fused=True, capturable=graphs
-        )
+        if getattr(patch, "optimizer", "torch") == "truefuse":  # the --truefuse-adamw run (cli.py)
+            from truefuse.optim import AdamW
+
+            self.opt = AdamW(self.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
+        else:
+            self.opt = torch.optim.AdamW(
+                self.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, fused=True, capturable=graphs
+            )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(cfg, s))
         self.graphed = None
         if graphs:
