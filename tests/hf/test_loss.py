@@ -654,3 +654,37 @@ def test_the_forward_imports_nothing(monkeypatch, bi):
     assert seen == []
     h = torch.randn(2, 5, 3)
     assert torch.equal(hf_loss._slice_to_keep(h, 2), h[:, -2:, :])
+
+
+@pytest.mark.parametrize("bi", [False, True])
+def test_a_training_step_builds_no_cache(bi):
+    """A training forward with labels that asks nothing of the cache builds none: stock's default
+    (config.use_cache) copies every layer's keys and values into a DynamicCache nobody reads (48.5).
+    The loss and every gradient are the bits of the same step with the cache built; asked for
+    (``use_cache=True``), out of training, without autograd, or for a tuple output (whose positions a
+    dropped field would move), the cache is stock's."""
+    from tests.hf.tiny import tiny_model
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    apply_truefuse(model, batch_invariant=bi)
+    model.train()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+
+    def step(**kw):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids, **kw)
+        out.loss.backward()
+        return out, [p.grad.clone() for p in model.parameters()]
+
+    plain, grads = step()
+    cached, grads_cached = step(use_cache=True)
+    assert hf_loss._cache_field(type(plain)) and getattr(plain, hf_loss._cache_field(type(plain))) is None
+    assert getattr(cached, hf_loss._cache_field(type(cached))) is not None
+    assert torch.equal(plain.loss, cached.loss) and all(torch.equal(a, b) for a, b in zip(grads, grads_cached, strict=True))
+    with torch.no_grad():
+        assert getattr(model(input_ids=ids, labels=ids), hf_loss._cache_field(type(plain))) is not None
+    loss, cache = model(input_ids=ids, labels=ids, return_dict=False)  # a tuple keeps stock's fields (training: no logits)
+    assert torch.equal(loss, plain.loss) and cache is not None
+    model.eval()
+    assert getattr(model(input_ids=ids, labels=ids), hf_loss._cache_field(type(plain))) is not None

@@ -127,7 +127,7 @@ def supports_loss(model) -> str | None:
 def _return_tuple(func):
     """transformers' ``can_return_tuple``, written here so that this module imports without
     transformers: ``return_dict`` (a keyword, else ``config.return_dict``) False gives
-    ``output.to_tuple()`` (None fields dropped)."""
+    ``output.to_tuple()`` (None fields dropped). ``func`` is told which (``_tuple``)."""
 
     @functools.wraps(func)
     def wrapper(self, *args, **kwargs):
@@ -135,7 +135,7 @@ def _return_tuple(func):
         passed = kwargs.pop("return_dict", return_dict)
         if passed is not None:
             return_dict = passed
-        out = func(self, *args, **kwargs)
+        out = func(self, *args, _tuple=not return_dict, **kwargs)
         if not return_dict and not isinstance(out, tuple):
             out = out.to_tuple()
         return out
@@ -395,7 +395,16 @@ def _cache_field(output_cls) -> str:
     return "cache" if "cache" in getattr(output_cls, "__dataclass_fields__", {}) else "past_key_values"
 
 
-def _forward(self, args, kwargs):
+def _training_without_cache(self, model_kwargs: dict, kwargs: dict) -> bool:
+    """A training forward (the module in training mode, autograd on) that asked nothing of the cache:
+    no ``use_cache`` and no cache given. (The caller keeps the cache for a tuple output: its
+    ``to_tuple`` drops a None field, which would move the fields after it.)"""
+    if not (self.training and torch.is_grad_enabled()) or model_kwargs.get("use_cache") is not None:
+        return False
+    return all(model_kwargs.get(k) is None and kwargs.get(k) is None for k in ("past_key_values", "cache"))
+
+
+def _forward(self, args, kwargs, tuple_out: bool = False):
     traits = _traits(type(self))
     if traits is None:
         raise TypeError(supports_loss(self))
@@ -421,6 +430,11 @@ def _forward(self, args, kwargs):
         model_kwargs["output_router_logits"] = output_router_logits
     reason = None if labels is None else _fallback_reason(self)
     early = None if labels is None or reason is not None else _start_label_check(self, labels, kwargs, logits_to_keep)
+    if labels is not None and not tuple_out and _training_without_cache(self, model_kwargs, kwargs):
+        # a training step with its loss: the cache stock builds by default (config.use_cache) only
+        # copies each layer's keys and values (DynamicCache's first update is a torch.cat) into an
+        # object nobody reads; the same keys and values reach attention either way (docs/huggingface.md)
+        model_kwargs["use_cache"] = False
     # every other argument goes to the base model as given, as stock passes it (a deprecated
     # name such as ``past_key_values`` on 5.24 included: the base model renames it, with
     # transformers' own warning, as stock's decorator does)
@@ -483,7 +497,8 @@ def causal_lm_forward(self, *args, **kwargs):
     A batch-invariant model (``apply_truefuse(..., batch_invariant=True)``) enters its mode here
     too, not only in the hooks ``model(...)`` runs: a direct ``model.forward(...)`` ran its final
     norm and head outside it (its decoder layers enter it themselves)."""
-    return in_mode(self, _forward, args, kwargs)
+    tuple_out = kwargs.pop("_tuple", False)
+    return in_mode(self, _forward, args, kwargs, tuple_out)
 
 
 causal_lm_forward._truefuse_loss = True
