@@ -172,6 +172,9 @@ def test_refusals_name_the_argument():
         graph_decode(model)  # the real device check: CUDA graphs record GPU kernels
     with pytest.raises(TypeError, match="model must be"):
         graph_decode(torch.nn.Linear(2, 2))
+    model.lm_head.to("meta")  # a model spread over devices (device_map="auto" across GPUs)
+    with pytest.raises(ValueError, match="model has parameters on 2 devices"):
+        graph_decode(model)
 
 
 def test_bad_arguments_and_a_second_call_refused(fake_cuda):

@@ -237,8 +237,8 @@ def graph_decode(model: torch.nn.Module, *, warmup: int = 1, max_graphs: int = 8
         :class:`GraphedDecode`, the handle (``captures``, ``replays``, ``eager``, ``remove()``).
 
     Raises:
-        ValueError naming the argument: a model not on CUDA or sharded by FSDP2, one already graphed,
-        bad ``warmup`` or ``max_graphs``.
+        ValueError naming the argument: a model not on CUDA, spread over several devices or sharded
+        by FSDP2, one already graphed, bad ``warmup`` or ``max_graphs``.
     """
     inner = unwrap(model)
     if not isinstance(inner, torch.nn.Module) or not callable(getattr(inner, "generate", None)):
@@ -248,6 +248,12 @@ def graph_decode(model: torch.nn.Module, *, warmup: int = 1, max_graphs: int = 8
         raise ValueError(
             f"model is sharded by FSDP2 ({'its root module' if not sharded else repr(sharded)} is a unit): its parameters are gathered to new addresses "
             "each forward, which a CUDA graph cannot follow; generate with the unsharded model"
+        )
+    devices = {p.device for p in inner.parameters()}
+    if len(devices) > 1:
+        raise ValueError(
+            f"model has parameters on {len(devices)} devices ({', '.join(sorted(map(str, devices)))}): a CUDA graph "
+            "records one device's stream; graph a model that sits on one GPU"
         )
     param = next(inner.parameters(), None)
     if param is None or not _on_cuda(param):
