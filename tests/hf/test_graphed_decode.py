@@ -164,6 +164,13 @@ def test_remove_restores_forward_and_generation_config(fake_cuda):
     assert "forward" in model.__dict__
     handle.remove()
     assert "forward" not in model.__dict__ and (gc.cache_implementation, gc.disable_compile) == before
+    # wrapped since (accelerate's autocast wraps an instance forward): removing leaves the plain forward inside
+    handle = graph_decode(model)
+    inner = model.forward
+    model.forward = lambda *a, **k: inner(*a, **k)
+    handle.remove()
+    _generate(model, _ids(), cache_implementation="static")
+    assert handle.captures == 0 and handle.replays == 0
 
 
 def test_refusals_name_the_argument():

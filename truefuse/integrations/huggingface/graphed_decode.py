@@ -58,6 +58,7 @@ class GraphedDecode:
         self.pool = None
         self.captures = self.replays = self.eager = 0
         self._rebuild = None
+        self._removed = False  # after remove(): the plain forward (a wrapper around this one may remain)
         self._host_state: set[tuple] = set()  # keys whose step changes the cache's host-side state
         self._forward = model.forward  # the bound forward the wrapper replaces (patched or stock)
         # generate reads the forward's parameters to choose what to pass (``logits_to_keep``: without
@@ -67,7 +68,7 @@ class GraphedDecode:
         self._config = None if gc is None else (gc.cache_implementation, gc.disable_compile)
 
     def __call__(self, *args, **kwargs):
-        key_and_inputs = None if args else self._graphable(kwargs)
+        key_and_inputs = None if args or self._removed else self._graphable(kwargs)
         if key_and_inputs is None:
             self.eager += 1
             return self._forward(*args, **kwargs)
@@ -162,7 +163,10 @@ class GraphedDecode:
         return key, tensors, rebuild, cache, held
 
     def remove(self) -> None:
-        """Put the model's forward and generation config back and free the graphs."""
+        """Put the model's forward and generation config back and free the graphs. Where something
+        wrapped the forward since (accelerate's autocast does), this stays inside that wrapper as the
+        plain forward."""
+        self._removed = True
         if self.model.__dict__.get("forward") is self:
             del self.model.forward
         gc = getattr(self.model, "generation_config", None)
