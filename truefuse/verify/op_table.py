@@ -662,24 +662,33 @@ OPS: tuple[OpDecl, ...] = (
         opcheck=lambda d: _rope_opcheck(d) + _hf_rotary_opcheck(d),
         compile=_rope_compile,
     ),
-    # the in-place elementwise ops without an autograd formula: ops.scale_ (the loss backward's
-    # scaling) and ops.adamw_ (truefuse.optim.AdamW's update, docs/optim.md)
-    *(
-        OpDecl(
-            name=f"ops.{stem}_",
-            stem=stem,
-            custom_ops={f"truefuse::{stem}_": f"truefuse.ops.{stem}:{stem}_op"},
-            ref=f"truefuse.ops.{stem}:{stem}_ref",
-            verify=(stem,),
-            inline=False,
-            eager=False,
-            dtensor="refused",
-            batch_invariant="invariant by construction",  # elementwise: an element's bits never see the others
-            double_backward="not differentiable",
-            opcheck=opcheck,
-            compile=compile_,
-        )
-        for stem, opcheck, compile_ in (("scale", _scale_opcheck, _scale_compile), ("adamw", _adamw_opcheck, _adamw_compile))
+    OpDecl(
+        name="ops.scale_",  # the loss backward's in-place scaling
+        stem="scale",
+        custom_ops={"truefuse::scale_": "truefuse.ops.scale:scale_op"},
+        ref="truefuse.ops.scale:scale_ref",
+        verify=("scale",),
+        inline=False,
+        eager=False,
+        dtensor="refused",
+        batch_invariant="invariant by construction",
+        double_backward="not differentiable",
+        opcheck=_scale_opcheck,
+        compile=_scale_compile,
+    ),
+    OpDecl(
+        name="ops.adamw_",  # truefuse.optim.AdamW's in-place update (docs/optim.md)
+        stem="adamw",
+        custom_ops={"truefuse::adamw_": "truefuse.ops.adamw:adamw_op"},
+        ref="truefuse.ops.adamw:adamw_ref",
+        verify=("adamw",),
+        inline=False,
+        eager=False,
+        dtensor="refused",
+        batch_invariant="invariant by construction",  # elementwise: an element's bits never see the others
+        double_backward="not differentiable",
+        opcheck=_adamw_opcheck,
+        compile=_adamw_compile,
     ),
     OpDecl(
         name="token_log_probs",
