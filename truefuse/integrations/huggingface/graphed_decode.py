@@ -11,11 +11,12 @@ step's tensors copied into the captured ones. The same kernels with the same arg
 logits are the eager step's bits (truefuse's kernels choose from shapes and dtypes, never values).
 
 What a graph may bake in is keyed: the step's tensors' shapes and dtypes, every other argument's
-value, the static cache's layout, the mode record (``Modes.now()``) and autocast's dtype. A static cache is written in
-place at the addresses the graph recorded: a new cache of the same layout (transformers 5.25 builds
-one a ``generate``) is adopted, its prefilled contents copied into the graph's tensors
-(:meth:`_Graph.adopt`), instead of capturing again. Anything else (a prefill, a dynamic cache,
-autograd on, a CPU tensor) runs the forward eagerly.
+value, the static cache's layout, the mode record (``Modes.now()``) and autocast's dtype. A static
+cache is written in place at the addresses the graph recorded: a new cache of the same layout
+(transformers 5.25 builds one a ``generate``) is adopted, its prefilled contents copied into the
+graph's tensors (:meth:`_Graph.adopt`), instead of capturing again. Anything else (a prefill, a
+dynamic cache, autograd on, a CPU tensor, a cache whose layers keep state on the host) runs the
+forward eagerly.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class GraphedDecode:
     """The handle :func:`graph_decode` returns: its graphs, their counts, and :meth:`remove`.
 
     Attributes:
-        captures: graphs captured so far (one per key: shapes, argument values, cache addresses, mode).
+        captures: graphs captured so far (one per key: shapes, argument values, cache layout, modes).
         replays: decode steps served by a replay (the capturing step included: a capture runs nothing,
             so it replays once).
         eager: forward calls run eagerly (prefills, warm-up steps, anything not a graphable decode step).
@@ -111,11 +112,12 @@ class GraphedDecode:
 
     def _step(self, *tensors):
         # this call's arguments around the step's tensors (eager warm-up and capture; a replay runs
-        # no Python): the graph holds no reference to a cache, which its key's addresses name
+        # no Python): the graph keeps no reference to the call's cache, only to its tensors
         return self._forward(**self._rebuild(tensors))
 
     def _graphable(self, kwargs: dict):
-        """``(key, tensors, rebuild)`` for a decode step a graph may replay, else None."""
+        """``(key, tensors, rebuild, cache, held)`` for a decode step a graph may replay (``held``: the
+        cache's tensors, ``_cache_tensors``), else None."""
         if torch.is_grad_enabled():
             return None
         names = [k for k in _CACHE_KEYS if k in kwargs]
