@@ -3,7 +3,8 @@ on the demo's GPU model (Llama 16 x 2048, vocabulary 128256, 4 x 2048 tokens, bf
 
 Each run: 4 warm-up steps, then 3 profiled steps (torch.profiler, CUDA kernels only); kernel time is
 summed by category from the kernel's name. Prints one table, ms per step per category and run.
-``--runs`` picks them (``<run>+compile``: each decoder layer compiled, ``compile_layers``; Liger runs
+``--runs`` picks them (``<run>+compile``: each decoder layer compiled, ``compile_layers``;
+``<run>+adamw``: ``truefuse.optim.AdamW`` instead of torch's, issue 48.4; Liger runs
 last: it patches transformers' Llama module process-wide); ``--fused`` uses torch's fused AdamW (the
 demo's).
 
@@ -54,13 +55,19 @@ def build(patch):
 
 
 def prepared(name: str, fused: bool):
-    """Run ``name``'s model (``<run>+compile``: its decoder layers compiled), AdamW and a batch."""
+    """Run ``name``'s model (``+compile``: its decoder layers compiled; ``+adamw``: stepped with
+    ``truefuse.optim.AdamW``, else torch's), AdamW and a batch."""
     model = build(_patch(name))
-    if name.endswith("+compile"):
+    if "+compile" in name:
         from truefuse.integrations.huggingface import compile_layers
 
         compile_layers(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
+    if "+adamw" in name:
+        from truefuse.optim import AdamW
+
+        opt = AdamW(model.parameters(), lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
     ids = torch.randint(0, 128256, (4, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     return model, opt, ids
 
