@@ -293,3 +293,26 @@ def test_truefuse_adamw_run_steps_with_truefuse_optimizer(cache_dir, monkeypatch
     stock, ours = result.runs
     assert len(used) == 3  # every step went through truefuse's optimizer
     assert max(abs(a - b) for a, b in zip(stock.losses, ours.losses, strict=True)) <= cfg.tol
+
+
+def test_cuda_graphs_with_liger_adds_its_graphable_run(monkeypatch):
+    """``--cuda-graphs --peer liger``: Liger's own step stays eager (its loss reads the host), so a
+    second Liger run without its fused loss, which a graph can capture, runs beside it, last."""
+    from truefuse.demo import cli, needs
+
+    seen = {}
+    monkeypatch.setattr(needs, "device", lambda want: ("cuda", None))
+    monkeypatch.setattr(cli, "truefuse_patch", lambda: identity)
+    monkeypatch.setattr(cli, "liger_patch", lambda: cli._apply_liger)
+
+    def fake_run_demo(cfg, peers, apart=(), **kw):
+        seen.update(peers={k: getattr(v, "reads_host", None) for k, v in peers.items()}, graphs=cfg.cuda_graphs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("truefuse.demo.train.run_demo", fake_run_demo)
+    from truefuse.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--cuda-graphs", "--peer", "liger", "--steps", "1", "--quiet"])
+    assert seen["graphs"] and list(seen["peers"]) == ["truefuse", "liger", "liger, no fused loss"]
+    assert seen["peers"]["liger"] is not None and seen["peers"]["liger, no fused loss"] is None

@@ -68,6 +68,15 @@ def _apply_liger(model):
     return "liger_kernel.transformers.apply_liger_kernel_to_llama(model=...) with its defaults"
 
 
+def _apply_liger_nolce(model):
+    """Liger's patch without its fused linear cross-entropy (transformers' loss): the Liger run whose
+    step a CUDA graph can capture (``--cuda-graphs``)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama(model=model, fused_linear_cross_entropy=False)
+    return "apply_liger_kernel_to_llama(model=..., fused_linear_cross_entropy=False): transformers' loss"
+
+
 #: why ``--cuda-graphs`` leaves Liger's step eager (demo/train.py reads it off the patch; so does
 #: experiments/exp_graphs.py): a capture of it would fail
 LIGER_READS_HOST = "Liger's fused linear cross-entropy reads its token count on the host (.item())"
@@ -203,6 +212,8 @@ def main(args: argparse.Namespace) -> int:
             return _fail("--peer liger needs a CUDA device (Liger's kernels are Triton GPU kernels)")
         if cfg.schedule != "sequential":
             return _fail("--peer liger needs --schedule sequential (its RoPE patch is process-wide)")
+        if cfg.cuda_graphs:  # Liger's own step stays eager (it reads the host): its graphable form beside it
+            peers["liger, no fused loss"] = _apply_liger_nolce
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr)
