@@ -71,6 +71,23 @@ def test_other_architectures_the_eager_bits(fake_cuda, model_type):
     assert (handle.captures, handle.replays) == want, (model_type, sliding, handle.captures, handle.replays)
 
 
+def test_a_peft_model_graphs_its_base_model(fake_cuda):
+    """A PEFT LoRA model: ``graph_decode`` graphs the transformers model inside (PEFT's ``generate``
+    reaches its forward), with the adapters in the graph; the eager bits, one capture."""
+    peft = pytest.importorskip("peft")
+    model = tiny_model("llama", num_hidden_layers=2).eval()
+    apply_truefuse(model, batch_invariant=True)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(model, lora).eval()
+    ids = _ids()
+    eager = _generate(model, ids, cache_implementation="static", disable_compile=True)
+    handle = graph_decode(model)
+    seq, logits = _generate(model, ids)
+    assert torch.equal(seq, eager[0]) and torch.equal(logits, eager[1])
+    assert (handle.captures, handle.replays) == (1, 4)
+    assert handle.model is model.get_base_model()
+
+
 def _cache_of(model, ids):
     from transformers import StaticCache
 
