@@ -185,8 +185,10 @@ def main() -> None:
             times[n].append(do_bench(runs[n], warmup=10, rep=60))
     flops = 2 * 2 * args.m * args.k * args.i
     base = sorted(times["truefuse"])[1]
-    print(f"M {args.m}, K {args.k}, I {args.i}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print(f"{'run':34s} {'ms':>8s} {'TFLOP/s':>8s} {'x truefuse':>10s}  rel err vs stock, share differing from stock's rounding of its g, u")
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    print(f"M {args.m}, K {args.k}, I {args.i}, bf16, {torch.cuda.get_device_name()}, {versions}")
+    head = f"{'run':34s} {'ms':>8s} {'TFLOP/s':>8s} {'x truefuse':>10s}"
+    print(head + "  rel err vs stock, share differing from stock's rounding of its g, u")
     for n, ts in times.items():
         ms = sorted(ts)[1]
         same, rel = ok[n]

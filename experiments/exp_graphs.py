@@ -45,9 +45,10 @@ the last variant, so that a failed capture of it spoils no other.
 ``generate``: prompts of ``--prompt-len`` random tokens, ``--new-tokens`` new tokens (``min_new_tokens``
 too), greedy, at each of ``--gen-batches``. Recipes: ``eager`` (dynamic cache), ``static`` (static
 cache, eager forward: the smoke test's), ``graphed`` (static cache, decode steps replayed as CUDA
-graphs of the eager forward: ``truefuse.integrations.huggingface.graph_decode``), ``compiled`` (static cache, forward compiled with
-``--compile-mode``; transformers' own auto-compile off, ``disable_compile=True``, so the forward is
-compiled once, by this script). Eager, static and graphed are timed round-robin over variants and batches.
+graphs of the eager forward: ``truefuse.integrations.huggingface.graph_decode``), ``compiled``
+(static cache, forward compiled with ``--compile-mode``; transformers' own auto-compile off,
+``disable_compile=True``, so the forward is compiled once, by this script). Eager, static and
+graphed are timed round-robin over variants and batches.
 ``compiled`` runs a block per variant (``torch._dynamo.reset()`` before each, as a compiled forward per
 variant would hit Dynamo's recompile limit and share its CUDA-graph trees; the limit raised to 64 for
 the graph breaks' frames): per batch one eager ``generate`` with logits (the reference), one compiled

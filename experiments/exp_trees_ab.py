@@ -46,6 +46,7 @@ def one(tree: str, label: str) -> None:
     ga = r(16384, 2 * 8192, g=True)
     q, k, v = (r(4, 16, 2048, 128, g=True) for _ in range(3))
     cos, sin = r(1, 2048, 128), r(1, 2048, 128)
+
     def fb(f, *inputs):
         """``f``'s forward + backward into ``inputs`` alone, its output gradients made once (a new
         128 MB ``ones_like`` a call, and gradients for every leaf of every case, made the memory-bound

@@ -42,3 +42,12 @@ def device() -> torch.device:
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """``graph_decode`` on the CPU: every tensor counts as on CUDA, and graphs are a stand-in that
+    keeps what the wrapper relies on of a capture (tests/hf/_fake_graph.py)."""
+    from tests.hf._fake_graph import install
+
+    install(monkeypatch)

@@ -3,9 +3,9 @@ the identity (must give stock's curve bit for bit) and a deliberate perturbation
 
 from __future__ import annotations
 
+import functools
 import io
 import json
-import functools
 import math
 import subprocess
 import sys

@@ -16,7 +16,6 @@ pytest.importorskip("matplotlib")
 
 from truefuse.demo import rl  # noqa: E402
 from truefuse.demo.rl_report import bi_exact, print_table, summarize, write  # noqa: E402
-from tests.hf._fake_graph import fake_cuda  # noqa: E402, F401  (a fixture)
 
 TINY = dict(hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64, prompts=4, group=4, steps=3)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -3,10 +3,7 @@ tests/hf/test_trl.py): what the wrapper relies on of a capture, without a GPU.""
 
 from __future__ import annotations
 
-import pytest
 import torch
-
-from truefuse.integrations.huggingface import graphed_decode as gd
 
 
 class _FakeGraph:
@@ -37,9 +34,11 @@ def _tensors(out):
     return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    """``graph_decode`` on the CPU: every tensor counts as on CUDA, and graphs are :class:`_FakeGraph`."""
+def install(monkeypatch) -> None:
+    """``graph_decode`` on the CPU (the ``fake_cuda`` fixture, tests/conftest.py): every tensor counts
+    as on CUDA, and graphs are :class:`_FakeGraph`."""
+    from truefuse.integrations.huggingface import graphed_decode as gd
+
     monkeypatch.setattr(gd, "_on_cuda", lambda t: True)
     monkeypatch.setattr(gd.cuda_graph, "graph_step", _FakeGraph)
     monkeypatch.setattr(gd.torch.cuda, "graph_pool_handle", lambda: None)

@@ -19,8 +19,6 @@ from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
 from truefuse.integrations.huggingface import apply_truefuse, graph_decode  # noqa: E402
 from truefuse.integrations.huggingface import graphed_decode as gd  # noqa: E402
 
-from tests.hf._fake_graph import fake_cuda  # noqa: E402, F401  (a fixture)
-
 _KW = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
 
 

@@ -25,7 +25,6 @@ datasets = pytest.importorskip("datasets")
 import truefuse  # noqa: E402
 import truefuse.integrations.trl as tf_trl  # noqa: E402
 from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
-from tests.hf._fake_graph import fake_cuda  # noqa: E402, F401  (a fixture)
 from truefuse.integrations.huggingface import apply_truefuse, graph_decode, model_log_probs  # noqa: E402
 from truefuse.integrations.huggingface.log_probs import logits_dtype, positions  # noqa: E402
 

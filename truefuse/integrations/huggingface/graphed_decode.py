@@ -251,9 +251,10 @@ def graph_decode(model: torch.nn.Module, *, warmup: int = 1, max_graphs: int = 8
         raise TypeError(f"model must be a transformers model with generate(), got {type(model).__name__}")
     sharded = next((name for name, m in inner.named_modules() if is_fsdp_unit(m)), None)
     if sharded is not None:
+        unit = "its root module" if not sharded else repr(sharded)
         raise ValueError(
-            f"model is sharded by FSDP2 ({'its root module' if not sharded else repr(sharded)} is a unit): its parameters are gathered to new addresses "
-            "each forward, which a CUDA graph cannot follow; generate with the unsharded model"
+            f"model is sharded by FSDP2 ({unit} is a unit): its parameters are gathered to new addresses each "
+            "forward, which a CUDA graph cannot follow; generate with the unsharded model"
         )
     devices = {p.device for p in inner.parameters()}
     if len(devices) > 1:

@@ -209,6 +209,4 @@ def _own_backward(ctx, d_normed, d_summed, _drstd):
 
 # the shared backward op's refusal names add_rms_norm_hf (as norm_bwd's names rms_norm for rms_norm_hf);
 # the eager path names this op
-register_backward(
-    add_rms_norm_fwd_op, _own_backward, _own_setup, eager_names=lambda ctx: ("add_rms_norm", OWN_REF)
-)
+register_backward(add_rms_norm_fwd_op, _own_backward, _own_setup, eager_names=lambda ctx: ("add_rms_norm", OWN_REF))
