@@ -15,8 +15,10 @@ value, the static cache's layout, the mode record (``Modes.now()``) and autocast
 cache is written in place at the addresses the graph recorded: a new cache of the same layout
 (transformers 5.25 builds one a ``generate``) is adopted, its prefilled contents copied into the
 graph's tensors (:meth:`_Graph.adopt`), instead of capturing again. Anything else (a prefill, a
-dynamic cache, autograd on, a CPU tensor, a cache whose layers keep state on the host) runs the
-forward eagerly.
+dynamic cache, autograd on, a CPU tensor, a cache whose layers change other host state) runs the
+forward eagerly, and so does a sliding-window layer's step once its window is full. While a window is not
+full, the one host value its step changes, the layer's Python count of its tokens, is advanced after
+each replay as the eager step advances it.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class GraphedDecode:
         self.captures = self.replays = self.eager = 0
         self._rebuild = None
         self._removed = False  # after remove(): the plain forward (a wrapper around this one may remain)
-        self._host_state: set[tuple] = set()  # keys whose step changes the cache's host-side state
+        self._host_state: set[tuple] = set()  # keys whose step changes the cache's host state otherwise
+        self._counted: dict[tuple, tuple] = {}  # key -> the host counters its step advances (sliding windows)
         self._forward = model.forward  # the bound forward the wrapper replaces (patched or stock)
         # generate reads the forward's parameters to choose what to pass (``logits_to_keep``: without
         # it the prefill computes every position's logits)
@@ -96,11 +99,19 @@ class GraphedDecode:
             out = step(*tensors)
         finally:
             self._rebuild = None
-        if state is not None and _host_state(cache) != state:
-            # the step keeps state on the host (a sliding window's Python counter, which chooses its
-            # update's branch): a replay would neither advance it nor rechoose; this key stays eager
-            self._host_state.add(key)
-            del self.graphs[key]
+        if state is not None:
+            counted = _counters(state, _host_state(cache))
+            if counted is None:
+                # the step changes other host state, which a replay would neither advance nor read
+                # anew: this key stays eager
+                self._host_state.add(key)
+                del self.graphs[key]
+            else:
+                self._counted[key] = counted
+        if before > self.warmup:  # a replay ran no Python: advance the counters its step advances
+            for i, name in self._counted.get(key, ()):
+                layer = cache.layers[i]
+                setattr(layer, name, getattr(layer, name) + 1)
         if step.calls > self.warmup:
             self.replays += 1
             self.captures += before == self.warmup
@@ -132,7 +143,7 @@ class GraphedDecode:
         if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[1] != 1:
             return None  # a prefill (or a chunk of one): its shapes change from call to call
         held = _cache_tensors(cache)
-        if held is None:
+        if held is None or _window_full(cache):
             return None
         layout = tuple((name, tuple(t.shape), t.dtype, t.device) for _, name, t in held)
         rest = {k: v for k, v in kwargs.items() if k != names[0]}
@@ -193,6 +204,31 @@ class _Graph:
                 mine.copy_(t)
                 setattr(layer, name, mine)
         self.cache = weakref.ref(cache)
+
+
+#: a sliding-window layer's Python count of the tokens it holds (transformers 5.17-5.25
+#: ``StaticSlidingWindowLayer``): it chooses the update's branch, in-place writes until the window is
+#: full, a roll after (which uploads a host-made index: not capturable)
+_COUNTER = "cumulative_length_int"
+
+
+def _window_full(cache) -> bool:
+    """Whether a sliding-window layer of ``cache`` is full: its next update rolls (eager)."""
+    return any(getattr(layer, _COUNTER, -1) >= getattr(layer, "max_cache_len", 0) for layer in cache.layers)
+
+
+def _counters(before: tuple, after: tuple) -> tuple | None:
+    """``((layer, name), ...)``: the sliding-window counters a decode step advanced by its one token,
+    where those are all it changed on the host; None where it changed anything else."""
+    counted = []
+    for (i, name, a), (j, name2, b) in zip(before, after, strict=True):
+        if (i, name) != (j, name2):
+            return None
+        if a != b:
+            if name != _COUNTER or b != a + 1:
+                return None
+            counted.append((i, name))
+    return tuple(counted)
 
 
 def _host_state(cache) -> tuple:
