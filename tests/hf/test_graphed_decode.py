@@ -246,3 +246,22 @@ def test_graphed_generate_is_the_eager_bits_cuda(bi):
             trainer = model_log_probs(model, graphed.sequences).log_probs[:, ids.shape[1] - 1 :]
         assert torch.equal(sampler, trainer)
     handle.remove()
+
+
+@requires_cuda
+@pytest.mark.parametrize("model_type", ["gemma2", "mistral"])
+def test_sliding_window_models_graphed_are_the_eager_bits_cuda(model_type):
+    """Real CUDA graphs on sliding-window layers (bf16, batch-invariant): a window that does not fill
+    (graphed throughout, its count advanced after each replay) and Mistral's filling mid-generate
+    (the rolls eager): the eager static-cache run's tokens and logits."""
+    kw = {"sliding_window": 8} if model_type == "mistral" else {}
+    model = tiny_model(model_type, num_hidden_layers=2, **kw).to("cuda", torch.bfloat16).eval()
+    apply_truefuse(model, batch_invariant=True)
+    ids = _ids().cuda()
+    eager = _generate(model, ids, cache_implementation="static", disable_compile=True)
+    handle = graph_decode(model)
+    for _ in range(2):
+        seq, logits = _generate(model, ids)
+        assert torch.equal(seq, eager[0]) and torch.equal(logits, eager[1])
+    assert handle.captures == 1, (handle.captures, handle.replays, handle.eager)
+    handle.remove()
