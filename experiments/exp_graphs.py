@@ -533,19 +533,18 @@ def part_generate(ctx: Ctx) -> None:
     g = torch.Generator().manual_seed(2)
     prompts = {b: torch.randint(1, c["vocab"], (b, args.prompt_len), generator=g).to(ctx.device) for b in batches}
 
-    graphs = {}  # variant -> graph_decode's handle: installed only around its "graphed" runs
+    graphs = {}  # model -> graph_decode's handle: installed only around its "graphed" runs
 
     def gen(model, b, recipe, logits=False):
         ids = prompts[b]
-        v = next(k for k, m in models.items() if m is model) if recipe == "graphed" else None
-        if v is not None:
-            if v not in graphs:
-                graphs[v] = graph_decode(model)
-            vars(model)["forward"] = graphs[v]
+        if recipe == "graphed":
+            if model not in graphs:
+                graphs[model] = graph_decode(model)
+            vars(model)["forward"] = graphs[model]
         try:
             return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **gen_kwargs(args, recipe, logits))
         finally:
-            if v is not None:
+            if recipe == "graphed":
                 vars(model).pop("forward", None)
 
     def key(recipe, v, b):

@@ -285,10 +285,9 @@ def test_truefuse_adamw_run_steps_with_truefuse_optimizer(cache_dir, monkeypatch
     used = []
     real = AdamW.step
     monkeypatch.setattr(AdamW, "step", lambda self, *a, **k: used.append(1) or real(self, *a, **k))
-    patch = cli.truefuse_adamw_patch()
     cfg = make_config("cpu", device="cpu", **{**TINY, "steps": 3})
     adamw_identity = functools.partial(identity)
-    adamw_identity.optimizer = patch.optimizer
+    adamw_identity.optimizer = cli._apply_truefuse_adamw.optimizer  # the --truefuse-adamw run's optimizer, no patch
     result = demo_train.run_demo(cfg, {"identity adamw": adamw_identity}, cache_dir=str(cache_dir), quiet=True)
     stock, ours = result.runs
     assert len(used) == 3  # every step went through truefuse's optimizer

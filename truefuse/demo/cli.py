@@ -37,14 +37,15 @@ def truefuse_bi_patch():
     return functools.partial(apply_truefuse, batch_invariant=True)
 
 
-def truefuse_adamw_patch():
+def _apply_truefuse_adamw(model):
     """``apply_truefuse``, the run then stepping with ``truefuse.optim.AdamW`` (one launch a step)
     instead of torch's fused AdamW: the optimizer's share of the step (issue 48.4)."""
     from truefuse.integrations.huggingface import apply_truefuse
 
-    patch = functools.partial(apply_truefuse)
-    patch.optimizer = "truefuse"  # read by train.py's Trainer
-    return patch
+    return apply_truefuse(model)
+
+
+_apply_truefuse_adamw.optimizer = "truefuse"  # read by train.py's Trainer
 
 
 def stock_again(model):
@@ -199,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
     except ImportError as e:
         return _fail(f"truefuse.integrations.huggingface.apply_truefuse is not importable here ({e})")
     if getattr(args, "truefuse_adamw", False):
-        peers["truefuse adamw"] = truefuse_adamw_patch()
+        peers["truefuse adamw"] = _apply_truefuse_adamw
     if getattr(args, "batch_invariant", False):
         peers["stock again"] = stock_again
         peers["truefuse BI"] = truefuse_bi_patch()

@@ -303,14 +303,12 @@ class Trainer:
         not_graphed = getattr(patch, "reads_host", None) if cfg.cuda_graphs else None
         graphs = cfg.cuda_graphs and not_graphed is None
         lr = torch.tensor(cfg.lr, device=device) if graphs else cfg.lr
-        if getattr(patch, "optimizer", "torch") == "truefuse":  # the --truefuse-adamw run (cli.py)
-            from truefuse.optim import AdamW
+        opt_cls, opt_kw = torch.optim.AdamW, {"fused": True, "capturable": graphs}
+        if getattr(patch, "optimizer", "torch") == "truefuse":  # the --truefuse-adamw run (cli.py): always capturable
+            from truefuse.optim import AdamW as opt_cls
 
-            self.opt = AdamW(self.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
-        else:
-            self.opt = torch.optim.AdamW(
-                self.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, fused=True, capturable=graphs
-            )
+            opt_kw = {}
+        self.opt = opt_cls(self.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, **opt_kw)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(cfg, s))
         self.graphed = None
         if graphs:

@@ -62,8 +62,9 @@ class GraphedDecode:
         self.captures = self.replays = self.eager = 0
         self._rebuild = None
         self._removed = False  # after remove(): the plain forward (a wrapper around this one may remain)
-        self._host_state: set[tuple] = set()  # keys whose step changes the cache's host state otherwise
-        self._counted: dict[tuple, tuple] = {}  # key -> the host counters its step advances (sliding windows)
+        # key -> the host counters its step advances (sliding windows), None where it changes other
+        # host state (that key stays eager); read off its warm-up step
+        self._counters: dict[tuple, tuple | None] = {}
         self._forward = model.forward  # the bound forward the wrapper replaces (patched or stock)
         # generate reads the forward's parameters to choose what to pass (``logits_to_keep``: without
         # it the prefill computes every position's logits)
@@ -77,7 +78,7 @@ class GraphedDecode:
             self.eager += 1
             return self._forward(*args, **kwargs)
         key, tensors, rebuild, cache, held = key_and_inputs
-        if key in self._host_state:
+        if key in self._counters and self._counters[key] is None:
             self.eager += 1
             return self._forward(**kwargs)
         graph = self.graphs.get(key)
@@ -100,16 +101,12 @@ class GraphedDecode:
         finally:
             self._rebuild = None
         if state is not None:
-            counted = _counters(state, _host_state(cache))
-            if counted is None:
-                # the step changes other host state, which a replay would neither advance nor read
-                # anew: this key stays eager
-                self._host_state.add(key)
+            # other host state a replay would neither advance nor read anew: this key stays eager
+            self._counters[key] = _counters(state, _host_state(cache))
+            if self._counters[key] is None:
                 del self.graphs[key]
-            else:
-                self._counted[key] = counted
         if before > self.warmup:  # a replay ran no Python: advance the counters its step advances
-            for i, name in self._counted.get(key, ()):
+            for i, name in self._counters.get(key) or ():
                 layer = cache.layers[i]
                 setattr(layer, name, getattr(layer, name) + 1)
         if step.calls > self.warmup:
