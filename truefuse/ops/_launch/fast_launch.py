@@ -6,17 +6,19 @@ builds the launch hooks' metadata and only then calls the compiled kernel's laun
 a launch on an H100 host, against ~3.4-4 µs for that launcher alone (``experiments/host_time.py
 launch``). :func:`fast_launch` means the same call and, in eager mode on CUDA, keeps the
 ``CompiledKernel`` each first launch returns under a key of everything Triton's own key is made of
-(the current device; each tensor's dtype and 16-byte alignment; each int's class: == 1, a multiple
-of 16, its int32 / int64 / uint64 range; each float or bool argument's type; every constexpr's value
-and type; the launch options, ``num_warps``, ``launch_pdl``, ...), and launches the next call with the
-same key through that kernel's launcher. The same compiled kernel, arguments, grid and stream: the
-same bits.
+(the current device; every argument's type; each tensor's dtype and 16-byte alignment; each int's
+== 1 and % 16 == 0; every constexpr's value; the launch options, ``num_warps``, ``launch_pdl``, ...),
+and launches the next call with the same key through that kernel's launcher. The same compiled
+kernel, arguments, grid and stream: the same bits. Measured without a GPU (the CPU box, a norm
+forward's 33 arguments, the launcher a no-op stand-in): ~5 µs of host against ~14 through Triton
+3.9's ``JITFunction.run``; the GPU machine's numbers come from ``host_time.py launch``.
 
 Anything it cannot key takes Triton's path unchanged: a traced or other non-plain tensor (the
 launcher's ``kernel_for`` then hands a wrapper, not a ``JITFunction``), Dynamo tracing the launch,
 the CPU interpreter, an autotuned or heuristics-wrapped kernel, ``None`` or any argument of another
-type, launch hooks set (a profiler's), Triton's debug or instrumentation mode, the switch off
-(``truefuse.config.eager_fast_launch(False)``, ``TRUEFUSE_FAST_LAUNCH=0``), ROCm. A Triton whose
+type, an int outside int32's range, launch hooks set (a profiler's), Triton's debug or
+instrumentation mode, the switch off (``truefuse.config.eager_fast_launch(False)``,
+``TRUEFUSE_FAST_LAUNCH=0``), ROCm. A Triton whose
 ``JITFunction.run`` launches its kernel differently than 3.6-3.9 do, or whose compiled kernel lacks
 the launcher's handle, turns the fast path off (one log line) instead of failing.
 """
