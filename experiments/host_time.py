@@ -307,7 +307,6 @@ def cmd_launch(args) -> None:
     from truefuse.autograd.rope import apply_rotary_pos_emb
     from truefuse.config import eager_fast_launch
     from truefuse.integrations.huggingface.attention import attention_forward
-    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
 
     dev, bf = "cuda", torch.bfloat16
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", _triton_version())
@@ -330,20 +329,13 @@ def cmd_launch(args) -> None:
     module.is_causal = True
 
     def stock_norm():
-        h = x.to(torch.float32)
-        var = h.pow(2).mean(-1, keepdim=True)
-        return nw * (h * torch.rsqrt(var + 1e-6)).to(bf)
-
-    def rot(t):
-        return torch.cat((-t[..., 32:], t[..., :32]), dim=-1)
+        return _stock_rms_norm(x, nw)
 
     def stock_rope():
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        return q * c + rot(q) * s, k * c + rot(k) * s
+        return _stock_rope(q, k, cos, sin)
 
     def bi_linear():
-        with running_batch_invariant():
-            return F.linear(x, w)
+        return _bi_linear(x, w)
 
     rows = {  # name -> (stock fn, truefuse fn)
         "F.linear (cuBLAS)": (lambda: F.linear(x, w), None),
@@ -454,6 +446,35 @@ def _replay(jit, a, kw, grid, kernel, host_us, torch, knobs) -> str:
     return f"{jit.fn.__name__}: " + " / ".join(f"{t:.1f}" for t in times)
 
 
+def _stock_rms_norm(x, w):
+    """A transformers RMSNorm's forward as stock writes it (eps 1e-6)."""
+    import torch
+
+    h = x.to(torch.float32)
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _stock_rope(q, k, cos, sin):
+    """transformers' ``apply_rotary_pos_emb`` as stock writes it (head dimension 64)."""
+    import torch
+
+    def rot(t):
+        return torch.cat((-t[..., 32:], t[..., :32]), dim=-1)
+
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * c + rot(q) * s, k * c + rot(k) * s
+
+
+def _bi_linear(x, w):
+    """``F.linear`` routed as a batch-invariant model's (its plain Triton GEMM)."""
+    import torch.nn.functional as F
+
+    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
+
+    with running_batch_invariant():
+        return F.linear(x, w)
+
+
 def _triton_version() -> str:
     import triton
 
@@ -471,7 +492,6 @@ def _launch_fwd_bwd(calls: int) -> list[str]:
     from truefuse.autograd.norm import rms_norm, rms_norm_hf
     from truefuse.autograd.rope import apply_rotary_pos_emb
     from truefuse.config import eager_fast_launch
-    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
 
     dev, bf = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -486,27 +506,12 @@ def _launch_fwd_bwd(calls: int) -> list[str]:
     g, u = leaf(T, 2816), leaf(T, 2816)
     w = leaf(H, H)
 
-    def stock_norm():
-        h = x.to(torch.float32)
-        return nw * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf)
-
-    def rot(t):
-        return torch.cat((-t[..., 32:], t[..., :32]), dim=-1)
-
-    def stock_rope():
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        return q * c + rot(q) * s, k * c + rot(k) * s
-
-    def bi_linear():
-        with running_batch_invariant():
-            return F.linear(x, w)
-
     pairs = {  # name -> (stock, truefuse, the inputs differentiated)
-        "rms_norm": (stock_norm, lambda: rms_norm(x, nw, 1e-6), (x, nw)),
-        "rms_norm_hf": (stock_norm, lambda: rms_norm_hf(x, nw, 1e-6), (x, nw)),
-        "rope": (stock_rope, lambda: apply_rotary_pos_emb(q, k, cos, sin), (q, k)),
+        "rms_norm": (lambda: _stock_rms_norm(x, nw), lambda: rms_norm(x, nw, 1e-6), (x, nw)),
+        "rms_norm_hf": (lambda: _stock_rms_norm(x, nw), lambda: rms_norm_hf(x, nw, 1e-6), (x, nw)),
+        "rope": (lambda: _stock_rope(q, k, cos, sin), lambda: apply_rotary_pos_emb(q, k, cos, sin), (q, k)),
         "swiglu (g, u)": (lambda: F.silu(g) * u, lambda: gated_activation(g, "swiglu", u), (g, u)),
-        "F.linear routed BI": (lambda: F.linear(x, w), bi_linear, (x, w)),
+        "F.linear routed BI": (lambda: F.linear(x, w), lambda: _bi_linear(x, w), (x, w)),
     }
 
     def fwd_bwd(f, inputs):

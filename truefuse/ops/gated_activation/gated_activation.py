@@ -80,19 +80,9 @@ def gated_fwd(x: torch.Tensor, name: str, up: torch.Tensor | None = None) -> tor
     if M and F:
         grid, block = _launch_shape(M, F)
         u_ = u if gated else g
+        kernel = kernel_for(_gated_activation_fwd_kernel, y)
         fast_launch(
-            kernel_for(_gated_activation_fwd_kernel, y),
-            grid,
-            g,
-            u_,
-            y,
-            g.stride(0),
-            u_.stride(0),
-            y.stride(0),
-            F,
-            ACT=ACT_CODES[act],
-            GATED=gated,
-            BLOCK=block,
+            kernel, grid, g, u_, y, g.stride(0), u_.stride(0), y.stride(0), F, ACT=ACT_CODES[act], GATED=gated, BLOCK=block
         )
     return y
 
