@@ -7,7 +7,7 @@ subcommand    where  what                                                       
 ============  =====  ==========================================================  ======================
 bi-stubbed    CPU    BI mode's paths, every Triton launch stubbed                exp_bi_host_time.py
 eager         CPU    eager mode's autograd Function vs the dispatcher, stubbed   exp_eager_host_time.py
-launch        GPU    decode-sized ops vs stock; each Triton launch three ways    exp_launch_host.py
+launch        GPU    decode-sized ops vs stock; each Triton launch five ways     exp_launch_host.py
 bi-linear     GPU    routed BI ``F.linear`` fwd + bwd vs stock; cProfile         exp_bi_linear_host.py
 generate      GPU    which ``apply_truefuse`` patch costs ``generate`` its host  exp_generate_host.py
 train         GPU    a training step's forward / backward host, per op + model   exp_train_host.py
@@ -282,14 +282,20 @@ def cmd_launch(args) -> None:
     """Truefuse's eager ops on CUDA against the stock ops they replace, and the Triton launches inside
     them: ``JITFunction.run`` against a launch through the compiled kernel's handle. Decode-sized bf16
     inputs (4 sequences, hidden 2048, 16/8 heads of 64), so that the GPU is never the bottleneck: each
-    row is the host µs of one call (``gpu_host_us``). Each truefuse op's Triton launches are recorded
-    and replayed three ways: ``jit.run`` (Triton's own path), ``handle`` (the compiled kernel's
-    ``run`` with the bound arguments precomputed: the floor of any launch), and ``handle+key`` (the
-    same with Triton's specialisation flags computed in Python each call, what a launch cache of
-    truefuse's own would pay at least: on an H100 host 15-23 µs against Triton's 17-26, and a full
-    cache keyed on the exact arguments measured 19-28 µs, slower than Triton's own path, so the ops
-    launch through Triton), and ``handle+minimal key`` (keyed on the tensors' alignment alone: what
-    an op that validated its inputs would pay; not yet measured)."""
+    row is the host µs of one call (``gpu_host_us``), a truefuse op's both with the eager fast launch
+    (``ops/_launch/fast_launch.py``, the default) and without it (``fast off``). Each truefuse op's
+    Triton launches are recorded (fast launch off) and replayed: ``jit.run`` (Triton's own path),
+    ``handle`` (the compiled kernel's ``run`` with the bound arguments precomputed: the floor of any
+    launch), ``handle+key`` (the same with Triton's specialisation flags computed in Python each
+    call: on an H100 host 15-23 µs against Triton's 17-26, and a full cache keyed on the exact
+    arguments measured 19-28 µs, so the ops launched through Triton until issue 47), ``handle+minimal
+    key`` (keyed on the tensors' alignment alone) and ``fast_launch`` (the ops' launch now: the
+    recorded call through ``ops/_launch/fast_launch.py::fast_launch``).
+
+    Then issue 47's host table (``--no-fwd-bwd`` skips it): each op's eager forward + backward with
+    a gradient (hidden 1024, 128 tokens, bf16), host µs a call, stock's expression / truefuse with
+    the fast launch off / on: ``rms_norm``, ``rms_norm_hf``, rope (q and k), the two-tensor swiglu
+    and, in batch-invariant mode, a routed ``F.linear`` (the plain Triton GEMM's launches)."""
     import torch
     import torch.nn.functional as F
     from triton import knobs
@@ -299,10 +305,11 @@ def cmd_launch(args) -> None:
     from truefuse.autograd.gated_activation import gated_activation
     from truefuse.autograd.norm import rms_norm, rms_norm_hf
     from truefuse.autograd.rope import apply_rotary_pos_emb
+    from truefuse.config import eager_fast_launch
     from truefuse.integrations.huggingface.attention import attention_forward
-    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
 
     dev, bf = "cuda", torch.bfloat16
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", _triton_version())
     torch.manual_seed(0)
     H, B = 2048, 4
     x = torch.randn(B, 1, H, device=dev, dtype=bf)
@@ -322,20 +329,13 @@ def cmd_launch(args) -> None:
     module.is_causal = True
 
     def stock_norm():
-        h = x.to(torch.float32)
-        var = h.pow(2).mean(-1, keepdim=True)
-        return nw * (h * torch.rsqrt(var + 1e-6)).to(bf)
-
-    def rot(t):
-        return torch.cat((-t[..., 32:], t[..., :32]), dim=-1)
+        return _stock_rms_norm(x, nw)
 
     def stock_rope():
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        return q * c + rot(q) * s, k * c + rot(k) * s
+        return _stock_rope(q, k, cos, sin)
 
     def bi_linear():
-        with running_batch_invariant():
-            return F.linear(x, w)
+        return _bi_linear(x, w)
 
     rows = {  # name -> (stock fn, truefuse fn)
         "F.linear (cuBLAS)": (lambda: F.linear(x, w), None),
@@ -365,19 +365,25 @@ def cmd_launch(args) -> None:
         return kernel
 
     torch.set_grad_enabled(False)
-    print(f"{'row':26s} {'host us':>9s}  launches: jit.run / handle / handle+key / handle+minimal key us")
+    ways = "jit.run / handle / handle+key / handle+minimal key / fast_launch"
+    print(f"{'row':26s} {'host us':>9s} {'fast off':>9s}  launches: {ways} us")
     for name, (stock, ours) in rows.items():
         line = f"{name:26s} {host_us(stock or ours):9.1f}"
         if ours is not None:
-            records.clear()
-            JITFunction.run = recording_run
-            try:
-                ours()
-            finally:
-                JITFunction.run = orig_run
+            with eager_fast_launch(False):
+                line += f" {host_us(ours):9.1f}"
+                records.clear()
+                JITFunction.run = recording_run
+                try:
+                    ours()
+                finally:
+                    JITFunction.run = orig_run
             for jit, a, kw, grid, kernel in records:
                 line += "  " + _replay(jit, a, kw, grid, kernel, host_us, torch, knobs)
         print(line, flush=True)
+    torch.set_grad_enabled(True)
+    if args.fwd_bwd:
+        print("\n".join(_launch_fwd_bwd(max(20, args.calls // 20))), flush=True)
     if args.profile:
         for name, (_, ours) in rows.items():
             if ours is not None:
@@ -385,7 +391,9 @@ def cmd_launch(args) -> None:
 
 
 def _replay(jit, a, kw, grid, kernel, host_us, torch, knobs) -> str:
-    """One recorded launch timed three ways (``cmd_launch``'s docstring)."""
+    """One recorded launch timed five ways (``cmd_launch``'s docstring)."""
+    from truefuse.ops._launch.fast_launch import fast_launch
+
     opts = {k: v for k, v in kw.items() if k not in {p.name for p in jit.params}}
     names = [p.name for p in jit.params]
     bound = list(a) + [kw[n] if n in kw else jit.params[i].default for i, n in enumerate(names) if i >= len(a)]
@@ -431,8 +439,97 @@ def _replay(jit, a, kw, grid, kernel, host_us, torch, knobs) -> str:
         kern.run(g0, g1, g2, stream, kern.function, kern.packed_metadata, None,
                  knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)  # fmt: skip
 
-    times = (host_us(f) for f in (via_jit, via_handle, via_key, via_min_key))
+    def via_fast():
+        fast_launch(jit, grid, *a, **kw)
+
+    times = (host_us(f) for f in (via_jit, via_handle, via_key, via_min_key, via_fast))
     return f"{jit.fn.__name__}: " + " / ".join(f"{t:.1f}" for t in times)
+
+
+def _stock_rms_norm(x, w):
+    """A transformers RMSNorm's forward as stock writes it (eps 1e-6)."""
+    import torch
+
+    h = x.to(torch.float32)
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _stock_rope(q, k, cos, sin):
+    """transformers' ``apply_rotary_pos_emb`` as stock writes it (head dimension 64)."""
+    import torch
+
+    def rot(t):
+        return torch.cat((-t[..., 32:], t[..., :32]), dim=-1)
+
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * c + rot(q) * s, k * c + rot(k) * s
+
+
+def _bi_linear(x, w):
+    """``F.linear`` routed as a batch-invariant model's (its plain Triton GEMM)."""
+    import torch.nn.functional as F
+
+    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
+
+    with running_batch_invariant():
+        return F.linear(x, w)
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def _launch_fwd_bwd(calls: int) -> list[str]:
+    """``cmd_launch``'s second table: each op's eager forward + backward, host µs a call, stock /
+    fast launch off / on (``gpu_host_us`` over ``calls``: few rows, so that each kernel's GPU time
+    stays below its launch's host time)."""
+    import torch
+    import torch.nn.functional as F
+
+    from truefuse.autograd.gated_activation import gated_activation
+    from truefuse.autograd.norm import rms_norm, rms_norm_hf
+    from truefuse.autograd.rope import apply_rotary_pos_emb
+    from truefuse.config import eager_fast_launch
+
+    dev, bf = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    H, T = 1024, 128
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=dev, dtype=bf).requires_grad_()
+
+    x, nw = leaf(T, H), leaf(H)
+    q, k = leaf(1, 16, T, 64), leaf(1, 8, T, 64)
+    cos, sin = torch.randn(1, T, 64, device=dev, dtype=bf), torch.randn(1, T, 64, device=dev, dtype=bf)
+    g, u = leaf(T, 2816), leaf(T, 2816)
+    w = leaf(H, H)
+
+    pairs = {  # name -> (stock, truefuse, the inputs differentiated)
+        "rms_norm": (lambda: _stock_rms_norm(x, nw), lambda: rms_norm(x, nw, 1e-6), (x, nw)),
+        "rms_norm_hf": (lambda: _stock_rms_norm(x, nw), lambda: rms_norm_hf(x, nw, 1e-6), (x, nw)),
+        "rope": (lambda: _stock_rope(q, k, cos, sin), lambda: apply_rotary_pos_emb(q, k, cos, sin), (q, k)),
+        "swiglu (g, u)": (lambda: F.silu(g) * u, lambda: gated_activation(g, "swiglu", u), (g, u)),
+        "F.linear routed BI": (lambda: F.linear(x, w), lambda: _bi_linear(x, w), (x, w)),
+    }
+
+    def fwd_bwd(f, inputs):
+        def run():
+            out = f()
+            outs = out if isinstance(out, tuple) else (out,)
+            torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs])
+
+        return run
+
+    lines = [f"{'fwd+bwd (grad)':<20} {'stock':>8} {'fast off':>9} {'fast on':>8} {'on/off':>7}  (host us a call)"]
+    for name, (stock, ours, inputs) in pairs.items():
+        s = gpu_host_us(fwd_bwd(stock, inputs), calls)
+        with eager_fast_launch(False):
+            off = gpu_host_us(fwd_bwd(ours, inputs), calls)
+        on = gpu_host_us(fwd_bwd(ours, inputs), calls)
+        lines.append(f"{name:<20} {s:8.1f} {off:9.1f} {on:8.1f} {on / off:7.2f}")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------------
@@ -831,9 +928,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--profile", default=None, help="a row name: print cProfile's top functions for it")
     s = add("eager", cmd_eager, "CPU: eager mode's autograd Function vs the dispatcher, launches stubbed")
     s.add_argument("--rounds", type=int, default=9)
-    s = add("launch", cmd_launch, "GPU: decode-sized ops vs stock; each Triton launch three ways")
+    s = add("launch", cmd_launch, "GPU: decode-sized ops vs stock; each Triton launch five ways; fwd+bwd fast launch on/off")
     s.add_argument("--calls", type=int, default=2000)
     s.add_argument("--profile", action="store_true", help="cProfile each truefuse op's calls")
+    s.add_argument("--no-fwd-bwd", dest="fwd_bwd", action="store_false", help="skip the forward + backward table")
     s = add("bi-linear", cmd_bi_linear, "GPU: routed BI F.linear forward + backward vs stock; cProfile of a BI step")
     s.add_argument("out", nargs="?", default="bi_linear_host")
     s = add("generate", cmd_generate, "GPU: which apply_truefuse patch costs generate its host time")

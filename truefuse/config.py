@@ -307,3 +307,38 @@ def batch_invariant(enabled: bool = True) -> Iterator[bool]:
         yield enabled
     finally:
         _batch_invariant = previous
+
+
+# Eager Triton launches through the compiled kernel's own launcher (ops/_launch/fast_launch.py,
+# docs/design.md §6.7; issue 47 item 3). Process-wide like the batch-invariant switch, read at every
+# launch: a ``with eager_fast_launch(False)`` block's launches all take Triton's own path. On by
+# default; ``TRUEFUSE_FAST_LAUNCH=0`` starts the process with it off.
+_eager_fast_launch: bool = os.environ.get("TRUEFUSE_FAST_LAUNCH", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def is_eager_fast_launch() -> bool:
+    """Whether eager Triton launches may go through the compiled kernel's own launcher (the same
+    kernel and arguments, less host time; ``ops/_launch/fast_launch.py``). Default on, or off with
+    ``TRUEFUSE_FAST_LAUNCH=0``; :func:`eager_fast_launch` turns it on or off for a block."""
+    return _eager_fast_launch
+
+
+@contextlib.contextmanager
+def eager_fast_launch(enabled: bool = True) -> Iterator[bool]:
+    """``with truefuse.config.eager_fast_launch(False): ...`` launches every Triton kernel in the
+    block through ``kernel[grid](...)``, Triton's own path (to compare host time, or to rule the
+    fast path out); the previous setting comes back on exit, also on an exception. Blocks nest.
+    Process-wide, like :func:`batch_invariant`: use it from one thread.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+    """
+    global _eager_fast_launch
+    if not isinstance(enabled, bool):
+        raise TypeError(f"eager_fast_launch(enabled={enabled!r}): enabled must be a bool")
+    previous = _eager_fast_launch
+    _eager_fast_launch = enabled
+    try:
+        yield enabled
+    finally:
+        _eager_fast_launch = previous

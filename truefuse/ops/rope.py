@@ -11,6 +11,7 @@ import torch
 
 from truefuse.config import get_config
 from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
+from truefuse.ops._launch.fast_launch import fast_launch
 from truefuse.ops._launch.triton import kernel_for, triton_runs
 
 
@@ -46,7 +47,9 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype
     half = D // 2
     block_d = max(16, 1 << (half - 1).bit_length())
     block_h = max(1, min(1 << (H - 1).bit_length(), max(1, 4096 // block_d)))
-    kernel_for(_rope_kernel, out)[(B * T,)](
+    fast_launch(
+        kernel_for(_rope_kernel, out),
+        (B * T,),
         x,
         cos,
         sin,

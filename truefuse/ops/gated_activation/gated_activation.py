@@ -11,6 +11,7 @@ import torch
 
 from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._launch.dtypes import wide_dtype
+from truefuse.ops._launch.fast_launch import fast_launch
 from truefuse.ops._launch.triton import kernel_for, triton_runs
 from truefuse.ops.gemm.activation import activation_ref
 
@@ -79,8 +80,9 @@ def gated_fwd(x: torch.Tensor, name: str, up: torch.Tensor | None = None) -> tor
     if M and F:
         grid, block = _launch_shape(M, F)
         u_ = u if gated else g
-        kernel_for(_gated_activation_fwd_kernel, y)[grid](
-            g, u_, y, g.stride(0), u_.stride(0), y.stride(0), F, ACT=ACT_CODES[act], GATED=gated, BLOCK=block
+        kernel = kernel_for(_gated_activation_fwd_kernel, y)
+        fast_launch(
+            kernel, grid, g, u_, y, g.stride(0), u_.stride(0), y.stride(0), F, ACT=ACT_CODES[act], GATED=gated, BLOCK=block
         )
     return y
 
@@ -111,7 +113,9 @@ def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool =
     if M and F:
         grid, block = _launch_shape(M, F)
         a = y if recompute else dg
-        kernel_for(_gated_activation_bwd_kernel, dg)[grid](
+        fast_launch(
+            kernel_for(_gated_activation_bwd_kernel, dg),
+            grid,
             dy,
             g,
             u,

@@ -18,6 +18,7 @@ from truefuse.config import get_tuning
 from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._launch.dtypes import wide_dtype
 from truefuse.ops._launch.eager_grad import eager_grads
+from truefuse.ops._launch.fast_launch import fast_launch
 from truefuse.ops._launch.triton import hopper, kernel_for, sm_count, traced, triton_runs
 from truefuse.ops.norm.norm_config import (
     STAGED_INNER,
@@ -232,7 +233,9 @@ def norm_fwd(
         warps, per_sm, wb = ln_fwd_config(N)
     per_sm = per_sm if x.is_cuda else 0
     programs = min(M, per_sm * sm_count(x.device.index or 0)) if per_sm else M
-    kernel_for(_norm_fwd_kernel, y)[(programs,)](
+    fast_launch(
+        kernel_for(_norm_fwd_kernel, y),
+        (programs,),
         x,
         weight if weight is not None else x,
         bias if bias is not None else x,
@@ -367,10 +370,13 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, zero_centered_gamma:
     if staged is not None:
         bwd_staged(dy, x, tail, M, N, rows_per_program, programs, staged, {**flags, **math})
     elif cfg.parts is None:
-        kernel_for(_norm_bwd_kernel, dx)[(programs,)](*args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch)
+        fast_launch(
+            kernel_for(_norm_bwd_kernel, dx), (programs,), *args, **flags, BLOCK_N=block, ROWS=cfg.rows, PREFETCH=cfg.prefetch
+        )
     else:
         a, b = cfg.parts
-        kernel_for(_norm_bwd_split_kernel, dx)[(programs,)](*args, **flags, **math, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
+        kernel = kernel_for(_norm_bwd_split_kernel, dx)
+        fast_launch(kernel, (programs,), *args, **flags, **math, BLOCK_A=a, BLOCK_B=b, PREFETCH=cfg.prefetch)
     if has_w and has_bias:
         dw, db = _sum_partials(dw_part, weight.dtype, pdl, db_part, bias.dtype)
     else:
@@ -409,7 +415,9 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype, pdl: bool = False, par
     block_p, block, warps = sum_config(N, part2 is not None)
     if not part.is_cuda:  # the CPU interpreter: each column's sum is the same at any BLOCK_N, and each program costs its Python
         block = max(block, 256)
-    kernel_for(_sum_partials_kernel, out)[(-(-N // block),)](
+    fast_launch(
+        kernel_for(_sum_partials_kernel, out),
+        (-(-N // block),),
         part,
         out,
         part if part2 is None else part2,

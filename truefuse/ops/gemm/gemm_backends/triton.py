@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.config import get_config
+from truefuse.ops._launch.fast_launch import fast_launch
 from truefuse.ops._launch.triton import hopper, sm_count
 from truefuse.ops.gemm.gemm_backends._base import BF16, F16, F32, WIDEN, GemmArgs, GemmBackend, rows
 from truefuse.ops.gemm.gemm_bi_config import BLOCK_K as BI_BLOCK_K
@@ -185,7 +186,9 @@ def _bi_tma_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor, form:
     w = b.t() if form == "nt" else b  # the weight as stored: its rows contiguous (_tma_fits)
     tiles = -(-M // bm) * -(-N // bn)
     with _tma_scratch(a.device):
-        _gemm_tma_kernel[(min(tiles, sm_count(a.device.index or 0)),)](
+        fast_launch(
+            _gemm_tma_kernel,
+            (min(tiles, sm_count(a.device.index or 0)),),
             a,
             w,
             target,
@@ -241,7 +244,9 @@ def bi_launch_segments(a: torch.Tensor, bs: list[torch.Tensor], outs: list[torch
     ns = [b.shape[1] for b in bs] + [0] * (3 - len(bs))  # an unused segment: N = 0, no tiles
     bs, outs = list(bs) + [bs[0]] * (3 - len(bs)), list(outs) + [outs[0]] * (3 - len(outs))
     tiles = sum(-(-n // meta["BLOCK_N"]) for n in ns)
-    _gemm_segments_kernel[(-(-M // meta["BLOCK_M"]) * tiles,)](
+    fast_launch(
+        _gemm_segments_kernel,
+        (-(-M // meta["BLOCK_M"]) * tiles,),
         a,
         bs[0],
         outs[0],
@@ -269,7 +274,9 @@ def _launch(kernel, grid, a, b, target, pre, out2, accumulate: bool, grad_act: i
     where none)."""
     M, K = a.shape
     args = (a, b, target, pre, out2, M, b.shape[1], K, *a.stride(), *b.stride(), *target.stride(), *pre.stride())
-    kernel[grid](
+    fast_launch(
+        kernel,
+        grid,
         *args,
         ACCUMULATE=accumulate,
         GRAD_ACT=grad_act,

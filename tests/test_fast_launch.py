@@ -1,0 +1,332 @@
+"""``ops/_launch/fast_launch.py``: eager launches through the compiled kernel's launcher (issue 47
+item 3; docs/design.md §6.7).
+
+On the CPU, a real ``JITFunction`` (Triton's own class, so the per-process check reads this
+Triton's ``JITFunction.run``) whose ``run`` is replaced by a recorder standing in for Triton's path:
+each call of it is an ordinary launch and returns a stand-in compiled kernel whose launcher records
+the fast launches. On CUDA, the ops' outputs and gradients with the fast path against without it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import requires_cuda
+
+import truefuse.ops._launch.fast_launch as fl
+from truefuse.config import eager_fast_launch, get_config
+from truefuse.ops._launch.triton import kernel_for, traced
+
+triton = pytest.importorskip("triton")
+
+
+def _body(x_ptr, y_ptr, n, stride, eps, BLOCK: triton.language.constexpr, FLAG: triton.language.constexpr = False):
+    pass
+
+
+class _Compiled:
+    """A stand-in ``CompiledKernel``: its launcher records each fast launch's arguments."""
+
+    def __init__(self, function: int, handle: bool = True):
+        self.launches: list[tuple] = []
+        self.run = lambda *a: self.launches.append(a)
+        self.packed_metadata = (4, 1, 0)
+        if handle:  # else no launcher handle, as a Triton that names it otherwise
+            self.function = function
+
+
+class _Recorder:
+    """``JITFunction.run`` standing in for Triton's path: records each call, returns a new
+    :class:`_Compiled`."""
+
+    def __init__(self, handle: bool = True):
+        self.calls: list[tuple] = []
+        self.compiled: list[_Compiled] = []
+        self.handle = handle
+
+    def __call__(self, *args, grid, warmup, **kwargs):
+        self.calls.append((args, kwargs, grid))
+        self.compiled.append(_Compiled(100 + len(self.calls), self.handle))
+        return self.compiled[-1]
+
+
+@pytest.fixture
+def jit(monkeypatch):
+    """A real ``JITFunction`` with a recording ``run``; the fast path's state fresh, the current
+    device 0 and its stream 7 (no CUDA needed)."""
+    from triton.runtime.jit import JITFunction
+
+    fl.clear()
+    kernel = JITFunction(_body)
+    kernel.run = _Recorder()
+    assert fl._setup(), "this Triton's JITFunction.run no longer launches as fast_launch does (see its log line)"
+    monkeypatch.setattr(fl, "_device", lambda: 0)
+    monkeypatch.setattr(fl, "_stream", lambda device: 7)
+    yield kernel
+    fl.clear()
+
+
+def _args(n=32, dtype=torch.float32, offset=0):
+    x = torch.zeros(64, dtype=dtype)[offset:]
+    return (x, torch.zeros(64, dtype=dtype), n, 16, 1e-6)
+
+
+def _launch(kernel, *args, grid=(3,), BLOCK=16, **kw):
+    return fl.fast_launch(kernel, grid, *args, BLOCK=BLOCK, **kw)
+
+
+def test_a_miss_launches_through_triton_once_then_the_same_key_hits(jit):
+    args = _args()
+    first = _launch(jit, *args)
+    assert len(jit.run.calls) == 1 and first is jit.run.compiled[0] and not first.launches
+    second = _launch(jit, *args)
+    assert len(jit.run.calls) == 1, "the same key went through JITFunction.run again"
+    assert second is first
+    # the launcher's arguments: the grid made 3-D, the stream, the handles, no launch metadata and no
+    # hooks, then every parameter in order with the defaults filled (FLAG)
+    assert first.launches == [(3, 1, 1, 7, 101, (4, 1, 0), None, None, None, *args, 16, False)]
+
+
+def test_the_same_specialisation_hits(jit):
+    _launch(jit, *_args(n=32))
+    _launch(jit, *_args(n=48))  # another multiple of 16, new tensors of the same dtype and alignment
+    x, y, n, stride, _ = _args(n=48)
+    _launch(jit, x, y, n, stride, 2.5)  # a float argument's value is not specialised on (fp32)
+    assert len(jit.run.calls) == 1
+    assert len(jit.run.compiled[0].launches) == 2
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(dict(offset=1), id="tensor-not-16-byte-aligned"),
+        pytest.param(dict(dtype=torch.float64), id="dtype"),
+        pytest.param(dict(n=1), id="int-equal-to-1"),
+        pytest.param(dict(n=33), id="int-not-multiple-of-16"),
+        pytest.param(dict(BLOCK=32), id="constexpr-value"),
+        pytest.param(dict(FLAG=True), id="constexpr-default-overridden"),
+    ],
+)
+def test_a_different_key_misses(jit, change):
+    change = dict(change)
+    args = _args(**{k: change.pop(k) for k in ("n", "dtype", "offset") if k in change})
+    _launch(jit, *_args())
+    _launch(jit, *args, **change)
+    assert len(jit.run.calls) == 2, f"{change} reused the kernel of another specialisation"
+    _launch(jit, *args, **change)
+    assert len(jit.run.calls) == 2, f"{change}'s own key then hits"
+
+
+@pytest.mark.parametrize("option", [("num_warps", 4, 8), ("num_stages", 2, 3), ("launch_pdl", False, True)])
+def test_another_launch_option_value_misses(jit, option):
+    name, before, after = option
+    for value in (before, before, after, after):
+        _launch(jit, *_args(), **{name: value})
+    assert len(jit.run.calls) == 2, f"{name}={after} reused the kernel compiled for {before}"
+
+
+def test_constexpr_true_and_1_are_two_kernels(jit):
+    """True == 1 as dict keys; Triton compiles them apart, and so must the key."""
+    _launch(jit, *_args(), FLAG=True)
+    _launch(jit, *_args(), FLAG=1)
+    assert len(jit.run.calls) == 2
+
+
+def test_an_int_outside_int32_takes_triton_path(jit):
+    for _ in range(2):
+        _launch(jit, *_args(n=1 << 33))
+    assert len(jit.run.calls) == 2
+
+
+def test_parameters_by_name_bind_as_by_position(jit):
+    x, y, n, stride, eps = _args()
+    _launch(jit, x, y, n, stride=stride, eps=eps, FLAG=True)
+    _launch(jit, x, y, n, stride=stride, eps=eps, FLAG=True)
+    assert len(jit.run.calls) == 1
+    assert jit.run.compiled[0].launches[0][9:] == (x, y, n, stride, eps, 16, True)
+
+
+def test_callable_grid_gets_the_bound_arguments(jit):
+    grid = lambda meta: (meta["n"] // meta["BLOCK"], 2)  # noqa: E731
+    for _ in range(2):
+        _launch(jit, *_args(n=64), grid=grid)
+    assert jit.run.compiled[0].launches[0][:3] == (4, 2, 1)
+
+
+@pytest.mark.parametrize("where", ["enter", "exit"])
+def test_launch_hooks_take_triton_path(jit, where):
+    """A profiler's launch hook must see every launch: Triton's path calls it."""
+    from triton import knobs
+
+    chain = knobs.runtime.launch_enter_hook if where == "enter" else knobs.runtime.launch_exit_hook
+    hook = lambda metadata: None  # noqa: E731
+    _launch(jit, *_args())  # kept
+    chain.add(hook)
+    try:
+        for _ in range(2):
+            _launch(jit, *_args())
+    finally:
+        chain.remove(hook)
+    assert len(jit.run.calls) == 3
+    _launch(jit, *_args())  # hook gone: the kept key hits again
+    assert len(jit.run.calls) == 3
+
+
+def test_triton_debug_mode_takes_triton_path(jit, monkeypatch):
+    from triton import knobs
+
+    _launch(jit, *_args())
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    _launch(jit, *_args())
+    assert len(jit.run.calls) == 2
+
+
+def test_a_traced_or_other_tensor_takes_triton_path(jit):
+    class Sub(torch.Tensor):
+        pass
+
+    x, y, n, stride, eps = _args()
+    sub = x.as_subclass(Sub)
+    assert traced(sub)  # what kernel_for wraps the kernel for
+    for _ in range(2):
+        _launch(jit, sub, y, n, stride, eps)
+    assert len(jit.run.calls) == 2
+    assert kernel_for(jit, x) is jit  # eager: the kernel itself, so the fast path applies
+
+
+def test_none_takes_triton_path(jit):
+    x, y, n, stride, eps = _args()
+    for _ in range(2):
+        _launch(jit, x, None, n, stride, eps)
+    assert len(jit.run.calls) == 2
+
+
+def test_a_traced_launch_wrapper_and_dynamo_take_triton_path(jit, monkeypatch):
+    class Wrapper:  # what kernel_for hands back for a traced tensor (_Traced): not a JITFunction
+        def __init__(self):
+            self.grids = []
+
+        def __getitem__(self, grid):
+            self.grids.append(grid)
+            return lambda *a, **k: "launched"
+
+    w = Wrapper()
+    assert fl.fast_launch(w, (3,), *_args(), BLOCK=16) == "launched" and w.grids == [(3,)]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for _ in range(2):
+        _launch(jit, *_args())
+    assert len(jit.run.calls) == 2
+
+
+def test_a_heuristics_wrapped_kernel_takes_triton_path(jit):
+    wrapped = triton.heuristics({"FLAG": lambda meta: meta["n"] > 16})(jit)
+    for _ in range(2):
+        _launch(wrapped, *_args())
+    assert len(jit.run.calls) == 2
+    assert id(wrapped) not in fl._KERNELS
+
+
+def test_the_switch_turns_it_off(jit):
+    _launch(jit, *_args())
+    with eager_fast_launch(False):
+        _launch(jit, *_args())
+    assert len(jit.run.calls) == 2
+    _launch(jit, *_args())
+    assert len(jit.run.calls) == 2
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        with eager_fast_launch(0):
+            pass
+
+
+def test_a_triton_that_launches_differently_turns_it_off_once(jit, monkeypatch, caplog):
+    monkeypatch.setattr(fl, "_LAUNCH_CALL", "kernel.launch(grid,*args)")
+    fl.clear()
+    with caplog.at_level(logging.WARNING, logger=fl.__name__):
+        for _ in range(3):
+            _launch(jit, *_args())
+    assert len(jit.run.calls) == 3
+    assert [r.getMessage() for r in caplog.records if "fast launch off" in r.getMessage()] == [
+        f"truefuse: eager fast launch off for Triton {triton.__version__}: "
+        "its JITFunction.run launches differently than Triton 3.6-3.9"
+    ]
+
+
+def test_a_compiled_kernel_without_a_handle_turns_it_off_for_that_kernel(jit, caplog):
+    jit.run = _Recorder(handle=False)
+    with caplog.at_level(logging.WARNING, logger=fl.__name__):
+        for _ in range(3):
+            _launch(jit, *_args())
+    assert len(jit.run.calls) == 3
+    assert sum("no launcher handle" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.skipif(not get_config().triton_interpret, reason="the CPU interpreter's path")
+def test_the_interpreter_takes_triton_path():
+    from truefuse.ops.rope import rope_launch, rope_ref
+
+    fl.clear()
+    x, cos, sin = torch.randn(2, 3, 4, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    for _ in range(2):
+        out = rope_launch(x, cos, sin, torch.float32, backward=False)
+    torch.testing.assert_close(out, rope_ref(x, cos, sin), rtol=0, atol=1e-6)
+    assert fl._KERNELS == {}
+
+
+# -- CUDA: the fast path's bits are Triton's path's --------------------------------------------
+
+
+def _ops_fwd_bwd():
+    """Outputs and gradients of rms_norm, rms_norm_hf, rope and the gated activation, forward +
+    backward, on bf16 CUDA inputs made from one seed."""
+    import truefuse
+
+    g = torch.Generator("cuda").manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, **bf).requires_grad_()
+
+    out = {}
+    x, w = leaf(4, 64, 1024), leaf(1024)
+    out["rms_norm"] = (truefuse.rms_norm(x, w, 1e-6), x, w)
+    x2, w2 = leaf(4, 64, 1024), leaf(1024)
+    out["rms_norm_hf"] = (truefuse.rms_norm_hf(x2, w2, 1e-6), x2, w2)
+    q, k = leaf(2, 8, 64, 64), leaf(2, 4, 64, 64)
+    cos, sin = torch.randn(2, 64, 64, generator=g, **bf), torch.randn(2, 64, 64, generator=g, **bf)
+    qo, ko = truefuse.apply_rotary_pos_emb(q, k, cos, sin)
+    out["rope"] = (torch.cat([qo.flatten(), ko.flatten()]), q, k)
+    gate, up = leaf(256, 2816), leaf(256, 2816)
+    out["gated_activation"] = (truefuse.gated_activation(gate, "swiglu", up), gate, up)
+    res = {}
+    for name, (y, *inputs) in out.items():
+        dy = torch.randn(y.shape, generator=g, **bf)
+        res[name] = (y.detach(), *torch.autograd.grad(y, inputs, dy))
+    torch.cuda.synchronize()
+    return res
+
+
+@requires_cuda
+def test_fast_launch_gives_triton_paths_bits_and_hits_on_cuda(monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    fl.clear()
+    with eager_fast_launch(False):
+        ref = _ops_fwd_bwd()
+    first = _ops_fwd_bwd()  # keys each launch (misses, through Triton)
+    ours = [k for k in fl._KERNELS.values() if k.plans]
+    assert ours, "no launch took the fast path's bookkeeping"
+    calls = []
+    run = JITFunction.run
+
+    def counting(self, *a, **k):
+        calls.append(self.fn.__name__)
+        return run(self, *a, **k)
+
+    monkeypatch.setattr(JITFunction, "run", counting)
+    second = _ops_fwd_bwd()  # every launch a hit: none through JITFunction.run
+    assert calls == [], f"launches that missed the second time: {sorted(set(calls))}"
+    for name in ref:
+        for i, (a, b, c) in enumerate(zip(ref[name], first[name], second[name], strict=True)):
+            assert torch.equal(a, b) and torch.equal(a, c), f"{name} output/gradient {i} differs from Triton's path"
