@@ -278,8 +278,8 @@ def test_the_interpreter_takes_triton_path():
 
 
 def _ops_fwd_bwd():
-    """Outputs and gradients of rms_norm, rms_norm_hf, rope and the gated activation, forward +
-    backward, on bf16 CUDA inputs made from one seed."""
+    """Outputs and gradients of rms_norm, rms_norm_hf, rope, the gated activation and attention
+    (prefill and decode), forward + backward, on bf16 CUDA inputs made from one seed."""
     import truefuse
 
     g = torch.Generator("cuda").manual_seed(0)
@@ -299,6 +299,10 @@ def _ops_fwd_bwd():
     out["rope"] = (torch.cat([qo.flatten(), ko.flatten()]), q, k)
     gate, up = leaf(256, 2816), leaf(256, 2816)
     out["gated_activation"] = (truefuse.gated_activation(gate, "swiglu", up), gate, up)
+    qa, ka, va = leaf(2, 8, 64, 64), leaf(2, 4, 64, 64), leaf(2, 4, 64, 64)
+    out["attention"] = (truefuse.attention(qa, ka, va, is_causal=True, enable_gqa=True), qa, ka, va)
+    qd, kd, vd = leaf(2, 8, 1, 64), leaf(2, 4, 1100, 64), leaf(2, 4, 1100, 64)  # decode: 3 key chunks, split and merged
+    out["attention decode"] = (truefuse.attention(qd, kd, vd, enable_gqa=True), qd, kd, vd)
     res = {}
     for name, (y, *inputs) in out.items():
         dy = torch.randn(y.shape, generator=g, **bf)

@@ -17,6 +17,7 @@ import torch
 from truefuse.config import get_config
 from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._launch.eager_grad import eager_grads
+from truefuse.ops._launch.fast_launch import fast_launch
 from truefuse.ops._launch.triton import kernel_for, sm_count, triton_runs
 from truefuse.ops.attention.attention_blocked import attention_blocked, score_transform
 from truefuse.ops.attention.attention_config import attention_config, forward_tile
@@ -127,7 +128,9 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
     programs = _cdiv(Lq, block_m) * B * H
     split = n_chunks > 1 and Lq <= block_m and (flags["INTERPRETED"] or programs < sm_count(q.device.index or 0))
     part = q.new_empty((n_chunks, B * H, Lq, flags["BLOCK_D"] + 2) if split else (1,), dtype=torch.float32)
-    kernel_for(_attention_fwd_kernel, q)[(_cdiv(Lq, block_m), B * H, n_chunks if split else 1)](
+    fast_launch(
+        kernel_for(_attention_fwd_kernel, q),
+        (_cdiv(Lq, block_m), B * H, n_chunks if split else 1),
         q,
         k,
         v,
@@ -158,7 +161,9 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
         num_stages=cfg.fwd_stages,
     )
     if split:
-        kernel_for(_attention_fwd_merge_kernel, q)[(_cdiv(Lq, block_m), B * H)](
+        fast_launch(
+            kernel_for(_attention_fwd_merge_kernel, q),
+            (_cdiv(Lq, block_m), B * H),
             part,
             out,
             lse,
@@ -188,7 +193,9 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         return dq.zero_(), dk.zero_(), dv.zero_()
     cfg, mask, ms, flags = _common(q, k, window, softcap, is_causal, attn_mask)
     delta = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
-    kernel_for(_attention_bwd_delta_kernel, q)[(_cdiv(Lq, cfg.dq_m), B * H)](
+    fast_launch(
+        kernel_for(_attention_bwd_delta_kernel, q),
+        (_cdiv(Lq, cfg.dq_m), B * H),
         out,
         do,
         delta,
@@ -201,7 +208,9 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         BLOCK_D=flags["BLOCK_D"],
     )
     common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *ms)
-    kernel_for(_attention_bwd_dkdv_kernel, q)[(_cdiv(Lk, cfg.dkdv_n), B * Hk)](
+    fast_launch(
+        kernel_for(_attention_bwd_dkdv_kernel, q),
+        (_cdiv(Lk, cfg.dkdv_n), B * Hk),
         q,
         k,
         v,
@@ -230,7 +239,9 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         num_warps=cfg.dkdv_warps,
         num_stages=cfg.dkdv_stages,
     )
-    kernel_for(_attention_bwd_dq_kernel, q)[(_cdiv(Lq, cfg.dq_m), B * H)](
+    fast_launch(
+        kernel_for(_attention_bwd_dq_kernel, q),
+        (_cdiv(Lq, cfg.dq_m), B * H),
         q,
         k,
         v,
