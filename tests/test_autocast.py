@@ -248,3 +248,34 @@ def test_outside_autocast_nothing_changes():
         assert m64(torch.randn(3, 16, dtype=torch.float64)).dtype == torch.float64
         with pytest.raises(TypeError, match="under torch.autocast"):
             m(torch.randn(3, 16, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_operands_already_in_the_autocast_dtype_take_the_plain_path(bias, monkeypatch):
+    """A bf16 model under bf16 autocast (TRL's and the Trainer's default): autocast casts nothing,
+    so the call takes the plain paths (no LinearFunction, whose casts and scopes cost host time)
+    and gives the bits of the same call outside autocast, forward and every gradient, with and
+    without a gradient to record (``generate``)."""
+    import truefuse.autograd.linear as lin
+
+    torch.manual_seed(0)
+    m = truefuse.Linear(32, 24, bias=bias, dtype=torch.bfloat16)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2, 5, 24, dtype=torch.bfloat16)
+
+    def run():
+        y = m(x)
+        grads = torch.autograd.grad(y, [x, *m.parameters()], dy)
+        with torch.no_grad():
+            return [y.detach(), m(x), *grads]
+
+    outside = run()
+
+    def refuse(*a, **k):
+        raise AssertionError("LinearFunction ran although autocast casts nothing")
+
+    monkeypatch.setattr(lin.LinearFunction, "apply", refuse)
+    with torch.autocast("cpu", torch.bfloat16):
+        inside = run()
+    for a, b in zip(outside, inside, strict=True):
+        assert_bitwise(b, a, "under autocast")
