@@ -366,10 +366,6 @@ def _attention_fwd_kernel(
     merges its first chunk, to ``Part`` (n_chunks, B·H, L_q, BLOCK_D + 2), and
     ``_attention_fwd_merge_kernel`` merges them in the same order with the same ``_merge``
     (merging into the empty state twice gives the bits of once), so both give the same bits."""
-    # a compiled graph's launch passes Python floats as fp64 (Triton's own as fp32): round here
-    # so both multiply by the same fp32 scale (docs/design.md §6.7)
-    scale = tl.cast(scale, tl.float32)
-    softcap = tl.cast(softcap, tl.float32)
     bh, b, h, hk, m0 = _query_program(H, GROUP, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -520,10 +516,6 @@ def _attention_bwd_dkdv_kernel(
 ):
     """One program per (key block, batch, kv head): dK and dV summed over the group's query heads
     in head order, then over the query blocks in row order (deterministic)."""
-    # a compiled graph's launch passes Python floats as fp64 (Triton's own as fp32): round here
-    # so both multiply by the same fp32 scale (docs/design.md §6.7)
-    scale = tl.cast(scale, tl.float32)
-    softcap = tl.cast(softcap, tl.float32)
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HK
@@ -652,10 +644,6 @@ def _attention_bwd_dq_kernel(
     INTERPRETED: tl.constexpr,
 ):
     """One program per (query block, batch, head): dQ over the key blocks of the forward's grid."""
-    # a compiled graph's launch passes Python floats as fp64 (Triton's own as fp32): round here
-    # so both multiply by the same fp32 scale (docs/design.md §6.7)
-    scale = tl.cast(scale, tl.float32)
-    softcap = tl.cast(softcap, tl.float32)
     bh, b, h, hk, m0 = _query_program(H, GROUP, BLOCK_M)
     b64 = b.to(tl.int64)
     offs_m = m0 + tl.arange(0, BLOCK_M)
