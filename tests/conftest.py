@@ -44,6 +44,18 @@ def device() -> torch.device:
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+@pytest.fixture(autouse=True)
+def _no_autocast_left_on():
+    """A test that leaves autocast on fails here, not the unrelated tests its worker runs next
+    under it (a patched ``torch.is_autocast_enabled`` once turned it on for good: every later
+    test of that process ran in bf16)."""
+    yield
+    left = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    for d in left:
+        torch.set_autocast_enabled(d, False)
+    assert not left, f"the test left torch.autocast on for {left}"
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """``graph_decode`` on the CPU: every tensor counts as on CUDA, and graphs are a stand-in that

@@ -229,15 +229,14 @@ def _inlined_block(x, w, q, k, cos, sin, g, u, rstd):
         truefuse.rms_norm(x, w, 1e-6),
         *truefuse.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin),  # HF's (B, T, H, D) storage
         truefuse.gated_activation(g, "swiglu", u),
-        truefuse.attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), is_causal=True, enable_gqa=True),
     )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor compiles Triton kernels on CUDA only")
 def test_inductor_inlines_one_kernel_ops():
-    """torch.compile with Inductor: the generated code launches the norms', rope's, the gated
-    activation's and attention's Triton kernels itself, forward and backward, with no call of the
-    truefuse ops left, and gives eager mode's bits."""
+    """torch.compile with Inductor: the generated code launches the norms', rope's and the gated
+    activation's Triton kernels itself, forward and backward, with no call of the truefuse ops
+    left, and gives eager mode's bits."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
@@ -266,8 +265,7 @@ def test_inductor_inlines_one_kernel_ops():
     opaque = sorted({line.strip()[:120] for line in code.splitlines() if "torch.ops.truefuse" in line})
     assert not opaque, f"truefuse ops stayed opaque calls in the compiled graph: {opaque}"
     for kernel in ("_norm_fwd_kernel", "_norm_bwd", "_sum_partials_kernel", "_rope_kernel", "_gated_activation_fwd_kernel",
-                   "_gated_activation_bwd_kernel", "_attention_fwd_kernel", "_attention_bwd_dkdv_kernel",
-                   "_attention_bwd_dq_kernel"):  # fmt: skip
+                   "_gated_activation_bwd_kernel"):  # fmt: skip
         assert kernel in code, f"{kernel} is not launched by the compiled code"
     for e, c in zip(eager[0] + eager[1], got[0] + got[1], strict=True):
         torch.testing.assert_close(c, e, rtol=0, atol=0)
@@ -328,8 +326,6 @@ def test_inline_ops_trace_to_their_kernels():
         "rope_bwd": ["_rope_kernel", "_rope_kernel"],
         "gated2_fwd": ["_gated_activation_fwd_kernel"],
         "gated2_bwd": ["_gated_activation_bwd_kernel"],
-        "attention_fwd": ["_attention_fwd_kernel"],
-        "attention_bwd": ["_attention_bwd_delta_kernel", "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel"],
     }
     # dynamic shapes: the launch's grid is the symbolic row count, not the traced 8
     assert len(got["dynamic_grids"]) == 1 and got["dynamic_grids"][0][0] != "8", got["dynamic_grids"]

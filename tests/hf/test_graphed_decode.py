@@ -17,7 +17,6 @@ from conftest import requires_cuda  # noqa: E402
 
 from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
 from truefuse.integrations.huggingface import apply_truefuse, graph_decode  # noqa: E402
-from truefuse.integrations.huggingface import graphed_decode as gd  # noqa: E402
 
 _KW = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
 
@@ -159,15 +158,19 @@ def test_outputs_returned_are_not_the_graphs_memory(fake_cuda):
     assert all(torch.equal(a, b) for a, b in kept)
 
 
-def test_autocast_gets_its_own_graph(fake_cuda, monkeypatch):
+def test_autocast_gets_its_own_graph(fake_cuda):
     """A step recorded without autocast replays without its casts: autocast on (accelerate's bf16
-    runs TRL's generate so) must capture its own graph."""
-    model = tiny_model("llama", num_hidden_layers=1).eval()
+    runs TRL's generate so) must capture its own graph. (A bf16 model: an fp32 one under bf16
+    autocast has fp32 keys and bf16 values, which transformers 5.17's static cache cannot hold.)
+    Autocast itself, not a patched ``torch.is_autocast_enabled``: a patched one leaked into
+    transformers' rotary embedding, whose ``torch.autocast(enabled=False)`` block restored autocast
+    *on* at its exit, for every later test of the process."""
+    model = tiny_model("llama", num_hidden_layers=1).eval().to(torch.bfloat16)
     handle = graph_decode(model)
     _generate(model, _ids())
-    monkeypatch.setattr(gd.torch, "is_autocast_enabled", lambda device: True)
-    _generate(model, _ids())
-    assert handle.captures == 2
+    with torch.autocast("cpu", torch.bfloat16):
+        _generate(model, _ids())
+    assert handle.captures == 2 and not torch.is_autocast_enabled("cpu")
 
 
 def test_what_stays_eager(fake_cuda):

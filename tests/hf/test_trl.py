@@ -417,7 +417,7 @@ def test_trainers_with_trl_defaults_stock_fast_bi(kind, counts, tmp_path, torch_
 # GRPO: the sampler's log-probs are the trainer's, bit for bit
 
 
-def _sampler_equals_trainer(tmp_path, graphed: bool = False, **over):
+def _sampler_equals_trainer(tmp_path, graphed: bool = False, dtype=torch.float32, **over):
     import trl
 
     samples: dict[tuple, torch.Tensor] = {}
@@ -432,7 +432,7 @@ def _sampler_equals_trainer(tmp_path, graphed: bool = False, **over):
             return out
 
     tf_trl.use_truefuse_head()
-    model = _model("bi")
+    model = _model("bi").to(dtype)
     graphs = graph_decode(model) if graphed else None
     args = _args("grpo", tmp_path, **over)
     generate = model.generate
@@ -493,12 +493,29 @@ def test_grpo_sampler_equals_trainer_bitwise_defaults(tmp_path, torch_paths):
     assert trainer.model.is_gradient_checkpointing and autocast == {(True, True), (False, True)}
 
 
-def test_grpo_graphed_sampler_equals_trainer_bitwise(tmp_path, torch_paths, fake_cuda):
+def _static_cache_takes_values_own_dtype() -> bool:
+    """Whether transformers' static cache sizes its values from the value states (5.25), not from the
+    keys' dtype alone (5.17): an fp32 model under bf16 autocast has fp32 keys after the rotary
+    embedding (bf16 times fp32 cos) and bf16 values, which 5.17's cache cannot take, stock or not."""
+    import inspect
+
+    from transformers.cache_utils import StaticLayer
+
+    return "value_states" in inspect.signature(StaticLayer.lazy_initialization).parameters
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grpo_graphed_sampler_equals_trainer_bitwise(tmp_path, torch_paths, fake_cuda, dtype):
     """The same with the sampler's decode steps replayed as graphs (``graph_decode`` and
     ``GRPOConfig(cache_implementation="static")``, docs/trl.md), under TRL's defaults: the graphs
     (a CPU stand-in here; tests/hf/test_graphed_decode.py runs the real ones on CUDA) sit behind
-    accelerate's autocast wrapper of the forward, and the log-probs stay the trainer's bits."""
+    accelerate's autocast wrapper of the forward, and the log-probs stay the trainer's bits; an
+    fp32 model and one loaded in bf16."""
+    if dtype == torch.float32 and not _static_cache_takes_values_own_dtype():
+        pytest.skip(
+            "this transformers' static cache takes the keys' dtype for its values: fp32 keys and bf16 values fail in stock too"
+        )
     trainer, autocast = _sampler_equals_trainer(
-        tmp_path, graphed=True, bf16=True, gradient_checkpointing=True, cache_implementation="static"
+        tmp_path, graphed=True, dtype=dtype, bf16=True, gradient_checkpointing=True, cache_implementation="static"
     )
     assert trainer.model.is_gradient_checkpointing and autocast == {(True, True), (False, True)}

@@ -748,13 +748,11 @@ OPS: tuple[OpDecl, ...] = (
         },
         ref="truefuse.ops.attention.attention:attention_ref",
         verify=("attention",),
-        inline=True,
+        inline=False,
         eager=True,
         dtensor="refused",
         batch_invariant="invariant by construction",
         double_backward="refused",  # on the kernels; the PyTorch path (bf16 on the CPU) is autograd's
-        # kept whole: traced, Inductor would compile its math into other roundings (ops/attention/attention.py)
-        opaque=("truefuse::attention_pytorch_fwd", "truefuse::attention_pytorch_bwd"),
         opcheck=_attention_opcheck,
         compile=_attention_compile,
     ),

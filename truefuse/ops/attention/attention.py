@@ -18,7 +18,7 @@ from truefuse.config import get_config
 from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._launch.eager_grad import eager_grads
 from truefuse.ops._launch.fast_launch import fast_launch
-from truefuse.ops._launch.triton import kernel_for, sm_count, triton_runs
+from truefuse.ops._launch.triton import sm_count, triton_runs
 from truefuse.ops.attention.attention_blocked import attention_blocked, score_transform
 from truefuse.ops.attention.attention_config import attention_config, forward_tile
 from truefuse.ops.attention.attention_mask import score_mask
@@ -129,7 +129,7 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
     split = n_chunks > 1 and Lq <= block_m and (flags["INTERPRETED"] or programs < sm_count(q.device.index or 0))
     part = q.new_empty((n_chunks, B * H, Lq, flags["BLOCK_D"] + 2) if split else (1,), dtype=torch.float32)
     fast_launch(
-        kernel_for(_attention_fwd_kernel, q),
+        _attention_fwd_kernel,
         (_cdiv(Lq, block_m), B * H, n_chunks if split else 1),
         q,
         k,
@@ -162,7 +162,7 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
     )
     if split:
         fast_launch(
-            kernel_for(_attention_fwd_merge_kernel, q),
+            _attention_fwd_merge_kernel,
             (_cdiv(Lq, block_m), B * H),
             part,
             out,
@@ -194,7 +194,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
     cfg, mask, ms, flags = _common(q, k, window, softcap, is_causal, attn_mask)
     delta = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     fast_launch(
-        kernel_for(_attention_bwd_delta_kernel, q),
+        _attention_bwd_delta_kernel,
         (_cdiv(Lq, cfg.dq_m), B * H),
         out,
         do,
@@ -209,7 +209,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
     )
     common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *ms)
     fast_launch(
-        kernel_for(_attention_bwd_dkdv_kernel, q),
+        _attention_bwd_dkdv_kernel,
         (_cdiv(Lk, cfg.dkdv_n), B * Hk),
         q,
         k,
@@ -240,7 +240,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         num_stages=cfg.dkdv_stages,
     )
     fast_launch(
-        kernel_for(_attention_bwd_dq_kernel, q),
+        _attention_bwd_dq_kernel,
         (_cdiv(Lq, cfg.dq_m), B * H),
         q,
         k,
@@ -270,7 +270,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
     return dq, dk, dv
 
 
-@custom_op("truefuse::attention_fwd", mutates_args=(), inline=True)
+@custom_op("truefuse::attention_fwd", mutates_args=())
 def attention_fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -292,7 +292,7 @@ def _(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(B, H, Lq, dtype=torch.float32)
 
 
-@custom_op("truefuse::attention_bwd", mutates_args=(), inline=True)
+@custom_op("truefuse::attention_bwd", mutates_args=())
 def attention_bwd_op(
     do: torch.Tensor,
     q: torch.Tensor,
