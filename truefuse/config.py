@@ -52,8 +52,13 @@ def _gemm_backends(raw: str | None) -> tuple[str, ...]:
     return names
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+def _flag(name: str, default: bool = False) -> bool:
+    """An on/off environment variable: ``default`` where unset or empty, else on unless 0/false/no/off
+    (a default-off flag: on only for 1/true/yes/on)."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in {"0", "false", "no", "off"} if default else value in {"1", "true", "yes", "on"}
 
 
 @dataclass(frozen=True)
@@ -299,21 +304,25 @@ def batch_invariant(enabled: bool = True) -> Iterator[bool]:
         TypeError: ``enabled`` is not a bool.
     """
     global _batch_invariant
-    if not isinstance(enabled, bool):
-        raise TypeError(f"batch_invariant(enabled={enabled!r}): enabled must be a bool")
-    previous = _batch_invariant
-    _batch_invariant = enabled
+    previous, _batch_invariant = _batch_invariant, _checked_switch("batch_invariant", enabled)
     try:
         yield enabled
     finally:
         _batch_invariant = previous
 
 
+def _checked_switch(name: str, enabled) -> bool:
+    """``enabled`` for the switch ``name``'s block: a bool, else one TypeError naming it."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{name}(enabled={enabled!r}): enabled must be a bool")
+    return enabled
+
+
 # Eager Triton launches through the compiled kernel's own launcher (ops/_launch/fast_launch.py,
 # docs/design.md §6.7; issue 47 item 3). Process-wide like the batch-invariant switch, read at every
 # launch: a ``with eager_fast_launch(False)`` block's launches all take Triton's own path. On by
 # default; ``TRUEFUSE_FAST_LAUNCH=0`` starts the process with it off.
-_eager_fast_launch: bool = os.environ.get("TRUEFUSE_FAST_LAUNCH", "1").strip().lower() not in {"0", "false", "no", "off"}
+_eager_fast_launch: bool = _flag("TRUEFUSE_FAST_LAUNCH", default=True)
 
 
 def is_eager_fast_launch() -> bool:
@@ -334,10 +343,7 @@ def eager_fast_launch(enabled: bool = True) -> Iterator[bool]:
         TypeError: ``enabled`` is not a bool.
     """
     global _eager_fast_launch
-    if not isinstance(enabled, bool):
-        raise TypeError(f"eager_fast_launch(enabled={enabled!r}): enabled must be a bool")
-    previous = _eager_fast_launch
-    _eager_fast_launch = enabled
+    previous, _eager_fast_launch = _eager_fast_launch, _checked_switch("eager_fast_launch", enabled)
     try:
         yield enabled
     finally:

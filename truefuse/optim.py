@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from truefuse.ops.adamw import adamw_
+from truefuse.ops.adamw import adamw_, check_lr_tensor
 
 _NAME = "truefuse.optim.AdamW"
 
@@ -65,10 +65,8 @@ class AdamW(torch.optim.Optimizer):
                 _refuse(flag, value, "only AdamW's plain update is fused (use torch.optim.AdamW)")
         if not capturable:
             _refuse("capturable", capturable, "its step counts always live on the device (torch's capturable=True bits)")
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1 or lr.dtype != torch.float32:
-                raise ValueError(f"{_NAME}: lr as a tensor must have one fp32 element, got {tuple(lr.shape)} {lr.dtype}")
-        elif not 0.0 <= lr:
+        check_lr_tensor(lr, _NAME)
+        if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
             raise ValueError(f"{_NAME}: invalid learning rate lr={lr}")
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(type(b) in (float, int) for b in betas)):
             raise TypeError(f"{_NAME}: betas must be two floats, got {betas!r}")

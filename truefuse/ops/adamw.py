@@ -124,6 +124,12 @@ def device_scalars(steps, lr, beta1, beta2, eps, weight_decay, store_dtype: torc
     return torch.stack([wdf, a.float(), d.float()], dim=1)
 
 
+def check_lr_tensor(lr, who: str) -> None:
+    """A learning rate given as a tensor must hold one fp32 element (read on the device each step)."""
+    if isinstance(lr, torch.Tensor) and (lr.numel() != 1 or lr.dtype != torch.float32):
+        raise ValueError(f"{who}: lr as a tensor must have one fp32 element, got {tuple(lr.shape)} {lr.dtype}")
+
+
 def _check(params, grads, exp_avgs, exp_avg_sqs, steps, masters, lr) -> None:
     """Every argument before any launch (docs/design.md §6.9): one error naming the argument."""
     n = len(params)
@@ -132,8 +138,7 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, steps, masters, lr) -> None:
             raise ValueError(f"truefuse.{_OP}: {name} has {len(xs)} tensors for {n} params")
     if masters is not None and len(masters) != n:
         raise ValueError(f"truefuse.{_OP}: masters has {len(masters)} entries for {n} params")
-    if isinstance(lr, torch.Tensor) and (lr.numel() != 1 or lr.dtype != torch.float32):
-        raise ValueError(f"truefuse.{_OP}: lr as a tensor must have one fp32 element, got {tuple(lr.shape)} {lr.dtype}")
+    check_lr_tensor(lr, f"truefuse.{_OP}")
     for i, p in enumerate(params):
         g, m, v, s = grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i]
         w = masters[i] if masters is not None else None
