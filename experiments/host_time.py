@@ -365,7 +365,7 @@ def cmd_launch(args) -> None:
         return kernel
 
     torch.set_grad_enabled(False)
-    ways = "jit.run / handle / handle+key / handle+minimal key / fast_launch"
+    ways = "jit.run / handle / handle+key / handle+minimal key / fast_launch / handle (ints) / static (tensors) / static (ints)"
     print(f"{'row':26s} {'host us':>9s} {'fast off':>9s}  launches: {ways} us")
     for name, (stock, ours) in rows.items():
         line = f"{name:26s} {host_us(stock or ours):9.1f}"
@@ -442,8 +442,70 @@ def _replay(jit, a, kw, grid, kernel, host_us, torch, knobs) -> str:
     def via_fast():
         fast_launch(jit, grid, *a, **kw)
 
-    times = (host_us(f) for f in (via_jit, via_handle, via_key, via_min_key, via_fast))
-    return f"{jit.fn.__name__}: " + " / ".join(f"{t:.1f}" for t in times)
+    int_bound = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound]
+
+    def via_handle_ints():  # Triton's launcher given the addresses as ints: no driver call a pointer
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None,
+                   knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *int_bound)  # fmt: skip
+
+    fns = [via_jit, via_handle, via_key, via_min_key, via_fast, via_handle_ints]
+    static = _static_launcher(kernel, dev, torch)
+    if static is not None:
+        launch, types, runtime = static
+        rt = [bound[i] for i in runtime]
+        ints = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in rt)
+
+        def via_static():  # the pointers as tensors: torch's launcher reads each one's address (a driver call)
+            launch(g0, g1, g2, types, (*rt, None, None), torch.cuda.current_stream(dev).cuda_stream)
+
+        def via_static_ints():  # the addresses as ints, read in Python: no driver call a pointer
+            launch(g0, g1, g2, types, (*ints, None, None), torch.cuda.current_stream(dev).cuda_stream)
+
+        fns += [via_static, via_static_ints]
+    times = [host_us(f) for f in fns]
+    return f"{jit.fn.__name__}: " + " / ".join(f"{t:.1f}" for t in times) + ("" if static else " / static n/a")
+
+
+def _static_launcher(kernel, dev, torch):
+    """``(launch, arg_types, runtime_param_indices)`` launching ``kernel`` (a Triton 3.6+
+    ``CompiledKernel``) through torch's static CUDA launcher (``torch._C._StaticCudaLauncher``, what
+    Inductor launches its own kernels with), or None where it cannot: no such launcher, PDL,
+    cooperative grids, clusters, scratch memory, tensor descriptors. ``launch(gx, gy, gz, types,
+    args, stream)``, ``args`` the runtime parameters then the two scratch pointers (None)."""
+    import tempfile
+
+    C = getattr(torch._C, "_StaticCudaLauncher", None)
+    md = kernel.metadata
+    if C is None or md.launch_pdl or md.launch_cooperative_grid or md.num_ctas != 1:
+        return None
+    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+        return None
+    codes = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B", "u16": "H",
+             "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "fp64": "d"}  # fmt: skip
+    names = list(kernel.src.signature)
+    consts = {k[0] if isinstance(k, tuple) else (names.index(k) if isinstance(k, str) else k) for k in kernel.src.constants}
+    types, runtime = "", []
+    for i, (name, ty) in enumerate(kernel.src.signature.items()):
+        if ty == "constexpr" or i in consts:
+            continue
+        if ty.startswith("*"):
+            types += "O"
+        elif ty in codes:
+            types += codes[ty]
+        else:
+            return None  # a tensor descriptor
+        runtime.append(i)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    loaded = C._load_kernel(f.name, md.name, md.shared, dev)
+    function = loaded[1] if len(loaded) == 4 else loaded[0]  # torch 2.12+ returns the module first
+    warps, shared = md.num_warps, md.shared
+
+    def launch(gx, gy, gz, types, args, stream):
+        C._launch_kernel(function, gx, gy, gz, warps, shared, types + "OO", args, stream)
+
+    return launch, types, runtime
 
 
 def _stock_rms_norm(x, w):

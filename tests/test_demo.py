@@ -315,3 +315,32 @@ def test_cuda_graphs_with_liger_adds_its_graphable_run(monkeypatch):
         main(["demo", "--cuda-graphs", "--peer", "liger", "--steps", "1", "--quiet"])
     assert seen["graphs"] and list(seen["peers"]) == ["truefuse", "liger", "liger, no fused loss"]
     assert seen["peers"]["liger"] is not None and seen["peers"]["liger, no fused loss"] is None
+
+
+def test_cuda_graphs_capture_is_an_untimed_step(monkeypatch, cache_dir):
+    """``--cuda-graphs``: the step that captures (slow: seconds for the GPU preset) is one of the
+    ``timing_warmup`` steps the mean step time leaves out; each timed step is a replay. A stand-in
+    for ``graph_step`` (the CPU cannot capture) records the step index of the capture."""
+    from dataclasses import replace
+
+    import truefuse.integrations.cuda_graph as cg
+
+    captures: list[int] = []
+    steps = [0]
+
+    class _Stand:
+        def __init__(self, step, *, warmup, pool=None):
+            self.step, self.warmup, self.calls = step, warmup, 0
+
+        def __call__(self, *inputs):
+            self.calls += 1
+            if self.calls == self.warmup + 1:  # graph_step's capture call
+                captures.append(steps[0])
+            steps[0] += 1
+            return self.step(*inputs)
+
+    monkeypatch.setattr(cg, "graph_step", _Stand)
+    cfg = replace(make_config("cpu", device="cpu", **TINY), cuda_graphs=True)  # past make_config's CUDA check
+    result = run_demo(cfg, {}, cache_dir=str(cache_dir), quiet=True)
+    assert captures and captures[0] < cfg.timing_warmup, f"captured at step {captures}, timed from {cfg.timing_warmup}"
+    assert len(result.runs[0].step_s) == cfg.steps

@@ -496,12 +496,17 @@ def test_grpo_sampler_equals_trainer_bitwise_defaults(tmp_path, torch_paths):
 def _static_cache_takes_values_own_dtype() -> bool:
     """Whether transformers' static cache sizes its values from the value states (5.25), not from the
     keys' dtype alone (5.17): an fp32 model under bf16 autocast has fp32 keys after the rotary
-    embedding (bf16 times fp32 cos) and bf16 values, which 5.17's cache cannot take, stock or not."""
-    import inspect
-
+    embedding (bf16 times fp32 cos) and bf16 values, which 5.17's cache cannot take, stock or not.
+    Asked of the layer itself: 5.17's ``lazy_initialization`` takes the value states too, and
+    still gives the values the keys' dtype."""
     from transformers.cache_utils import StaticLayer
 
-    return "value_states" in inspect.signature(StaticLayer.lazy_initialization).parameters
+    try:
+        layer = StaticLayer(max_cache_len=2)
+        layer.lazy_initialization(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2, dtype=torch.bfloat16))
+    except Exception:  # another constructor or initialisation: the fp32 case is not run there
+        return False
+    return layer.values.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
