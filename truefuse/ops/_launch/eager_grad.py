@@ -1,31 +1,28 @@
 """Autograd's gradients of an eager PyTorch expression, taken inside a custom op's body: the
 backward of an op that keeps a PyTorch path opaque under ``torch.compile`` (traced into the graph,
 Inductor compiles the expression's math into other roundings; opaque, its forward and backward are
-eager's bits). An op's body runs with autograd's dispatch keys excluded (thread-local state that
-``enable_grad`` does not lift), so the gradients are taken in a thread of its own: one worker, made
-at the first call and kept."""
+eager's bits).
+
+An op's body runs with autograd's dispatch keys excluded (thread-local state that ``enable_grad``
+does not lift), so :func:`eager_grads` puts them back for its own graph, in the calling thread. Not
+in a thread of its own: on CUDA the op's backward runs on autograd's device thread, and a gradient
+asked for from another thread queues its CUDA work on that same, busy, device thread and waits for
+it for ever (``opcheck`` of ``rms_norm_hf`` and ``attention`` hung on an H100 until cut at 250 s). A
+nested ``torch.autograd.grad`` on the device thread runs its graph in place."""
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable, Sequence
 
 import torch
 
-_GRAD_THREAD: concurrent.futures.ThreadPoolExecutor | None = None
-
 
 def eager_grads(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], grad_out: torch.Tensor) -> tuple:
     """``torch.autograd.grad(fn(*inputs), inputs, grad_out)`` on detached copies of ``inputs``,
-    each gradient contiguous."""
-
-    def grads():
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in inputs]
-            out = fn(*leaves)
-            return tuple(g.contiguous() for g in torch.autograd.grad(out, leaves, grad_out))
-
-    global _GRAD_THREAD
-    if _GRAD_THREAD is None:
-        _GRAD_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="truefuse-eager-grad")
-    return _GRAD_THREAD.submit(grads).result()
+    each gradient contiguous; autocast off, as in the op's body."""
+    excluded = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
+    force = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
+    with force, torch.enable_grad(), torch.autocast(grad_out.device.type, enabled=False):
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        return tuple(g.contiguous() for g in torch.autograd.grad(out, leaves, grad_out))
