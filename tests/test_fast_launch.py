@@ -140,6 +140,32 @@ def test_an_int_outside_int32_takes_triton_path(jit):
     assert len(jit.run.calls) == 2
 
 
+class _OnCuda:
+    """Stands in for a CUDA tensor in a generated key function (which reads only these)."""
+
+    def __init__(self, address: int, dtype=torch.float32, is_cuda: bool = True):
+        self.address, self.dtype, self.is_cuda = address, dtype, is_cuda
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def test_cuda_tensors_reach_the_launcher_as_their_addresses():
+    """Where every tensor is on CUDA, the launcher gets each one's address as an int (it then skips
+    its own ``data_ptr()`` call and driver query); with a tensor elsewhere, the tensors themselves,
+    so that the launcher's check of a CPU tensor still raises. The key is the same either way."""
+    types = (torch.Tensor, torch.Tensor, int, float, int)
+    key = fl.key_function(types, (False, False, False, False, True))
+    x, y = _OnCuda(4096), _OnCuda(8192, torch.bfloat16)
+    k, args = key((x, y, 32, 0.5, 64), 0, ())
+    assert args == (4096, 8192, 32, 0.5, 64)
+    y_cpu = _OnCuda(8192, torch.bfloat16, is_cuda=False)
+    k_cpu, args_cpu = key((x, y_cpu, 32, 0.5, 64), 0, ())
+    assert args_cpu[1] is y_cpu and args_cpu[0] is x
+    assert k == k_cpu
+    assert key((x, y, 1 << 33, 0.5, 64), 0, ()) == (None, None)  # outside int32: Triton's path
+
+
 def test_parameters_by_name_bind_as_by_position(jit):
     x, y, n, stride, eps = _args()
     _launch(jit, x, y, n, stride=stride, eps=eps, FLAG=True)

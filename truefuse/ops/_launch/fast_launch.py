@@ -61,14 +61,19 @@ def _getter(keys: list):
 
 
 def _no_key(bound, device, options):
-    return None
+    return None, None
 
 
 def key_function(types: tuple, constexpr: tuple):
     """``key(bound, device, options)`` for launches whose bound arguments have these ``types``
     (``constexpr``: each parameter's flag), or :func:`_no_key` where one is of a type the key does
     not cover: None, a tuple, a tensor descriptor or subclass (a traced tensor), anything but a
-    plain tensor, int, float or bool at a runtime parameter.
+    plain tensor, int, float or bool at a runtime parameter. It returns ``(key, arguments)``, or
+    ``(None, None)`` where Triton's path must launch: ``arguments`` are what the launcher takes, with
+    each tensor's address as an int where every tensor is on CUDA (the launcher then skips its own
+    ``data_ptr()`` call and driver query a pointer: 1-3 µs of a launch on an H100 host,
+    docs/benchmarks.md, Eager host time per op), the tensors themselves otherwise (its check of a
+    CPU tensor stays).
 
     What Triton specialises a launch on (its ``native_specialize_impl``, 3.6 and 3.9 alike), given
     the types (the caller keys on them): a tensor's dtype and whether its address is a multiple of
@@ -77,16 +82,19 @@ def key_function(types: tuple, constexpr: tuple):
     (u1) argument's value; each constexpr's value. The function is generated for the types, one
     expression per argument: the same key built by a loop or by ``map`` over the ~30 arguments of a
     norm launch cost 4.8 µs on the CPU box, about what the launch saves."""
-    dtypes, ptrs, int_checks, ints, consts = [], [], [], [], []
+    dtypes, ptrs, cuda, int_checks, ints, consts, args = [], [], [], [], [], [], []
     for i, (t, c) in enumerate(zip(types, constexpr, strict=True)):
         p = f"p{i}"
+        args.append(p)
         if c:
             if t is type(None):
                 return _no_key
             consts.append(p)
         elif t in PLAIN_TENSORS:
             dtypes.append(f"{p}.dtype")
-            ptrs.append(f"{p}.data_ptr()")
+            ptrs.append(f"a{i}")
+            cuda.append(f"{p}.is_cuda")
+            args[-1] = f"a{i}"
         elif t is int:
             int_checks.append(f"-2147483648 <= {p} <= 2147483647")
             ints += [f"{p} == 1", f"not {p} & 15"]
@@ -95,8 +103,12 @@ def key_function(types: tuple, constexpr: tuple):
     aligned = f"({' | '.join(ptrs)}) & 15 == 0 or ({''.join(f'not {q} & 15, ' for q in ptrs)})" if ptrs else "True"
     src = f"def key(bound, device, options):\n    {''.join(f'p{i}, ' for i in range(len(types)))}= bound\n"
     if int_checks:
-        src += f"    if not ({' and '.join(int_checks)}):\n        return None\n"
-    src += f"    return (device, options, {aligned}, {''.join(f'{e}, ' for e in dtypes + ints + consts)})\n"
+        src += f"    if not ({' and '.join(int_checks)}):\n        return None, None\n"
+    src += "".join(f"    {a} = p{a[1:]}.data_ptr()\n" for a in ptrs)
+    src += f"    key = (device, options, {aligned}, {''.join(f'{e}, ' for e in dtypes + ints + consts)})\n"
+    if cuda:
+        src += f"    if not ({' and '.join(cuda)}):\n        return key, bound\n"
+    src += f"    return key, ({''.join(f'{a}, ' for a in args)})\n"
     namespace: dict = {}
     exec(compile(src, f"<fast_launch key {len(types)}>", "exec"), namespace)
     return namespace["key"]
@@ -266,7 +278,7 @@ def fast_launch(kernel, grid, *args, **kwargs):
     bound = args + plan.rest(kwargs if plan.defaults is None else {**plan.defaults, **kwargs})
     variant = st.variant(plan, bound)
     device = _device()
-    key = variant.key(bound, device, plan.options(kwargs))
+    key, launch_args = variant.key(bound, device, plan.options(kwargs))
     try:
         handle = None if key is None else variant.handles.get(key)
     except TypeError:  # an unhashable constexpr or option value
@@ -286,7 +298,7 @@ def fast_launch(kernel, grid, *args, **kwargs):
     n = len(grid)
     run, function, packed, compiled = handle
     # no launch metadata and no hooks: _triton_plain saw both hook chains empty
-    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), function, packed, None, None, None, *bound)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), function, packed, None, None, None, *launch_args)
     return compiled
 
 
