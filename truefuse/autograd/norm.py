@@ -168,7 +168,7 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
     bi = Modes.now().batch_invariant  # read once: the statistics below and the path to them agree
     if bi and not x.is_cuda and torch.compiler.is_compiling():
         return rms_norm_hf_pytorch_op(x, weight, eps, style)  # opaque: eager's bits (ops/norm/norm.py)
-    if not use_kernel(x) or _stock_cheaper(x, weight, bi):
+    if _stock_cheaper(x, weight, bi) or not use_kernel(x):  # the first, a decode step's, asks less
         return rms_norm_hf_ref(x, weight, eps, style=style)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if kernel_statistics(x, bi) and not _differentiated(x, weight) and not torch.compiler.is_compiling():
