@@ -49,6 +49,35 @@ def test_one_capture_serves_every_decode_step_with_the_eager_bits(fake_cuda, bi)
     assert torch.equal(logits_2, logits_e)
 
 
+def test_a_caches_tensors_are_read_once_and_again_when_rebound(fake_cuda, monkeypatch):
+    """Each decode step keys its graph on the cache's tensors and their layout: read once a cache
+    (listing every layer's attributes was most of a 16-layer step's host time), read again where a
+    tensor was rebound since (a graph's adoption of a new cache does that), so a rebound tensor of
+    another shape gets its own graph, never the kept layout's."""
+    from truefuse.integrations.huggingface import graphed_decode as gd
+
+    reads = []
+    real = gd._cache_tensors
+    monkeypatch.setattr(gd, "_cache_tensors", lambda cache: reads.append(cache) or real(cache))
+    model = tiny_model("llama", num_hidden_layers=2).eval()
+    apply_truefuse(model)
+    ids = _ids()
+    eager = _generate(model, ids, cache_implementation="static")
+    handle = graph_decode(model)
+    assert torch.equal(_generate(model, ids)[1], eager[1])
+    assert len(reads) == 1, f"the layout was read {len(reads)} times over one generate's 5 decode steps"
+    cache = reads[0]
+    layer = cache.layers[0]
+    keys = layer.keys
+    layer.keys = torch.zeros(keys.shape[0], keys.shape[1], keys.shape[2] + 1, keys.shape[3], dtype=keys.dtype)
+    step = dict(input_ids=ids[:, :1], past_key_values=cache, use_cache=True, cache_position=torch.tensor([7]))
+    with torch.no_grad():
+        found = handle._graphable(step)
+    assert len(reads) == 2 and found is not None
+    assert any(t is layer.keys for _, name, t in found[-1] if name == "keys")  # the rebound tensor, not the one read before
+    assert all(found[0] != key for key in handle.graphs), "a rebound tensor of another shape reused a graph's key"
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text"])
 def test_other_architectures_the_eager_bits(fake_cuda, model_type):
     """Qwen3, the experts of Qwen3-MoE, and sliding-window layers (Mistral, Gemma 2 and 3: a Python
