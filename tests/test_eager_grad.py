@@ -59,3 +59,16 @@ def test_autocast_stays_off_inside():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under = eager_grads(expr, (x, w), dy)
     assert all(torch.equal(a, b) for a, b in zip(plain, under, strict=True))
+
+
+def test_a_backward_under_inference_mode_still_differentiates():
+    """A backward run inside ``torch.inference_mode()`` (the graph recorded outside it): the op's
+    gradients are still autograd's of the expression, as without the mode."""
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 32, requires_grad=True), torch.randn(32, requires_grad=True)
+    dy = torch.randn(6, 32)
+    y = rms_norm_hf_pytorch_op(x, w, 1e-6, "llama")
+    want = torch.autograd.grad(y, (x, w), dy, retain_graph=True)
+    with torch.inference_mode():
+        got = torch.autograd.grad(y, (x, w), dy)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

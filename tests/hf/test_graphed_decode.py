@@ -76,6 +76,37 @@ def test_a_caches_tensors_are_read_once_and_again_when_rebound(fake_cuda, monkey
     assert len(reads) == 2 and found is not None
     assert any(t is layer.keys for _, name, t in found[-1] if name == "keys")  # the rebound tensor, not the one read before
     assert all(found[0] != key for key in handle.graphs), "a rebound tensor of another shape reused a graph's key"
+    # a layer object replaced (the same attributes, a longer cache): read again too
+    import copy
+
+    layer = cache.layers[1] = copy.copy(cache.layers[1])
+    layer.keys = torch.zeros(keys.shape[0], keys.shape[1], keys.shape[2] + 2, keys.shape[3], dtype=keys.dtype)
+    with torch.no_grad():
+        found = handle._graphable(step)
+    assert len(reads) == 3 and any(t is layer.keys for lay, name, t in found[-1] if lay is layer and name == "keys")
+
+
+def test_a_cache_let_go_of_is_not_kept(fake_cuda):
+    """The layout kept across steps holds its cache's tensors only while the cache lives, and none
+    after ``remove()``: a cache ``generate`` let go of is freed with it, not kept resident beside the
+    next one (transformers 5.25 builds a new one a call)."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama", num_hidden_layers=2).eval()
+    apply_truefuse(model)
+    handle = graph_decode(model)
+    ids = _ids()
+    _generate(model, ids)  # generate's own cache, let go of when it returns
+    assert handle._layout is not None
+    kept = [weakref.ref(t) for _, _, t in handle._layout.held]
+    handle.graphs.clear()  # what an evicted graph leaves: no graph holds the cache's tensors
+    gc.collect()
+    assert handle._layout is None and all(r() is None for r in kept), "a freed cache's tensors are still held"
+    _generate(model, ids)
+    assert handle._layout is not None
+    handle.remove()
+    assert handle._layout is None
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text"])

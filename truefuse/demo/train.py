@@ -69,8 +69,9 @@ class DemoConfig:
     # every run's decoder layers torch.compile-d after its patch, before any sharding
     # (integrations/huggingface/compile.py: on a GPU, Inductor launches truefuse's kernels itself)
     compile_layers: bool = False
-    # every run's step (forward, backward, clip, AdamW) captured in one CUDA graph after
-    # `timing_warmup` eager steps and replayed (integrations/cuda_graph.py, docs/cuda_graphs.md)
+    # every run's step (forward, backward, clip, AdamW) captured in one CUDA graph on the last of the
+    # `timing_warmup` untimed steps (the ones before it eager; at least 1) and replayed
+    # (integrations/cuda_graph.py, docs/cuda_graphs.md)
     cuda_graphs: bool = False
 
     @property

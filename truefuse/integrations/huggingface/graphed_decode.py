@@ -142,7 +142,7 @@ class GraphedDecode:
             return None  # a prefill (or a chunk of one): its shapes change from call to call
         known = self._layout
         if known is None or not known.still(cache):
-            known = self._layout = _CacheLayout.of(cache)
+            known = self._layout = _CacheLayout.of(cache, self._forget)
         if known is None or _window_full(cache):
             return None
         held, layout = known.held, known.layout
@@ -175,11 +175,25 @@ class GraphedDecode:
 
         return key, tensors, rebuild, cache, held
 
+    @property
+    def _forget(self):
+        """A callback for a cache's weak reference that drops the kept layout of that cache (it
+        holds the handle weakly: no cycle keeps either alive)."""
+        me = weakref.ref(self)
+
+        def forget(ref) -> None:
+            handle = me()
+            if handle is not None and handle._layout is not None and handle._layout.cache is ref:
+                handle._layout = None
+
+        return forget
+
     def remove(self) -> None:
         """Put the model's forward and generation config back and free the graphs. Where something
         wrapped the forward since (accelerate's autocast does), this stays inside that wrapper as the
         plain forward."""
         self._removed = True
+        self._layout = None
         if self.model.__dict__.get("forward") is self:
             del self.model.forward
         gc = getattr(self.model, "generation_config", None)
@@ -254,25 +268,33 @@ def _is_cache(leaf) -> bool:
 class _CacheLayout:
     """A cache's tensors (``_cache_tensors``) and their layout in a graph's key, kept across decode
     steps: reading them anew cost ~46 of the ~66 µs a 16-layer step spent choosing its graph (the
-    CPU box, ``vars`` of every layer sorted). Kept while the cache is the same object, each tensor
-    is still bound where it was found and no layer gained or lost an attribute: a static cache binds
-    its tensors at its first update (the prefill, never graphed) and writes them in place after;
-    ``_Graph.adopt`` rebinds them, which a later step sees."""
+    CPU box, ``vars`` of every layer sorted). Kept while the cache is the same object with the same
+    layer objects, each tensor is still bound where it was found and no layer gained or lost an
+    attribute: a static cache binds its tensors at its first update (the prefill, never graphed) and
+    writes them in place after; ``_Graph.adopt`` rebinds them, which a later step sees. Holds the
+    layers and tensors until the cache is freed (``forget``: the owner drops this record then), so a
+    cache ``generate`` let go of is not kept resident beside the next one."""
 
-    __slots__ = ("cache", "held", "layout", "counts")
+    __slots__ = ("cache", "layers", "held", "layout", "counts")
 
-    def __init__(self, cache, held: list):
-        self.cache, self.held = weakref.ref(cache), held
+    def __init__(self, cache, held: list, forget):
+        self.cache, self.layers, self.held = weakref.ref(cache, forget), tuple(cache.layers), held
         self.layout = tuple((name, tuple(t.shape), t.dtype, t.device) for _, name, t in held)
-        self.counts = [len(vars(layer)) for layer in cache.layers]
+        self.counts = [len(vars(layer)) for layer in self.layers]
 
     @staticmethod
-    def of(cache) -> _CacheLayout | None:
+    def of(cache, forget) -> _CacheLayout | None:
+        """The record of ``cache`` (None where it has no layers); ``forget(ref)`` runs once it is freed."""
         held = _cache_tensors(cache)
-        return None if held is None else _CacheLayout(cache, held)
+        return None if held is None else _CacheLayout(cache, held, forget)
 
     def still(self, cache) -> bool:
-        if self.cache() is not cache or [len(vars(layer)) for layer in cache.layers] != self.counts:
+        layers = cache.layers
+        if self.cache() is not cache or len(layers) != len(self.layers):
+            return False
+        if any(a is not b for a, b in zip(layers, self.layers, strict=True)):
+            return False
+        if [len(vars(layer)) for layer in layers] != self.counts:
             return False
         return all(getattr(layer, name) is t for layer, name, t in self.held)
 

@@ -19,10 +19,19 @@ import torch
 
 def eager_grads(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], grad_out: torch.Tensor) -> tuple:
     """``torch.autograd.grad(fn(*inputs), inputs, grad_out)`` on detached copies of ``inputs``,
-    each gradient contiguous; autocast off, as in the op's body."""
-    excluded = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
-    force = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
-    with force, torch.enable_grad(), torch.autocast(grad_out.device.type, enabled=False):
-        leaves = [t.detach().requires_grad_() for t in inputs]
-        out = fn(*leaves)
-        return tuple(g.contiguous() for g in torch.autograd.grad(out, leaves, grad_out))
+    each gradient contiguous; autocast off, as in the op's body; inference mode off (a backward run
+    under it still differentiates the expression, as a fresh thread did)."""
+    with torch.inference_mode(False):  # first: it sets dispatch keys of its own
+        excluded = torch._C._dispatch_tls_local_exclude_set()
+        for key in _AUTOGRAD_KEYS:
+            excluded = excluded.remove(key)
+        force = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
+        with force, torch.enable_grad(), torch.autocast(grad_out.device.type, enabled=False):
+            leaves = [t.detach().requires_grad_() for t in inputs]
+            out = fn(*leaves)
+            return tuple(g.contiguous() for g in torch.autograd.grad(out, leaves, grad_out))
+
+
+_DK = torch._C.DispatchKey
+#: what a custom op's body excludes of autograd (the functionality bit, and the two keys it shows as)
+_AUTOGRAD_KEYS = (_DK.AutogradFunctionality, _DK.AutogradOther, _DK.AutogradNestedTensor)
