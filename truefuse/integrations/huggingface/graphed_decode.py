@@ -62,7 +62,7 @@ class GraphedDecode:
         self.captures = self.replays = self.eager = 0
         self._rebuild = None
         self._removed = False  # after remove(): the plain forward (a wrapper around this one may remain)
-        self._layout: _CacheLayout | None = None  # the last cache's tensors and layout (_cache_layout)
+        self._layout: _CacheLayout | None = None  # the last cache's tensors and layout, kept across steps
         # key -> the host counters its step advances (sliding windows), None where it changes other
         # host state (that key stays eager); read off its warm-up step
         self._counters: dict[tuple, tuple | None] = {}
@@ -142,7 +142,7 @@ class GraphedDecode:
             return None  # a prefill (or a chunk of one): its shapes change from call to call
         known = self._layout
         if known is None or not known.still(cache):
-            known = self._layout = _CacheLayout.of(cache, self._forget)
+            known = self._layout = _CacheLayout.of(cache, self._forgetter())
         if known is None or _window_full(cache):
             return None
         held, layout = known.held, known.layout
@@ -175,8 +175,7 @@ class GraphedDecode:
 
         return key, tensors, rebuild, cache, held
 
-    @property
-    def _forget(self):
+    def _forgetter(self):
         """A callback for a cache's weak reference that drops the kept layout of that cache (it
         holds the handle weakly: no cycle keeps either alive)."""
         me = weakref.ref(self)

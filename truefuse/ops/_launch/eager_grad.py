@@ -16,6 +16,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+_DK = torch._C.DispatchKey
+#: what a custom op's body excludes of autograd (the functionality bit, and the two keys it shows as)
+_AUTOGRAD_KEYS = (_DK.AutogradFunctionality, _DK.AutogradOther, _DK.AutogradNestedTensor)
+
 
 def eager_grads(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], grad_out: torch.Tensor) -> tuple:
     """``torch.autograd.grad(fn(*inputs), inputs, grad_out)`` on detached copies of ``inputs``,
@@ -31,7 +35,3 @@ def eager_grads(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
             out = fn(*leaves)
             return tuple(g.contiguous() for g in torch.autograd.grad(out, leaves, grad_out))
 
-
-_DK = torch._C.DispatchKey
-#: what a custom op's body excludes of autograd (the functionality bit, and the two keys it shows as)
-_AUTOGRAD_KEYS = (_DK.AutogradFunctionality, _DK.AutogradOther, _DK.AutogradNestedTensor)
