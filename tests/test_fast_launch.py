@@ -16,6 +16,7 @@ import torch
 from conftest import requires_cuda
 
 import truefuse.ops._launch.fast_launch as fl
+from truefuse.ops._launch.prepared import launchable, prepare
 from truefuse.config import eager_fast_launch, get_config
 from truefuse.ops._launch.triton import kernel_for, traced
 
@@ -298,6 +299,51 @@ def test_the_interpreter_takes_triton_path():
         out = rope_launch(x, cos, sin, torch.float32, backward=False)
     torch.testing.assert_close(out, rope_ref(x, cos, sin), rtol=0, atol=1e-6)
     assert fl._KERNELS == {}
+
+
+# -- prepared launches (ops/_launch/prepared.py) ---------------------------------------------
+
+
+def test_a_prepared_launch_is_the_fast_launch_with_new_addresses(jit):
+    x, y, n, stride, eps = _args()
+    assert prepare((x, y), jit, (3,), x, y, n, stride, eps, BLOCK=16) is None  # no handle yet: nothing kept
+    _launch(jit, x, y, n, stride, eps)  # compiles through Triton's path: now kept
+    go = prepare((x, y), jit, (3,), x, y, n, stride, eps, BLOCK=16)
+    assert go is not None and launchable(go)
+    _launch(jit, x, y, n, stride, eps)  # the fast launch, for comparison
+    go(9, 4096, 8192)
+    fast, prepared = jit.run.compiled[0].launches
+    assert prepared == (fast[:3] + (9,) + fast[4:9] + (4096, 8192) + fast[11:]), "not the fast launch's call"
+    assert len(jit.run.calls) == 1
+
+
+def test_a_prepared_launch_maps_each_tensor_to_its_slot(jit):
+    x, y, n, stride, eps = _args()
+    _launch(jit, x, x, n, stride, eps)
+    go = prepare((y, x), jit, (3,), x, x, n, stride, eps, BLOCK=16)
+    go(7, 1, 2)
+    assert jit.run.compiled[0].launches[-1][9:11] == (2, 2)  # both arguments are x: the second slot
+    assert prepare((y,), jit, (3,), x, x, n, stride, eps, BLOCK=16) is None, "a tensor that is no slot"
+
+
+def test_a_prepared_launch_is_not_launchable_where_fast_launch_would_not_launch(jit, monkeypatch):
+    from triton import knobs
+
+    _launch(jit, *_args())
+    x, y, n, stride, eps = _args()
+    go = prepare((x, y), jit, (3,), x, y, n, stride, eps, BLOCK=16)
+    with eager_fast_launch(False):
+        assert not launchable(go)
+        assert prepare((x, y), jit, (3,), x, y, n, stride, eps, BLOCK=16) is None
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert not launchable(go)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert launchable(go)
+    monkeypatch.setattr(fl, "_device", lambda: 1)
+    assert not launchable(go), "another current device"
 
 
 # -- CUDA: the fast path's bits are Triton's path's --------------------------------------------

@@ -19,6 +19,7 @@ from truefuse.ops.gemm.activation import activation_grad_ref
 from truefuse.ops.gemm.bias_grad import split_bias_grad
 from truefuse.ops.gemm.gemm import checked_plain_gemm, gemm, plain_gemm
 from truefuse.ops.gemm.gemm_checks import FLOATS
+from truefuse.ops.gemm.gemm_kept import kept_linear
 
 
 class LinearFunction(torch.autograd.Function):
@@ -157,13 +158,18 @@ def linear(
         # casts, compute what LinearFunction would, without its casts and autocast scopes (~60 µs
         # of host a routed bf16 forward + backward on the 2-core CPU box, 64 x 64 weight)
         dtype = None
+    bi = Modes.now().batch_invariant
+    if activation is None and dtype is None:
+        y = kept_linear(x, weight, bias, bi)  # batch-invariant decode: one kept launch (ops/gemm/gemm_kept.py)
+        if y is not None:
+            return y
     x = cast(x, dtype)
     x2 = x.reshape(-1, x.shape[-1])
     if activation is None and dtype is None and not _records_graph(x, weight, bias):
         # nothing to differentiate (``generate``, eval): the Function's forward GEMM itself, without
         # the Function (~40 µs of host time a call on the 2-core CI box, where a decode-sized
         # kernel takes ~15 µs on an H100; experiments/host_time.py bi-stubbed). Same call, same bits
-        y = plain_gemm(x2, weight.t(), bias, batch_invariant=Modes.now().batch_invariant)
+        y = plain_gemm(x2, weight.t(), bias, batch_invariant=bi)
     elif activation is None and dtype is None and _plain_call(x2, weight, bias):
         y = _PlainLinearFunction.apply(x2, weight, bias, state, weight_name)
     else:

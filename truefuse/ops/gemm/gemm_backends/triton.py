@@ -12,6 +12,7 @@ import torch
 
 from truefuse.config import get_config
 from truefuse.ops._launch.fast_launch import fast_launch
+from truefuse.ops._launch.prepared import prepare
 from truefuse.ops._launch.triton import hopper, sm_count
 from truefuse.ops.gemm.gemm_backends._base import BF16, F16, F32, WIDEN, GemmArgs, GemmBackend, rows
 from truefuse.ops.gemm.gemm_bi_config import BLOCK_K as BI_BLOCK_K
@@ -162,6 +163,23 @@ def bi_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> None:
     _launch(_gemm_kernel, _bi_grid(M, N, meta), a, b, target, a, target, False, ACT_CODES[None], False, meta)
 
 
+def bi_prepared(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor):
+    """The launch :func:`bi_launch` just made for these operands, kept whole
+    (``ops/_launch/prepared.py``): ``go(stream, a, b, target)`` (addresses), or None (the TMA
+    kernel, whose launch needs Triton's scratch allocator; no handle kept yet)."""
+    from truefuse.kernels.activation import ACT_CODES
+    from truefuse.kernels.gemm import _gemm_kernel
+
+    M, N = a.shape[0], b.shape[1]
+    form = layout(b)
+    if _tma_fits(a, b, target, form):
+        return None
+    meta = _bi_meta(a.dtype, M, form, N)
+    grid = _bi_grid(M, N, meta)
+    args, kwargs = _launch_args(a, b, target, a, target, False, ACT_CODES[None], False, meta)
+    return prepare((a, b, target), _gemm_kernel, grid, *args, **kwargs)
+
+
 def _tma_fits(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor, form: str) -> bool:
     """Whether the persistent TMA kernel takes this bare batch-invariant product: Hopper, bf16/fp16,
     the last M bucket, rows of ``a``, ``b``'s weight and ``target`` contiguous in their last
@@ -272,18 +290,16 @@ def _launch(kernel, grid, a, b, target, pre, out2, accumulate: bool, grad_act: i
     """The GEMM kernel on (M, K) ``a`` and (K, N) ``b`` into ``target``; ``pre`` the derivative
     prologue's pre-activation (``a`` where none), ``out2`` the bias gradient's output (``target``
     where none)."""
+    args, kwargs = _launch_args(a, b, target, pre, out2, accumulate, grad_act, grad_bias, meta)
+    fast_launch(kernel, grid, *args, **kwargs)
+
+
+def _launch_args(a, b, target, pre, out2, accumulate: bool, grad_act: int, grad_bias: bool, meta: dict) -> tuple[tuple, dict]:
+    """The GEMM kernel's arguments and keywords for :func:`_launch` (and :func:`bi_prepared`)."""
     M, K = a.shape
     args = (a, b, target, pre, out2, M, b.shape[1], K, *a.stride(), *b.stride(), *target.stride(), *pre.stride())
-    fast_launch(
-        kernel,
-        grid,
-        *args,
-        ACCUMULATE=accumulate,
-        GRAD_ACT=grad_act,
-        GRAD_BIAS=grad_bias,
-        IEEE=a.dtype == torch.float32,
-        **meta,
-    )
+    kwargs = dict(ACCUMULATE=accumulate, GRAD_ACT=grad_act, GRAD_BIAS=grad_bias, IEEE=a.dtype == torch.float32, **meta)
+    return args, kwargs
 
 
 BACKEND = GemmBackend(name="triton", capabilities=CAPABILITIES, available=available, product=product)

@@ -1,0 +1,168 @@
+"""``ops/gemm/gemm_kept.py``: the batch-invariant no-grad Linear replays its kept launch where the
+call repeats exactly, and only there (issue 47 item 3).
+
+On the CPU the launch is a recording stand-in (no kernel handle exists without CUDA): these tests
+check the key, that a call differing in anything its path reads takes that path, and that a kept
+call launches on the caller's tensors' addresses into a fresh output. On CUDA, the kept launch's
+bits against the path with the fast launch off, through ``truefuse``'s Linear and a routed
+``F.linear``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import requires_cuda
+
+import truefuse.ops.gemm.gemm_kept as gk
+from truefuse.autograd._wgrad import WgradState
+from truefuse.autograd.linear import linear
+from truefuse.config import batch_invariant, eager_fast_launch
+from truefuse.ops.gemm.gemm_plan import Capability, override_capabilities
+
+_STATE = WgradState(owner="test")
+
+
+class _Go:
+    """A kept launch standing in for ``prepared.prepare``'s: records its calls."""
+
+    def __init__(self, slots):
+        self.slots = tuple(t.data_ptr() for t in slots)
+        self.calls: list[tuple] = []
+
+    def __call__(self, stream, *addresses):
+        self.calls.append((stream, *addresses))
+
+
+@pytest.fixture
+def kept(monkeypatch):
+    """gemm_kept with the CPU standing in for CUDA: its ``_prepared`` makes :class:`_Go` s (kept in
+    ``made``), always launchable on stream 5."""
+    made: list[_Go] = []
+
+    def prepared(a, b, out):
+        made.append(_Go((a, b, out)))
+        return made[-1]
+
+    gk.clear()
+    monkeypatch.setattr(gk, "_on_device", lambda x: True)
+    monkeypatch.setattr(gk, "runs_bi_triton", lambda a, b, has_bias: True)
+    monkeypatch.setattr(gk, "_prepared", prepared)
+    monkeypatch.setattr(gk, "launchable", lambda go: True)
+    monkeypatch.setattr(gk, "stream", lambda go: 5)
+    yield made
+    gk.clear()
+
+
+def _call(x, w, b=None):
+    with torch.no_grad(), batch_invariant():
+        return linear(x, w, b, state=_STATE)
+
+
+def test_a_repeated_call_replays_its_kept_launch(kept):
+    w = torch.randn(16, 8)
+    x = torch.randn(2, 1, 8)
+    y = _call(x, w)
+    torch.testing.assert_close(y, x @ w.t())
+    assert len(kept) == 1 and kept[0].slots == (x.data_ptr(), w.data_ptr(), y.data_ptr())
+    x2 = torch.randn(2, 1, 8)
+    y2 = _call(x2, w)
+    assert kept[0].calls == [(5, x2.data_ptr(), w.data_ptr(), y2.data_ptr())]
+    assert y2.shape == (2, 1, 16) and y2.is_contiguous() and y2.data_ptr() not in (y.data_ptr(), x2.data_ptr())
+    assert len(kept) == 1
+
+
+def _changed(name):
+    """A call differing from ``(x (2, 1, 8) fp32, w (16, 8))`` in one thing its path reads."""
+    w = torch.randn(16, 8)
+    if name == "strides":
+        return torch.randn(2, 1, 16)[..., ::2], w, {}
+    if name == "alignment":
+        return torch.randn(2 * 8 + 1)[1:].view(2, 1, 8), w, {}
+    if name == "dtype":
+        return torch.randn(2, 1, 8, dtype=torch.float64), w.double(), {}
+    if name == "rows":
+        return torch.randn(3, 1, 8), w, {}
+    if name == "weight shape":
+        return torch.randn(2, 1, 8), torch.randn(24, 8), {}
+    if name == "bias":
+        return torch.randn(2, 1, 8), w, {"b": torch.randn(16)}
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", ["strides", "alignment", "dtype", "rows", "weight shape", "bias"])
+def test_a_call_differing_in_what_its_path_reads_does_not_replay_anothers_launch(kept, name):
+    w = torch.randn(16, 8)
+    _call(torch.randn(2, 1, 8), w)
+    x, w2, kw = _changed(name)
+    y = _call(x, w2, kw.get("b"))
+    assert kept[0].calls == [], f"a call of another {name} replayed the first call's launch"
+    ref = x @ w2.t() + (kw["b"] if "b" in kw else 0)
+    torch.testing.assert_close(y, ref)
+
+
+def test_the_overrides_and_the_mode_are_in_the_key(kept):
+    w, x = torch.randn(16, 8), torch.randn(2, 1, 8)
+    _call(x, w)
+    with override_capabilities(remove=[Capability("batch_invariant", backend="triton")]):
+        _call(x, w)
+    with torch.no_grad():
+        y = linear(x, w, None, state=_STATE)  # fast mode: not kept, not replayed
+    assert kept[0].calls == [] and len(kept) == 2
+    torch.testing.assert_close(y, x @ w.t())
+
+
+def test_a_call_recording_a_graph_takes_the_functions_path(kept):
+    w, x = torch.randn(16, 8, requires_grad=True), torch.randn(2, 1, 8)
+    _call(x, w.detach())
+    with batch_invariant():
+        y = linear(x, w, None, state=_STATE)
+    assert y.requires_grad and y.grad_fn is not None and kept[0].calls == []
+
+
+def test_a_kept_launch_not_launchable_now_takes_the_path(kept, monkeypatch):
+    w, x = torch.randn(16, 8), torch.randn(2, 1, 8)
+    _call(x, w)
+    monkeypatch.setattr(gk, "launchable", lambda go: False)
+    y = _call(x, w)
+    torch.testing.assert_close(y, x @ w.t())
+    assert kept[0].calls == [] and len(kept) == 1
+
+
+def test_a_launch_not_kept_is_tried_again_then_left(monkeypatch):
+    tries = []
+    gk.clear()
+    monkeypatch.setattr(gk, "_on_device", lambda x: True)
+    monkeypatch.setattr(gk, "runs_bi_triton", lambda a, b, has_bias: True)
+    monkeypatch.setattr(gk, "_prepared", lambda a, b, out: tries.append(1))  # never kept (no handle)
+    w, x = torch.randn(16, 8), torch.randn(2, 1, 8)
+    for _ in range(5):
+        torch.testing.assert_close(_call(x, w), x @ w.t())
+    assert len(tries) == gk._KEPT.tries
+    gk.clear()
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 4, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kept_launch_gives_the_paths_bits_on_cuda(rows, bias):
+    import torch.nn.functional as F
+
+    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
+
+    gk.clear()
+    g = torch.Generator("cuda").manual_seed(rows)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, 1024, generator=g, **bf)
+    b = torch.randn(2048, generator=g, **bf) if bias else None
+    xs = [torch.randn(rows, 1, 1024, generator=g, **bf) for _ in range(4)]
+    with torch.no_grad():
+        with batch_invariant(), eager_fast_launch(False):
+            ref = [linear(x, w, b, state=_STATE) for x in xs]
+        assert not gk._KEPT.entries, "kept with the fast launch off"
+        with running_batch_invariant():
+            ours = [F.linear(x, w, b) for x in xs] + [F.linear(x, w, b) for x in xs]
+    assert any(type(v) is tuple for v in gk._KEPT.entries.values()), "no launch was kept"
+    for i, y in enumerate(ours):
+        assert torch.equal(y, ref[i % 4]), f"call {i} differs from the path's bits"
+    gk.clear()

@@ -1,0 +1,119 @@
+"""A launch kept whole: every argument fixed but the tensors' addresses (issue 47 item 3;
+docs/design.md §6.7).
+
+:func:`fast_launch` still binds, keys and looks up each launch (3-7 µs of host on an H100 host
+above the launcher it calls: docs/benchmarks.md, "Eager host time per op"), and the op above it
+validates, plans and shapes its call every time. Where an op's call repeats exactly (a decode step:
+the same shapes, strides, dtypes and modes every token), the op keeps the launch its path made,
+:func:`prepare`'s ``go``, under a key of everything that path read, and the next such call is
+``go(stream, *addresses)``: the launcher's own call with the kept grid, compiled kernel and
+arguments. The same compiled kernel, arguments, grid and stream as the path it replaces: the same
+bits. The ops' kept calls: ``ops/gemm/gemm_kept.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from truefuse.ops._launch import fast_launch as _fl
+from truefuse.ops._launch.triton import PLAIN_TENSORS
+
+
+def prepare(slots: tuple, kernel, grid, *args, **kwargs):
+    """The launch ``fast_launch(kernel, grid, *args, **kwargs)`` would make through a kept handle,
+    as ``go(stream, *addresses)``: ``slots`` are the tensors whose addresses ``go`` takes, in its
+    order; every tensor argument must be one of them (by identity: a view is another tensor), and
+    gets the address of its slot (an int, as the launcher takes a CUDA tensor's; the tensor itself
+    works too). Every other argument, the grid and the compiled kernel are fixed. None where
+    ``fast_launch`` would take Triton's path or has no handle for this launch yet (the caller
+    launches through it first), where a tensor argument is not a slot, or where the kernel needs
+    Triton's scratch allocator at launch (the TMA GEMM's device-made descriptors).
+
+    The caller keeps ``go`` under a key of everything that decided these arguments, and calls it
+    only where :func:`launchable` holds (the fast path's switch, Triton's hooks, the device)."""
+    if torch.compiler.is_compiling() or not _fl._config._eager_fast_launch:
+        return None
+    st = _fl._KERNELS.get(id(kernel)) if type(kernel) is _fl._JIT else None
+    if st is None or not st.on or not _fl._triton_plain(kernel):
+        return None
+    plan = st.plan(len(args), kwargs)
+    if plan is None:
+        return None
+    bound = args + plan.rest(kwargs if plan.defaults is None else {**plan.defaults, **kwargs})
+    device = _fl._device()
+    variant = st.variant(plan, bound)
+    key, _ = variant.key(bound, device, plan.options(kwargs))
+    try:
+        handle = None if key is None else variant.handles.get(key)
+    except TypeError:
+        return None
+    if handle is None:
+        return None
+    run, function, packed, compiled = handle
+    meta = getattr(compiled, "metadata", None)
+    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+        return None
+    if callable(grid):
+        grid = grid(dict(zip(st.names, bound, strict=True)))
+    grid = (*grid, 1, 1)[:3]
+    names, consts = [], {}
+    for i, a in enumerate(bound):
+        if type(a) in PLAIN_TENSORS:
+            j = next((k for k, t in enumerate(slots) if t is a), None)
+            if j is None:
+                return None
+            names.append(f"t{j}")
+        else:
+            names.append(f"c{i}")
+            consts[f"c{i}"] = a
+    params = "".join(f", t{j}" for j in range(len(slots)))
+    src = (
+        f"def go(stream{params}):\n"
+        f"    run({grid[0]}, {grid[1]}, {grid[2]}, stream, function, packed, None, None, None, {', '.join(names)})\n"
+    )
+    namespace = {"run": run, "function": function, "packed": packed, **consts}
+    exec(compile(src, f"<prepared {getattr(kernel, '__name__', 'kernel')}>", "exec"), namespace)
+    go = namespace["go"]
+    go.kernel, go.device = kernel, device
+    return go
+
+
+def launchable(go) -> bool:
+    """Whether ``go`` may launch now: the fast path on, not tracing, Triton's launch hooks and
+    debug modes off (``fast_launch._triton_plain``), the current device the one it was made on."""
+    return (
+        _fl._config._eager_fast_launch
+        and not torch.compiler.is_compiling()
+        and _fl._device() == go.device
+        and _fl._triton_plain(go.kernel)
+    )
+
+
+def stream(go) -> int:
+    """The current stream of ``go``'s device (what Triton's launch and :func:`fast_launch` pass)."""
+    return _fl._stream(go.device)
+
+
+class KeptLaunches:
+    """One op's kept launches by key: an entry (``go`` and what the op needs to replay it), or for
+    a key whose launch is not kept yet the tries left (a first call compiles through Triton's path,
+    so its launch has no handle to keep yet; a launch that cannot be kept stops being tried)."""
+
+    __slots__ = ("entries", "size", "tries")
+
+    def __init__(self, size: int = 1024, tries: int = 2) -> None:
+        self.entries: dict = {}
+        self.size, self.tries = size, tries
+
+    def get(self, key):
+        """The entry kept for ``key`` (a tuple), else the tries left (an int)."""
+        return self.entries.get(key, self.tries)
+
+    def put(self, key, entry, left: int) -> None:
+        """Keep ``entry`` for ``key``, or where it is None count a try (``left`` the tries left before it)."""
+        if len(self.entries) >= self.size:
+            self.entries.clear()
+        self.entries[key] = entry if entry is not None else left - 1
+
+    def clear(self) -> None:
+        self.entries.clear()
