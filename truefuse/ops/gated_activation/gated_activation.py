@@ -12,6 +12,7 @@ import torch
 from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._launch.dtypes import wide_dtype
 from truefuse.ops._launch.fast_launch import fast_launch
+from truefuse.ops._launch.prepared import prepare
 from truefuse.ops._launch.triton import kernel_for, triton_runs
 from truefuse.ops.gemm.activation import activation_ref
 
@@ -70,21 +71,33 @@ def gated_fwd(x: torch.Tensor, name: str, up: torch.Tensor | None = None) -> tor
     """Forward kernel. ``x``: a contiguous (M, 2F) ``[gate, up]`` for a gated ``name`` (or, with
     ``up`` given, the (M, F) gate, rows strided), (M, F) for a plain activation; returns (M, F) in
     the gate's dtype."""
-    from truefuse.kernels.activation import ACT_CODES
-    from truefuse.kernels.gated_activation import _gated_activation_fwd_kernel
-
-    act, gated = _act(name)
     g, u = (x, up) if up is not None else _gate_up(x, name)
     M, F = g.shape
     y = torch.empty((M, F), dtype=g.dtype, device=g.device)
     if M and F:
-        grid, block = _launch_shape(M, F)
-        u_ = u if gated else g
-        kernel = kernel_for(_gated_activation_fwd_kernel, y)
-        fast_launch(
-            kernel, grid, g, u_, y, g.stride(0), u_.stride(0), y.stride(0), F, ACT=ACT_CODES[act], GATED=gated, BLOCK=block
-        )
+        kernel, grid, args, kwargs = _fwd_launch(g, u, y, name)
+        fast_launch(kernel_for(kernel, y), grid, *args, **kwargs)
     return y
+
+
+def _fwd_launch(g: torch.Tensor, u: torch.Tensor | None, y: torch.Tensor, name: str) -> tuple:
+    """The forward kernel, grid, arguments and keywords of :func:`gated_fwd` (and :func:`fwd_prepared`)."""
+    from truefuse.kernels.activation import ACT_CODES
+    from truefuse.kernels.gated_activation import _gated_activation_fwd_kernel
+
+    act, gated = _act(name)
+    M, F = g.shape
+    grid, block = _launch_shape(M, F)
+    u_ = u if gated else g
+    args = (g, u_, y, g.stride(0), u_.stride(0), y.stride(0), F)
+    return _gated_activation_fwd_kernel, grid, args, dict(ACT=ACT_CODES[act], GATED=gated, BLOCK=block)
+
+
+def fwd_prepared(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, name: str):
+    """The launch :func:`gated_fwd` just made for a (M, F) ``gate`` and ``up`` into ``y`` (M, F not
+    0), kept whole: ``go(stream, gate, up, y)`` (addresses), or None (``ops/_launch/prepared.py``)."""
+    kernel, grid, args, kwargs = _fwd_launch(gate, up, y, name)
+    return prepare((gate, up, y), kernel, grid, *args, **kwargs)
 
 
 def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool = False, up: torch.Tensor | None = None):

@@ -1,11 +1,12 @@
-"""``ops/gemm/gemm_kept.py``: the batch-invariant no-grad Linear replays its kept launch where the
-call repeats exactly, and only there (issue 47 item 3).
+"""Kept launches (``ops/_launch/prepared.py``): the batch-invariant no-grad Linear
+(``ops/gemm/gemm_kept.py``) and the two-tensor gated activation (``ops/gated_activation/gated_kept.py``)
+replay their kept launch where the call repeats exactly, and only there (issue 47 item 3).
 
 On the CPU the launch is a recording stand-in (no kernel handle exists without CUDA): these tests
 check the key, that a call differing in anything its path reads takes that path, and that a kept
 call launches on the caller's tensors' addresses into a fresh output. On CUDA, the kept launch's
-bits against the path with the fast launch off, through ``truefuse``'s Linear and a routed
-``F.linear``.
+bits against the path with the fast launch off, through ``truefuse``'s Linear, a routed
+``F.linear`` and ``truefuse.gated_activation``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import pytest
 import torch
 from conftest import requires_cuda
 
+import truefuse.ops.gated_activation.gated_kept as gak
 import truefuse.ops.gemm.gemm_kept as gk
+from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.linear import linear
 from truefuse.config import batch_invariant, eager_fast_launch
@@ -166,3 +169,87 @@ def test_kept_launch_gives_the_paths_bits_on_cuda(rows, bias):
     for i, y in enumerate(ours):
         assert torch.equal(y, ref[i % 4]), f"call {i} differs from the path's bits"
     gk.clear()
+
+
+# -- the gated activation ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kept_gated(monkeypatch):
+    """gated_kept with the CPU standing in for CUDA, as :func:`kept` (the kernel runs in Triton's
+    interpreter on the CPU)."""
+    made: list[_Go] = []
+
+    def prepared(g, u, y, name):
+        made.append(_Go((g, u, y)))
+        return made[-1]
+
+    gak.clear()
+    monkeypatch.setattr(gak, "_on_device", lambda x: True)
+    monkeypatch.setattr(gak, "fwd_prepared", prepared)
+    monkeypatch.setattr(gak, "launchable", lambda go: True)
+    monkeypatch.setattr(gak, "stream", lambda go: 5)
+    yield made
+    gak.clear()
+
+
+needs_kernel = pytest.mark.skipif(
+    not __import__("truefuse.ops._launch.triton", fromlist=["x"]).triton_runs(torch.zeros(1)),
+    reason="the gated kernel does not run on the CPU here (TRITON_INTERPRET unset)",
+)
+
+
+@needs_kernel
+def test_a_repeated_gated_call_replays_its_kept_launch(kept_gated):
+    g, u = torch.randn(2, 1, 24), torch.randn(2, 1, 24)
+    with torch.no_grad():
+        y = gated_activation(g, "swiglu", u)
+        assert len(kept_gated) == 1 and kept_gated[0].slots == (g.data_ptr(), u.data_ptr(), y.data_ptr())
+        g2, u2 = torch.randn(2, 1, 24), torch.randn(2, 1, 24)
+        y2 = gated_activation(g2, "swiglu", u2)
+    assert kept_gated[0].calls == [(5, g2.data_ptr(), u2.data_ptr(), y2.data_ptr())]
+    assert y2.shape == g2.shape and y2.is_contiguous()
+
+
+@needs_kernel
+@pytest.mark.parametrize("change", ["activation", "strides", "alignment", "rows", "dtype", "grad"])
+def test_a_gated_call_differing_in_what_its_path_reads_does_not_replay_anothers_launch(kept_gated, change):
+    from truefuse.ops.gated_activation.gated_activation import gated_activation_ref
+
+    with torch.no_grad():
+        gated_activation(torch.randn(2, 1, 24), "swiglu", torch.randn(2, 1, 24))
+    name, g, u = "swiglu", torch.randn(2, 1, 24), torch.randn(2, 1, 24)
+    if change == "activation":
+        name = "geglu"
+    elif change == "strides":
+        g = torch.randn(2, 1, 48)[..., :24]
+    elif change == "alignment":
+        u = torch.randn(2 * 24 + 1)[1:].view(2, 1, 24)
+    elif change == "rows":
+        g, u = torch.randn(3, 1, 24), torch.randn(3, 1, 24)
+    elif change == "dtype":
+        g, u = g.double(), u.double()
+    elif change == "grad":
+        g.requires_grad_()
+    y = gated_activation(g, name, u)
+    assert kept_gated[0].calls == [], f"a call of another {change} replayed the first call's launch"
+    ref = gated_activation_ref(torch.cat([g.detach(), u], -1), name)
+    torch.testing.assert_close(y.detach(), ref)
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_kept_gated_launch_gives_the_paths_bits_on_cuda(rows):
+    gak.clear()
+    g = torch.Generator("cuda").manual_seed(rows)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    pairs = [(torch.randn(rows, 1, 5632, generator=g, **bf), torch.randn(rows, 1, 5632, generator=g, **bf)) for _ in range(4)]
+    with torch.no_grad():
+        with eager_fast_launch(False):
+            ref = [gated_activation(a, "swiglu", b) for a, b in pairs]
+        assert not gak._KEPT.entries, "kept with the fast launch off"
+        ours = [gated_activation(a, "swiglu", b) for a, b in pairs * 2]
+    assert any(type(v) is tuple for v in gak._KEPT.entries.values()), "no launch was kept"
+    for i, y in enumerate(ours):
+        assert torch.equal(y, ref[i % 4]), f"call {i} differs from the path's bits"
+    gak.clear()
