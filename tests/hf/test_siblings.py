@@ -44,7 +44,15 @@ def launches(monkeypatch):
         n[0] += 1
         return real(*a)
 
+    real_replay = S._replay
+
+    def replayed(*a):  # a kept launch replayed (docs/design.md §6.10) is the group's launch too
+        outs = real_replay(*a)
+        n[0] += outs is not None
+        return outs
+
     monkeypatch.setattr(triton_backend, "bi_launch_segments", counted)
+    monkeypatch.setattr(S, "_replay", replayed)
     return n
 
 
@@ -156,3 +164,81 @@ def test_plan_check_follows_the_plan_context(launches):
         with triton_row(), running_batch_invariant(groups):
             m.q_proj(x)
         assert launches[0] == 2
+
+
+class _Go:
+    """A kept launch standing in for ``bi_segments_prepared``'s: records its calls."""
+
+    def __init__(self, slots):
+        self.slots = tuple(t.data_ptr() for t in slots)
+        self.calls: list[tuple] = []
+
+    def __call__(self, stream, *addresses):
+        self.calls.append((stream, *addresses))
+
+
+@pytest.fixture
+def kept(monkeypatch):
+    """Kept group launches with the CPU standing in for CUDA: ``bi_segments_prepared`` makes
+    :class:`_Go` s (kept in the list yielded), always launchable on stream 5."""
+    if not backend_available("triton", "cpu"):
+        pytest.skip("the Triton interpreter is off")
+    made: list[_Go] = []
+
+    def prepared(a, bs, outs):
+        made.append(_Go((a, *bs, *outs)))
+        return made[-1]
+
+    S._KEPT.clear()
+    monkeypatch.setattr(S, "_on_device", lambda x: True)
+    monkeypatch.setattr(triton_backend, "bi_segments_prepared", prepared)
+    monkeypatch.setattr(S, "launchable", lambda go: True)
+    monkeypatch.setattr(S, "stream", lambda go: 5)
+    with override_capabilities(add=[Capability("batch_invariant", F32, F32, "cpu", backend="triton")]):
+        yield made
+    S._KEPT.clear()
+
+
+def test_a_repeated_group_call_replays_its_kept_launch(kept):
+    """The second decode step's group: one replay of the first step's launch on this step's input,
+    the weights and fresh outputs; k and v then get their outputs from it."""
+    m = _attention_like(F32, "cpu")
+    groups = S.find_groups(m)
+    ws = [m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]
+    with torch.no_grad():
+        x = torch.randn(2, 1, 32)
+        with running_batch_invariant(groups):
+            q = m.q_proj(x)
+            m.k_proj(x), m.v_proj(x)
+        assert len(kept) == 1 and kept[0].slots[0] == x.data_ptr() and kept[0].slots[4] == q.data_ptr()
+        x2 = torch.randn(2, 1, 32)
+        with running_batch_invariant(groups):
+            q2, k2, v2 = m.q_proj(x2), m.k_proj(x2), m.v_proj(x2)
+    outs = (q2.data_ptr(), k2.data_ptr(), v2.data_ptr())
+    assert kept[0].calls == [(5, x2.data_ptr(), *[w.data_ptr() for w in ws], *outs)]
+    assert (q2.shape, k2.shape, v2.shape) == ((2, 1, 48), (2, 1, 16), (2, 1, 16))
+
+
+@pytest.mark.parametrize("change", ["input strides", "weight strides", "rows", "overrides", "grad"])
+def test_a_group_call_differing_in_what_it_reads_does_not_replay_anothers_launch(kept, change):
+    m = _attention_like(F32, "cpu")
+    groups = S.find_groups(m)
+    with torch.no_grad(), running_batch_invariant(groups):
+        m.q_proj(torch.randn(2, 1, 32))
+    x = torch.randn(2, 1, 32)
+    if change == "input strides":
+        x = torch.randn(2, 1, 64)[..., ::2]
+    elif change == "weight strides":
+        m.k_proj.weight.data = m.k_proj.weight.data.t().contiguous().t()
+    elif change == "rows":
+        x = torch.randn(3, 1, 32)
+    elif change == "grad":
+        m.q_proj.weight.requires_grad_()
+    block = override_capabilities(remove=[Capability("batch_invariant", backend="torch")]) if change == "overrides" else None
+    with torch.no_grad() if change != "grad" else torch.enable_grad(), running_batch_invariant(groups):
+        if block is not None:
+            with block:
+                m.q_proj(x)
+        else:
+            m.q_proj(x)
+    assert kept[0].calls == [], f"a group call of another {change} replayed the first call's launch"

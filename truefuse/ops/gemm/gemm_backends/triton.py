@@ -255,6 +255,19 @@ def bi_launch_segments(a: torch.Tensor, bs: list[torch.Tensor], outs: list[torch
     ``bi_launch(a, bs[s], outs[s])`` (the same tile from the same table entry, which depends on M and
     the layout only: no ``WIDE`` tile for the forward's layout, the siblings';
     ``kernels/gemm.py::_gemm_segments_kernel``). M and every N_s not 0."""
+    kernel, grid, args, kwargs = _segments_launch(a, bs, outs)
+    fast_launch(kernel, grid, *args, **kwargs)
+
+
+def bi_segments_prepared(a: torch.Tensor, bs: list[torch.Tensor], outs: list[torch.Tensor]):
+    """The launch :func:`bi_launch_segments` just made for these operands, kept whole
+    (``ops/_launch/prepared.py``): ``go(stream, a, *bs, *outs)`` (addresses), or None."""
+    kernel, grid, args, kwargs = _segments_launch(a, bs, outs)
+    return prepare((a, *bs, *outs), kernel, grid, *args, **kwargs)
+
+
+def _segments_launch(a: torch.Tensor, bs: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple:
+    """The segmented GEMM's kernel, grid, arguments and keywords for :func:`bi_launch_segments`."""
     from truefuse.kernels.gemm import _gemm_segments_kernel
 
     M, K = a.shape
@@ -262,24 +275,9 @@ def bi_launch_segments(a: torch.Tensor, bs: list[torch.Tensor], outs: list[torch
     ns = [b.shape[1] for b in bs] + [0] * (3 - len(bs))  # an unused segment: N = 0, no tiles
     bs, outs = list(bs) + [bs[0]] * (3 - len(bs)), list(outs) + [outs[0]] * (3 - len(outs))
     tiles = sum(-(-n // meta["BLOCK_N"]) for n in ns)
-    fast_launch(
-        _gemm_segments_kernel,
-        (-(-M // meta["BLOCK_M"]) * tiles,),
-        a,
-        bs[0],
-        outs[0],
-        bs[1],
-        outs[1],
-        bs[2],
-        outs[2],
-        M,
-        *ns,
-        K,
-        *a.stride(),
-        *bs[0].stride(),
-        IEEE=a.dtype == torch.float32,
-        **meta,
-    )
+    args = (a, bs[0], outs[0], bs[1], outs[1], bs[2], outs[2], M, *ns, K, *a.stride(), *bs[0].stride())
+    kwargs = dict(IEEE=a.dtype == torch.float32, **meta)
+    return _gemm_segments_kernel, (-(-M // meta["BLOCK_M"]) * tiles,), args, kwargs
 
 
 def _bi_grid(M: int, N: int, meta: dict) -> tuple[int]:
