@@ -1,12 +1,14 @@
 """Kept launches (``ops/_launch/prepared.py``): the batch-invariant no-grad Linear
-(``ops/gemm/gemm_kept.py``) and the two-tensor gated activation (``ops/gated_activation/gated_kept.py``)
-replay their kept launch where the call repeats exactly, and only there (issue 47 item 3).
+(``ops/gemm/gemm_kept.py``), the two-tensor gated activation (``ops/gated_activation/gated_kept.py``)
+and ``rms_norm_hf`` in batch-invariant mode (``ops/norm/norm_kept.py``) replay their kept launch
+where the call repeats exactly, and only there (issue 47 item 3). The siblings' group launch:
+``tests/hf/test_siblings.py``.
 
 On the CPU the launch is a recording stand-in (no kernel handle exists without CUDA): these tests
 check the key, that a call differing in anything its path reads takes that path, and that a kept
 call launches on the caller's tensors' addresses into a fresh output. On CUDA, the kept launch's
 bits against the path with the fast launch off, through ``truefuse``'s Linear, a routed
-``F.linear`` and ``truefuse.gated_activation``.
+``F.linear``, ``truefuse.gated_activation`` and ``truefuse.rms_norm_hf``.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from conftest import requires_cuda
 
 import truefuse.ops.gated_activation.gated_kept as gak
 import truefuse.ops.gemm.gemm_kept as gk
-from truefuse.autograd.gated_activation import gated_activation
+import truefuse.ops.norm.norm_kept as nk
 from truefuse.autograd._wgrad import WgradState
+from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.linear import linear
 from truefuse.config import batch_invariant, eager_fast_launch
 from truefuse.ops.gemm.gemm_plan import Capability, override_capabilities
@@ -253,3 +256,100 @@ def test_kept_gated_launch_gives_the_paths_bits_on_cuda(rows):
     for i, y in enumerate(ours):
         assert torch.equal(y, ref[i % 4]), f"call {i} differs from the path's bits"
     gak.clear()
+
+
+# -- rms_norm_hf in batch-invariant mode ---------------------------------------------------------------
+
+
+@pytest.fixture
+def kept_norm(monkeypatch):
+    """norm_kept with the CPU standing in for CUDA, as :func:`kept`: the mode's kernel statistics
+    on the CPU too (the interpreter's kernel, fp32)."""
+    import truefuse.autograd.norm as autograd_norm
+
+    made: list[_Go] = []
+
+    def prepared(x, w, y, rstd, eps, style):
+        made.append(_Go((x, w, y, rstd)))
+        return made[-1]
+
+    nk.clear()
+    monkeypatch.setattr(nk, "_on_device", lambda x: True)
+    monkeypatch.setattr(nk, "hf_bi_prepared", prepared)
+    monkeypatch.setattr(nk, "launchable", lambda go: True)
+    monkeypatch.setattr(nk, "stream", lambda go: 5)
+    monkeypatch.setattr(autograd_norm, "kernel_statistics", lambda x, bi: bi)
+    yield made
+    nk.clear()
+
+
+def _norm(x, w, eps=1e-6, style="llama"):
+    from truefuse.autograd.norm import rms_norm_hf
+
+    with torch.no_grad(), batch_invariant():
+        return rms_norm_hf(x, w, eps, style=style)
+
+
+@needs_kernel
+def test_a_repeated_bi_norm_call_replays_its_kept_launch(kept_norm):
+    from truefuse.ops.norm.norm import rms_norm_hf_ref
+
+    w = torch.randn(32)
+    x = torch.randn(2, 1, 32)
+    torch.testing.assert_close(_norm(x, w), rms_norm_hf_ref(x, w, 1e-6))
+    assert len(kept_norm) == 1 and kept_norm[0].slots[:2] == (x.data_ptr(), w.data_ptr())
+    x2 = torch.randn(2, 1, 32)
+    y2 = _norm(x2, w)
+    (call,) = kept_norm[0].calls
+    assert call[:4] == (5, x2.data_ptr(), w.data_ptr(), y2.data_ptr()) and len(call) == 5  # and a fresh rstd
+    assert y2.shape == x2.shape and y2.dtype == torch.float32
+
+
+@needs_kernel
+@pytest.mark.parametrize("change", ["eps", "style", "strides", "alignment", "rows", "grad", "fast mode"])
+def test_a_bi_norm_call_differing_in_what_its_path_reads_does_not_replay_anothers_launch(kept_norm, change):
+    from truefuse.autograd.norm import rms_norm_hf
+
+    w = torch.randn(32)
+    _norm(torch.randn(2, 1, 32), w)
+    x, eps, style = torch.randn(2, 1, 32), 1e-6, "llama"
+    if change == "eps":
+        eps = 1e-5
+    elif change == "style":
+        style = "gemma"
+    elif change == "strides":
+        x = torch.randn(2, 2, 32)[:, :1]
+    elif change == "alignment":
+        x = torch.randn(2 * 32 + 1)[1:].view(2, 1, 32)
+    elif change == "rows":
+        x = torch.randn(3, 1, 32)
+    elif change == "grad":
+        x.requires_grad_()
+    if change == "fast mode":
+        with torch.no_grad():
+            rms_norm_hf(x, w, eps, style=style)
+    else:
+        with torch.enable_grad() if change == "grad" else torch.no_grad(), batch_invariant():
+            rms_norm_hf(x, w, eps, style=style)
+    assert kept_norm[0].calls == [], f"a call of another {change} replayed the first call's launch"
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_kept_bi_norm_launch_gives_the_paths_bits_on_cuda(rows):
+    from truefuse.autograd.norm import rms_norm_hf
+
+    nk.clear()
+    g = torch.Generator("cuda").manual_seed(rows)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, generator=g, **bf)
+    xs = [torch.randn(rows, 1, 2048, generator=g, **bf) for _ in range(4)]
+    with torch.no_grad(), batch_invariant():
+        with eager_fast_launch(False):
+            ref = [rms_norm_hf(x, w, 1e-6) for x in xs]
+        assert not nk._KEPT.entries, "kept with the fast launch off"
+        ours = [rms_norm_hf(x, w, 1e-6) for x in xs * 2]
+    assert any(type(v) is tuple for v in nk._KEPT.entries.values()), "no launch was kept"
+    for i, y in enumerate(ours):
+        assert torch.equal(y, ref[i % 4]), f"call {i} differs from the path's bits"
+    nk.clear()

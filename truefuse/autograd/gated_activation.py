@@ -7,7 +7,6 @@ import torch
 
 from truefuse.autograd._eager_op import call
 from truefuse.ops._launch.dtensor import on_local_rows
-from truefuse.ops.gated_activation.gated_kept import keep, kept_gated
 from truefuse.ops.gated_activation.gated_activation import (
     GATED_ACTIVATIONS,
     gated2_fwd_op,
@@ -15,6 +14,7 @@ from truefuse.ops.gated_activation.gated_activation import (
     gated_fwd_op,
     use_kernel,
 )
+from truefuse.ops.gated_activation.gated_kept import keep, kept_gated
 
 
 def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None) -> torch.Tensor:

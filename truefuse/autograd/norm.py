@@ -29,6 +29,8 @@ from truefuse.ops.norm.norm import (
     rms_norm_ref,
     use_kernel,
 )
+from truefuse.ops.norm.norm_kept import keep as keep_hf_bi
+from truefuse.ops.norm.norm_kept import kept_hf_bi
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -157,6 +159,10 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         (..., H): ``promote(x.dtype, weight.dtype)`` for ``llama``, x's dtype for ``gemma`` (as stock).
         Forward bitwise equal to :func:`truefuse.ops.norm.norm.rms_norm_hf_ref`; gradients bounded.
     """
+    bi = Modes.now().batch_invariant  # read once: the statistics below and the path to them agree
+    kept = kept_hf_bi(x, weight, eps, style) if bi else None  # decode: one kept launch (ops/norm/norm_kept.py)
+    if kept is not None and type(kept) is not tuple:
+        return kept
     if _check(x, {"weight": weight}, eps):  # a tensor subclass: a DTensor runs on each rank's rows
         y = on_local_rows("rms_norm_hf", lambda x, w: rms_norm_hf(x, w, eps, style=style), {"x": x}, {"weight": weight})
         if y is not None:
@@ -165,14 +171,16 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         raise ValueError(f"style must be one of {HF_NORM_STYLES}, got {style!r}")
     if weight is None:
         raise ValueError("weight must be a tensor: the stock modules always scale")
-    bi = Modes.now().batch_invariant  # read once: the statistics below and the path to them agree
     if bi and not x.is_cuda and torch.compiler.is_compiling():
         return rms_norm_hf_pytorch_op(x, weight, eps, style)  # opaque: eager's bits (ops/norm/norm.py)
     if _stock_cheaper(x, weight, bi) or not use_kernel(x):  # the first, a decode step's, asks less
         return rms_norm_hf_ref(x, weight, eps, style=style)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if kernel_statistics(x, bi) and not _differentiated(x, weight) and not torch.compiler.is_compiling():
-        return rms_norm_hf_bi(x2, weight, eps, style)[0].view(x.shape)  # one launch
+        y2, rstd = rms_norm_hf_bi(x2, weight, eps, style)  # one launch
+        if kept is not None:
+            keep_hf_bi(kept, x, x2, weight, y2, rstd, eps, style)
+        return y2.view(x.shape)
     with torch.no_grad():  # the op's backward differentiates through the statistics itself
         rstd = hf_statistics(x2, weight, eps, style, bi)
     y = call(rms_norm_hf_fwd_op, x2, weight, rstd, style)

@@ -15,7 +15,6 @@ return: a new contiguous (..., N) tensor, its split bias added the same way.
 from __future__ import annotations
 
 import torch
-
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from truefuse.autograd._autocast import autocast_dtype
@@ -106,7 +105,12 @@ def _key(x: torch.Tensor, weights) -> tuple | None:
     and each weight's shape, strides, dtype, device and 16-byte alignment, autocast, an inference
     input), or None where no kept launch may serve the call: traced, a dispatch mode, an operand
     requiring grad with grad mode on, a weight or input not a plain tensor, not on CUDA."""
-    if type(x) not in PLAIN_TENSORS or not _on_device(x) or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if (
+        type(x) not in PLAIN_TENSORS
+        or not _on_device(x)
+        or torch.compiler.is_compiling()
+        or _get_current_dispatch_mode() is not None
+    ):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return None

@@ -40,7 +40,19 @@ def kept_gated(gate: torch.Tensor, up: torch.Tensor, name: str):
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active():
         return None
     gp, upp = gate.data_ptr(), up.data_ptr()
-    key = (gate.shape, gate.stride(), gate.dtype, gate.get_device(), up.shape, up.stride(), up.dtype, up.get_device(), name, gp & 15, upp & 15)
+    key = (
+        gate.shape,
+        gate.stride(),
+        gate.dtype,
+        gate.get_device(),
+        up.shape,
+        up.stride(),
+        up.dtype,
+        up.get_device(),
+        name,
+        gp & 15,
+        upp & 15,
+    )
     kept = _KEPT.get(key)
     if kept.__class__ is tuple:
         (go,) = kept
@@ -54,7 +66,9 @@ def kept_gated(gate: torch.Tensor, up: torch.Tensor, name: str):
     return (key, kept) if kept > 0 else None
 
 
-def keep(key: tuple, gate: torch.Tensor, up: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, y2: torch.Tensor, name: str) -> None:
+def keep(
+    key: tuple, gate: torch.Tensor, up: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, y2: torch.Tensor, name: str
+) -> None:
     """Keep the launch the caller's path just made from ``g2``/``u2`` (the (M, F) rows of ``gate``
     and ``up``) into ``y2``, under :func:`kept_gated`'s ``key``: where the rows are views of the
     operands (no copy between), and M and F are not 0."""

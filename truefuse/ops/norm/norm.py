@@ -19,6 +19,7 @@ from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backwar
 from truefuse.ops._launch.dtypes import wide_dtype
 from truefuse.ops._launch.eager_grad import eager_grads
 from truefuse.ops._launch.fast_launch import fast_launch
+from truefuse.ops._launch.prepared import prepare
 from truefuse.ops._launch.triton import hopper, kernel_for, sm_count, traced, triton_runs
 from truefuse.ops.norm.norm_config import (
     STAGED_INNER,
@@ -211,7 +212,6 @@ def norm_fwd(
     (``ops/norm/add_norm.py``). Returns ``(y, mean, rstd)``: y (M, N); mean (M,) fp32 (None for
     RMSNorm); rstd (M,) fp32.
     """
-    from truefuse.kernels.norm import _norm_fwd_kernel
 
     M, N = x.shape
     y = torch.empty_like(x, dtype=out_dtype or x.dtype)
@@ -230,15 +230,28 @@ def norm_fwd(
     if staged is not None:
         ln_fwd_staged(x, weight, bias, eps, zero_centered_gamma, y, mean, rstd, staged, pdl)
         return y, mean, rstd
+    kernel, grid, args, kwargs = _fwd_launch(
+        x, weight, bias, y, mean, rstd, eps, rms, zero_centered_gamma, rstd_in, round_normed, hf_stats, residual, summed, pdl
+    )
+    fast_launch(kernel, grid, *args, **kwargs)
+    return y, mean, rstd
+
+
+def _fwd_launch(
+    x, weight, bias, y, mean, rstd, eps, rms, zero_centered_gamma, rstd_in, round_normed, hf_stats, residual, summed, pdl
+) -> tuple:
+    """The forward kernel (the register-row one), grid, arguments and keywords of :func:`norm_fwd`
+    (and :func:`hf_bi_prepared`)."""
+    from truefuse.kernels.norm import _norm_fwd_kernel
+
+    M, N = x.shape
     block, warps = block_and_warps(N)
     per_sm, wb = fwd_programs_per_sm(N), "reg"
     if not rms:
         warps, per_sm, wb = ln_fwd_config(N)
     per_sm = per_sm if x.is_cuda else 0
     programs = min(M, per_sm * sm_count(x.device.index or 0)) if per_sm else M
-    fast_launch(
-        kernel_for(_norm_fwd_kernel, y),
-        (programs,),
+    args = (
         x,
         weight if weight is not None else x,
         bias if bias is not None else x,
@@ -249,6 +262,8 @@ def norm_fwd(
         y.stride(0),
         N,
         float(eps),
+    )
+    kwargs = dict(
         IS_RMS=rms,
         HAS_W=weight is not None,
         HAS_B=bias is not None,
@@ -275,7 +290,20 @@ def norm_fwd(
         num_warps=warps,
         **_pdl_kw(pdl),
     )
-    return y, mean, rstd
+    return kernel_for(_norm_fwd_kernel, y), (programs,), args, kwargs
+
+
+def hf_bi_prepared(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, eps: float, style: str):
+    """The launch :func:`rms_norm_hf_bi` just made on a contiguous (M, N) ``x`` (M not 0) into ``y``
+    and ``rstd``, kept whole: ``go(stream, x, weight, y, rstd)`` (addresses), or None where it took
+    another kernel (``ops/_launch/prepared.py``)."""
+    if _fwd_staged(x, True) is not None:
+        return None
+    pdl = hopper(x) and not traced(x)
+    kernel, grid, args, kwargs = _fwd_launch(
+        x, weight, None, y, None, rstd, eps, True, style == "gemma", False, style == "llama", True, None, None, pdl
+    )
+    return prepare((x, weight, y, rstd), kernel, grid, *args, **kwargs)
 
 
 def _tma_aligned(t: torch.Tensor) -> torch.Tensor:
