@@ -16,8 +16,8 @@ import torch
 from conftest import requires_cuda
 
 import truefuse.ops._launch.fast_launch as fl
-from truefuse.ops._launch.prepared import launchable, prepare
 from truefuse.config import eager_fast_launch, get_config
+from truefuse.ops._launch.prepared import launchable, prepare
 from truefuse.ops._launch.triton import kernel_for, traced
 
 triton = pytest.importorskip("triton")

@@ -1,6 +1,6 @@
 """Kept launches (``ops/_launch/prepared.py``): the batch-invariant no-grad Linear
 (``ops/gemm/gemm_kept.py``), the two-tensor gated activation (``ops/gated_activation/gated_kept.py``)
-and ``rms_norm_hf`` in batch-invariant mode (``ops/norm/norm_kept.py``) replay their kept launch
+``rms_norm_hf`` in batch-invariant mode (``ops/norm/norm_kept.py``) and rope (``ops/rope_kept.py``) replay their kept launch
 where the call repeats exactly, and only there (issue 47 item 3). The siblings' group launch:
 ``tests/hf/test_siblings.py``.
 
@@ -8,7 +8,7 @@ On the CPU the launch is a recording stand-in (no kernel handle exists without C
 check the key, that a call differing in anything its path reads takes that path, and that a kept
 call launches on the caller's tensors' addresses into a fresh output. On CUDA, the kept launch's
 bits against the path with the fast launch off, through ``truefuse``'s Linear, a routed
-``F.linear``, ``truefuse.gated_activation`` and ``truefuse.rms_norm_hf``.
+``F.linear``, ``truefuse.gated_activation``, ``truefuse.rms_norm_hf`` and ``truefuse.apply_rotary_pos_emb``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from conftest import requires_cuda
 import truefuse.ops.gated_activation.gated_kept as gak
 import truefuse.ops.gemm.gemm_kept as gk
 import truefuse.ops.norm.norm_kept as nk
+import truefuse.ops.rope_kept as rk
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.linear import linear
@@ -353,3 +354,103 @@ def test_kept_bi_norm_launch_gives_the_paths_bits_on_cuda(rows):
     for i, y in enumerate(ours):
         assert torch.equal(y, ref[i % 4]), f"call {i} differs from the path's bits"
     nk.clear()
+
+
+# -- rope ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kept_rope(monkeypatch):
+    """rope_kept with the CPU standing in for CUDA, as :func:`kept` (the interpreter's kernel)."""
+    made: list[_Go] = []
+
+    def prepared(x, cos, sin, out):
+        made.append(_Go((x, cos, sin, out)))
+        return made[-1]
+
+    rk.clear()
+    monkeypatch.setattr(rk, "_on_device", lambda x: True)
+    monkeypatch.setattr(rk, "rope_prepared", prepared)
+    monkeypatch.setattr(rk, "launchable", lambda go: True)
+    monkeypatch.setattr(rk, "stream", lambda go: 5)
+    yield made
+    rk.clear()
+
+
+def _qkcs(B=2, T=1, cos_batch=1, offset=0):
+    """Decode-step rope operands: q, k the transposed projections (B, H, T, D), cos and sin (cos_batch, T, D)."""
+    q = torch.randn(B, T, 4, 16).transpose(1, 2)
+    k = torch.randn(B * T * 2 * 16 + offset)[offset:].view(B, T, 2, 16).transpose(1, 2)
+    cos, sin = torch.randn(cos_batch, T, 16), torch.randn(cos_batch, T, 16)
+    return q, k, cos, sin
+
+
+@needs_kernel
+def test_a_repeated_rope_call_replays_its_kept_launches(kept_rope):
+    from truefuse.autograd.rope import apply_rotary_pos_emb
+    from truefuse.ops.rope import rope_ref
+
+    q, k, cos, sin = _qkcs()
+    with torch.no_grad():
+        qo, ko = apply_rotary_pos_emb(q, k, cos, sin)
+        assert torch.equal(qo, rope_ref(q, cos, sin)) and torch.equal(ko, rope_ref(k, cos, sin))
+        assert [g.slots for g in kept_rope] == [
+            (q.data_ptr(), cos.data_ptr(), sin.data_ptr(), qo.data_ptr()),
+            (k.data_ptr(), cos.data_ptr(), sin.data_ptr(), ko.data_ptr()),
+        ]
+        q2, k2, cos2, sin2 = _qkcs()
+        qo2, ko2 = apply_rotary_pos_emb(q2, k2, cos2, sin2)
+    assert kept_rope[0].calls == [(5, q2.data_ptr(), cos2.data_ptr(), sin2.data_ptr(), qo2.data_ptr())]
+    assert kept_rope[1].calls == [(5, k2.data_ptr(), cos2.data_ptr(), sin2.data_ptr(), ko2.data_ptr())]
+    assert qo2.stride() == qo.stride() and ko2.stride() == ko.stride()  # the path's layout (empty_like)
+
+
+@needs_kernel
+@pytest.mark.parametrize("change", ["rows", "cos batch", "alignment", "q strides", "dtype", "grad"])
+def test_a_rope_call_differing_in_what_its_path_reads_does_not_replay_anothers_launches(kept_rope, change):
+    from truefuse.autograd.rope import apply_rotary_pos_emb
+    from truefuse.ops.rope import rope_ref
+
+    with torch.no_grad():
+        apply_rotary_pos_emb(*_qkcs())
+    q, k, cos, sin = _qkcs(
+        B=3 if change == "rows" else 2, cos_batch=2 if change == "cos batch" else 1, offset=1 if change == "alignment" else 0
+    )
+    if change == "q strides":
+        q = torch.randn(q.shape)  # (B, H, 1, D) contiguous: not the projections' transposed layout
+    elif change == "dtype":
+        q, k, cos, sin = q.double(), k.double(), cos.double(), sin.double()
+    elif change == "grad":
+        q.requires_grad_()
+    with torch.enable_grad() if change == "grad" else torch.no_grad():
+        qo, ko = apply_rotary_pos_emb(q, k, cos, sin)
+    assert kept_rope[0].calls == [] and kept_rope[1].calls == [], f"a call of another {change} replayed the first call's launches"
+    torch.testing.assert_close(ko, rope_ref(k, cos, sin))
+
+
+@requires_cuda
+@pytest.mark.parametrize("batch", [1, 4])
+def test_kept_rope_launches_give_the_paths_bits_on_cuda(batch):
+    from truefuse.autograd.rope import apply_rotary_pos_emb
+
+    rk.clear()
+    g = torch.Generator("cuda").manual_seed(batch)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    calls = [
+        (
+            torch.randn(batch, 1, 16, 64, generator=g, **bf).transpose(1, 2),
+            torch.randn(batch, 1, 8, 64, generator=g, **bf).transpose(1, 2),
+            torch.randn(1, 1, 64, generator=g, **bf),
+            torch.randn(1, 1, 64, generator=g, **bf),
+        )
+        for _ in range(4)
+    ]
+    with torch.no_grad():
+        with eager_fast_launch(False):
+            ref = [apply_rotary_pos_emb(*c) for c in calls]
+        assert not rk._KEPT.entries, "kept with the fast launch off"
+        ours = [apply_rotary_pos_emb(*c) for c in calls * 2]
+    assert any(type(v) is tuple for v in rk._KEPT.entries.values()), "no launch was kept"
+    for i, (qo, ko) in enumerate(ours):
+        assert torch.equal(qo, ref[i % 4][0]) and torch.equal(ko, ref[i % 4][1]), f"call {i} differs from the path's bits"
+    rk.clear()

@@ -7,6 +7,7 @@ import torch
 
 from truefuse.autograd._eager_op import call
 from truefuse.ops._launch.dtensor import on_local_rows
+from truefuse.ops._launch.prepared import ToKeep
 from truefuse.ops.gated_activation.gated_activation import (
     GATED_ACTIVATIONS,
     gated2_fwd_op,
@@ -30,7 +31,7 @@ def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None)
         (..., F) in ``x.dtype``: fp32 math, one rounding (``gated_activation_ref``, bounded contract).
     """
     kept = None if up is None else kept_gated(x, up, name)  # decode: one kept launch (ops/gated_activation/gated_kept.py)
-    if kept is not None and type(kept) is not tuple:
+    if kept is not None and type(kept) is not ToKeep:
         return kept
     rows = {"x": x} if up is None else {"x": x, "up": up}
     width = (x.shape[-1] if up is not None else x.shape[-1] // 2) if isinstance(x, torch.Tensor) and x.dim() else None
@@ -50,8 +51,8 @@ def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None)
     return y.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
-def _gated_two(gate: torch.Tensor, up: torch.Tensor, name: str, key: tuple | None = None) -> torch.Tensor:
-    """``key``: ``kept_gated``'s, to keep this call's launch under (no graph recorded)."""
+def _gated_two(gate: torch.Tensor, up: torch.Tensor, name: str, pending: ToKeep | None = None) -> torch.Tensor:
+    """``pending``: ``kept_gated``'s, to keep this call's launch under (no graph recorded)."""
     if not isinstance(up, torch.Tensor) or up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
         got = (tuple(up.shape), up.dtype, up.device) if isinstance(up, torch.Tensor) else type(up).__name__
         raise ValueError(
@@ -66,6 +67,6 @@ def _gated_two(gate: torch.Tensor, up: torch.Tensor, name: str, key: tuple | Non
     g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
     u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
     y2 = call(gated2_fwd_op, g2, u2, name)
-    if key is not None:
-        keep(key, gate, up, g2, u2, y2, name)
+    if pending is not None:
+        keep(pending, gate, up, g2, u2, y2, name)
     return y2.view(gate.shape)

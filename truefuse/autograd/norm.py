@@ -15,6 +15,7 @@ from truefuse.autograd._eager_op import call
 from truefuse.autograd._modes import Modes
 from truefuse.config import get_tuning
 from truefuse.ops._launch.dtensor import on_local_rows
+from truefuse.ops._launch.prepared import ToKeep
 from truefuse.ops._launch.triton import PLAIN_TENSORS
 from truefuse.ops.norm.norm import (
     HF_NORM_STYLES,
@@ -161,7 +162,7 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
     """
     bi = Modes.now().batch_invariant  # read once: the statistics below and the path to them agree
     kept = kept_hf_bi(x, weight, eps, style) if bi else None  # decode: one kept launch (ops/norm/norm_kept.py)
-    if kept is not None and type(kept) is not tuple:
+    if kept is not None and type(kept) is not ToKeep:
         return kept
     if _check(x, {"weight": weight}, eps):  # a tensor subclass: a DTensor runs on each rank's rows
         y = on_local_rows("rms_norm_hf", lambda x, w: rms_norm_hf(x, w, eps, style=style), {"x": x}, {"weight": weight})

@@ -11,7 +11,10 @@ import torch
 
 from truefuse.autograd._eager_op import call
 from truefuse.ops._launch.dtensor import refuse_dtensor
+from truefuse.ops._launch.prepared import ToKeep
 from truefuse.ops.rope import rope_fwd_op, rope_ref, use_kernel
+from truefuse.ops.rope_kept import keep as keep_rope
+from truefuse.ops.rope_kept import kept_rope
 
 
 def _check(name: str, x, cos) -> None:
@@ -42,6 +45,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
         The rotated q and k, bitwise the stock function's in the forward and the backward; dtype
         torch's promotion of q's and cos's (as stock).
     """
+    kept = kept_rope(q, k, cos, sin) if unsqueeze_dim == 1 else None  # decode: kept launches (ops/rope_kept.py)
+    if kept is not None and type(kept) is not ToKeep:
+        return kept
     refuse_dtensor("apply_rotary_pos_emb", q=q, k=k, cos=cos, sin=sin)
     if unsqueeze_dim != 1:
         return rope_ref(q, cos, sin, unsqueeze_dim), rope_ref(k, cos, sin, unsqueeze_dim)
@@ -51,8 +57,12 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
         raise ValueError(f"sin has shape {tuple(sin.shape)}, cos {tuple(cos.shape)}: they must match")
     if not (_kernel_ready(q, cos) and _kernel_ready(k, cos)) or q.shape[0] != k.shape[0]:
         return rope_ref(q, cos, sin), rope_ref(k, cos, sin)
-    if cos.shape[0] != q.shape[0]:
-        cos, sin = cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1)
-    if cos.stride(-1) != 1 or cos.stride() != sin.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    return call(rope_fwd_op, q, k, cos, sin)
+    cos_run, sin_run = cos, sin
+    if cos_run.shape[0] != q.shape[0]:
+        cos_run, sin_run = cos_run.expand(q.shape[0], -1, -1), sin_run.expand(q.shape[0], -1, -1)
+    if cos_run.stride(-1) != 1 or cos_run.stride() != sin_run.stride():
+        cos_run, sin_run = cos_run.contiguous(), sin_run.contiguous()
+    qo, ko = call(rope_fwd_op, q, k, cos_run, sin_run)
+    if kept is not None:
+        keep_rope(kept, q, k, cos, sin, cos_run, sin_run, qo, ko)
+    return qo, ko

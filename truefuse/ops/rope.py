@@ -12,6 +12,7 @@ import torch
 from truefuse.config import get_config
 from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._launch.fast_launch import fast_launch
+from truefuse.ops._launch.prepared import prepare
 from truefuse.ops._launch.triton import kernel_for, triton_runs
 
 
@@ -38,18 +39,30 @@ def use_kernel(x: torch.Tensor, cos: torch.Tensor) -> bool:
 def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype, backward: bool) -> torch.Tensor:
     """The kernel on (B, H, T, D) ``x`` (last dimension contiguous) and (B, T, D) ``cos``/``sin``
     of one layout; returns a tensor of x's strides (as torch's elementwise ops give) in ``out_dtype``."""
-    from truefuse.kernels.rope import _rope_kernel
-
-    B, H, T, D = x.shape
     out = torch.empty_like(x, dtype=out_dtype)
     if out.numel() == 0:
         return out
+    kernel, grid, args, kwargs = _launch_args(x, cos, sin, out, backward)
+    fast_launch(kernel_for(kernel, out), grid, *args, **kwargs)
+    return out
+
+
+def rope_prepared(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor):
+    """The forward launch :func:`rope_launch` just made into ``out`` (not empty), kept whole:
+    ``go(stream, x, cos, sin, out)`` (addresses), or None (``ops/_launch/prepared.py``)."""
+    kernel, grid, args, kwargs = _launch_args(x, cos, sin, out, False)
+    return prepare((x, cos, sin, out), kernel, grid, *args, **kwargs)
+
+
+def _launch_args(x, cos, sin, out, backward: bool) -> tuple:
+    """The kernel, grid, arguments and keywords of :func:`rope_launch`."""
+    from truefuse.kernels.rope import _rope_kernel
+
+    B, H, T, D = x.shape
     half = D // 2
     block_d = max(16, 1 << (half - 1).bit_length())
     block_h = max(1, min(1 << (H - 1).bit_length(), max(1, 4096 // block_d)))
-    fast_launch(
-        kernel_for(_rope_kernel, out),
-        (B * T,),
+    args = (
         x,
         cos,
         sin,
@@ -64,14 +77,11 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype
         out.stride(0),
         out.stride(1),
         out.stride(2),
-        HALF=half,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        BACKWARD=backward,
-        INTERPRETED=get_config().triton_interpret,
-        num_warps=4,
     )
-    return out
+    kwargs = dict(
+        HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, BACKWARD=backward, INTERPRETED=get_config().triton_interpret, num_warps=4
+    )
+    return _rope_kernel, (B * T,), args, kwargs
 
 
 @custom_op("truefuse::rope_fwd", mutates_args=(), inline=True)

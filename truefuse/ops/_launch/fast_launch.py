@@ -298,7 +298,8 @@ def fast_launch(kernel, grid, *args, **kwargs):
     n = len(grid)
     run, function, packed, compiled = handle
     # no launch metadata and no hooks: _triton_plain saw both hook chains empty
-    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), function, packed, None, None, None, *launch_args)
+    g1, g2 = (grid[1] if n > 1 else 1), (grid[2] if n > 2 else 1)
+    run(grid[0], g1, g2, _stream(device), function, packed, None, None, None, *launch_args)
     return compiled
 
 

@@ -94,6 +94,16 @@ def stream(go) -> int:
     return _fl._stream(go.device)
 
 
+class ToKeep:
+    """What an op's kept path hands back where this call's launch may be kept once the caller's path
+    ran: the call's key and the tries left (a type of its own: a kept hit may return a tuple)."""
+
+    __slots__ = ("key", "left")
+
+    def __init__(self, key, left: int) -> None:
+        self.key, self.left = key, left
+
+
 class KeptLaunches:
     """One op's kept launches by key: an entry (``go`` and what the op needs to replay it), or for
     a key whose launch is not kept yet the tries left (a first call compiles through Triton's path,
@@ -114,6 +124,10 @@ class KeptLaunches:
         if len(self.entries) >= self.size:
             self.entries.clear()
         self.entries[key] = entry if entry is not None else left - 1
+
+    def keep(self, pending: ToKeep, entry) -> None:
+        """:meth:`put` for a :class:`ToKeep`."""
+        self.put(pending.key, entry, pending.left)
 
     def clear(self) -> None:
         self.entries.clear()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from truefuse.ops._launch.prepared import KeptLaunches, launchable, stream
+from truefuse.ops._launch.prepared import KeptLaunches, ToKeep, launchable, stream
 from truefuse.ops._launch.triton import PLAIN_TENSORS as _PLAIN
 from truefuse.ops.gated_activation.gated_activation import fwd_prepared
 
@@ -63,20 +63,19 @@ def kept_gated(gate: torch.Tensor, up: torch.Tensor, name: str):
                 go(stream(go), gp, upp, yp)
                 return y
         return None
-    return (key, kept) if kept > 0 else None
+    return ToKeep(key, kept) if kept > 0 else None
 
 
 def keep(
-    key: tuple, gate: torch.Tensor, up: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, y2: torch.Tensor, name: str
+    pending: ToKeep, gate: torch.Tensor, up: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, y2: torch.Tensor, name: str
 ) -> None:
     """Keep the launch the caller's path just made from ``g2``/``u2`` (the (M, F) rows of ``gate``
-    and ``up``) into ``y2``, under :func:`kept_gated`'s ``key``: where the rows are views of the
+    and ``up``) into ``y2``, under :func:`kept_gated`'s ``pending``: where the rows are views of the
     operands (no copy between), and M and F are not 0."""
-    key, left = key
     go = None
     if g2.data_ptr() == gate.data_ptr() and u2.data_ptr() == up.data_ptr() and y2.numel():
         go = fwd_prepared(g2, u2, y2, name)
-    _KEPT.put(key, None if go is None else (go,), left)
+    _KEPT.keep(pending, None if go is None else (go,))
 
 
 def clear() -> None:

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from truefuse.config import get_tuning
-from truefuse.ops._launch.prepared import KeptLaunches, launchable, stream
+from truefuse.ops._launch.prepared import KeptLaunches, ToKeep, launchable, stream
 from truefuse.ops._launch.triton import PLAIN_TENSORS as _PLAIN
 from truefuse.ops.norm.norm import hf_bi_prepared
 
@@ -31,7 +31,7 @@ def _on_device(x: torch.Tensor) -> bool:
 def kept_hf_bi(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str):
     """``rms_norm_hf(x, weight, eps, style=style)`` in batch-invariant mode through the launch kept
     for this call's key (a new tensor shaped like ``x``); else, where the call may be kept, the key
-    to hand :func:`keep` after the caller's path ran (a tuple); else None: not plain CUDA tensors,
+    to hand :func:`keep` after the caller's path ran (a :class:`ToKeep`); else None: not plain CUDA tensors,
     an operand requiring grad with grad mode on, tracing, a dispatch mode or functorch transform."""
     if type(x) not in _PLAIN or type(weight) not in _PLAIN or not _on_device(x):
         return None
@@ -53,11 +53,11 @@ def kept_hf_bi(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str):
                 go(stream(go), xp, wp, yp, rp)
                 return y
         return None
-    return (key, kept) if kept > 0 else None
+    return ToKeep(key, kept) if kept > 0 else None
 
 
 def keep(
-    key: tuple,
+    pending: ToKeep,
     x: torch.Tensor,
     x2: torch.Tensor,
     weight: torch.Tensor,
@@ -67,13 +67,12 @@ def keep(
     style: str,
 ) -> None:
     """Keep the launch the caller's path just made from ``x2`` (x's (M, N) rows) into ``y2`` and
-    ``rstd`` under :func:`kept_hf_bi`'s ``key``: where ``x2`` is a view of ``x`` (no copy between)
+    ``rstd`` under :func:`kept_hf_bi`'s ``pending``: where ``x2`` is a view of ``x`` (no copy between)
     and M is not 0."""
-    key, left = key
     go = None
     if x2.data_ptr() == x.data_ptr() and y2.numel():
         go = hf_bi_prepared(x2, weight, y2, rstd, eps, style)
-    _KEPT.put(key, None if go is None else (go, y2.dtype), left)
+    _KEPT.keep(pending, None if go is None else (go, y2.dtype))
 
 
 def clear() -> None:
