@@ -119,12 +119,23 @@ def test_the_overrides_and_the_mode_are_in_the_key(kept):
     torch.testing.assert_close(y, x @ w.t())
 
 
-def test_a_call_recording_a_graph_takes_the_functions_path(kept):
-    w, x = torch.randn(16, 8, requires_grad=True), torch.randn(2, 1, 8)
-    _call(x, w.detach())
+def test_a_call_recording_a_graph_runs_the_function_whose_products_are_kept(kept):
+    """With a gradient the Linear Function records the graph; its forward product and its input
+    gradient's product are kept launches too (their keys: the operands', not the grad mode)."""
+    w, x = torch.randn(16, 8, requires_grad=True), torch.randn(2, 1, 8, requires_grad=True)
     with batch_invariant():
-        y = linear(x, w, None, state=_STATE)
-    assert y.requires_grad and y.grad_fn is not None and kept[0].calls == []
+        y = linear(x, w, None, state=_STATE)  # forward kept (made[0])
+        assert "PlainLinear" in type(y.grad_fn.next_functions[0][0]).__name__
+        dy = torch.randn(2, 1, 16)
+        dx, dw = torch.autograd.grad(y, (x, w), dy)  # the input gradient's product kept (made[1])
+    torch.testing.assert_close(dx, dy @ w.detach())
+    torch.testing.assert_close(dw, dy.reshape(2, 16).t() @ x.detach().reshape(2, 8))
+    assert len(kept) == 2 and kept[1].slots[1] == w.data_ptr()
+    with batch_invariant():
+        y2 = linear(x, w, None, state=_STATE)
+        torch.autograd.grad(y2, (x, w), dy)
+    assert len(kept[0].calls) == 1 and len(kept[1].calls) == 1, "the second step's products were not replayed"
+    assert kept[1].calls[0][1:3] == (dy.data_ptr(), w.data_ptr())
 
 
 def test_a_kept_launch_not_launchable_now_takes_the_path(kept, monkeypatch):
@@ -172,6 +183,40 @@ def test_kept_launch_gives_the_paths_bits_on_cuda(rows, bias):
     assert any(type(v) is tuple for v in gk._KEPT.entries.values()), "no launch was kept"
     for i, y in enumerate(ours):
         assert torch.equal(y, ref[i % 4]), f"call {i} differs from the path's bits"
+    gk.clear()
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [4, 300])
+def test_kept_products_of_a_training_step_give_the_paths_bits_on_cuda(rows):
+    """A routed linear's forward and gradients, step after step: kept launches give the path's bits."""
+    import torch.nn.functional as F
+
+    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
+
+    gk.clear()
+    g = torch.Generator("cuda").manual_seed(rows)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 512, generator=g, **bf).requires_grad_()
+    steps = [
+        (torch.randn(rows, 512, generator=g, **bf).requires_grad_(), torch.randn(rows, 1024, generator=g, **bf)) for _ in range(3)
+    ]
+
+    def run():
+        out = []
+        for x, dy in steps:
+            with running_batch_invariant():
+                y = F.linear(x, w)
+            out.append((y.detach(), *torch.autograd.grad(y, (x, w), dy)))
+        return out
+
+    with eager_fast_launch(False):
+        ref = run()
+    ours = run() + run()
+    assert any(type(v) is tuple for v in gk._KEPT.entries.values()), "no launch was kept"
+    for i, got in enumerate(ours):
+        for a, b in zip(got, ref[i % 3], strict=True):
+            assert torch.equal(a, b), f"step {i} differs from the path's bits"
     gk.clear()
 
 

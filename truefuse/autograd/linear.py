@@ -19,7 +19,7 @@ from truefuse.ops.gemm.activation import activation_grad_ref
 from truefuse.ops.gemm.bias_grad import split_bias_grad
 from truefuse.ops.gemm.gemm import checked_plain_gemm, gemm, plain_gemm
 from truefuse.ops.gemm.gemm_checks import FLOATS
-from truefuse.ops.gemm.gemm_kept import kept_linear
+from truefuse.ops.gemm.gemm_kept import kept_linear, kept_product
 
 
 class LinearFunction(torch.autograd.Function):
@@ -109,14 +109,14 @@ class _PlainLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.state, ctx.weight_name = state, weight_name
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return checked_plain_gemm(x, weight.t(), bias, x.dtype, bi)
+        return kept_product(x, weight.t(), bias, bi)  # checked_plain_gemm's, kept in BI mode (ops/gemm/gemm_kept.py)
 
     @staticmethod
     @autocast_disabled  # as LinearFunction's: torch.mm of the weight gradient not autocast
     @refuses_double_backward(lambda ctx: module_names(ctx.state.owner, "Linear"))
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx = checked_plain_gemm(dy, weight, None, dy.dtype, ctx.modes.batch_invariant) if ctx.needs_input_grad[0] else None
+        dx = kept_product(dy, weight, None, ctx.modes.batch_invariant) if ctx.needs_input_grad[0] else None
         db = split_bias_grad(dy, ctx.bias_dtype) if ctx.needs_input_grad[2] else None
         dw = None
         if ctx.needs_input_grad[1]:
