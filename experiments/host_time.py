@@ -8,6 +8,7 @@ subcommand    where  what                                                       
 bi-stubbed    CPU    BI mode's paths, every Triton launch stubbed                exp_bi_host_time.py
 eager         CPU    eager mode's autograd Function vs the dispatcher, stubbed   exp_eager_host_time.py
 launch        GPU    decode-sized ops vs stock; each Triton launch five ways     exp_launch_host.py
+kept          CPU    kept launches (prepared.py) off / on: the tiny Llama, stubbed  (new, issue 47)
 bi-linear     GPU    routed BI ``F.linear`` fwd + bwd vs stock; cProfile         exp_bi_linear_host.py
 generate      GPU    which ``apply_truefuse`` patch costs ``generate`` its host  exp_generate_host.py
 train         GPU    a training step's forward / backward host, per op + model   exp_train_host.py
@@ -221,6 +222,90 @@ def _tiny_llama(run: str):
     if run != "stock":
         apply_truefuse(model, batch_invariant=run == "BI")
     return model
+
+
+# --------------------------------------------------------------------------------------------------
+# kept
+
+
+def cmd_kept(args) -> None:
+    """Kept launches (``ops/_launch/prepared.py``; docs/design.md §6.10) off and on, on the CPU with
+    every Triton launch stubbed: the tiny Llama of ``bi-stubbed`` (2 layers, hidden 64), stock /
+    fast / batch-invariant, greedy ``generate`` of 8 tokens for 4 prompts of 16 and a training step
+    of 4 x 32 tokens, µs of host a call (minimum over ``--rounds`` rounds of ``--calls``).
+
+    On the CPU no launch has a compiled kernel's handle to keep, so "on" stands the CPU in for CUDA
+    (each kept op's ``_on_device``) and keeps a no-op for each launch: the rows show the Python a
+    kept call no longer runs (checks, plans, ``fast_launch``'s key), not the launcher's own cost,
+    which the GPU's ``launch`` table measures. The batch-invariant rows take the norm's statistics
+    from its kernel as on CUDA (``kernel_statistics``) and plan the GEMMs as on CUDA (the Triton
+    backend's batch-invariant row added for the CPU)."""
+    import torch
+
+    import truefuse.autograd.norm as autograd_norm
+    import truefuse.integrations.huggingface.siblings as siblings
+    import truefuse.ops.gated_activation.gated_kept as gated_kept
+    import truefuse.ops.gemm.gemm_backends.triton as triton_backend
+    import truefuse.ops.gemm.gemm_kept as gemm_kept
+    import truefuse.ops.norm.norm_kept as norm_kept
+    import truefuse.ops.rope_kept as rope_kept
+    from truefuse.ops.gemm.gemm_plan import Capability, override_capabilities
+    from truefuse.ops.lm_head.linear_cross_entropy import targets_checked
+
+    stub_launches()
+    mods = (gemm_kept, gated_kept, norm_kept, rope_kept, siblings)
+    real = {m: m._on_device for m in mods}
+    noop = lambda *a: None  # noqa: E731  a kept launch that launches nothing (the stubbed launches' stand-in)
+    for m in mods:
+        m.launchable, m.stream = (lambda go: True), (lambda go: 0)
+    gemm_kept._prepared = gated_kept.fwd_prepared = norm_kept.hf_bi_prepared = rope_kept.rope_prepared = lambda *a: noop
+    triton_backend.bi_segments_prepared = lambda *a: noop
+    autograd_norm.kernel_statistics = lambda x, bi: bi  # the mode's statistics are the kernel's, as on CUDA
+
+    def kept(on: bool) -> None:
+        for m in mods:
+            m._on_device = (lambda x: True) if on else real[m]
+            m._KEPT.clear()
+
+    gen = torch.Generator().manual_seed(0)
+    ids, train_ids = torch.randint(1, 256, (4, 16), generator=gen), torch.randint(1, 256, (4, 32), generator=gen)
+    res: dict = {}
+    F32 = torch.float32
+    with override_capabilities(add=[Capability("batch_invariant", F32, F32, "cpu", "triton")]):
+        models = {run: _tiny_llama(run) for run in ("stock", "fast", "BI")}
+        if models["stock"] is None:
+            print("kept: needs transformers")
+            return
+
+        def generate(model):
+            model.eval()
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                               do_sample=False, pad_token_id=0)  # fmt: skip
+
+        def train_step(model):
+            model.train()
+            with targets_checked():  # the loss's own label check reads a flag its (stubbed) kernel never wrote
+                model(input_ids=train_ids, labels=train_ids).loss.backward()
+
+        for _ in range(args.rounds):  # interleaved: the box drifts
+            for run, model in models.items():
+                for on in (False, True):
+                    kept(on)
+                    for what, fn in (("generate", generate), ("train step", train_step)):
+                        for _ in range(2):
+                            fn(model)
+                        t = time.thread_time()
+                        for _ in range(args.calls):
+                            fn(model)
+                        res.setdefault((what, run, on), []).append((time.thread_time() - t) / args.calls * 1e6)
+    kept(False)
+    best = {k: min(v) for k, v in res.items()}
+    print(f"{'tiny Llama, host us':<24} {'kept off':>10} {'kept on':>10} {'on/off':>7}   vs stock (kept on)")
+    for what in ("generate", "train step"):
+        for run in ("stock", "fast", "BI"):
+            off, on = best[what, run, False], best[what, run, True]
+            print(f"{what + ' ' + run:<24} {off:10.0f} {on:10.0f} {on / off:7.2f}   {best[what, 'stock', True] / on:5.2f}x")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -988,6 +1073,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--rounds", type=int, default=7)
     s.add_argument("--hidden", type=int, default=64, help="K = N of the GEMMs (host time does not depend on it)")
     s.add_argument("--profile", default=None, help="a row name: print cProfile's top functions for it")
+    s = add("kept", cmd_kept, "CPU: kept launches off / on, the tiny Llama's generate and training step, stubbed")
+    s.add_argument("--calls", type=int, default=10)
+    s.add_argument("--rounds", type=int, default=5)
     s = add("eager", cmd_eager, "CPU: eager mode's autograd Function vs the dispatcher, launches stubbed")
     s.add_argument("--rounds", type=int, default=9)
     s = add("launch", cmd_launch, "GPU: decode-sized ops vs stock; each Triton launch five ways; fwd+bwd fast launch on/off")
@@ -1018,7 +1106,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
-    if args.cmd in ("bi-stubbed", "eager"):
+    if args.cmd in ("bi-stubbed", "eager", "kept"):
         os.environ["TRITON_INTERPRET"] = "1"  # before truefuse's kernels import: their launches are stubbed
     args.fn(args)
 
