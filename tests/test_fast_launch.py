@@ -17,7 +17,7 @@ from conftest import requires_cuda
 
 import truefuse.ops._launch.fast_launch as fl
 from truefuse.config import eager_fast_launch, get_config
-from truefuse.ops._launch.prepared import launchable, prepare
+from truefuse.ops._launch.prepared import NOT_NOW, launchable, prepare
 from truefuse.ops._launch.triton import kernel_for, traced
 
 triton = pytest.importorskip("triton")
@@ -326,6 +326,21 @@ def test_a_prepared_launch_maps_each_tensor_to_its_slot(jit):
     assert prepare((y,), jit, (3,), x, x, n, stride, eps, BLOCK=16) is None, "a tensor that is no slot"
 
 
+def test_a_launch_with_one_tensor_in_two_slots_is_not_kept(jit):
+    """Kept with ``cos is sin``, a later call with two tensors would read the first's address for
+    both (rope's slots are distinct tensors): such a launch is not kept."""
+    x, y, n, stride, eps = _args()
+    _launch(jit, x, x, n, stride, eps)
+    assert prepare((x, x), jit, (3,), x, x, n, stride, eps, BLOCK=16) is None
+
+
+def test_a_prepared_launch_keeps_its_compiled_kernel(jit):
+    """A freed CompiledKernel unloads its module (Triton 3.9): ``go`` holds it, as fast_launch's handle does."""
+    x, y, n, stride, eps = _args()
+    _launch(jit, x, y, n, stride, eps)
+    assert prepare((x, y), jit, (3,), x, y, n, stride, eps, BLOCK=16).compiled is jit.run.compiled[0]
+
+
 def test_a_prepared_launch_is_not_launchable_where_fast_launch_would_not_launch(jit, monkeypatch):
     from triton import knobs
 
@@ -334,11 +349,12 @@ def test_a_prepared_launch_is_not_launchable_where_fast_launch_would_not_launch(
     go = prepare((x, y), jit, (3,), x, y, n, stride, eps, BLOCK=16)
     with eager_fast_launch(False):
         assert not launchable(go)
-        assert prepare((x, y), jit, (3,), x, y, n, stride, eps, BLOCK=16) is None
+        assert prepare((x, y), jit, (3,), x, y, n, stride, eps, BLOCK=16) is NOT_NOW  # a passing reason: no try counted
     hook = lambda metadata: None  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
         assert not launchable(go)
+        assert prepare((x, y), jit, (3,), x, y, n, stride, eps, BLOCK=16) is NOT_NOW
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert launchable(go)

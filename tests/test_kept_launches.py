@@ -160,6 +160,40 @@ def test_a_launch_not_kept_is_tried_again_then_left(monkeypatch):
     gk.clear()
 
 
+def test_a_launch_not_kept_now_counts_no_try(monkeypatch):
+    """``prepare`` says NOT_NOW where the launch went through Triton's path for a passing reason
+    (the fast launch off for a while, a profiler's hook): the key is kept once it can be."""
+    from truefuse.ops._launch.prepared import NOT_NOW
+
+    answers = [NOT_NOW] * (gk._KEPT.tries + 2)
+    made: list[_Go] = []
+
+    def prepared(a, b, out):
+        if answers:
+            return answers.pop()
+        made.append(_Go((a, b, out)))
+        return made[-1]
+
+    gk.clear()
+    monkeypatch.setattr(gk, "_on_device", lambda x: True)
+    monkeypatch.setattr(gk, "runs_bi_triton", lambda a, b, has_bias: True)
+    monkeypatch.setattr(gk, "_prepared", prepared)
+    w, x = torch.randn(16, 8), torch.randn(2, 1, 8)
+    for _ in range(gk._KEPT.tries + 3):
+        _call(x, w)
+    assert len(made) == 1, "the key's tries were spent while the launch could not be kept"
+    gk.clear()
+
+
+def test_a_kept_linear_hit_checks_its_bias_as_the_path(kept):
+    w, x = torch.randn(16, 8), torch.randn(2, 1, 8)
+    _call(x, w, torch.randn(16))
+    for bad in (torch.randn(1), torch.randn(2, 16)):
+        with pytest.raises(ValueError, match="bias"):
+            _call(x, w, bad)
+    assert kept[0].calls == []
+
+
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 4, 64])
 @pytest.mark.parametrize("bias", [False, True])
@@ -378,6 +412,16 @@ def test_a_bi_norm_call_differing_in_what_its_path_reads_does_not_replay_another
         with torch.enable_grad() if change == "grad" else torch.no_grad(), batch_invariant():
             rms_norm_hf(x, w, eps, style=style)
     assert kept_norm[0].calls == [], f"a call of another {change} replayed the first call's launch"
+
+
+@needs_kernel
+def test_a_bad_eps_or_style_raises_the_paths_error_in_bi_mode(kept_norm):
+    w, x = torch.randn(32), torch.randn(2, 1, 32)
+    _norm(x, w)
+    with pytest.raises(ValueError, match="eps"):
+        _norm(x, w, eps=[1e-6])
+    with pytest.raises(ValueError, match="style"):
+        _norm(x, w, style=["llama"])
 
 
 @requires_cuda

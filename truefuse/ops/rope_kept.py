@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from truefuse.ops._launch.prepared import KeptLaunches, ToKeep, launchable, stream
+from truefuse.ops._launch.prepared import NOT_NOW, KeptLaunches, ToKeep, launchable, stream
 from truefuse.ops._launch.triton import PLAIN_TENSORS as _PLAIN
 from truefuse.ops.rope import rope_prepared
 
@@ -58,12 +58,12 @@ def keep(pending: ToKeep, q, k, cos, sin, cos_run, sin_run, qo, ko) -> None:
     """Keep the two launches the caller's path just made (on ``cos_run``/``sin_run``, the cos and
     sin it launched with) into ``qo`` and ``ko``, under :func:`kept_rope`'s ``pending``: where those
     are views of ``cos`` and ``sin`` (no copy between) and neither output is empty."""
-    entry = None
+    go_q = go_k = None
     if cos_run.data_ptr() == cos.data_ptr() and sin_run.data_ptr() == sin.data_ptr() and qo.numel() and ko.numel():
         go_q, go_k = rope_prepared(q, cos_run, sin_run, qo), rope_prepared(k, cos_run, sin_run, ko)
-        if go_q is not None and go_k is not None:
-            entry = (go_q, go_k, qo.dtype, ko.dtype)
-    _KEPT.keep(pending, entry)
+    if go_q is NOT_NOW or go_k is NOT_NOW:
+        return
+    _KEPT.keep(pending, go_q if go_k is not None else None, go_k, qo.dtype, ko.dtype)
 
 
 def clear() -> None:

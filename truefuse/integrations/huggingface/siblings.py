@@ -83,7 +83,7 @@ def fused_call(state: Siblings, x: torch.Tensor, weight: torch.Tensor, bias) -> 
     bi_launch_segments(x2, wts, outs)
     if kept > 0:
         go = bi_segments_prepared(x2, wts, outs) if x2.data_ptr() == x.data_ptr() else None
-        _KEPT.put(key, None if go is None else (go, [o.shape for o in outs]), kept)
+        _KEPT.put(key, kept, go, [o.shape for o in outs])
     return _share(state, x, weights, outs, bias)
 
 

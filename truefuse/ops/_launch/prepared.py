@@ -29,13 +29,22 @@ def prepare(slots: tuple, kernel, grid, *args, **kwargs):
     launches through it first), where a tensor argument is not a slot, or where the kernel needs
     Triton's scratch allocator at launch (the TMA GEMM's device-made descriptors).
 
+    :data:`NOT_NOW` where the launch went through Triton's path for a passing reason (the fast
+    path's switch off, tracing, a launch hook or Triton's debug mode): the caller counts no try.
+    None also where one tensor fills two slots: a later call whose slots are distinct tensors
+    would get the first slot's address for both (``rope(cos is sin)``).
+
     The caller keeps ``go`` under a key of everything that decided these arguments, and calls it
     only where :func:`launchable` holds (the fast path's switch, Triton's hooks, the device)."""
     if torch.compiler.is_compiling() or not _fl._config._eager_fast_launch:
+        return NOT_NOW
+    if len({id(t) for t in slots}) != len(slots):
         return None
     st = _fl._KERNELS.get(id(kernel)) if type(kernel) is _fl._JIT else None
-    if st is None or not st.on or not _fl._triton_plain(kernel):
+    if st is None or not st.on:
         return None
+    if not _fl._triton_plain(kernel):
+        return NOT_NOW
     plan = st.plan(len(args), kwargs)
     if plan is None:
         return None
@@ -75,7 +84,13 @@ def prepare(slots: tuple, kernel, grid, *args, **kwargs):
     exec(compile(src, f"<prepared {getattr(kernel, '__name__', 'kernel')}>", "exec"), namespace)
     go = namespace["go"]
     go.kernel, go.device = kernel, device
+    go.compiled = compiled  # kept alive with ``go``: a freed CompiledKernel unloads its module (Triton 3.9)
     return go
+
+
+#: :func:`prepare`'s answer where the launch it would keep went through Triton's path for a passing
+#: reason: nothing to keep now, and no try counted
+NOT_NOW = object()
 
 
 def launchable(go) -> bool:
@@ -119,15 +134,18 @@ class KeptLaunches:
         """The entry kept for ``key`` (a tuple), else the tries left (an int)."""
         return self.entries.get(key, self.tries)
 
-    def put(self, key, entry, left: int) -> None:
-        """Keep ``entry`` for ``key``, or where it is None count a try (``left`` the tries left before it)."""
+    def put(self, key, left: int, go, *extra) -> None:
+        """Keep ``(go, *extra)`` for ``key``; where ``go`` is None (:func:`prepare` kept nothing) count
+        a try (``left``: the tries left before it); where it is :data:`NOT_NOW`, nothing."""
+        if go is NOT_NOW:
+            return
         if len(self.entries) >= self.size:
             self.entries.clear()
-        self.entries[key] = entry if entry is not None else left - 1
+        self.entries[key] = (go, *extra) if go is not None else left - 1
 
-    def keep(self, pending: ToKeep, entry) -> None:
+    def keep(self, pending: ToKeep, go, *extra) -> None:
         """:meth:`put` for a :class:`ToKeep`."""
-        self.put(pending.key, entry, pending.left)
+        self.put(pending.key, pending.left, go, *extra)
 
     def clear(self) -> None:
         self.entries.clear()

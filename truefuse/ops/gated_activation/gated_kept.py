@@ -39,6 +39,8 @@ def kept_gated(gate: torch.Tensor, up: torch.Tensor, name: str):
         return None
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active():
         return None
+    if type(name) is not str:
+        return None  # the path names a bad one (and a key must hash)
     gp, upp = gate.data_ptr(), up.data_ptr()
     key = (
         gate.shape,
@@ -75,7 +77,7 @@ def keep(
     go = None
     if g2.data_ptr() == gate.data_ptr() and u2.data_ptr() == up.data_ptr() and y2.numel():
         go = fwd_prepared(g2, u2, y2, name)
-    _KEPT.keep(pending, None if go is None else (go,))
+    _KEPT.keep(pending, go)
 
 
 def clear() -> None:

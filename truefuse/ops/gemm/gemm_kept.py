@@ -66,7 +66,8 @@ def kept_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, bi
         return _path(a, b, bias, bi, checked)
     ap, bp = a.data_ptr(), b.data_ptr()
     key = (a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype, b.get_device(), ap & 15, bp & 15)
-    key = (*key, None if bias is None else bias.dtype, _OVERRIDES.get(), get_config())
+    bias_key = None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device())  # the path checks its shape
+    key = (*key, bias_key, _OVERRIDES.get(), get_config())
     kept = _KEPT.get(key)
     if kept.__class__ is tuple:
         (go,) = kept
@@ -82,7 +83,7 @@ def kept_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, bi
     out = _path(a, b, bias, bi, checked)
     if kept > 0:
         go = _prepared(a, b, out) if out.dtype is a.dtype and runs_bi_triton(a, b, bias is not None) else None
-        _KEPT.put(key, None if go is None else (go,), kept)
+        _KEPT.put(key, kept, go)
     return out
 
 
