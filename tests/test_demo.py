@@ -269,6 +269,8 @@ def test_cuda_graphs_refused_off_cuda_and_with_ranks(capsys):
     with pytest.raises(ValueError, match="cuda_graphs needs device cuda and one process"):
         make_config("gpu", device="cuda", world_size=2, cuda_graphs=True)
     assert make_config("gpu", device="cuda", cuda_graphs=True).cuda_graphs
+    with pytest.raises(ValueError, match="cuda_graphs needs timing_warmup >= 2"):
+        make_config("gpu", device="cuda", cuda_graphs=True, timing_warmup=1)  # the capture would be timed
     from truefuse.__main__ import main
 
     assert main(["demo", "--device", "cpu", "--cuda-graphs", "--steps", "1"]) == 2

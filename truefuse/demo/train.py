@@ -151,6 +151,9 @@ def make_config(size: str, **overrides) -> DemoConfig:
             raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
     if cfg.cuda_graphs and (cfg.device != "cuda" or cfg.world_size > 1):
         raise ValueError("cuda_graphs needs device cuda and one process (FSDP2 with graphs is not in the demo)")
+    if cfg.cuda_graphs and cfg.timing_warmup < 2:
+        # the capture is the last untimed step (warm-up eager before it): with fewer the mean would time it
+        raise ValueError(f"cuda_graphs needs timing_warmup >= 2 (an eager step, then the capture), got {cfg.timing_warmup}")
     if cfg.hidden % cfg.heads or cfg.heads % cfg.kv_heads:
         raise ValueError(
             f"hidden {cfg.hidden}, heads {cfg.heads}, kv_heads {cfg.kv_heads}: need hidden % heads == heads % kv_heads == 0"
