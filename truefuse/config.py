@@ -327,7 +327,8 @@ _eager_fast_launch: bool = _flag("TRUEFUSE_FAST_LAUNCH", default=True)
 
 def is_eager_fast_launch() -> bool:
     """Whether eager Triton launches may go through the compiled kernel's own launcher (the same
-    kernel and arguments, less host time; ``ops/_launch/fast_launch.py``). Default on, or off with
+    kernel and arguments, less host time; ``ops/_launch/fast_launch.py``), and a repeated call may
+    replay its kept launch (``ops/_launch/prepared.py``). Default on, or off with
     ``TRUEFUSE_FAST_LAUNCH=0``; :func:`eager_fast_launch` turns it on or off for a block."""
     return _eager_fast_launch
 
