@@ -247,7 +247,13 @@ def test_kept_products_of_a_training_step_give_the_paths_bits_on_cuda(rows):
     with eager_fast_launch(False):
         ref = run()
     ours = run() + run()
-    assert any(type(v) is tuple for v in gk._KEPT.entries.values()), "no launch was kept"
+    kept = [type(v) is tuple for v in gk._KEPT.entries.values()]
+    if rows <= 256:
+        assert any(kept), "no launch was kept"
+    else:  # the last M bucket: the TMA kernel on Hopper, whose launch needs Triton's scratch allocator
+        from truefuse.ops._launch.triton import hopper
+
+        assert not (hopper(w) and any(kept)), "a TMA launch was kept"
     for i, got in enumerate(ours):
         for a, b in zip(got, ref[i % 3], strict=True):
             assert torch.equal(a, b), f"step {i} differs from the path's bits"
