@@ -483,3 +483,24 @@ def test_forward_launch_names_every_parameter(rms, monkeypatch):
     assert named
     for names in named:
         assert set(params) <= set(names), f"left to their defaults: {sorted(set(params) - set(names))}"
+
+
+@pytest.mark.parametrize("shape", [(6, 64), (2, 3, 64)])
+def test_rms_norm_hf_graph_is_one_node(shape):
+    """``rms_norm_hf`` with a gradient records one autograd node on x and the weight themselves: the
+    rows flattened inside its op, not by a reshape and a view around it (host time each layer's norm
+    pays; docs/benchmarks.md). Gradients as the stock expression's."""
+    from truefuse.ops.norm.norm import rms_norm_hf_ref
+
+    x, w = torch.randn(*shape, requires_grad=True), torch.randn(shape[-1], requires_grad=True)
+    if not use_kernel(x):
+        pytest.skip("the reference path (no kernel here)")
+    y = truefuse.rms_norm_hf(x, w, 1e-6)
+    inputs = sorted(type(n).__name__ for n, _ in y.grad_fn.next_functions if n is not None)
+    assert inputs == ["AccumulateGrad", "AccumulateGrad"], f"{type(y.grad_fn).__name__} <- {inputs}"
+    dy = torch.randn(shape)
+    got = torch.autograd.grad(y, (x, w), dy)
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    want = torch.autograd.grad(rms_norm_hf_ref(x2, w2, 1e-6), (x2, w2), dy)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

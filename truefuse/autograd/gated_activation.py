@@ -62,11 +62,9 @@ def _gated_two(gate: torch.Tensor, up: torch.Tensor, name: str, pending: ToKeep 
         raise ValueError("gate must have at least one dimension")
     if not use_kernel(gate):
         return gated_activation_ref(torch.cat([gate, up], -1), name)
-    F = gate.shape[-1]
-    g2, u2 = gate.reshape(-1, F), up.reshape(-1, F)
-    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
-    u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
-    y2 = call(gated2_fwd_op, g2, u2, name)
+    g = gate if gate.stride(-1) == 1 else gate.contiguous()
+    u = up if up.stride(-1) == 1 else up.contiguous()
+    y = call(gated2_fwd_op, g, u, name)  # flattened to rows inside: no view nodes in the graph
     if pending is not None:
-        keep(pending, gate, up, g2, u2, y2, name)
-    return y2.view(gate.shape)
+        keep(pending, gate, up, g, u, y, name)
+    return y

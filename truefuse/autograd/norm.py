@@ -184,5 +184,5 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         return y2.view(x.shape)
     with torch.no_grad():  # the op's backward differentiates through the statistics itself
         rstd = hf_statistics(x2, weight, eps, style, bi)
-    y = call(rms_norm_hf_fwd_op, x2, weight, rstd, style)
-    return y.view(x.shape)
+    # x whole (contiguous): the op flattens it to rows inside, with no view nodes in the graph
+    return call(rms_norm_hf_fwd_op, x if x.is_contiguous() else x.contiguous(), weight, rstd, style)

@@ -94,8 +94,9 @@ def _fwd_launch(g: torch.Tensor, u: torch.Tensor | None, y: torch.Tensor, name: 
 
 
 def fwd_prepared(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, name: str):
-    """The launch :func:`gated_fwd` just made for a (M, F) ``gate`` and ``up`` into ``y`` (M, F not
-    0), kept whole: ``go(stream, gate, up, y)`` (addresses), or None (``ops/_launch/prepared.py``)."""
+    """The launch :func:`gated_fwd` just made for (M, F) ``gate`` and ``up`` into ``y`` (M, F not 0;
+    the rows ``gated2_fwd_op`` flattened), kept whole: ``go(stream, gate, up, y)`` (addresses), or
+    None (``ops/_launch/prepared.py``)."""
     kernel, grid, args, kwargs = _fwd_launch(gate, up, y, name)
     return prepare((gate, up, y), kernel, grid, *args, **kwargs)
 
@@ -200,8 +201,12 @@ register_backward(gated_fwd_op, _gated_backward, _gated_setup, bwd_ops=(gated_bw
 
 @custom_op("truefuse::gated_activation2_fwd", mutates_args=(), inline=True)
 def gated2_fwd_op(gate: torch.Tensor, up: torch.Tensor, name: str) -> torch.Tensor:
-    """``act(gate) * up`` for (M, F) ``gate`` and ``up`` whose rows are contiguous."""
-    return gated_fwd(gate, name, up)
+    """``act(gate) * up`` for (..., F) ``gate`` and ``up`` of one shape whose last dimension is
+    contiguous. Flattened to rows here, inside the op: a reshape outside it, and the view back,
+    were three autograd nodes a forward + backward (~50 µs of an H100 host's ~200;
+    docs/benchmarks.md, "Eager host time per op")."""
+    F = gate.shape[-1]
+    return gated_fwd(gate.reshape(-1, F), name, up.reshape(-1, F)).view(gate.shape)
 
 
 @gated2_fwd_op.register_fake
@@ -211,8 +216,10 @@ def _(gate, up, name):
 
 @custom_op("truefuse::gated_activation2_bwd", mutates_args=(), inline=True)
 def gated2_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of ``gate`` and ``up``."""
-    return gated_bwd(dy.contiguous(), gate, name, up=up)
+    """The gradients of (..., F) ``gate`` and ``up`` (rows flattened inside, as the forward's)."""
+    F = gate.shape[-1]
+    dg, du = gated_bwd(dy.reshape(-1, F).contiguous(), gate.reshape(-1, F), name, up=up.reshape(-1, F))
+    return dg.view(gate.shape), du.view(up.shape)
 
 
 @gated2_bwd_op.register_fake

@@ -69,13 +69,17 @@ def kept_gated(gate: torch.Tensor, up: torch.Tensor, name: str):
 
 
 def keep(
-    pending: ToKeep, gate: torch.Tensor, up: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, y2: torch.Tensor, name: str
+    pending: ToKeep, gate: torch.Tensor, up: torch.Tensor, g: torch.Tensor, u: torch.Tensor, y: torch.Tensor, name: str
 ) -> None:
-    """Keep the launch the caller's path just made from ``g2``/``u2`` (the (M, F) rows of ``gate``
-    and ``up``) into ``y2``, under :func:`kept_gated`'s ``pending``: where the rows are views of the
-    operands (no copy between), and M and F are not 0."""
+    """Keep the launch the caller's path just made (``gated2_fwd_op`` on ``g``/``u``, the operands
+    or their row-contiguous copies, into ``y``) under :func:`kept_gated`'s ``pending``: where no copy
+    came between, and the rows are not empty. The launch's (M, F) rows are those the op flattened
+    (the same reshapes, so the same strides and addresses)."""
     go = None
-    if g2.data_ptr() == gate.data_ptr() and u2.data_ptr() == up.data_ptr() and y2.numel():
+    F = gate.shape[-1]
+    g2, u2, y2 = g.reshape(-1, F), u.reshape(-1, F), y.view(-1, F)
+    same = g2.data_ptr() == gate.data_ptr() and u2.data_ptr() == up.data_ptr() and g is gate and u is up
+    if same and y2.numel():
         go = fwd_prepared(g2, u2, y2, name)
     _KEPT.keep(pending, go)
 

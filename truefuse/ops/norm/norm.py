@@ -572,9 +572,12 @@ register_backward(
 
 @custom_op("truefuse::rms_norm_hf_fwd", mutates_args=(), inline=True)
 def rms_norm_hf_fwd_op(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, style: str) -> torch.Tensor:
-    """y of :func:`rms_norm_hf_ref` for a contiguous (M, N) ``x`` and its (M,) fp32 ``rstd`` (``hf_rstd``)."""
+    """y of :func:`rms_norm_hf_ref` for a contiguous (..., N) ``x`` and its (M,) fp32 ``rstd``
+    (``hf_rstd`` of its M rows). Flattened to rows here, inside the op: a reshape outside it and
+    the view back were two autograd nodes a forward + backward (docs/benchmarks.md, "Eager host
+    time per op")."""
     y, _, _ = norm_fwd(
-        x,
+        x.reshape(-1, x.shape[-1]),
         weight,
         None,
         0.0,
@@ -584,7 +587,7 @@ def rms_norm_hf_fwd_op(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
         round_normed=style == "llama",
         out_dtype=_hf_out_dtype(x, weight, style),
     )
-    return y
+    return y.view(x.shape)
 
 
 def _hf_out_dtype(x, weight, style: str) -> torch.dtype:
@@ -604,8 +607,10 @@ def _hf_setup(ctx, inputs, output):
 
 def _hf_backward(ctx, dy):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw, _ = bwd_call(ctx, norm_bwd_op, dy, x, weight, None, rstd.new_empty(0), rstd, True, ctx.zero_centered_gamma)
-    return dx, dw, None, None
+    N = x.shape[-1]
+    dy2, x2 = dy.reshape(-1, N), x.reshape(-1, N)  # the rows, as the forward flattened them
+    dx, dw, _ = bwd_call(ctx, norm_bwd_op, dy2, x2, weight, None, rstd.new_empty(0), rstd, True, ctx.zero_centered_gamma)
+    return dx.view(x.shape), dw, None, None
 
 
 # its double-backward refusal: norm_bwd_op's, which names rms_norm (the eager path names the same)
