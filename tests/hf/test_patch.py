@@ -80,6 +80,41 @@ def test_norms_give_stock_bits(model_type, dtype, device):
         assert torch.equal(ha, hb)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_a_patched_norm_runs_its_stock_forward_where_rms_norm_hf_would_run_stock_s_expression(model_type, monkeypatch):
+    """A decode-sized call with nothing to differentiate, outside batch-invariant mode, runs the
+    stock module's own forward (its bits; stock's host time: no checks around the same
+    expression); with a gradient, in batch-invariant mode or above the ``hf_norm_stock_numel``
+    knob, truefuse's op. The same bits either way."""
+    import truefuse
+
+    stock_model = tiny_model(model_type)
+    patched = copy.deepcopy(stock_model)
+    apply_truefuse(patched, mlp=False, experts=False, linear_cross_entropy=False)
+    norm = patched.model.norm
+    stock_cls = type(norm)._truefuse_stock
+    calls = []
+    original = stock_cls.forward
+
+    def spy(self, x):
+        calls.append(tuple(x.shape))
+        return original(self, x)
+
+    monkeypatch.setattr(stock_cls, "forward", spy)
+    x = torch.randn(2, 1, norm.weight.shape[0])
+    with torch.no_grad():
+        y = norm(x)
+        assert calls == [tuple(x.shape)], "the decode call did not run the stock forward"
+        assert torch.equal(y, original(norm, x))
+        with truefuse.batch_invariant():
+            norm(x)
+        with tuning(hf_norm_stock_numel=1):
+            norm(x)
+    xg = x.clone().requires_grad_()
+    norm(xg).sum().backward()
+    assert calls == [tuple(x.shape)], "a call that takes truefuse's op ran the stock forward"
+
+
 @pytest.mark.parametrize("model_type", ALL)
 def test_patched_model_bounded(model_type):
     """Everything patched (norms, MLP, experts, loss), fp32: loss and every parameter's gradient

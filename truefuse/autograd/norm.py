@@ -141,6 +141,16 @@ def _stock_cheaper(x: torch.Tensor, weight: torch.Tensor, bi: bool) -> bool:
     return x.numel() <= get_tuning().hf_norm_stock_numel and not bi
 
 
+def stock_cheaper(x, weight) -> bool:
+    """Whether a patched Hugging Face RMSNorm runs its stock forward itself
+    (``integrations/huggingface/modules.py``): where ``rms_norm_hf`` would compute the stock
+    expression anyway (``_stock_cheaper``: nothing to differentiate, a decode-sized ``x``, outside
+    batch-invariant mode), the stock module's own forward gives those bits by definition with
+    stock's host time: ``rms_norm_hf``'s checks and calls around the same expression cost ~9 µs of an
+    H100 host's ~99 (docs/benchmarks.md, "Eager host time per op")."""
+    return type(x) in PLAIN_TENSORS and _stock_cheaper(x, weight, Modes.now().batch_invariant)
+
+
 def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, style: str = "llama") -> torch.Tensor:
     """A transformers RMSNorm's forward, bit for bit, with truefuse's fused backward.
 

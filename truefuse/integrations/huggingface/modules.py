@@ -13,7 +13,7 @@ import sys
 import torch
 
 from truefuse.autograd.gated_activation import gated_activation
-from truefuse.autograd.norm import rms_norm, rms_norm_hf
+from truefuse.autograd.norm import rms_norm, rms_norm_hf, stock_cheaper
 from truefuse.autograd.rope import apply_rotary_pos_emb
 
 #: ``config.hidden_act`` -> truefuse's gated activation of an MLP ``act(gate) * up``.
@@ -47,10 +47,14 @@ def unpatch(module: torch.nn.Module) -> None:
 
 
 def _llama_norm_forward(self, hidden_states):
+    if stock_cheaper(hidden_states, self.weight):  # decode, no gradient: the stock forward, its own bits
+        return self._truefuse_stock.forward(self, hidden_states)
     return rms_norm_hf(hidden_states, self.weight, self.variance_epsilon, style="llama")
 
 
 def _gemma_norm_forward(self, x):
+    if stock_cheaper(x, self.weight):
+        return self._truefuse_stock.forward(self, x)
     return rms_norm_hf(x, self.weight, self.eps, style="gemma")
 
 
