@@ -235,7 +235,7 @@ def cmd_kept(args) -> None:
     of 4 x 32 tokens, µs of host a call (minimum over ``--rounds`` rounds of ``--calls``).
 
     On the CPU no launch has a compiled kernel's handle to keep, so "on" stands the CPU in for CUDA
-    (each kept op's ``_on_device``) and keeps a no-op for each launch: the rows show the Python a
+    (``prepared._on_device``) and keeps a no-op for each launch: the rows show the Python a
     kept call no longer runs (checks, plans, ``fast_launch``'s key), not the launcher's own cost,
     which the GPU's ``launch`` table measures. The batch-invariant rows take the norm's statistics
     from its kernel as on CUDA (``kernel_statistics``) and plan the GEMMs as on CUDA (the Triton
@@ -244,6 +244,7 @@ def cmd_kept(args) -> None:
 
     import truefuse.autograd.norm as autograd_norm
     import truefuse.integrations.huggingface.siblings as siblings
+    import truefuse.ops._launch.prepared as prepared
     import truefuse.ops.gated_activation.gated_kept as gated_kept
     import truefuse.ops.gemm.gemm_backends.triton as triton_backend
     import truefuse.ops.gemm.gemm_kept as gemm_kept
@@ -254,7 +255,7 @@ def cmd_kept(args) -> None:
 
     stub_launches()
     mods = (gemm_kept, gated_kept, norm_kept, rope_kept, siblings)
-    real = {m: m._on_device for m in mods}
+    real = prepared._on_device
     noop = lambda *a: None  # noqa: E731  a kept launch that launches nothing (the stubbed launches' stand-in)
     for m in mods:
         m.launchable, m.stream = (lambda go: True), (lambda go: 0)
@@ -263,8 +264,8 @@ def cmd_kept(args) -> None:
     autograd_norm.kernel_statistics = lambda x, bi: bi  # the mode's statistics are the kernel's, as on CUDA
 
     def kept(on: bool) -> None:
+        prepared._on_device = (lambda x: True) if on else real
         for m in mods:
-            m._on_device = (lambda x: True) if on else real[m]
             m._KEPT.clear()
 
     gen = torch.Generator().manual_seed(0)

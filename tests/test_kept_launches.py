@@ -21,6 +21,7 @@ import truefuse.ops.gated_activation.gated_kept as gak
 import truefuse.ops.gemm.gemm_kept as gk
 import truefuse.ops.norm.norm_kept as nk
 import truefuse.ops.rope_kept as rk
+from tests._kept import stand_in
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.gated_activation import gated_activation
 from truefuse.autograd.linear import linear
@@ -30,33 +31,12 @@ from truefuse.ops.gemm.gemm_plan import Capability, override_capabilities
 _STATE = WgradState(owner="test")
 
 
-class _Go:
-    """A kept launch standing in for ``prepared.prepare``'s: records its calls."""
-
-    def __init__(self, slots):
-        self.slots = tuple(t.data_ptr() for t in slots)
-        self.calls: list[tuple] = []
-
-    def __call__(self, stream, *addresses):
-        self.calls.append((stream, *addresses))
-
-
 @pytest.fixture
 def kept(monkeypatch):
-    """gemm_kept with the CPU standing in for CUDA: its ``_prepared`` makes :class:`_Go` s (kept in
-    ``made``), always launchable on stream 5."""
-    made: list[_Go] = []
-
-    def prepared(a, b, out):
-        made.append(_Go((a, b, out)))
-        return made[-1]
-
-    gk.clear()
-    monkeypatch.setattr(gk, "_on_device", lambda x: True)
+    """gemm_kept with the CPU standing in for CUDA (``tests/_kept.py``), the plan the batch-invariant
+    Triton product's."""
+    made = stand_in(monkeypatch, gk, gk, "_prepared", lambda a, b, out: (a, b, out))
     monkeypatch.setattr(gk, "runs_bi_triton", lambda a, b, has_bias: True)
-    monkeypatch.setattr(gk, "_prepared", prepared)
-    monkeypatch.setattr(gk, "launchable", lambda go: True)
-    monkeypatch.setattr(gk, "stream", lambda go: 5)
     yield made
     gk.clear()
 
@@ -149,8 +129,7 @@ def test_a_kept_launch_not_launchable_now_takes_the_path(kept, monkeypatch):
 
 def test_a_launch_not_kept_is_tried_again_then_left(monkeypatch):
     tries = []
-    gk.clear()
-    monkeypatch.setattr(gk, "_on_device", lambda x: True)
+    stand_in(monkeypatch, gk, gk, "_prepared", lambda a, b, out: ())
     monkeypatch.setattr(gk, "runs_bi_triton", lambda a, b, has_bias: True)
     monkeypatch.setattr(gk, "_prepared", lambda a, b, out: tries.append(1))  # never kept (no handle)
     w, x = torch.randn(16, 8), torch.randn(2, 1, 8)
@@ -166,18 +145,10 @@ def test_a_launch_not_kept_now_counts_no_try(monkeypatch):
     from truefuse.ops._launch.prepared import NOT_NOW
 
     answers = [NOT_NOW] * (gk._KEPT.tries + 2)
-    made: list[_Go] = []
-
-    def prepared(a, b, out):
-        if answers:
-            return answers.pop()
-        made.append(_Go((a, b, out)))
-        return made[-1]
-
-    gk.clear()
-    monkeypatch.setattr(gk, "_on_device", lambda x: True)
+    made = stand_in(monkeypatch, gk, gk, "_prepared", lambda a, b, out: (a, b, out))
+    make = gk._prepared
+    monkeypatch.setattr(gk, "_prepared", lambda a, b, out: answers.pop() if answers else make(a, b, out))
     monkeypatch.setattr(gk, "runs_bi_triton", lambda a, b, has_bias: True)
-    monkeypatch.setattr(gk, "_prepared", prepared)
     w, x = torch.randn(16, 8), torch.randn(2, 1, 8)
     for _ in range(gk._KEPT.tries + 3):
         _call(x, w)
@@ -267,18 +238,7 @@ def test_kept_products_of_a_training_step_give_the_paths_bits_on_cuda(rows):
 def kept_gated(monkeypatch):
     """gated_kept with the CPU standing in for CUDA, as :func:`kept` (the kernel runs in Triton's
     interpreter on the CPU)."""
-    made: list[_Go] = []
-
-    def prepared(g, u, y, name):
-        made.append(_Go((g, u, y)))
-        return made[-1]
-
-    gak.clear()
-    monkeypatch.setattr(gak, "_on_device", lambda x: True)
-    monkeypatch.setattr(gak, "fwd_prepared", prepared)
-    monkeypatch.setattr(gak, "launchable", lambda go: True)
-    monkeypatch.setattr(gak, "stream", lambda go: 5)
-    yield made
+    yield stand_in(monkeypatch, gak, gak, "fwd_prepared", lambda g, u, y, name: (g, u, y))
     gak.clear()
 
 
@@ -353,17 +313,7 @@ def kept_norm(monkeypatch):
     on the CPU too (the interpreter's kernel, fp32)."""
     import truefuse.autograd.norm as autograd_norm
 
-    made: list[_Go] = []
-
-    def prepared(x, w, y, rstd, eps, style):
-        made.append(_Go((x, w, y, rstd)))
-        return made[-1]
-
-    nk.clear()
-    monkeypatch.setattr(nk, "_on_device", lambda x: True)
-    monkeypatch.setattr(nk, "hf_bi_prepared", prepared)
-    monkeypatch.setattr(nk, "launchable", lambda go: True)
-    monkeypatch.setattr(nk, "stream", lambda go: 5)
+    made = stand_in(monkeypatch, nk, nk, "hf_bi_prepared", lambda x, w, y, rstd, eps, style: (x, w, y, rstd))
     monkeypatch.setattr(autograd_norm, "kernel_statistics", lambda x, bi: bi)
     yield made
     nk.clear()
@@ -457,18 +407,7 @@ def test_kept_bi_norm_launch_gives_the_paths_bits_on_cuda(rows):
 @pytest.fixture
 def kept_rope(monkeypatch):
     """rope_kept with the CPU standing in for CUDA, as :func:`kept` (the interpreter's kernel)."""
-    made: list[_Go] = []
-
-    def prepared(x, cos, sin, out):
-        made.append(_Go((x, cos, sin, out)))
-        return made[-1]
-
-    rk.clear()
-    monkeypatch.setattr(rk, "_on_device", lambda x: True)
-    monkeypatch.setattr(rk, "rope_prepared", prepared)
-    monkeypatch.setattr(rk, "launchable", lambda go: True)
-    monkeypatch.setattr(rk, "stream", lambda go: 5)
-    yield made
+    yield stand_in(monkeypatch, rk, rk, "rope_prepared", lambda x, cos, sin, out: (x, cos, sin, out))
     rk.clear()
 
 

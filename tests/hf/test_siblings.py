@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 import truefuse.ops.gemm.gemm_backends.triton as triton_backend  # noqa: E402
+from tests._kept import stand_in  # noqa: E402
 from tests.hf.tiny import tiny_model  # noqa: E402
 from truefuse.integrations.huggingface import apply_truefuse  # noqa: E402
 from truefuse.integrations.huggingface import siblings as S  # noqa: E402
@@ -166,34 +167,13 @@ def test_plan_check_follows_the_plan_context(launches):
         assert launches[0] == 2
 
 
-class _Go:
-    """A kept launch standing in for ``bi_segments_prepared``'s: records its calls."""
-
-    def __init__(self, slots):
-        self.slots = tuple(t.data_ptr() for t in slots)
-        self.calls: list[tuple] = []
-
-    def __call__(self, stream, *addresses):
-        self.calls.append((stream, *addresses))
-
-
 @pytest.fixture
 def kept(monkeypatch):
-    """Kept group launches with the CPU standing in for CUDA: ``bi_segments_prepared`` makes
-    :class:`_Go` s (kept in the list yielded), always launchable on stream 5."""
+    """Kept group launches with the CPU standing in for CUDA (``tests/_kept.py``), under the Triton
+    row's override (the plan CUDA's decode gets)."""
     if not backend_available("triton", "cpu"):
         pytest.skip("the Triton interpreter is off")
-    made: list[_Go] = []
-
-    def prepared(a, bs, outs):
-        made.append(_Go((a, *bs, *outs)))
-        return made[-1]
-
-    S._KEPT.clear()
-    monkeypatch.setattr(S, "_on_device", lambda x: True)
-    monkeypatch.setattr(triton_backend, "bi_segments_prepared", prepared)
-    monkeypatch.setattr(S, "launchable", lambda go: True)
-    monkeypatch.setattr(S, "stream", lambda go: 5)
+    made = stand_in(monkeypatch, S, triton_backend, "bi_segments_prepared", lambda a, bs, outs: (a, *bs, *outs))
     with override_capabilities(add=[Capability("batch_invariant", F32, F32, "cpu", backend="triton")]):
         yield made
     S._KEPT.clear()

@@ -10,19 +10,12 @@ same bits (``tests/test_kept_launches.py``).
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from truefuse.ops._launch.prepared import NOT_NOW, KeptLaunches, ToKeep, launchable, stream
-from truefuse.ops._launch.triton import PLAIN_TENSORS as _PLAIN
+from truefuse.ops._launch.prepared import NOT_NOW, KeptLaunches, ToKeep, launchable, layout, replayable, stream
 from truefuse.ops.rope import rope_prepared
 
 #: ``(go_q, go_k, q's output dtype, k's)`` by key
 _KEPT = KeptLaunches()
-
-
-def _on_device(x: torch.Tensor) -> bool:
-    """Whether kept launches serve ``x``'s device (CUDA; tests stand the CPU in)."""
-    return x.is_cuda
 
 
 def kept_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -30,15 +23,11 @@ def kept_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     pair of new tensors); else, where the call may be kept, the key to hand :func:`keep` after the
     caller's path ran (a :class:`ToKeep`); else None: not plain CUDA tensors, an
     operand requiring grad with grad mode on, tracing, a dispatch mode or functorch transform."""
+    if not replayable(q, k, cos, sin):
+        return None
     ts = (q, k, cos, sin)
-    if any(type(t) not in _PLAIN for t in ts) or not _on_device(q):
-        return None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad):
-        return None
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active():
-        return None
     ptrs = [t.data_ptr() for t in ts]
-    key = tuple((t.shape, t.stride(), t.dtype, t.get_device(), p & 15) for t, p in zip(ts, ptrs, strict=True))
+    key = tuple(layout(t, p) for t, p in zip(ts, ptrs, strict=True))
     kept = _KEPT.get(key)
     if kept.__class__ is tuple:
         go_q, go_k, qdt, kdt = kept

@@ -15,14 +15,12 @@ return: a new contiguous (..., N) tensor, its split bias added the same way.
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from truefuse.autograd._autocast import autocast_dtype
-from truefuse.config import get_config
-from truefuse.ops._launch.prepared import KeptLaunches, launchable, stream
+from truefuse.ops._launch.prepared import KeptLaunches, launchable, layout, replayable, stream
 from truefuse.ops._launch.triton import PLAIN_TENSORS
 from truefuse.ops.gemm.gemm_bi_config import M_BUCKETS, bucket
-from truefuse.ops.gemm.gemm_plan import _OVERRIDES
+from truefuse.ops.gemm.gemm_plan import plan_settings
 from truefuse.ops.gemm.gemm_runners import runs_bi_triton
 
 #: Attribute names of the sibling ``nn.Linear`` children that read one input, per module kind.
@@ -102,28 +100,13 @@ _KEPT = KeptLaunches()
 
 def _key(x: torch.Tensor, weights) -> tuple | None:
     """Everything :func:`_fusable` and the launch read that a decode step can change (the input's
-    and each weight's shape, strides, dtype, device and 16-byte alignment, autocast, an inference
-    input), or None where no kept launch may serve the call: traced, a dispatch mode, an operand
-    requiring grad with grad mode on, a weight or input not a plain tensor, not on CUDA."""
-    if (
-        type(x) not in PLAIN_TENSORS
-        or not _on_device(x)
-        or torch.compiler.is_compiling()
-        or _get_current_dispatch_mode() is not None
-    ):
+    and each weight's layout, ``prepared.layout``; autocast; an inference input; the plan's
+    settings, for ``runs_bi_triton``), or None where no kept launch may serve the call
+    (``prepared.replayable``)."""
+    if not replayable(x, *weights):
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-        return None
-    if any(type(w) not in PLAIN_TENSORS for w in weights):
-        return None
-    ws = tuple((w.shape, w.stride(), w.dtype, w.get_device(), w.data_ptr() & 15) for w in weights)
-    x_ = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, x.is_inference())
-    return (*x_, autocast_dtype(x.device), ws, _OVERRIDES.get(), get_config())  # the last two: the plan (runs_bi_triton)
-
-
-def _on_device(x: torch.Tensor) -> bool:
-    """Whether kept launches serve ``x``'s device (CUDA; tests stand the CPU in)."""
-    return x.is_cuda
+    ws = tuple(layout(w, w.data_ptr()) for w in weights)
+    return layout(x, x.data_ptr()), x.is_inference(), autocast_dtype(x.device), ws, plan_settings()
 
 
 def _replay(kept: tuple, x: torch.Tensor, weights) -> list[torch.Tensor] | None:

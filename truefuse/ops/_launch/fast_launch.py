@@ -272,17 +272,10 @@ def fast_launch(kernel, grid, *args, **kwargs):
         st = _first(kernel)
     if st is None or not st.on or not _triton_plain(kernel):
         return kernel[grid](*args, **kwargs)
-    plan = st.plan(len(args), kwargs)
-    if plan is None:
+    found = lookup(st, args, kwargs)
+    if found is None:
         return kernel[grid](*args, **kwargs)
-    bound = args + plan.rest(kwargs if plan.defaults is None else {**plan.defaults, **kwargs})
-    variant = st.variant(plan, bound)
-    device = _device()
-    key, launch_args = variant.key(bound, device, plan.options(kwargs))
-    try:
-        handle = None if key is None else variant.handles.get(key)
-    except TypeError:  # an unhashable constexpr or option value
-        key = handle = None
+    bound, variant, device, key, launch_args, handle = found
     if handle is None:
         compiled = kernel[grid](*args, **kwargs)  # compiles where Triton has not
         if key is not None:
@@ -301,6 +294,24 @@ def fast_launch(kernel, grid, *args, **kwargs):
     g1, g2 = (grid[1] if n > 1 else 1), (grid[2] if n > 2 else 1)
     run(grid[0], g1, g2, _stream(device), function, packed, None, None, None, *launch_args)
     return compiled
+
+
+def lookup(st: _Kernel, args: tuple, kwargs: dict):
+    """A launch's ``(bound arguments, variant, device, key, launcher arguments, kept handle)``, the
+    key None where Triton's path must launch and the handle None where none is kept for the key;
+    None where the call does not bind (``_Kernel.plan``). Also ``prepared.py``'s way to the handle."""
+    plan = st.plan(len(args), kwargs)
+    if plan is None:
+        return None
+    bound = args + plan.rest(kwargs if plan.defaults is None else {**plan.defaults, **kwargs})
+    variant = st.variant(plan, bound)
+    device = _device()
+    key, launch_args = variant.key(bound, device, plan.options(kwargs))
+    try:
+        handle = None if key is None else variant.handles.get(key)
+    except TypeError:  # an unhashable constexpr or option value
+        key = handle = None
+    return bound, variant, device, key, launch_args, handle
 
 
 def _first(kernel) -> _Kernel | None:

@@ -1,5 +1,5 @@
 """A launch kept whole: every argument fixed but the tensors' addresses (issue 47 item 3;
-docs/design.md §6.7).
+docs/design.md §6.10).
 
 :func:`fast_launch` still binds, keys and looks up each launch (3-7 µs of host on an H100 host
 above the launcher it calls: docs/benchmarks.md, "Eager host time per op"), and the op above it
@@ -8,12 +8,14 @@ the same shapes, strides, dtypes and modes every token), the op keeps the launch
 :func:`prepare`'s ``go``, under a key of everything that path read, and the next such call is
 ``go(stream, *addresses)``: the launcher's own call with the kept grid, compiled kernel and
 arguments. The same compiled kernel, arguments, grid and stream as the path it replaces: the same
-bits. The ops' kept calls: ``ops/gemm/gemm_kept.py``.
+bits. The ops' kept calls: ``ops/gemm/gemm_kept.py``, ``ops/norm/norm_kept.py``, ``ops/rope_kept.py``,
+``ops/gated_activation/gated_kept.py``, ``integrations/huggingface/siblings.py``.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from truefuse.ops._launch import fast_launch as _fl
 from truefuse.ops._launch.triton import PLAIN_TENSORS
@@ -45,19 +47,10 @@ def prepare(slots: tuple, kernel, grid, *args, **kwargs):
         return None
     if not _fl._triton_plain(kernel):
         return NOT_NOW
-    plan = st.plan(len(args), kwargs)
-    if plan is None:
+    found = _fl.lookup(st, args, kwargs)
+    if found is None or found[-1] is None:
         return None
-    bound = args + plan.rest(kwargs if plan.defaults is None else {**plan.defaults, **kwargs})
-    device = _fl._device()
-    variant = st.variant(plan, bound)
-    key, _ = variant.key(bound, device, plan.options(kwargs))
-    try:
-        handle = None if key is None else variant.handles.get(key)
-    except TypeError:
-        return None
-    if handle is None:
-        return None
+    bound, _, device, _, _, handle = found
     run, function, packed, compiled = handle
     meta = getattr(compiled, "metadata", None)
     if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
@@ -86,6 +79,30 @@ def prepare(slots: tuple, kernel, grid, *args, **kwargs):
     go.kernel, go.device = kernel, device
     go.compiled = compiled  # kept alive with ``go``: a freed CompiledKernel unloads its module (Triton 3.9)
     return go
+
+
+def _on_device(x: torch.Tensor) -> bool:
+    """Whether kept launches serve ``x``'s device (CUDA; tests stand the CPU in)."""
+    return x.is_cuda
+
+
+def replayable(*tensors) -> bool:
+    """Whether a kept launch may serve a call on ``tensors`` (None entries skipped; the first on
+    the device): plain tensors on CUDA, none requiring grad with grad mode on, not traced, no
+    dispatch mode or functorch transform (each of which must see the op's own path)."""
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in PLAIN_TENSORS or (grad and t.requires_grad)):
+            return False
+    if not _on_device(tensors[0]) or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    return not torch._C._are_functorch_transforms_active()
+
+
+def layout(t: torch.Tensor, address: int) -> tuple:
+    """The part of a kept launch's key that one operand (at ``address``) decides: its shape,
+    strides, dtype, device and 16-byte alignment (what Triton specialises on, with the shapes)."""
+    return t.shape, t.stride(), t.dtype, t.get_device(), address & 15
 
 
 #: :func:`prepare`'s answer where the launch it would keep went through Triton's path for a passing

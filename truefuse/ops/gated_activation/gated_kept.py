@@ -13,19 +13,12 @@ kernel, arguments and grid, the same bits (``tests/test_gated_activation.py``).
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from truefuse.ops._launch.prepared import KeptLaunches, ToKeep, launchable, stream
-from truefuse.ops._launch.triton import PLAIN_TENSORS as _PLAIN
+from truefuse.ops._launch.prepared import KeptLaunches, ToKeep, launchable, layout, replayable, stream
 from truefuse.ops.gated_activation.gated_activation import fwd_prepared
 
 #: ``(go,)`` by key
 _KEPT = KeptLaunches()
-
-
-def _on_device(x: torch.Tensor) -> bool:
-    """Whether kept launches serve ``x``'s device (CUDA; tests stand the CPU in)."""
-    return x.is_cuda
 
 
 def kept_gated(gate: torch.Tensor, up: torch.Tensor, name: str):
@@ -33,28 +26,10 @@ def kept_gated(gate: torch.Tensor, up: torch.Tensor, name: str):
     ``gate``); else, where the call may be kept, the key to hand :func:`keep` after the caller's
     path ran (a tuple); else None: not plain CUDA tensors, an operand requiring grad with grad mode
     on, tracing, a dispatch mode or functorch transform."""
-    if type(gate) not in _PLAIN or type(up) not in _PLAIN or not _on_device(gate):
+    if not replayable(gate, up) or type(name) is not str:  # a bad name: the path names it (and a key must hash)
         return None
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return None
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active():
-        return None
-    if type(name) is not str:
-        return None  # the path names a bad one (and a key must hash)
     gp, upp = gate.data_ptr(), up.data_ptr()
-    key = (
-        gate.shape,
-        gate.stride(),
-        gate.dtype,
-        gate.get_device(),
-        up.shape,
-        up.stride(),
-        up.dtype,
-        up.get_device(),
-        name,
-        gp & 15,
-        upp & 15,
-    )
+    key = (layout(gate, gp), layout(up, upp), name)
     kept = _KEPT.get(key)
     if kept.__class__ is tuple:
         (go,) = kept

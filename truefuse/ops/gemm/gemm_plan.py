@@ -259,7 +259,13 @@ def plan_context(device: str) -> tuple:
     """Everything a plan depends on beside its request: the overrides in force, the configuration
     and which backends are available on ``device`` (the key of :data:`_PLANS`, and of the plain
     call's runners in ``ops/gemm/gemm_runners.py``)."""
-    return (_OVERRIDES.get(), get_config(), tuple([b.available(device) for b in BACKENDS.values()]))
+    return (*plan_settings(), tuple([b.available(device) for b in BACKENDS.values()]))
+
+
+def plan_settings() -> tuple:
+    """:func:`plan_context` less the backends' availability, which on CUDA is the process's (a
+    kept launch's key, ``ops/gemm/gemm_kept.py``: the availability's check costs ~1 µs a call)."""
+    return _OVERRIDES.get(), get_config()
 
 
 def plan(request: GemmRequest) -> GemmPlan:

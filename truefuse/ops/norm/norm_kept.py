@@ -12,20 +12,13 @@ the same bits (``tests/test_kept_launches.py``).
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from truefuse.config import get_tuning
-from truefuse.ops._launch.prepared import KeptLaunches, ToKeep, launchable, stream
-from truefuse.ops._launch.triton import PLAIN_TENSORS as _PLAIN
+from truefuse.ops._launch.prepared import KeptLaunches, ToKeep, launchable, layout, replayable, stream
 from truefuse.ops.norm.norm import hf_bi_prepared
 
 #: ``(go, y's dtype)`` by key
 _KEPT = KeptLaunches()
-
-
-def _on_device(x: torch.Tensor) -> bool:
-    """Whether kept launches serve ``x``'s device (CUDA; tests stand the CPU in)."""
-    return x.is_cuda
 
 
 def kept_hf_bi(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str):
@@ -33,17 +26,10 @@ def kept_hf_bi(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str):
     for this call's key (a new tensor shaped like ``x``); else, where the call may be kept, the key
     to hand :func:`keep` after the caller's path ran (a :class:`ToKeep`); else None: not plain CUDA tensors,
     an operand requiring grad with grad mode on, tracing, a dispatch mode or functorch transform."""
-    if type(x) not in _PLAIN or type(weight) not in _PLAIN or not _on_device(x):
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return None
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active():
-        return None
-    if type(eps) not in (float, int) or type(style) is not str:
-        return None  # the path's checks name a bad one (and a key must hash)
+    if not replayable(x, weight) or type(eps) not in (float, int) or type(style) is not str:
+        return None  # a bad eps or style: the path's checks name it (and a key must hash)
     xp, wp = x.data_ptr(), weight.data_ptr()
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), weight.shape, weight.stride(), weight.dtype, weight.get_device())
-    key = (*key, xp & 15, wp & 15, eps, style, get_tuning())  # the tuning knobs choose the path (max_kernel_n)
+    key = (layout(x, xp), layout(weight, wp), eps, style, get_tuning())  # the tuning knobs choose the path (max_kernel_n)
     kept = _KEPT.get(key)
     if kept.__class__ is tuple:
         go, dtype = kept
