@@ -295,14 +295,12 @@ def _fwd_launch(
 
 def hf_bi_prepared(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, eps: float, style: str):
     """The launch :func:`rms_norm_hf_bi` just made on a contiguous (M, N) ``x`` (M not 0) into ``y``
-    and ``rstd``, kept whole: ``go(stream, x, weight, y, rstd)`` (addresses), or None where it took
-    another kernel (``ops/_launch/prepared.py``)."""
-    if _fwd_staged(x, True) is not None:
-        return None
-    pdl = hopper(x) and not traced(x)
+    and ``rstd`` (the register-row kernel, RMSNorm's only one), kept whole: ``go(stream, x, weight,
+    y, rstd)`` (addresses), or what ``ops/_launch/prepared.py::prepare`` says instead."""
     kernel, grid, args, kwargs = _fwd_launch(
-        x, weight, None, y, None, rstd, eps, True, style == "gemma", False, style == "llama", True, None, None, pdl
-    )
+        x, weight, None, y, None, rstd, eps, rms=True, zero_centered_gamma=style == "gemma", rstd_in=False,
+        round_normed=style == "llama", hf_stats=True, residual=None, summed=None, pdl=hopper(x) and not traced(x),
+    )  # fmt: skip
     return prepare((x, weight, y, rstd), kernel, grid, *args, **kwargs)
 
 
