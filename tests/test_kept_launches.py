@@ -165,6 +165,51 @@ def test_a_kept_linear_hit_checks_its_bias_as_the_path(kept):
     assert kept[0].calls == []
 
 
+def test_a_routed_decode_linear_replays_before_the_routers_checks(kept, monkeypatch):
+    """A batch-invariant model's ``F.linear`` at decode takes its kept launch first: no routing
+    checks, no ``linear`` call (their host is what the kept launch saves: issue 47.3)."""
+    import torch.nn.functional as F
+
+    import truefuse.integrations.huggingface.batch_invariant as bim
+
+    w, x = torch.randn(16, 8), torch.randn(2, 1, 8)
+    with torch.no_grad(), bim.running_batch_invariant() as router:
+        torch.testing.assert_close(F.linear(x, w), x @ w.t())
+
+        def refused(*a, **k):
+            raise AssertionError("a kept call ran the router's path")
+
+        monkeypatch.setattr(bim, "_routable", refused)
+        monkeypatch.setattr(bim, "_truefuse_linear", refused)
+        x2 = torch.randn(2, 1, 8)
+        y2 = F.linear(x2, w)
+    assert kept[0].calls == [(5, x2.data_ptr(), w.data_ptr(), y2.data_ptr())]
+    assert y2.shape == (2, 1, 16) and y2.is_contiguous() and router.routed == 2
+
+
+def test_a_routed_linear_under_autocast_does_not_replay_a_launch_kept_without_it(kept):
+    import torch.nn.functional as F
+
+    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
+
+    w, x = torch.randn(16, 8), torch.randn(2, 1, 8)
+    with torch.no_grad(), running_batch_invariant():
+        F.linear(x, w)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = F.linear(x, w)
+    assert kept[0].calls == [] and y.dtype is torch.bfloat16
+
+
+def test_a_linear_whose_rows_are_copied_keeps_no_launch_on_its_input(kept):
+    """``x.reshape(-1, K)`` copies a row-strided ``x``: the path's launch read the copy, so a launch
+    replayed at ``x``'s own address would read other rows. Nothing is kept; every call is right."""
+    w = torch.randn(16, 8)
+    for _ in range(4):
+        x = torch.randn(3, 2, 8).transpose(0, 1)  # (2, 3, 8), rows not one stride apart
+        torch.testing.assert_close(_call(x, w), x @ w.t())
+    assert kept == []
+
+
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 4, 64])
 @pytest.mark.parametrize("bias", [False, True])

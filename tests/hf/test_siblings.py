@@ -222,3 +222,31 @@ def test_a_group_call_differing_in_what_it_reads_does_not_replay_anothers_launch
         else:
             m.q_proj(x)
     assert kept[0].calls == [], f"a group call of another {change} replayed the first call's launch"
+
+
+def test_a_groups_calls_go_to_its_launch_before_their_own_kept_launches(kept, monkeypatch):
+    """A routed call's kept launch is tried before the router's checks (``linear_kept``), but not for
+    a group's members: the first member's call makes the group's launch, whose outputs the others
+    take, even where each member's own launch was kept by calls made without the groups."""
+    import truefuse.ops.gemm.gemm_kept as gk
+
+    alone = stand_in(monkeypatch, gk, gk, "_prepared", lambda a, b, out: (a, b, out))
+    monkeypatch.setattr(gk, "runs_bi_triton", lambda a, b, has_bias: True)
+    m = _attention_like(F32, "cpu")
+    groups = S.find_groups(m)
+    names = ("q_proj", "k_proj", "v_proj")
+    try:
+        with torch.no_grad():
+            with running_batch_invariant():  # no groups: each call alone, each launch kept
+                for n in names:
+                    getattr(m, n)(torch.randn(2, 1, 32))
+            assert len(alone) == 2  # k and v: one layout, one key (v's call replayed k's)
+            before = [len(go.calls) for go in alone]
+            x = torch.randn(2, 1, 32)
+            with running_batch_invariant(groups):
+                got = [getattr(m, n)(x) for n in names]
+        assert [len(go.calls) for go in alone] == before, "a group member took its own kept launch"
+        assert len(kept) == 1 and kept[0].slots[0] == x.data_ptr()
+        assert [t.shape for t in got] == [(2, 1, 48), (2, 1, 16), (2, 1, 16)]
+    finally:
+        gk.clear()

@@ -19,7 +19,7 @@ from truefuse.ops.gemm.activation import activation_grad_ref
 from truefuse.ops.gemm.bias_grad import split_bias_grad
 from truefuse.ops.gemm.gemm import checked_plain_gemm, gemm, plain_gemm
 from truefuse.ops.gemm.gemm_checks import FLOATS
-from truefuse.ops.gemm.gemm_kept import kept_linear, kept_product
+from truefuse.ops.gemm.gemm_kept import kept_linear, kept_linear_hit, kept_product
 
 
 class LinearFunction(torch.autograd.Function):
@@ -175,6 +175,19 @@ def linear(
     else:
         y = LinearFunction.apply(x2, weight, bias, activation, state, weight_name, dtype)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_kept(x, weight, bias) -> torch.Tensor | None:
+    """What :func:`linear` returns for a batch-invariant call its kept launch serves (decode:
+    nothing to differentiate, nothing for autocast to cast; ``ops/gemm/gemm_kept.py``), else None,
+    having run nothing: the routed ``F.linear``'s first try, before its own checks and calls
+    (``integrations/huggingface/batch_invariant.py``; ~9 of its 17 µs on the CPU box, stubbed)."""
+    if type(x) not in _PLAIN:
+        return None
+    dtype = autocast_dtype(x.device)
+    if dtype is not None and (x.dtype is not dtype or weight.dtype is not dtype or (bias is not None and bias.dtype is not dtype)):
+        return None
+    return kept_linear_hit(x, weight, bias, Modes.now().batch_invariant)
 
 
 def _records_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

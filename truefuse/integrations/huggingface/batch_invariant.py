@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.linear import linear as _truefuse_linear
+from truefuse.autograd.linear import linear_kept
 from truefuse.config import batch_invariant, is_batch_invariant
 from truefuse.integrations.huggingface import modules
 from truefuse.integrations.huggingface.rotary_op import register as register_rotary
@@ -70,6 +71,11 @@ def _routed_linear(input, weight, bias=None):
     if routers:
         router = routers[-1]
         if router is not None:
+            if router.siblings is None or not router.siblings.claims(weight):
+                y = linear_kept(input, weight, bias)  # decode: the kept launch, before the checks below
+                if y is not None:
+                    router.routed += 1
+                    return y
             if _routable(input, weight, bias):
                 router.routed += 1
                 if router.siblings is not None:

@@ -49,6 +49,11 @@ class Siblings:
         self.firsts = {id(g[0].weight): g for g in groups}
         self.kept: dict[int, tuple] = {}
 
+    def claims(self, weight) -> bool:
+        """Whether a call on ``weight`` goes to :func:`fused_call` first: a group's first member, or
+        a member whose output a group launch kept."""
+        return id(weight) in self.firsts or id(weight) in self.kept
+
 
 def fused_call(state: Siblings, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` in batch-invariant mode from the group's one launch, or None

@@ -33,16 +33,64 @@ def _prepared(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
 
 def kept_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bi: bool) -> torch.Tensor | None:
     """``x @ weight.T (+ bias)`` in batch-invariant mode where nothing records a graph: what
-    ``plain_gemm(x2, weight.t(), bias, batch_invariant=True)`` gives, viewed as ``(..., N)``, by
-    :func:`kept_product`'s kept launch. None where the call is not one it takes: ``bi`` False (fast
-    mode's no-grad product is cuBLAS's, whose host is already stock's), not tensors of one dtype a
-    kept launch may serve (``prepared.replayable``). The caller checks that autocast casts nothing."""
+    ``plain_gemm(x2, weight.t(), bias, batch_invariant=True)`` gives, viewed as ``(..., N)``, by the
+    launch kept for this call (keeping the path's launch where none is yet). None where the call is
+    not one it takes: ``bi`` False (fast mode's no-grad product is cuBLAS's, whose host is already
+    stock's), not tensors of one dtype a kept launch may serve (``prepared.replayable``). The caller
+    checks that autocast casts nothing."""
+    key = _linear_key(x, weight, bias, bi)
+    if key is None:
+        return None
+    kept = _KEPT.get(key)
+    if kept.__class__ is tuple:
+        y = _replay(kept, x, weight, bias)
+        if y is not None:
+            return y
+        kept = 0
+    x2 = x.reshape(-1, x.shape[-1])
+    wt = weight.t()
+    y2 = plain_gemm(x2, wt, bias, batch_invariant=True)
+    if kept > 0:  # the kept launch takes x's own address: where the reshape made no copy
+        fits = x2.data_ptr() == x.data_ptr() and y2.dtype is x.dtype and runs_bi_triton(x2, wt, bias is not None)
+        _KEPT.put(key, kept, _prepared(x2, wt, y2) if fits else None, (*x.shape[:-1], weight.shape[0]))
+    return y2.view(*x.shape[:-1], weight.shape[0])
+
+
+def kept_linear_hit(x, weight, bias, bi: bool) -> torch.Tensor | None:
+    """:func:`kept_linear`'s result where a launch is kept for this call, else None (nothing run):
+    the routed ``F.linear``'s first try at decode, before its own checks
+    (``integrations/huggingface/batch_invariant.py``; any ``x`` and ``weight``, checked here)."""
+    key = _linear_key(x, weight, bias, bi)
+    kept = None if key is None else _KEPT.get(key)
+    return _replay(kept, x, weight, bias) if kept.__class__ is tuple else None
+
+
+def _linear_key(x, weight, bias, bi: bool) -> tuple | None:
+    """A :func:`kept_linear` call's key: everything its path reads (x's and the weight's layouts,
+    the bias's, the plan's settings), where a kept launch may serve it; else None."""
     if not bi or not replayable(x, weight, bias) or x.dim() < 1:
         return None
     if weight.dtype is not x.dtype or (bias is not None and bias.dtype is not x.dtype):
         return None
-    y2 = _product(x.reshape(-1, x.shape[-1]), weight.t(), bias, checked=False)
-    return y2.view(*x.shape[:-1], weight.shape[0])
+    bias_key = None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device())  # the path checks its shape
+    return ("linear", layout(x, x.data_ptr()), layout(weight, weight.data_ptr()), bias_key, plan_settings())
+
+
+def _replay(kept: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``kept``'s launch (a :func:`kept_linear` entry: ``go`` and the output's shape) on ``x`` and
+    ``weight`` into a fresh output, the bias added as the kept runner adds it (split:
+    gemm_runners.py); None where it may not launch now."""
+    go, shape = kept
+    if not launchable(go):
+        return None
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    op = out.data_ptr()
+    if op & 15:  # as kept (the caching allocator's blocks are 512-byte aligned)
+        return None
+    go(stream(go), x.data_ptr(), weight.data_ptr(), op)
+    if bias is not None:
+        out.add_(bias)
+    return out
 
 
 def kept_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, bi: bool) -> torch.Tensor:
