@@ -306,7 +306,7 @@ def test_a_repeated_gated_call_replays_its_kept_launch(kept_gated):
 
 
 @needs_kernel
-@pytest.mark.parametrize("change", ["activation", "strides", "alignment", "rows", "dtype", "grad"])
+@pytest.mark.parametrize("change", ["activation", "strides", "alignment", "rows", "dtype"])
 def test_a_gated_call_differing_in_what_its_path_reads_does_not_replay_anothers_launch(kept_gated, change):
     from truefuse.ops.gated_activation.gated_activation import gated_activation_ref
 
@@ -323,12 +323,108 @@ def test_a_gated_call_differing_in_what_its_path_reads_does_not_replay_anothers_
         g, u = torch.randn(3, 1, 24), torch.randn(3, 1, 24)
     elif change == "dtype":
         g, u = g.double(), u.double()
-    elif change == "grad":
-        g.requires_grad_()
     y = gated_activation(g, name, u)
     assert kept_gated[0].calls == [], f"a call of another {change} replayed the first call's launch"
     ref = gated_activation_ref(torch.cat([g.detach(), u], -1), name)
     torch.testing.assert_close(y.detach(), ref)
+
+
+@pytest.fixture
+def kept_gated_bwd(monkeypatch, kept_gated):
+    """:func:`kept_gated` with the backward's kept launches standing in too: (forward's, backward's)."""
+    made: list = []
+
+    def make(dy, g, u, dg, du, name):
+        from tests._kept import Go
+
+        made.append(Go((dy, g, u, dg, du)))
+        return made[-1]
+
+    monkeypatch.setattr(gak, "bwd_prepared", make)
+    yield kept_gated, made
+
+
+def _gated_step(g, u, dy):
+    y = gated_activation(g, "swiglu", u)
+    return (y, *torch.autograd.grad(y, (g, u), dy))
+
+
+@needs_kernel
+def test_a_repeated_gated_training_call_replays_its_kept_launches_both_ways(kept_gated_bwd):
+    """A training step's gated activation, step after step: the first step keeps the forward's
+    launch, the second replays it (in the kept Function) and keeps the backward's, the third replays
+    both, on that step's tensors into fresh outputs."""
+    fwd, bwd = kept_gated_bwd
+    steps = [(torch.randn(2, 3, 24, requires_grad=True), torch.randn(2, 3, 24, requires_grad=True), torch.randn(2, 3, 24)) for _ in range(3)]
+    outs = [_gated_step(*s) for s in steps]
+    assert "KeptGated" not in type(outs[0][0].grad_fn).__name__ and "KeptGated" in type(outs[1][0].grad_fn).__name__
+    assert len(fwd) == 1 and len(bwd) == 1
+    (g1, u1, _), (g2, u2, dy2) = steps[1:]
+    y1, y2 = outs[1][0], outs[2][0]
+    assert fwd[0].calls == [(5, g1.data_ptr(), u1.data_ptr(), y1.data_ptr()), (5, g2.data_ptr(), u2.data_ptr(), y2.data_ptr())]
+    _, dg2, du2 = outs[2]
+    assert bwd[0].calls == [(5, dy2.data_ptr(), g2.data_ptr(), u2.data_ptr(), dg2.data_ptr(), du2.data_ptr())]
+    assert dg2.shape == du2.shape == (2, 3, 24) and dg2.is_contiguous()
+
+
+@needs_kernel
+def test_the_kept_functions_gradients_are_the_paths_bits(kept_gated_bwd):
+    """The second step's gradients come from the kept Function's backward through the op's own body
+    (nothing kept for it yet): the path's bits, each gradient to its own operand."""
+    g, u, dy = torch.randn(4, 24, requires_grad=True), torch.randn(4, 24, requires_grad=True), torch.randn(4, 24)
+    path = _gated_step(g, u, dy)
+    kept = _gated_step(g, u, dy)
+    assert "KeptGated" in type(kept[0].grad_fn).__name__
+    assert torch.equal(kept[1], path[1]) and torch.equal(kept[2], path[2]) and not torch.equal(path[1], path[2])
+
+
+@needs_kernel
+def test_a_gradient_whose_rows_are_copied_keeps_no_backward_launch(kept_gated_bwd):
+    _, bwd = kept_gated_bwd
+    """A column-major ``dy`` is copied to rows by the path: a launch kept on it would read ``dy``'s
+    own memory as rows. Nothing is kept; every step's gradients are the path's."""
+    from truefuse.ops.gated_activation.gated_activation import gated2_bwd_op
+
+    g, u = torch.randn(4, 24, requires_grad=True), torch.randn(4, 24, requires_grad=True)
+    for _ in range(4):
+        dy = torch.randn(24, 4).t()  # column-major: the path copies it to rows first
+        got = torch.autograd.grad(gated_activation(g, "swiglu", u), (g, u), dy)
+        want = gated2_bwd_op.body(dy.contiguous(), g.detach(), u.detach(), "swiglu")
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert bwd == []
+
+
+@needs_kernel
+def test_the_kept_function_refuses_double_backward(kept_gated_bwd):
+    g, u = torch.randn(4, 24, requires_grad=True), torch.randn(4, 24, requires_grad=True)
+    _gated_step(g, u, torch.randn(4, 24))
+    y = gated_activation(g, "swiglu", u)
+    assert "KeptGated" in type(y.grad_fn).__name__
+    (dg,) = torch.autograd.grad(y.sum(), g, create_graph=True)
+    with pytest.raises(RuntimeError, match="gated_activation"):
+        dg.sum().backward()
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [4, 300])
+def test_kept_gated_training_launches_give_the_paths_bits_on_cuda(rows):
+    """A training step's gated activation, step after step, forward and both gradients: kept
+    launches give the path's bits (the fast launch off: no kept launch at all)."""
+    gak.clear()
+    g = torch.Generator("cuda").manual_seed(rows)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    steps = [
+        tuple(torch.randn(rows, 2816, generator=g, **bf).requires_grad_(i < 2) for i in range(3)) for _ in range(3)
+    ]
+    with eager_fast_launch(False):
+        ref = [_gated_step(*s) for s in steps]
+    assert not gak._KEPT.entries and not gak._KEPT_BWD.entries, "kept with the fast launch off"
+    ours = [_gated_step(*s) for s in steps * 2]
+    assert any(type(v) is tuple for v in gak._KEPT_BWD.entries.values()), "no backward launch was kept"
+    for i, got in enumerate(ours):
+        for a, b in zip(got, ref[i % 3], strict=True):
+            assert torch.equal(a, b), f"step {i} differs from the path's bits"
+    gak.clear()
 
 
 @requires_cuda

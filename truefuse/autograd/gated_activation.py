@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._eager_op import call
 from truefuse.ops._launch.dtensor import on_local_rows
 from truefuse.ops._launch.prepared import ToKeep
@@ -15,7 +16,7 @@ from truefuse.ops.gated_activation.gated_activation import (
     gated_fwd_op,
     use_kernel,
 )
-from truefuse.ops.gated_activation.gated_kept import keep, kept_gated
+from truefuse.ops.gated_activation.gated_kept import keep, kept_gated, kept_grads, launch
 
 
 def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,9 +31,15 @@ def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None)
     Returns:
         (..., F) in ``x.dtype``: fp32 math, one rounding (``gated_activation_ref``, bounded contract).
     """
-    kept = None if up is None else kept_gated(x, up, name)  # decode: one kept launch (ops/gated_activation/gated_kept.py)
+    # a repeated call (decode, a training step): one kept launch each way (ops/gated_activation/gated_kept.py)
+    kept = None if up is None else kept_gated(x, up, name, recording=True)
     if kept is not None and type(kept) is not ToKeep:
-        return kept
+        if torch.is_grad_enabled() and (x.requires_grad or up.requires_grad):
+            return _apply_kept(x, up, kept, name)
+        y = launch(kept, x, up)
+        if y is not None:
+            return y
+        kept = None
     rows = {"x": x} if up is None else {"x": x, "up": up}
     width = (x.shape[-1] if up is not None else x.shape[-1] // 2) if isinstance(x, torch.Tensor) and x.dim() else None
     y = on_local_rows("gated_activation", lambda *t: gated_activation(t[0], name, *t[1:]), rows, {}, width)
@@ -68,3 +75,31 @@ def _gated_two(gate: torch.Tensor, up: torch.Tensor, name: str, pending: ToKeep 
     if pending is not None:
         keep(pending, gate, up, g, u, y, name)
     return y
+
+
+class _KeptGated(torch.autograd.Function):
+    """The two-tensor form where its launches are kept (``ops/gated_activation/gated_kept.py``): the
+    kept forward launch, and the backward's kept launch or ``gated2_bwd_op``'s body, in a Function
+    of its own rather than the custom op's registered autograd (``autograd/_eager_op.py``), whose
+    checks, wrappers and ``fast_launch`` keys were ~80 of a 123 µs forward + backward on the CPU
+    box (launches stubbed). The same kernels and arguments: the same bits."""
+
+    @staticmethod
+    def forward(ctx, gate, up, go, name):
+        y = launch(go, gate, up)
+        if y is None:  # an output not aligned as the kept launch's: the op's own launch
+            y = gated2_fwd_op.body(gate, up, name)
+        ctx.save_for_backward(gate, up)
+        ctx.name = name
+        return y
+
+    @staticmethod
+    @refuses_double_backward("gated_activation", "truefuse.ops.gated_activation.gated_activation.gated_activation_ref")
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dg, du = kept_grads(dy, gate, up, ctx.name)
+        return dg, du, None, None
+
+
+#: ``Function.apply`` without its Python layer (as ``autograd/_eager_op.py``'s: one ``forward``)
+_apply_kept = super(torch.autograd.Function, _KeptGated).apply

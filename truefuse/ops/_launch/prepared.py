@@ -86,11 +86,12 @@ def _on_device(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def replayable(*tensors) -> bool:
+def replayable(*tensors, recording: bool = False) -> bool:
     """Whether a kept launch may serve a call on ``tensors`` (None entries skipped; the first on
-    the device): plain tensors on CUDA, none requiring grad with grad mode on, not traced, no
-    dispatch mode or functorch transform (each of which must see the op's own path)."""
-    grad = torch.is_grad_enabled()
+    the device): plain tensors on CUDA, none requiring grad with grad mode on (``recording``: the
+    caller records the graph itself, around kept launches of its forward and backward), not traced,
+    no dispatch mode or functorch transform (each of which must see the op's own path)."""
+    grad = torch.is_grad_enabled() and not recording
     for t in tensors:
         if t is not None and (type(t) not in PLAIN_TENSORS or (grad and t.requires_grad)):
             return False

@@ -108,9 +108,6 @@ def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool =
     also the forward's output written again by the same pass (bitwise what :func:`gated_fwd`
     gives), as ``(dx, y)``.
     """
-    from truefuse.kernels.activation import ACT_CODES
-    from truefuse.kernels.gated_activation import _gated_activation_bwd_kernel
-
     act, gated = _act(name)
     M, F = dy.shape
     if up is not None:
@@ -125,30 +122,31 @@ def gated_bwd(dy: torch.Tensor, x: torch.Tensor, name: str, *, recompute: bool =
     du = du if gated else dg
     y = torch.empty_like(dy) if recompute else None
     if M and F:
-        grid, block = _launch_shape(M, F)
-        a = y if recompute else dg
-        fast_launch(
-            kernel_for(_gated_activation_bwd_kernel, dg),
-            grid,
-            dy,
-            g,
-            u,
-            dg,
-            du,
-            a,
-            dy.stride(0),
-            g.stride(0),
-            u.stride(0),
-            dg.stride(0),
-            du.stride(0),
-            a.stride(0),
-            F,
-            ACT=ACT_CODES[act],
-            GATED=gated,
-            STORE_ACT=recompute,
-            BLOCK=block,
-        )
+        kernel, grid, args, kwargs = _bwd_launch(dy, g, u, dg, du, y if recompute else dg, name, recompute)
+        fast_launch(kernel_for(kernel, dg), grid, *args, **kwargs)
     return (dx, y) if recompute else dx
+
+
+def _bwd_launch(dy, g, u, dg, du, a, name: str, recompute: bool) -> tuple:
+    """The backward kernel, grid, arguments and keywords of :func:`gated_bwd` (and
+    :func:`bwd_prepared`): ``u``/``du`` the gate's own for a plain activation, ``a`` the output
+    written again (``recompute``) or ``dg`` (not written)."""
+    from truefuse.kernels.activation import ACT_CODES
+    from truefuse.kernels.gated_activation import _gated_activation_bwd_kernel
+
+    act, gated = _act(name)
+    M, F = dy.shape
+    grid, block = _launch_shape(M, F)
+    args = (dy, g, u, dg, du, a, dy.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0), a.stride(0), F)
+    return _gated_activation_bwd_kernel, grid, args, dict(ACT=ACT_CODES[act], GATED=gated, STORE_ACT=recompute, BLOCK=block)
+
+
+def bwd_prepared(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dg: torch.Tensor, du: torch.Tensor, name: str):
+    """The launch :func:`gated_bwd` just made for (M, F) ``dy``, ``gate`` and ``up`` into ``dg`` and
+    ``du`` (M, F not 0; the rows ``gated2_bwd_op`` flattened), kept whole:
+    ``go(stream, dy, gate, up, dg, du)`` (addresses), or None (``ops/_launch/prepared.py``)."""
+    kernel, grid, args, kwargs = _bwd_launch(dy, gate, up, dg, du, dg, name, False)
+    return prepare((dy, gate, up, dg, du), kernel, grid, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
