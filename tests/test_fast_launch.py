@@ -317,6 +317,18 @@ def test_a_prepared_launch_is_the_fast_launch_with_new_addresses(jit):
     assert len(jit.run.calls) == 1
 
 
+def test_a_prepared_launch_takes_its_varying_ints_and_grid_at_each_call(jit):
+    """``varying``: ints passed to ``go`` after the addresses, in place of the ones fixed at
+    ``prepare`` (a decode step's key length); ``varying_grid``: grid dimensions after them."""
+    x, y, n, stride, eps = _args()
+    _launch(jit, x, y, n, stride, eps)
+    go = prepare((x, y), jit, (3, 2, 1), x, y, n, stride, eps, varying=(2, 3), varying_grid=(2,), BLOCK=16)
+    go(9, 4096, 8192, 77, 33, 5)
+    launch = jit.run.compiled[0].launches[-1]
+    assert launch[:4] == (3, 2, 5, 9) and launch[9:13] == (4096, 8192, 77, 33) and launch[13] == eps
+    assert prepare((x, y), jit, (3,), x, y, n, stride, eps, varying=(4,), BLOCK=16) is None, "a float is no varying int"
+
+
 def test_a_prepared_launch_maps_each_tensor_to_its_slot(jit):
     x, y, n, stride, eps = _args()
     _launch(jit, x, x, n, stride, eps)

@@ -629,3 +629,164 @@ def test_kept_rope_launches_give_the_paths_bits_on_cuda(batch):
     for i, (qo, ko) in enumerate(ours):
         assert torch.equal(qo, ref[i % 4][0]) and torch.equal(ko, ref[i % 4][1]), f"call {i} differs from the path's bits"
     rk.clear()
+
+
+# -- attention at decode ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kept_attention(monkeypatch):
+    """attention_kept with the CPU standing in for CUDA: each launch it keeps is a recording
+    :class:`tests._kept.Go` (made for the slots' addresses), with what it was made for in ``made``
+    (``(kernel name, varying, varying grid, go)``); the kernels run in Triton's interpreter."""
+    import truefuse.ops._launch.prepared as prepared
+    import truefuse.ops.attention.attention_kept as ak
+    from tests._kept import Go
+
+    made: list = []
+
+    def make(slots, kernel, grid, *args, varying=(), varying_grid=(), **kwargs):
+        go = Go(slots)
+        made.append((kernel.fn.__name__, varying, varying_grid, go))
+        return go
+
+    ak.clear()
+    monkeypatch.setattr(prepared, "_on_device", lambda x: True)
+    monkeypatch.setattr(ak, "prepare", make)
+    monkeypatch.setattr(ak, "launchable", lambda go: True)
+    monkeypatch.setattr(ak, "stream", lambda go: 5)
+    yield made
+    ak.clear()
+
+
+def _decode(B=2, Lk=37, mask=True, **kw):
+    """One decode step's attention: q (B, 4, 1, 16), k and v (B, 2, Lk, 16) made as a dynamic
+    cache's (contiguous, new each step), a (B, 1, 1, Lk) bool mask with sequence 0 left-padded."""
+    import truefuse
+
+    q = torch.randn(B, 4, 1, 16)
+    k, v = torch.randn(B, 2, Lk, 16), torch.randn(B, 2, Lk, 16)
+    m = None
+    if mask:
+        m = torch.ones(B, 1, 1, Lk, dtype=torch.bool)
+        m[0, ..., :3] = False
+    with torch.no_grad():
+        return truefuse.attention(q, k, v, m, enable_gqa=True, **kw), (q, k, v, m)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mask", [True, False])
+def test_a_decode_attention_call_replays_its_kept_launches_as_the_keys_grow(kept_attention, mask):
+    """Key lengths 37, 38, 39 (one key class: none a multiple of 16; split in chunks of 16 under the
+    interpreter): the first call keeps the forward and its merge, the next replay them with the new
+    tensors' addresses, k's, v's and the mask's strides, the length and the chunks."""
+    _decode(Lk=37, mask=mask)
+    assert [m[0] for m in kept_attention] == ["_attention_fwd_kernel", "_attention_fwd_merge_kernel"]
+    fwd, merge = kept_attention[0][3], kept_attention[1][3]
+    for Lk in (38, 39):
+        out, (q, k, v, m) = _decode(Lk=Lk, mask=mask)
+        strides = (*k.stride()[:3], *v.stride()[:3], *((Lk, 0, Lk, 1) if mask else (0, 0, 0, 0)), Lk, 3)
+        call = fwd.calls[-1]
+        assert call[1:4] == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        assert call[-len(strides) :] == strides
+        assert (call[4] == m.data_ptr()) if mask else (len(call) == 1 + 7 + len(strides))  # no mask slot
+        assert out.shape == q.shape and out.data_ptr() in call
+        assert merge.calls[-1][-1] == 3 and merge.calls[-1][2] == out.data_ptr()
+    assert len(fwd.calls) == len(merge.calls) == 2 and len(kept_attention) == 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("change", ["multiple of 16", "no split", "dtype", "no mask", "causal", "scale", "window", "batch"])
+def test_a_decode_attention_call_differing_in_what_its_path_reads_does_not_replay(kept_attention, change):
+    _decode(Lk=37)
+    kw, B, Lk, mask = {}, 2, 38, True
+    if change == "multiple of 16":
+        Lk = 48  # Triton compiles L_k (and the strides of its multiples) for % 16 == 0
+    elif change == "no split":
+        Lk = 15  # one chunk: no merge (the same key class as 37's)
+    elif change == "no mask":
+        mask = False
+    elif change == "causal":
+        kw["is_causal"] = True
+    elif change == "scale":
+        kw["scale"] = 0.5
+    elif change == "window":
+        kw["window"] = 8
+    elif change == "batch":
+        B = 3
+    if change == "dtype":
+        q, k, v = (torch.randn(*s, dtype=torch.float64) for s in ((2, 4, 1, 16), (2, 2, 38, 16), (2, 2, 38, 16)))
+        with torch.no_grad():
+            import truefuse
+
+            out = truefuse.attention(q, k, v, None, enable_gqa=True)
+        ref = attention_reference(q, k, v, None)
+    else:
+        out, (q, k, v, m) = _decode(B=B, Lk=Lk, mask=mask, **kw)
+        ref = attention_reference(q, k, v, m, **kw)
+    assert kept_attention[0][3].calls == [], f"a call of another {change} replayed the first call's launch"
+    torch.testing.assert_close(out.double(), ref.double(), atol=1e-5, rtol=1e-5)
+
+
+def attention_reference(q, k, v, m, **kw):
+    from truefuse.ops.attention.attention import attention_ref
+
+    q, k, v = q.double(), k.double(), v.double()
+    return attention_ref(q, k, v, m, **kw, key_start=None if m is None else _first_key(m))
+
+
+def _first_key(m):
+    from truefuse.ops.attention.attention_mask import first_valid_key
+
+    return first_valid_key(m, m.shape[0], m.shape[-1], m.device)
+
+
+@requires_cuda
+@pytest.mark.parametrize("B", [1, 4, 64])
+@pytest.mark.parametrize("mask", [True, False])
+def test_kept_attention_launches_give_the_paths_bits_on_cuda(B, mask):
+    """``generate``'s decode attention, a dynamic cache growing a key a step across 16-key
+    boundaries (the split forward at small batches, one program at 64 sequences x 16 heads): kept
+    launches give the path's bits (the fast launch off: none kept)."""
+    import truefuse
+    import truefuse.ops.attention.attention_kept as ak
+
+    ak.clear()
+    g = torch.Generator("cuda").manual_seed(B)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    k0, v0 = (torch.randn(B, 8, 120, 128, generator=g, **bf) for _ in range(2))
+    qs = [torch.randn(B, 32, 1, 128, generator=g, **bf) for _ in range(20)]
+    pad = torch.ones(B, 1, 1, 140, device="cuda", dtype=torch.bool)
+    pad[0, ..., :7] = False
+
+    def run():
+        outs, k, v = [], k0, v0
+        for q in qs:
+            k, v = torch.cat([k, q[:, :8]], 2), torch.cat([v, q[:, 8:16]], 2)  # a dynamic cache: new tensors
+            m = pad[..., : k.shape[2]] if mask else None
+            with torch.no_grad():
+                outs.append(truefuse.attention(q, k, v, m, enable_gqa=True))
+        return outs
+
+    with eager_fast_launch(False):
+        ref = run()
+    assert not ak._KEPT.entries, "kept with the fast launch off"
+    ours = run() + run()
+    assert any(type(e) is tuple for e in ak._KEPT.entries.values()), "no launch was kept"
+    for i, y in enumerate(ours):
+        assert torch.equal(y, ref[i % len(ref)]), f"step {i} differs from the path's bits"
+    ak.clear()
+
+
+def test_the_kept_attention_launches_vary_the_parameters_that_follow_the_key_length():
+    """``attention_kept``'s varying positions name the kernels' own parameters (k's, v's and the
+    mask's strides, L_k; the merge's chunk count): a kernel whose parameters move fails here, not in
+    a replay reading another argument."""
+    import truefuse.ops.attention.attention_kept as ak
+    from truefuse.kernels.attention import _attention_fwd_kernel, _attention_fwd_merge_kernel
+
+    import inspect
+
+    names = list(inspect.signature(_attention_fwd_kernel.fn).parameters)
+    assert [names[i] for i in ak._FWD_VARYING] == ["skb", "skh", "skn", "svb", "svh", "svn", "smb", "smh", "smm", "smn", "L_k"]
+    assert list(inspect.signature(_attention_fwd_merge_kernel.fn).parameters)[ak._MERGE_VARYING[0]] == "n_chunks"

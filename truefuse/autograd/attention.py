@@ -14,7 +14,9 @@ from truefuse.ops._launch.capture import host_may_wait
 from truefuse.ops._launch.dtensor import refuse_dtensor
 from truefuse.ops.attention.attention import attention_fwd_op, attention_pytorch_op, use_kernel
 from truefuse.ops.attention.attention_blocked import attention_blocked
+from truefuse.ops.attention.attention_kept import kept_attention, run_and_keep
 from truefuse.ops.attention.attention_mask import first_valid_key
+from truefuse.ops._launch.prepared import ToKeep
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -94,7 +96,9 @@ def _first_valid_key(mask, B: int, Lk: int, device) -> torch.Tensor:
     decoder's layers share one mask: four ops, ~25 µs of host a layer in a decode step). Not while
     a CUDA graph is captured: a kept result from before the capture would be replayed for every
     mask the graph's input later holds (a replay runs no Python to check the version)."""
-    if mask is None or type(mask) is not torch.Tensor or not host_may_wait(mask):
+    if mask is None:
+        return _no_mask_first_key(B, device)
+    if type(mask) is not torch.Tensor or not host_may_wait(mask):
         return first_valid_key(mask, B, Lk, device)
     try:
         key = (mask._version, B, Lk, device)
@@ -105,6 +109,21 @@ def _first_valid_key(mask, B: int, Lk: int, device) -> torch.Tensor:
         return kept[1]
     ks = first_valid_key(mask, B, Lk, device)
     mask._truefuse_first_key = (key, ks)
+    return ks
+
+
+#: the first valid keys of a call without a mask (zeros) by (B, device): read, never written, by every such call
+_NO_MASK: dict = {}
+
+
+def _no_mask_first_key(B: int, device) -> torch.Tensor:
+    """(B,) int32 zeros, kept: without it every decode layer's attention ran a fill kernel. Not
+    kept while traced or captured (a tensor made in a capture holds its zeros only once replayed)."""
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return first_valid_key(None, B, 0, device)
+    ks = _NO_MASK.get((B, device))
+    if ks is None:
+        ks = _NO_MASK[B, device] = first_valid_key(None, B, 0, device)
     return ks
 
 
@@ -168,6 +187,10 @@ def attention(
                 window=window,
                 key_start=key_start,
             )
+    # a decode step: the launches kept for this call but its key length (ops/attention/attention_kept.py)
+    kept = kept_attention(query, key, value, attn_mask, key_start, dropout_p, is_causal, scale, enable_gqa, softcap, window, _first_valid_key)
+    if kept is not None and type(kept) is not ToKeep:
+        return kept
     refuse_dtensor("attention", query=query, key=key, value=value, attn_mask=attn_mask, key_start=key_start)
     _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, window, key_start)
     B, Hq, Lq, D = query.shape
@@ -182,6 +205,8 @@ def attention(
     window, softcap = window or 0, float(softcap or 0.0)
     if use_kernel(query):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+        if kept is not None and q is query and k is key and v is value:  # nothing to differentiate: no op needed
+            return run_and_keep(kept, q, k, v, mask, ks, scale, bool(is_causal), window, softcap)
         # eager mode skips the dispatcher (autograd/_eager_op.py: the op's body and its registered
         # backward; 196 µs of host time a decode call through it on an H100 host, docs/benchmarks.md)
         return call(attention_fwd_op, q, k, v, mask, ks, scale, bool(is_causal), window, softcap)[0]

@@ -21,7 +21,7 @@ from truefuse.ops._launch import fast_launch as _fl
 from truefuse.ops._launch.triton import PLAIN_TENSORS
 
 
-def prepare(slots: tuple, kernel, grid, *args, **kwargs):
+def prepare(slots: tuple, kernel, grid, *args, varying: tuple = (), varying_grid: tuple = (), **kwargs):
     """The launch ``fast_launch(kernel, grid, *args, **kwargs)`` would make through a kept handle,
     as ``go(stream, *addresses)``: ``slots`` are the tensors whose addresses ``go`` takes, in its
     order; every tensor argument must be one of them (by identity: a view is another tensor), and
@@ -35,6 +35,11 @@ def prepare(slots: tuple, kernel, grid, *args, **kwargs):
     path's switch off, tracing, a launch hook or Triton's debug mode): the caller counts no try.
     None also where one tensor fills two slots: a later call whose slots are distinct tensors
     would get the first slot's address for both (``rope(cos is sin)``).
+
+    ``varying``: the positions (in the kernel's parameters) of int arguments passed at each call
+    rather than fixed, and ``varying_grid`` the grid's dimensions likewise: ``go(stream,
+    *addresses, *ints, *dims)`` (a decode step's key length: ``ops/attention/attention_kept.py``).
+    The key must then hold each such int's :func:`specs` (what Triton compiled this launch for).
 
     The caller keeps ``go`` under a key of everything that decided these arguments, and calls it
     only where :func:`launchable` holds (the fast path's switch, Triton's hooks, the device)."""
@@ -57,10 +62,16 @@ def prepare(slots: tuple, kernel, grid, *args, **kwargs):
         return None
     if callable(grid):
         grid = grid(dict(zip(st.names, bound, strict=True)))
-    grid = (*grid, 1, 1)[:3]
+    grid = [*grid, 1, 1][:3]
+    for d in varying_grid:
+        grid[d] = f"g{d}"
     names, consts = [], {}
     for i, a in enumerate(bound):
-        if type(a) in PLAIN_TENSORS:
+        if i in varying:
+            if type(a) is not int:
+                return None
+            names.append(f"i{i}")
+        elif type(a) in PLAIN_TENSORS:
             j = next((k for k, t in enumerate(slots) if t is a), None)
             if j is None:
                 return None
@@ -68,7 +79,8 @@ def prepare(slots: tuple, kernel, grid, *args, **kwargs):
         else:
             names.append(f"c{i}")
             consts[f"c{i}"] = a
-    params = "".join(f", t{j}" for j in range(len(slots)))
+    params = "".join(f", t{j}" for j in range(len(slots))) + "".join(f", i{i}" for i in varying)
+    params += "".join(f", g{d}" for d in varying_grid)
     src = (
         f"def go(stream{params}):\n"
         f"    run({grid[0]}, {grid[1]}, {grid[2]}, stream, function, packed, None, None, None, {', '.join(names)})\n"
@@ -98,6 +110,18 @@ def replayable(*tensors, recording: bool = False) -> bool:
     if not _on_device(tensors[0]) or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
     return not torch._C._are_functorch_transforms_active()
+
+
+def specs(*ints: int) -> tuple | None:
+    """What Triton compiles a launch for of each int argument (``fast_launch.key_function``'s: == 1,
+    a multiple of 16), None where one is outside int32's range (Triton's path: i64): the key's part
+    of :func:`prepare`'s ``varying`` ints."""
+    out = []
+    for v in ints:
+        if not -2147483648 <= v <= 2147483647:
+            return None
+        out.append((v == 1, not v & 15))
+    return tuple(out)
 
 
 def layout(t: torch.Tensor, address: int) -> tuple:

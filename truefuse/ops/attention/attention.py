@@ -114,69 +114,51 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
     across programs and merges them in a second kernel. The choice follows the shapes and the
     GPU, and may: both ways run the same arithmetic per row (``kernels/attention.py``).
     """
+    out, lse = fwd_outputs(q)
+    if out.numel() == 0:
+        return out, lse.fill_(float("inf"))
+    for kernel, grid, args, kwargs in fwd_launches(q, k, v, attn_mask, key_start, out, lse, scale, is_causal, window, softcap):
+        fast_launch(kernel, grid, *args, **kwargs)
+    return out, lse
+
+
+def fwd_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's (out, lse), uninitialised: out contiguous like q, lse (B, Hq, Lq) fp32."""
+    B, H, Lq, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return out, torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+
+
+def fwd_chunk(q: torch.Tensor) -> int:
+    """The keys a program of the split forward takes (its chunk): the config's for q's head dim and dtype."""
+    return attention_config(_block_d(q.shape[-1]), q.dtype, get_config().triton_interpret and not q.is_cuda).chunk
+
+
+def fwd_launches(q, k, v, attn_mask, key_start, out, lse, scale, is_causal, window, softcap) -> list[tuple]:
+    """:func:`attention_fwd_launch`'s launches into ``out`` and ``lse`` (not empty), as ``(kernel,
+    grid, args, kwargs)``: the forward, and where it splits the keys the merge (its partial states
+    allocated here). Also ``attention_kept.py``'s, which keeps them."""
     from truefuse.kernels.attention import _attention_fwd_kernel, _attention_fwd_merge_kernel
 
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse.fill_(float("inf"))
     cfg, mask, ms, flags = _common(q, k, window, softcap, is_causal, attn_mask)
     n_chunks = _cdiv(Lk, cfg.chunk)
     block_m, warps = forward_tile(cfg, Lq)
     programs = _cdiv(Lq, block_m) * B * H
     split = n_chunks > 1 and Lq <= block_m and (flags["INTERPRETED"] or programs < sm_count(q.device.index or 0))
     part = q.new_empty((n_chunks, B * H, Lq, flags["BLOCK_D"] + 2) if split else (1,), dtype=torch.float32)
-    fast_launch(
-        _attention_fwd_kernel,
-        (_cdiv(Lq, block_m), B * H, n_chunks if split else 1),
-        q,
-        k,
-        v,
-        mask,
-        key_start,
-        out,
-        lse,
-        part,
-        *q.stride()[:3],
-        *k.stride()[:3],
-        *v.stride()[:3],
-        *out.stride()[:3],
-        *ms,
-        H,
-        H // Hk,
-        Lq,
-        Lk,
-        D,
-        scale,
-        softcap,
-        window,
-        BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n,
-        CHUNK=cfg.chunk,
-        SPLIT=split,
-        **flags,
-        num_warps=warps,
-        num_stages=cfg.fwd_stages,
-    )
+    args = (
+        q, k, v, mask, key_start, out, lse, part,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms,
+        H, H // Hk, Lq, Lk, D, scale, softcap, window,
+    )  # fmt: skip
+    kwargs = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, **flags, num_warps=warps, num_stages=cfg.fwd_stages)
+    launches = [(_attention_fwd_kernel, (_cdiv(Lq, block_m), B * H, n_chunks if split else 1), args, kwargs)]
     if split:
-        fast_launch(
-            _attention_fwd_merge_kernel,
-            (_cdiv(Lq, block_m), B * H),
-            part,
-            out,
-            lse,
-            *out.stride()[:3],
-            H,
-            Lq,
-            D,
-            n_chunks,
-            BLOCK_M=block_m,
-            BLOCK_D=flags["BLOCK_D"],
-            num_warps=warps,
-        )
-    return out, lse
+        merge = (part, out, lse, *out.stride()[:3], H, Lq, D, n_chunks)
+        launches.append((_attention_fwd_merge_kernel, (_cdiv(Lq, block_m), B * H), merge, dict(BLOCK_M=block_m, BLOCK_D=flags["BLOCK_D"], num_warps=warps)))
+    return launches
 
 
 def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_causal, window, softcap):
