@@ -245,6 +245,7 @@ def cmd_kept(args) -> None:
     import truefuse.autograd.norm as autograd_norm
     import truefuse.integrations.huggingface.siblings as siblings
     import truefuse.ops._launch.prepared as prepared
+    import truefuse.ops.attention.attention_kept as attention_kept
     import truefuse.ops.gated_activation.gated_kept as gated_kept
     import truefuse.ops.gemm.gemm_backends.triton as triton_backend
     import truefuse.ops.gemm.gemm_kept as gemm_kept
@@ -254,19 +255,21 @@ def cmd_kept(args) -> None:
     from truefuse.ops.lm_head.linear_cross_entropy import targets_checked
 
     stub_launches()
-    mods = (gemm_kept, gated_kept, norm_kept, rope_kept, siblings)
+    mods = (gemm_kept, gated_kept, norm_kept, rope_kept, siblings, attention_kept)
     real = prepared._on_device
     noop = lambda *a: None  # noqa: E731  a kept launch that launches nothing (the stubbed launches' stand-in)
     for m in mods:
         m.launchable, m.stream = (lambda go: True), (lambda go: 0)
     gemm_kept._prepared = gated_kept.fwd_prepared = norm_kept.hf_bi_prepared = rope_kept.rope_prepared = lambda *a: noop
+    gated_kept.bwd_prepared = lambda *a: noop
+    attention_kept.prepare = lambda *a, **k: noop
     triton_backend.bi_segments_prepared = lambda *a: noop
     autograd_norm.kernel_statistics = lambda x, bi: bi  # the mode's statistics are the kernel's, as on CUDA
 
     def kept(on: bool) -> None:
         prepared._on_device = (lambda x: True) if on else real
         for m in mods:
-            m._KEPT.clear()
+            getattr(m, "clear", m._KEPT.clear)()
 
     gen = torch.Generator().manual_seed(0)
     ids, train_ids = torch.randint(1, 256, (4, 16), generator=gen), torch.randint(1, 256, (4, 32), generator=gen)
