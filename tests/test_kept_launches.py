@@ -790,3 +790,37 @@ def test_the_kept_attention_launches_vary_the_parameters_that_follow_the_key_len
     names = list(inspect.signature(_attention_fwd_kernel.fn).parameters)
     assert [names[i] for i in ak._FWD_VARYING] == ["skb", "skh", "skn", "svb", "svh", "svn", "smb", "smh", "smm", "smn", "L_k"]
     assert list(inspect.signature(_attention_fwd_merge_kernel.fn).parameters)[ak._MERGE_VARYING[0]] == "n_chunks"
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 1, 37), (3, 4, 1, 37), (1, 1, 37), (1, 37), (37,), (3, 1, 1, 1)])
+@pytest.mark.parametrize("layout", ["contiguous", "sliced", "transposed"])
+def test_the_kept_attention_mask_strides_are_the_paths_expansion(shape, layout):
+    """The strides a kept decode call passes for its mask: those of the path's ``unsqueeze(0)``s and
+    ``expand`` to (B, H, L_q, L_k), for masks of every rank and layout (a slice of a longer mask)."""
+    from truefuse.ops.attention.attention_kept import _mask_strides
+
+    m = torch.ones(*shape, dtype=torch.bool)
+    if layout == "sliced":
+        m = torch.ones(*shape[:-1], 2 * shape[-1] + 3, dtype=torch.bool)[..., : shape[-1]]
+    elif layout == "transposed" and len(shape) >= 2:
+        m = torch.ones(*shape[:-2], shape[-1], shape[-2], dtype=torch.bool).transpose(-1, -2)
+    path = m
+    while path.dim() < 4:
+        path = path.unsqueeze(0)
+    assert _mask_strides(m, (3, 4, 1, 37)) == path.expand(3, 4, 1, 37).stride()
+
+
+@needs_kernel
+def test_a_decode_attention_call_with_a_key_start_the_path_copies_keeps_nothing(kept_attention):
+    """An int64 ``key_start``: the path launches on its int32 copy, so a launch kept on it would
+    read the caller's int64 tensor as int32 in a later call. Nothing is kept."""
+    import truefuse
+
+    for Lk in (37, 38, 39):
+        q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, Lk, 16), torch.randn(2, 2, Lk, 16)
+        with torch.no_grad():
+            out = truefuse.attention(q, k, v, None, enable_gqa=True, key_start=torch.tensor([3, 0]))
+        ref = attention_reference(q, k, v, None)
+        ref[0] = attention_reference(q[:1, :, :, :], k[:1, :, 3:], v[:1, :, 3:], None)[0]
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert kept_attention == []

@@ -56,6 +56,8 @@ def kept_attention(q, k, v, mask, key_start, dropout_p, is_causal, scale, enable
             return None
         ms = _mask_strides(mask, (B, H, Lq, Lk))
         mask_key = (mask.dtype, mask.shape[:-1], mask.shape[-1] == 1, mask.get_device(), mask.data_ptr() & 15)
+    if key_start is not None and (key_start.dtype is not torch.int32 or not key_start.is_contiguous()):
+        return None  # the path launches on an int32 copy of it
     ks_key = None if key_start is None else layout(key_start, key_start.data_ptr())
     kst, vst = k.stride()[:3], v.stride()[:3]
     spec = specs(*kst, *vst, *ms, Lk)
