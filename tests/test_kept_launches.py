@@ -483,7 +483,7 @@ def test_a_repeated_bi_norm_call_replays_its_kept_launch(kept_norm):
 
 
 @needs_kernel
-@pytest.mark.parametrize("change", ["eps", "style", "strides", "alignment", "rows", "grad", "fast mode"])
+@pytest.mark.parametrize("change", ["eps", "style", "strides", "alignment", "rows", "fast mode"])
 def test_a_bi_norm_call_differing_in_what_its_path_reads_does_not_replay_anothers_launch(kept_norm, change):
     from truefuse.autograd.norm import rms_norm_hf
 
@@ -500,13 +500,11 @@ def test_a_bi_norm_call_differing_in_what_its_path_reads_does_not_replay_another
         x = torch.randn(2 * 32 + 1)[1:].view(2, 1, 32)
     elif change == "rows":
         x = torch.randn(3, 1, 32)
-    elif change == "grad":
-        x.requires_grad_()
     if change == "fast mode":
         with torch.no_grad():
             rms_norm_hf(x, w, eps, style=style)
     else:
-        with torch.enable_grad() if change == "grad" else torch.no_grad(), batch_invariant():
+        with torch.no_grad(), batch_invariant():
             rms_norm_hf(x, w, eps, style=style)
     assert kept_norm[0].calls == [], f"a call of another {change} replayed the first call's launch"
 
@@ -519,6 +517,90 @@ def test_a_bad_eps_or_style_raises_the_paths_error_in_bi_mode(kept_norm):
         _norm(x, w, eps=[1e-6])
     with pytest.raises(ValueError, match="style"):
         _norm(x, w, style=["llama"])
+
+
+@pytest.fixture
+def kept_norm_both(monkeypatch, kept_norm):
+    """:func:`kept_norm` with fast mode's kept launch (the statistics given) standing in too, into the same list."""
+    from tests._kept import Go
+
+    def make(x, w, y, rstd, style):
+        kept_norm.append(Go((x, w, y, rstd)))
+        return kept_norm[-1]
+
+    monkeypatch.setattr(nk, "hf_prepared", make)
+    yield kept_norm
+
+
+def _norm_step(x, w, dy, bi, style="llama"):
+    from truefuse.autograd.norm import rms_norm_hf
+
+    with batch_invariant(bi):
+        y = rms_norm_hf(x, w, 1e-6, style=style)
+    return (y, *torch.autograd.grad(y, (x, w), dy))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bi", [True, False])
+def test_a_repeated_norm_training_call_replays_its_kept_launch(kept_norm_both, bi):
+    """A training step's ``rms_norm_hf``, step after step: the first keeps its launch (batch
+    invariant: the one writing y and the statistics; fast: the op's, applying stock's statistics),
+    the next replay it in the kept Function on that step's tensors into fresh outputs."""
+    w = torch.randn(32, requires_grad=True)
+    steps = [(torch.randn(2, 3, 32, requires_grad=True), torch.randn(2, 3, 32)) for _ in range(3)]
+    outs = [_norm_step(x, w, dy, bi) for x, dy in steps]
+    assert "KeptNormHF" not in type(outs[0][0].grad_fn).__name__
+    assert all("KeptNormHF" in type(o[0].grad_fn).__name__ for o in outs[1:])
+    (go,) = kept_norm_both
+    assert [c[1:4] for c in go.calls] == [(x.data_ptr(), w.data_ptr(), o[0].data_ptr()) for (x, _), o in zip(steps[1:], outs[1:])]
+    assert all(o[1].shape == (2, 3, 32) and o[2].shape == (32,) for o in outs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+def test_the_kept_norm_functions_gradients_are_the_paths_bits(kept_norm_both, style):
+    """Fast mode: the kept Function's statistics are stock's (torch's, computed in it) and its
+    backward the op's: the same gradients as the path's, bit for bit."""
+    x, w, dy = torch.randn(4, 32, requires_grad=True), torch.randn(32, requires_grad=True), torch.randn(4, 32)
+    path = _norm_step(x, w, dy, False, style)
+    kept = _norm_step(x, w, dy, False, style)
+    assert "KeptNormHF" in type(kept[0].grad_fn).__name__
+    assert torch.equal(kept[1], path[1]) and torch.equal(kept[2], path[2])
+
+
+@needs_kernel
+def test_the_kept_norm_function_refuses_double_backward(kept_norm_both):
+    from truefuse.autograd.norm import rms_norm_hf
+
+    x, w = torch.randn(4, 32, requires_grad=True), torch.randn(32, requires_grad=True)
+    _norm_step(x, w, torch.randn(4, 32), False)
+    y = rms_norm_hf(x, w, 1e-6)
+    assert "KeptNormHF" in type(y.grad_fn).__name__
+    (dx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="rms_norm"):
+        dx.sum().backward()
+
+
+@requires_cuda
+@pytest.mark.parametrize("bi", [True, False])
+@pytest.mark.parametrize("rows", [4, 300])
+def test_kept_norm_training_launches_give_the_paths_bits_on_cuda(rows, bi):
+    """A training step's ``rms_norm_hf``, step after step, y and both gradients: kept launches give
+    the path's bits (the fast launch off: none kept), in either mode."""
+    nk.clear()
+    g = torch.Generator("cuda").manual_seed(rows)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, generator=g, **bf).requires_grad_()
+    steps = [(torch.randn(rows, 2048, generator=g, **bf).requires_grad_(), torch.randn(rows, 2048, generator=g, **bf)) for _ in range(3)]
+    with eager_fast_launch(False):
+        ref = [_norm_step(x, w, dy, bi) for x, dy in steps]
+    assert not nk._KEPT.entries, "kept with the fast launch off"
+    ours = [_norm_step(x, w, dy, bi) for x, dy in steps * 2]
+    assert any(type(v) is tuple for v in nk._KEPT.entries.values()), "no launch was kept"
+    for i, got in enumerate(ours):
+        for a, b in zip(got, ref[i % 3], strict=True):
+            assert torch.equal(a, b), f"step {i} differs from the path's bits"
+    nk.clear()
 
 
 @requires_cuda
@@ -824,3 +906,61 @@ def test_a_decode_attention_call_with_a_key_start_the_path_copies_keeps_nothing(
         ref[0] = attention_reference(q[:1, :, :, :], k[:1, :, 3:], v[:1, :, 3:], None)[0]
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert kept_attention == []
+
+
+@needs_kernel
+def test_a_zero_dim_mask_takes_the_path(kept_attention):
+    """The path broadcasts a 0-d mask; the kept check must not index its last dimension."""
+    out, (q, k, v, _) = _decode(Lk=37, mask=False)
+    import truefuse
+
+    with torch.no_grad():
+        got = truefuse.attention(q, k, v, torch.tensor(True), enable_gqa=True)
+    torch.testing.assert_close(got, out, rtol=0, atol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("first, bad, error", [
+    ({"window": 8}, {"window": 8.0}, ValueError),
+    ({"window": 1}, {"window": True}, ValueError),
+    ({"scale": 0.25}, {"scale": __import__("fractions").Fraction(1, 4)}, TypeError),
+])  # fmt: skip
+def test_an_argument_the_path_refuses_is_refused_after_an_equal_one_was_kept(kept_attention, first, bad, error):
+    """``8.0 == 8`` and ``True == 1``: the key holds each option's type, so a value the path refuses
+    meets the path's check even where an equal value's launch is kept."""
+    _decode(Lk=37, **first)
+    with pytest.raises(error):
+        _decode(Lk=38, **bad)
+
+
+@needs_kernel
+def test_the_merges_chunk_count_is_in_the_key(kept_attention):
+    """16 chunks (of 16 keys under the interpreter) and 17: the merge's loop bound is compiled for
+    % 16 == 0 or not, as the path's launch is; a call of the other class takes the path."""
+    _decode(Lk=250, mask=False)
+    merge = kept_attention[1][3]
+    _decode(Lk=258, mask=False)
+    assert merge.calls == []
+
+
+def test_the_kept_zero_first_keys_are_not_served_across_modes():
+    """The zero first keys kept for mask-less calls: not made in inference mode (a later training
+    call saves them for its backward) or under a fake-tensor mode (a later real call gets a fake)."""
+    import truefuse
+    import truefuse.autograd.attention as A
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    A._NO_MASK.clear()
+    q, k, v = (torch.randn(2, 4, 1, 16) for _ in range(3))
+    with torch.inference_mode():
+        truefuse.attention(q, k, v)
+    q2 = torch.randn(2, 4, 1, 16, requires_grad=True)
+    truefuse.attention(q2, k, v).sum().backward()
+    assert q2.grad is not None
+    A._NO_MASK.clear()
+    with FakeTensorMode():
+        fq, fk, fv = (torch.randn(3, 4, 1, 16) for _ in range(3))
+        truefuse.attention(fq, fk, fv)
+    assert all(type(t) is torch.Tensor for t in A._NO_MASK.values())
+    truefuse.attention(*(torch.randn(3, 4, 1, 16) for _ in range(3)))
+    A._NO_MASK.clear()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._eager_op import call
@@ -117,12 +118,23 @@ _NO_MASK: dict = {}
 
 
 def _no_mask_first_key(B: int, device) -> torch.Tensor:
-    """(B,) int32 zeros, kept: without it every decode layer's attention ran a fill kernel. Not
-    kept while traced or captured (a tensor made in a capture holds its zeros only once replayed)."""
-    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    """(B,) int32 zeros, kept: without it every decode layer's attention ran a fill kernel. Kept and
+    served only to plain eager calls: not traced or captured (a tensor made in a capture holds its
+    zeros only once replayed), not under a dispatch mode or functorch (a fake tensor kept, or a
+    real one served to fake mode), not in inference mode (an inference tensor cannot be saved for a
+    later training call's backward); at most 64 batch sizes."""
+    if (
+        torch.compiler.is_compiling()
+        or torch.is_inference_mode_enabled()
+        or _get_current_dispatch_mode() is not None
+        or torch._C._are_functorch_transforms_active()
+        or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    ):
         return first_valid_key(None, B, 0, device)
     ks = _NO_MASK.get((B, device))
     if ks is None:
+        if len(_NO_MASK) >= 64:
+            _NO_MASK.clear()
         ks = _NO_MASK[B, device] = first_valid_key(None, B, 0, device)
     return ks
 

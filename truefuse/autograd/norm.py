@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._eager_op import call
 from truefuse.autograd._modes import Modes
 from truefuse.config import get_tuning
@@ -19,9 +20,11 @@ from truefuse.ops._launch.prepared import ToKeep
 from truefuse.ops._launch.triton import PLAIN_TENSORS
 from truefuse.ops.norm.norm import (
     HF_NORM_STYLES,
+    hf_rstd,
     hf_statistics,
     kernel_statistics,
     layer_norm_ref,
+    norm_bwd_op,
     norm_fwd_op,
     rms_norm_hf_bi,
     rms_norm_hf_fwd_op,
@@ -30,8 +33,8 @@ from truefuse.ops.norm.norm import (
     rms_norm_ref,
     use_kernel,
 )
-from truefuse.ops.norm.norm_kept import keep as keep_hf_bi
-from truefuse.ops.norm.norm_kept import kept_hf_bi
+from truefuse.ops.norm.norm_kept import keep as keep_hf
+from truefuse.ops.norm.norm_kept import kept_hf, launch_hf
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -171,9 +174,16 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
         Forward bitwise equal to :func:`truefuse.ops.norm.norm.rms_norm_hf_ref`; gradients bounded.
     """
     bi = Modes.now().batch_invariant  # read once: the statistics below and the path to them agree
-    kept = kept_hf_bi(x, weight, eps, style) if bi else None  # decode: one kept launch (ops/norm/norm_kept.py)
+    grad = type(x) in PLAIN_TENSORS and type(weight) in PLAIN_TENSORS and _differentiated(x, weight)
+    # a repeated call (batch-invariant decode; a training step): one kept launch (ops/norm/norm_kept.py)
+    kept = kept_hf(x, weight, eps, style, bi) if bi or grad else None
     if kept is not None and type(kept) is not ToKeep:
-        return kept
+        if grad:
+            return _apply_kept(x, weight, kept, eps, style, bi)
+        out = launch_hf(kept, x, weight)
+        if out is not None:
+            return out[0]
+        kept = None
     if _check(x, {"weight": weight}, eps):  # a tensor subclass: a DTensor runs on each rank's rows
         y = on_local_rows("rms_norm_hf", lambda x, w: rms_norm_hf(x, w, eps, style=style), {"x": x}, {"weight": weight})
         if y is not None:
@@ -187,12 +197,54 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
     if _stock_cheaper(x, weight, bi) or not use_kernel(x):  # the first, a decode step's, asks less
         return rms_norm_hf_ref(x, weight, eps, style=style)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if kernel_statistics(x, bi) and not _differentiated(x, weight) and not torch.compiler.is_compiling():
-        y2, rstd = rms_norm_hf_bi(x2, weight, eps, style)  # one launch
+    if kernel_statistics(x, bi) and not torch.compiler.is_compiling() and (kept is not None or not grad):
+        with torch.no_grad():
+            y2, rstd = rms_norm_hf_bi(x2, weight, eps, style)  # one launch
         if kept is not None:
-            keep_hf_bi(kept, x, x2, weight, y2, rstd, eps, style)
-        return y2.view(x.shape)
-    with torch.no_grad():  # the op's backward differentiates through the statistics itself
-        rstd = hf_statistics(x2, weight, eps, style, bi)
+            keep_hf(kept, x, x2, weight, y2, rstd, eps, style, bi)
+        if not grad:
+            return y2.view(x.shape)
+        kept = None  # kept for the next call; this one's graph records the op below
+    else:
+        with torch.no_grad():  # the op's backward differentiates through the statistics itself
+            rstd = hf_statistics(x2, weight, eps, style, bi)
     # x whole (contiguous): the op flattens it to rows inside, with no view nodes in the graph
-    return call(rms_norm_hf_fwd_op, x if x.is_contiguous() else x.contiguous(), weight, rstd, style)
+    y = call(rms_norm_hf_fwd_op, x if x.is_contiguous() else x.contiguous(), weight, rstd, style)
+    if kept is not None:  # fast mode with a gradient: the op's own launch, applying rstd
+        keep_hf(kept, x, x2, weight, y.view(x2.shape), rstd, eps, style, bi)
+    return y
+
+
+class _KeptNormHF(torch.autograd.Function):
+    """``rms_norm_hf`` with a gradient where its launch is kept (``ops/norm/norm_kept.py``): in
+    batch-invariant mode the one launch that writes y and the statistics (the path launches it for
+    the statistics and then ``rms_norm_hf_fwd_op`` to apply them, the same y: tests/test_norm.py);
+    in fast mode stock's statistics (``hf_rstd``, torch's) and the op's launch applying them. The
+    backward is the op's (``norm_bwd_op``'s body), in a Function of its own rather than the custom
+    op's registered autograd (``autograd/_eager_op.py``): the same kernels, the same bits."""
+
+    @staticmethod
+    def forward(ctx, x, weight, entry, eps, style, bi):
+        x2 = x.view(-1, x.shape[-1])  # kept only where the path's rows were a view of x
+        rstd = None if bi else hf_rstd(x2, eps)
+        out = launch_hf(entry, x2, weight, rstd)
+        if out is None:  # an output not aligned as the kept launch's: the path's launches
+            rstd = hf_statistics(x2, weight, eps, style, bi)
+            y2 = rms_norm_hf_fwd_op.body(x2, weight, rstd, style)
+        else:
+            y2, rstd = out
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.zero_centered_gamma = style == "gemma"
+        return y2.view(x.shape)
+
+    @staticmethod
+    @refuses_double_backward("rms_norm", "truefuse.ops.norm.norm.rms_norm_ref")
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        N = x.shape[-1]
+        dx, dw, _ = norm_bwd_op.body(dy.reshape(-1, N), x.view(-1, N), weight, None, rstd.new_empty(0), rstd, True, ctx.zero_centered_gamma)
+        return dx.view(x.shape), dw, None, None, None, None
+
+
+#: ``Function.apply`` without its Python layer (as ``autograd/_eager_op.py``'s: one ``forward``)
+_apply_kept = super(torch.autograd.Function, _KeptNormHF).apply

@@ -18,7 +18,7 @@ import torch
 from truefuse.ops._launch.prepared import NOT_NOW, KeptLaunches, ToKeep, launchable, layout, prepare, replayable, specs, stream
 from truefuse.ops.attention.attention import fwd_chunk, fwd_launches, fwd_outputs
 
-#: ``(go, merge go or None, chunk, the partial states' row width)`` by key
+#: ``(go, merge go or None, the partial states' row width)`` by key
 _KEPT = KeptLaunches()
 
 #: the forward kernel's parameters that follow the key length, by position: k's and v's batch, head
@@ -52,7 +52,7 @@ def kept_attention(q, k, v, mask, key_start, dropout_p, is_causal, scale, enable
     Lk = k.shape[2]
     mask_key, ms = None, (0, 0, 0, 0)
     if mask is not None:
-        if mask.dim() > 4 or mask.shape[-1] not in (1, Lk) or mask.requires_grad:
+        if not 0 < mask.dim() <= 4 or mask.shape[-1] not in (1, Lk) or mask.requires_grad:
             return None
         ms = _mask_strides(mask, (B, H, Lq, Lk))
         mask_key = (mask.dtype, mask.shape[:-1], mask.shape[-1] == 1, mask.get_device(), mask.data_ptr() & 15)
@@ -60,25 +60,25 @@ def kept_attention(q, k, v, mask, key_start, dropout_p, is_causal, scale, enable
         return None  # the path launches on an int32 copy of it
     ks_key = None if key_start is None else layout(key_start, key_start.data_ptr())
     kst, vst = k.stride()[:3], v.stride()[:3]
-    spec = specs(*kst, *vst, *ms, Lk)
+    n_chunks = -(-Lk // fwd_chunk(q))
+    spec = specs(*kst, *vst, *ms, Lk, n_chunks)  # n_chunks: the split forward's grid and its merge's loop
     if spec is None:
         return None
     try:
         key = (
             layout(q, q.data_ptr()), k.shape[:2], k.shape[3], k.dtype, k.get_device(), k.data_ptr() & 15,
-            v.dtype, v.get_device(), v.data_ptr() & 15, mask_key, ks_key, bool(is_causal), scale, bool(enable_gqa),
-            softcap, window, spec, Lk > fwd_chunk(q),
+            v.dtype, v.get_device(), v.data_ptr() & 15, mask_key, ks_key, bool(is_causal), bool(enable_gqa),
+            scale, type(scale), softcap, type(softcap), window, type(window), spec,  # types: 8.0 == 8, the path refuses one
         )  # fmt: skip
         kept = _KEPT.get(key)
     except TypeError:  # an unhashable scale, softcap or window: the path names it
         return None
     if kept.__class__ is not tuple:
         return ToKeep(key, kept) if kept > 0 else None
-    go, merge, chunk, width = kept
+    go, merge, width = kept
     if not launchable(go):
         return None
     out, lse = fwd_outputs(q)
-    n_chunks = -(-Lk // chunk)
     part = lse if merge is None else torch.empty((n_chunks, B * H, Lq, width), dtype=torch.float32, device=q.device)
     op, lp, pp = out.data_ptr(), lse.data_ptr(), part.data_ptr()
     if (op | lp | pp) & 15:  # as kept (the caching allocator's blocks are 512-byte aligned)
@@ -117,7 +117,7 @@ def run_and_keep(pending: ToKeep, q, k, v, mask, key_start, scale, is_causal, wi
         merge, width = prepare((part, out, lse), mk, mgrid, *margs, varying=_MERGE_VARYING, **mkw), mkw["BLOCK_D"] + 2
         if merge is None or merge is NOT_NOW:
             go = merge
-    _KEPT.keep(pending, go, merge, fwd_chunk(q), width)
+    _KEPT.keep(pending, go, merge, width)
     return out
 
 

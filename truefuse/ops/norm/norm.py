@@ -304,6 +304,17 @@ def hf_bi_prepared(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rstd:
     return prepare((x, weight, y, rstd), kernel, grid, *args, **kwargs)
 
 
+def hf_prepared(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, style: str):
+    """The launch ``rms_norm_hf_fwd_op`` just made (``norm_fwd`` applying the given ``rstd``) on a
+    contiguous (M, N) ``x`` (M not 0) into ``y``, kept whole: ``go(stream, x, weight, y, rstd)``
+    (addresses), or what ``ops/_launch/prepared.py::prepare`` says instead."""
+    kernel, grid, args, kwargs = _fwd_launch(
+        x, weight, None, y, None, rstd, 0.0, rms=True, zero_centered_gamma=style == "gemma", rstd_in=True,
+        round_normed=style == "llama", hf_stats=False, residual=None, summed=None, pdl=hopper(x) and not traced(x),
+    )  # fmt: skip
+    return prepare((x, weight, y, rstd), kernel, grid, *args, **kwargs)
+
+
 def _tma_aligned(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a copy where its base is not 16-byte aligned (a TMA descriptor's requirement)."""
     return t.clone() if t.data_ptr() % 16 else t

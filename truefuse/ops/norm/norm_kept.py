@@ -1,12 +1,15 @@
-"""``rms_norm_hf``'s kept launch in batch-invariant mode at decode: the norm of a Hugging Face
-decoder layer, the same call every token and no gradient, in one launch from a kept record
-(``ops/_launch/prepared.py``; issue 47 item 3). The mode's statistics are the norm kernel's
-(``norm.py::rms_norm_hf_bi``), so the stock expression cannot stand in for it as in fast mode.
+"""``rms_norm_hf``'s kept launches: a Hugging Face decoder layer's norm, whose call repeats exactly
+(every decode token; every training step's forward), in one launch from a kept record
+(``ops/_launch/prepared.py``; issue 47 item 3).
 
-:func:`kept_hf_bi` keeps the launch ``rms_norm_hf_bi`` made under a key of everything its path
-read (x's and the weight's shapes, strides, dtypes, devices and 16-byte alignment, eps, the
-style) and replays it into a fresh output and statistics: the same kernel, arguments and grid,
-the same bits (``tests/test_kept_launches.py``).
+Two launches are kept, by the mode the call read: in batch-invariant mode the statistics are the
+norm kernel's (``norm.py::rms_norm_hf_bi``: y and rstd in one launch), so the stock expression cannot
+stand in for it as in fast mode at decode; in fast mode the statistics are torch's
+(``norm.py::hf_rstd``, stock's bits) and the kept launch applies them (``rms_norm_hf_fwd_op``'s).
+:func:`kept_hf` keeps the launch the path made under a key of everything it read (x's and the
+weight's shapes, strides, dtypes, devices and 16-byte alignment, eps, the style, the tuning knobs,
+the mode) and :func:`launch_hf` replays it into fresh outputs: the same kernel, arguments and
+grid, the same bits (``tests/test_kept_launches.py``).
 """
 
 from __future__ import annotations
@@ -15,33 +18,40 @@ import torch
 
 from truefuse.config import get_tuning
 from truefuse.ops._launch.prepared import KeptLaunches, ToKeep, launchable, layout, replayable, stream
-from truefuse.ops.norm.norm import hf_bi_prepared
+from truefuse.ops.norm.norm import hf_bi_prepared, hf_prepared
 
 #: ``(go, y's dtype)`` by key
 _KEPT = KeptLaunches()
 
 
-def kept_hf_bi(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str):
-    """``rms_norm_hf(x, weight, eps, style=style)`` in batch-invariant mode through the launch kept
-    for this call's key (a new tensor shaped like ``x``); else, where the call may be kept, the key
-    to hand :func:`keep` after the caller's path ran (a :class:`ToKeep`); else None: not plain CUDA tensors,
-    an operand requiring grad with grad mode on, tracing, a dispatch mode or functorch transform."""
-    if not replayable(x, weight) or type(eps) not in (float, int) or type(style) is not str:
+def kept_hf(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str, bi: bool):
+    """The launch kept for this call's key (an entry for :func:`launch_hf`); else, where the call
+    may be kept, the key to hand :func:`keep` after the caller's path ran (a :class:`ToKeep`); else
+    None: not plain CUDA tensors, tracing, a dispatch mode or functorch transform. An operand
+    requiring grad may be served: the caller records the graph around the launch (``bi``: the mode
+    the call read)."""
+    if not replayable(x, weight, recording=True) or type(eps) not in (float, int) or type(style) is not str:
         return None  # a bad eps or style: the path's checks name it (and a key must hash)
-    xp, wp = x.data_ptr(), weight.data_ptr()
-    key = (layout(x, xp), layout(weight, wp), eps, style, get_tuning())  # the tuning knobs choose the path (max_kernel_n)
+    key = (layout(x, x.data_ptr()), layout(weight, weight.data_ptr()), eps, style, get_tuning(), bi)  # the tuning knobs choose the path (max_kernel_n)
     kept = _KEPT.get(key)
     if kept.__class__ is tuple:
-        go, dtype = kept
-        if launchable(go):
-            y = torch.empty(x.shape, dtype=dtype, device=x.device)
-            rstd = torch.empty(x.numel() // x.shape[-1], dtype=torch.float32, device=x.device)
-            yp, rp = y.data_ptr(), rstd.data_ptr()
-            if not (yp | rp) & 15:  # as kept (the caching allocator's blocks are 512-byte aligned)
-                go(stream(go), xp, wp, yp, rp)
-                return y
-        return None
+        return kept if launchable(kept[0]) else None
     return ToKeep(key, kept) if kept > 0 else None
+
+
+def launch_hf(entry: tuple, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor | None = None):
+    """``(y, rstd)`` by ``entry``'s launch (:func:`kept_hf`'s) into a new y shaped like ``x``: in
+    batch-invariant mode (``rstd`` None) the kernel writes the statistics too, in fast mode it
+    applies the given (M,) fp32 ``rstd``. None where an output is not aligned as the kept launch's."""
+    go, dtype = entry
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if rstd is None:
+        rstd = torch.empty(x.numel() // x.shape[-1], dtype=torch.float32, device=x.device)
+    yp, rp = y.data_ptr(), rstd.data_ptr()
+    if (yp | rp) & 15:  # (the caching allocator's blocks are 512-byte aligned)
+        return None
+    go(stream(go), x.data_ptr(), weight.data_ptr(), yp, rp)
+    return y, rstd
 
 
 def keep(
@@ -53,13 +63,15 @@ def keep(
     rstd: torch.Tensor,
     eps: float,
     style: str,
+    bi: bool,
 ) -> None:
     """Keep the launch the caller's path just made from ``x2`` (x's (M, N) rows) into ``y2`` and
-    ``rstd`` under :func:`kept_hf_bi`'s ``pending``: where ``x2`` is a view of ``x`` (no copy between)
+    ``rstd`` under :func:`kept_hf`'s ``pending`` (``bi``: ``rms_norm_hf_bi``'s launch, else
+    ``rms_norm_hf_fwd_op``'s with ``rstd`` given): where ``x2`` is a view of ``x`` (no copy between)
     and M is not 0."""
     go = None
     if x2.data_ptr() == x.data_ptr() and y2.numel():
-        go = hf_bi_prepared(x2, weight, y2, rstd, eps, style)
+        go = hf_bi_prepared(x2, weight, y2, rstd, eps, style) if bi else hf_prepared(x2, weight, y2, rstd, style)
     _KEPT.keep(pending, go, y2.dtype)
 
 
