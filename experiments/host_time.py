@@ -8,7 +8,7 @@ subcommand    where  what                                                       
 bi-stubbed    CPU    BI mode's paths, every Triton launch stubbed                exp_bi_host_time.py
 eager         CPU    eager mode's autograd Function vs the dispatcher, stubbed   exp_eager_host_time.py
 launch        GPU    decode-sized ops vs stock; each Triton launch five ways     exp_launch_host.py
-kept          CPU    kept launches (prepared.py) off / on: the tiny Llama, stubbed  (new, issue 47)
+kept          CPU    kept launches off / on: the tiny Llama and single ops      (new, issue 47)
 bi-linear     GPU    routed BI ``F.linear`` fwd + bwd vs stock; cProfile         exp_bi_linear_host.py
 generate      GPU    which ``apply_truefuse`` patch costs ``generate`` its host  exp_generate_host.py
 train         GPU    a training step's forward / backward host, per op + model   exp_train_host.py
@@ -239,7 +239,8 @@ def cmd_kept(args) -> None:
     kept call no longer runs (checks, plans, ``fast_launch``'s key), not the launcher's own cost,
     which the GPU's ``launch`` table measures. The batch-invariant rows take the norm's statistics
     from its kernel as on CUDA (``kernel_statistics``) and plan the GEMMs as on CUDA (the Triton
-    backend's batch-invariant row added for the CPU)."""
+    backend's batch-invariant row added for the CPU). Then single ops off and on (``_kept_ops``): the
+    routed BI linear and attention at decode, swiglu's and ``rms_norm_hf``'s forward + backward."""
     import torch
 
     import truefuse.autograd.norm as autograd_norm
@@ -261,7 +262,7 @@ def cmd_kept(args) -> None:
     for m in mods:
         m.launchable, m.stream = (lambda go: True), (lambda go: 0)
     gemm_kept._prepared = gated_kept.fwd_prepared = norm_kept.hf_bi_prepared = rope_kept.rope_prepared = lambda *a: noop
-    gated_kept.bwd_prepared = lambda *a: noop
+    gated_kept.bwd_prepared = norm_kept.hf_prepared = lambda *a: noop
     attention_kept.prepare = lambda *a, **k: noop
     triton_backend.bi_segments_prepared = lambda *a: noop
     autograd_norm.kernel_statistics = lambda x, bi: bi  # the mode's statistics are the kernel's, as on CUDA
@@ -303,6 +304,17 @@ def cmd_kept(args) -> None:
                         for _ in range(args.calls):
                             fn(model)
                         res.setdefault((what, run, on), []).append((time.thread_time() - t) / args.calls * 1e6)
+        ops = _kept_ops(torch)
+        for _ in range(args.rounds):
+            for on in (False, True):
+                kept(on)
+                for name, fn in ops.items():
+                    for _ in range(3):
+                        fn()
+                    t = time.thread_time()
+                    for _ in range(100 * args.calls):
+                        fn()
+                    res.setdefault((name, on), []).append((time.thread_time() - t) / (100 * args.calls) * 1e6)
     kept(False)
     best = {k: min(v) for k, v in res.items()}
     print(f"{'tiny Llama, host us':<24} {'kept off':>10} {'kept on':>10} {'on/off':>7}   vs stock (kept on)")
@@ -310,6 +322,59 @@ def cmd_kept(args) -> None:
         for run in ("stock", "fast", "BI"):
             off, on = best[what, run, False], best[what, run, True]
             print(f"{what + ' ' + run:<24} {off:10.0f} {on:10.0f} {on / off:7.2f}   {best[what, 'stock', True] / on:5.2f}x")
+    print(f"{'one op, host us':<32} {'kept off':>10} {'kept on':>10} {'on/off':>7}")
+    for name in ops:
+        off, on = best[name, False], best[name, True]
+        print(f"{name:<32} {off:10.1f} {on:10.1f} {on / off:7.2f}")
+
+
+def _kept_ops(torch) -> dict:
+    """``cmd_kept``'s single ops (fp32, the CPU): a routed batch-invariant ``F.linear`` at decode, a
+    decode step's attention through transformers' interface (4 sequences, 16/8 heads of 64, 256
+    keys, a padding mask), and forward + backward of the two-tensor swiglu and of ``rms_norm_hf``
+    in fast and batch-invariant mode (64 x 512, 64 x 256)."""
+    import torch.nn.functional as F
+
+    from truefuse.autograd.gated_activation import gated_activation
+    from truefuse.autograd.norm import rms_norm_hf
+    from truefuse.config import batch_invariant
+    from truefuse.integrations.huggingface.attention import attention_forward
+    from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
+
+    x, w = torch.randn(4, 1, 64), torch.randn(64, 64)
+    qa, ka, va = torch.randn(4, 16, 1, 64), torch.randn(4, 8, 256, 64), torch.randn(4, 8, 256, 64)
+    mask = torch.ones(4, 1, 1, 256, dtype=torch.bool)
+    mask[0, ..., :5] = False
+    module = torch.nn.Module()
+    module.is_causal = True
+    g, u, dg = torch.randn(64, 512, requires_grad=True), torch.randn(64, 512, requires_grad=True), torch.randn(64, 512)
+    nx, nw, dn = torch.randn(64, 256, requires_grad=True), torch.ones(256, requires_grad=True), torch.randn(64, 256)
+
+    def linear():
+        with torch.no_grad(), running_batch_invariant():
+            F.linear(x, w)
+
+    def attention():
+        with torch.no_grad():
+            attention_forward(module, qa, ka, va, mask, scaling=0.125)
+
+    def swiglu():
+        torch.autograd.grad(gated_activation(g, "swiglu", u), (g, u), dg)
+
+    def norm(bi):
+        def run():
+            with batch_invariant(bi):
+                torch.autograd.grad(rms_norm_hf(nx, nw, 1e-6), (nx, nw), dn)
+
+        return run
+
+    return {
+        "routed BI F.linear, decode": linear,
+        "attention, decode": attention,
+        "swiglu fwd+bwd": swiglu,
+        "rms_norm_hf fwd+bwd": norm(False),
+        "rms_norm_hf fwd+bwd, BI": norm(True),
+    }
 
 
 # --------------------------------------------------------------------------------------------------
