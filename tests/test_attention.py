@@ -145,3 +145,29 @@ def test_pytorch_path_ignores_autocast():
     plain = attention_blocked(q, k, v, None, start, 0.25, True, 0, 0.0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert_bitwise(attention_blocked(q, k, v, None, start, 0.25, True, 0, 0.0), plain, "under autocast")
+
+
+def test_the_output_and_gradients_are_laid_out_as_the_inputs():
+    """A transformers attention's q, k, v are (B, L, H, D) projections seen as (B, H, L, D): the
+    output and the gradients keep that layout (as SDPA's flash kernels do), so the model's
+    ``transpose(1, 2).contiguous()`` and its projections' backward copy nothing; the same values as
+    from contiguous inputs."""
+    from truefuse.ops.attention.attention import use_kernel
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 4, 16, generator=g).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 7, 2, 16, generator=g).transpose(1, 2).requires_grad_()
+    v = torch.randn(2, 7, 2, 16, generator=g).transpose(1, 2).requires_grad_()
+    if not use_kernel(q):
+        pytest.skip("the kernels do not run here (TRITON_INTERPRET unset)")
+    do = torch.randn(2, 4, 5, 16, generator=g)
+    out = truefuse.attention(q, k, v, is_causal=True, enable_gqa=True)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert out.stride() == q.stride() and out.transpose(1, 2).is_contiguous()
+    assert [t.stride() for t in grads] == [q.stride(), k.stride(), v.stride()]
+    cq, ck, cv = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    ref = truefuse.attention(cq, ck, cv, is_causal=True, enable_gqa=True)
+    assert ref.is_contiguous()
+    assert_bitwise(out, ref, "output")
+    for a, b in zip(grads, torch.autograd.grad(ref, (cq, ck, cv), do), strict=True):
+        assert_bitwise(a, b, "gradient")

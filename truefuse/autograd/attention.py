@@ -178,7 +178,9 @@ def attention(
 
     Returns:
         (B, Hq, Lq, D) in the inputs' dtype (the autocast dtype under autocast). A query row that
-        sees no key gives zeros.
+        sees no key gives zeros. Where the kernels run the output (and each input's gradient) is
+        laid out as the query (the input) is, as SDPA's flash kernels lay theirs: a transformers
+        query, ``(B, L, H, D)`` memory, gives an output whose ``transpose(1, 2)`` is contiguous.
     """
     dt = autocast_dtype(query.device) if isinstance(query, torch.Tensor) else None
     if dt is not None:

@@ -123,10 +123,12 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
 
 
 def fwd_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward's (out, lse), uninitialised: out contiguous like q, lse (B, Hq, Lq) fp32."""
+    """The forward's (out, lse), uninitialised: out laid out as q (``empty_like``: a transformers
+    query, ``(B, L, H, D)`` memory seen as ``(B, H, L, D)``, gives an output whose
+    ``transpose(1, 2).contiguous()`` is no copy, as SDPA's flash kernels give; the gradients
+    likewise), lse (B, Hq, Lq) fp32."""
     B, H, Lq, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return out, torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    return torch.empty_like(q), torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
 
 
 def fwd_chunk(q: torch.Tensor) -> int:
@@ -168,9 +170,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
 
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # laid out as the inputs (fwd_outputs)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     cfg, mask, ms, flags = _common(q, k, window, softcap, is_causal, attn_mask)
@@ -271,7 +271,7 @@ def attention_fwd_op(
 @attention_fwd_op.register_fake
 def _(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap):
     B, H, Lq, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(B, H, Lq, dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty(B, H, Lq, dtype=torch.float32)
 
 
 @custom_op("truefuse::attention_bwd", mutates_args=())
@@ -297,8 +297,7 @@ def attention_bwd_op(
 
 @attention_bwd_op.register_fake
 def _(do, q, k, v, out, lse, attn_mask, key_start, scale, is_causal, window, softcap):
-    cf = torch.contiguous_format
-    return torch.empty_like(q, memory_format=cf), torch.empty_like(k, memory_format=cf), torch.empty_like(v, memory_format=cf)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
