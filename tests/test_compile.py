@@ -297,6 +297,41 @@ def test_inductor_keeps_tma_staged_norm_opaque():
         torch.testing.assert_close(c, e, rtol=0, atol=0)
 
 
+def test_torch_sees_each_kernel_write_only_its_outputs():
+    """torch's mutation analysis of a traced launch (``wrap_triton``'s, Inductor's) on each kernel
+    finds it writing its outputs alone. A store whose address came back from a helper that took
+    input pointers made the analysis take those inputs as written (attention's dQ kernel: Q and DO),
+    and the compiled graph then wrote back into a leaf that requires grad (issue 47.4). In a process
+    without TRITON_INTERPRET, a Hopper target standing in for the driver (tests/_kernel_writes.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(__file__)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, os.path.join(here, "_kernel_writes.py")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == [
+        ["_attention_fwd_kernel", ["Lse", "Out"]],
+        ["_attention_fwd_kernel", ["Part"]],  # decode: the keys split across programs
+        ["_attention_fwd_merge_kernel", ["Lse", "Out"]],
+        ["_attention_bwd_delta_kernel", ["Delta"]],
+        ["_attention_bwd_dkdv_kernel", ["DK", "DV"]],
+        ["_attention_bwd_dq_kernel", ["DQ"]],
+        ["_norm_fwd_kernel", ["rstd_ptr", "y_ptr"]],
+        ["_norm_bwd_kernel", ["dw_part_ptr", "dx_ptr"]],
+        ["_sum_partials_kernel", ["out_ptr"]],
+        ["_gated_activation_fwd_kernel", ["y_ptr"]],
+        ["_gated_activation_bwd_kernel", ["dg_ptr", "du_ptr"]],
+        ["_rope_kernel", ["out_ptr"]],
+    ]
+
+
 def test_inline_ops_trace_to_their_kernels():
     """Where Triton compiles, AOT autograd's trace of each inline op (``_launch/custom_op.py::custom_op``'s
     ``inline``) holds its kernel launches, not the op, and each launch passes every kernel

@@ -690,8 +690,12 @@ def _attention_bwd_dq_kernel(
             ds = ds * (1.0 - t * t)
         dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq, PRECISION, INTERPRETED)
     dq = dq * scale
+    # the address from this kernel's own arange, not _tile_pair's offs_d: torch's mutation analysis of
+    # a traced launch walks a store's address back through the call that returned it, to Q and DO,
+    # and took both as written (the failed inlined trace of issue 47.4; tests/_inline_trace.py)
+    cols = tl.arange(0, BLOCK_D)
     tl.store(
-        DQ + b64 * sdqb + h.to(tl.int64) * sdqh + offs_m[:, None].to(tl.int64) * sdqm + offs_d[None, :],
+        DQ + b64 * sdqb + h.to(tl.int64) * sdqh + offs_m[:, None].to(tl.int64) * sdqm + cols[None, :],
         dq.to(DQ.dtype.element_ty),
         mask=q_msk,
     )
