@@ -361,6 +361,10 @@ def test_inline_ops_trace_to_their_kernels():
         "rope_bwd": ["_rope_kernel", "_rope_kernel"],
         "gated2_fwd": ["_gated_activation_fwd_kernel"],
         "gated2_bwd": ["_gated_activation_bwd_kernel"],
+        # attention's ops, inline in that process only (opaque in the library until a GPU run): the
+        # forward traced with q, k, v leaves requiring grad, the joint trace taking the backward too
+        "attention_fwd": ["_attention_fwd_kernel"],
+        "attention_bwd": ["_attention_bwd_delta_kernel", "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel"],
     }
     # dynamic shapes: the launch's grid is the symbolic row count, not the traced 8
     assert len(got["dynamic_grids"]) == 1 and got["dynamic_grids"][0][0] != "8", got["dynamic_grids"]

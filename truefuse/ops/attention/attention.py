@@ -18,7 +18,7 @@ from truefuse.config import get_config
 from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backward
 from truefuse.ops._launch.eager_grad import eager_grads
 from truefuse.ops._launch.fast_launch import fast_launch
-from truefuse.ops._launch.triton import sm_count, triton_runs
+from truefuse.ops._launch.triton import kernel_for, sm_count, triton_runs
 from truefuse.ops.attention.attention_blocked import attention_blocked, score_transform
 from truefuse.ops.attention.attention_config import attention_config, forward_tile
 from truefuse.ops.attention.attention_mask import score_mask
@@ -118,7 +118,7 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
     if out.numel() == 0:
         return out, lse.fill_(float("inf"))
     for kernel, grid, args, kwargs in fwd_launches(q, k, v, attn_mask, key_start, out, lse, scale, is_causal, window, softcap):
-        fast_launch(kernel, grid, *args, **kwargs)
+        fast_launch(kernel_for(kernel, out), grid, *args, **kwargs)
     return out, lse
 
 
@@ -176,7 +176,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
     cfg, mask, ms, flags = _common(q, k, window, softcap, is_causal, attn_mask)
     delta = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     fast_launch(
-        _attention_bwd_delta_kernel,
+        kernel_for(_attention_bwd_delta_kernel, delta),
         (_cdiv(Lq, cfg.dq_m), B * H),
         out,
         do,
@@ -191,7 +191,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
     )
     common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *ms)
     fast_launch(
-        _attention_bwd_dkdv_kernel,
+        kernel_for(_attention_bwd_dkdv_kernel, dk),
         (_cdiv(Lk, cfg.dkdv_n), B * Hk),
         q,
         k,
@@ -222,7 +222,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         num_stages=cfg.dkdv_stages,
     )
     fast_launch(
-        _attention_bwd_dq_kernel,
+        kernel_for(_attention_bwd_dq_kernel, dq),
         (_cdiv(Lq, cfg.dq_m), B * H),
         q,
         k,
