@@ -504,3 +504,34 @@ def test_rms_norm_hf_graph_is_one_node(shape):
     want = torch.autograd.grad(rms_norm_hf_ref(x2, w2, 1e-6), (x2, w2), dy)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(37, 1000), (5, 4096), (3, 64), (0, 64), (8192 // 64, 2048)])
+def test_the_squares_kernel_gives_the_stock_statistics(dtype, shape):
+    """``rms_norm_hf``'s fast-mode statistics from one squaring pass and torch's mean
+    (``hf_rstd_squared``) are stock's ``rsqrt(x.float().pow(2).mean(-1) + eps)``, bit for bit."""
+    from truefuse.ops.norm.norm import hf_rstd, hf_rstd_squared
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0])) * 3).to(dev, dtype)
+    if not use_kernel(x.float()):
+        pytest.skip("the kernels do not run here")
+    assert_bitwise(hf_rstd_squared(x, 1e-6), hf_rstd(x, 1e-6), "statistics")
+
+
+def test_fast_mode_statistics_take_one_squaring_pass_for_two_byte_rows(monkeypatch):
+    """Where the kernels run, a 2-byte ``x``'s statistics (``hf_statistics`` outside
+    batch-invariant mode, the residual add's too) come from the squares kernel, saving stock's cast
+    pass; fp32 rows (whose cast is no copy) and traced ones keep stock's expression."""
+    import truefuse.ops.norm.norm as norm
+
+    calls = []
+    real = norm.hf_rstd_squared
+    monkeypatch.setattr(norm, "use_kernel", lambda x: True)
+    monkeypatch.setattr(norm, "hf_rstd_squared", lambda x, eps: calls.append(x.dtype) or real(x, eps))
+    w = torch.ones(64)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(4, 64).to(dtype)
+        assert_bitwise(norm.hf_statistics(x, w, 1e-6, "llama", False), norm.hf_rstd(x, 1e-6), "statistics")
+    assert calls == [torch.bfloat16]

@@ -20,7 +20,7 @@ from truefuse.ops._launch.prepared import ToKeep
 from truefuse.ops._launch.triton import PLAIN_TENSORS
 from truefuse.ops.norm.norm import (
     HF_NORM_STYLES,
-    hf_rstd,
+    hf_rstd_rows,
     hf_statistics,
     kernel_statistics,
     layer_norm_ref,
@@ -219,14 +219,14 @@ class _KeptNormHF(torch.autograd.Function):
     """``rms_norm_hf`` with a gradient where its launch is kept (``ops/norm/norm_kept.py``): in
     batch-invariant mode the one launch that writes y and the statistics (the path launches it for
     the statistics and then ``rms_norm_hf_fwd_op`` to apply them, the same y: tests/test_norm.py);
-    in fast mode stock's statistics (``hf_rstd``, torch's) and the op's launch applying them. The
+    in fast mode stock's statistics (``hf_rstd_rows``, torch's mean) and the op's launch applying them. The
     backward is the op's (``norm_bwd_op``'s body), in a Function of its own rather than the custom
     op's registered autograd (``autograd/_eager_op.py``): the same kernels, the same bits."""
 
     @staticmethod
     def forward(ctx, x, weight, entry, eps, style, bi):
         x2 = x.view(-1, x.shape[-1])  # kept only where the path's rows were a view of x
-        rstd = None if bi else hf_rstd(x2, eps)
+        rstd = None if bi else hf_rstd_rows(x2, eps)
         out = launch_hf(entry, x2, weight, rstd)
         if out is None:  # an output not aligned as the kept launch's: the path's launches
             rstd = hf_statistics(x2, weight, eps, style, bi)

@@ -808,3 +808,15 @@ def _sum_partials_kernel(
     tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < N)
     if TWO:
         tl.store(out2_ptr + cols, tl.sum(acc2, axis=0).to(out2_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _squares_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``out = fp32(x)²`` over ``n`` contiguous elements: the statistics' first two steps of a
+    transformers RMSNorm (``x.to(float32).pow(2)``; torch's fp32 ``pow(2)`` is ``x * x``) in one
+    pass, for torch's own mean to reduce (``ops/norm/norm.py::hf_rstd_squared``). Elementwise: no
+    reduction order to keep."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, x * x, mask=m)

@@ -21,7 +21,7 @@ from truefuse.ops._launch.custom_op import bwd_call, custom_op, register_backwar
 from truefuse.ops.norm.norm import (
     _bwd_staged,
     _hf_out_dtype,
-    hf_rstd,
+    hf_rstd_rows,
     norm_bwd,
     norm_fwd,
     rms_norm_hf_ref,
@@ -62,7 +62,7 @@ def add_rms_norm_hf_fwd_op(
     """``(normed, summed, rstd)`` of contiguous (M, N) ``residual`` and ``h``: rstd (M,) fp32, the
     statistics applied. ``kernel_stats``: the norm kernel's own (batch-invariant mode on CUDA: the
     statistics ``rms_norm_hf_bi`` computes, here in the same launch as the add); else torch's
-    (``hf_rstd``, stock's)."""
+    (``hf_rstd_rows``: stock's expression's bits)."""
     zc, rn, out_dtype = style == "gemma", style == "llama", _hf_out_dtype(h, weight, style)
     if kernel_stats:
         summed = torch.empty_like(h)
@@ -81,7 +81,7 @@ def add_rms_norm_hf_fwd_op(
         )
         return normed, summed, rstd
     summed = residual + h
-    rstd = hf_rstd(summed, eps)
+    rstd = hf_rstd_rows(summed, eps)
     normed, _, _ = norm_fwd(
         summed, weight, None, 0.0, rms=True, zero_centered_gamma=zc, rstd=rstd, round_normed=rn, out_dtype=out_dtype
     )

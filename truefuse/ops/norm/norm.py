@@ -90,6 +90,37 @@ def hf_rstd(x: torch.Tensor, eps: float, *, keepdim: bool = False) -> torch.Tens
     return r if keepdim else r.squeeze(-1)
 
 
+#: elements a program of ``_squares_kernel`` takes
+_SQUARES_BLOCK = 4096
+
+
+def hf_rstd_squared(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`hf_rstd`'s bits for a contiguous (M, N) ``x`` where the kernels run: the squares
+    ``fp32(x)²`` in one kernel (``kernels/norm.py::_squares_kernel``), then torch's own mean of them,
+    the same fp32 tensor stock's ``x.to(float32).pow(2)`` gives (torch's fp32 ``pow(2)`` is ``x * x``),
+    so the same reduction and bits. For a 2-byte ``x`` that is one pass fewer than stock's cast
+    then square: 6 bytes an element read and written instead of 14, before the mean's 4 (issue 48.5:
+    the demo step's statistics ran ~2 ms of casts and squares on an H100)."""
+    from truefuse.kernels.norm import _squares_kernel
+
+    sq = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n = x.numel()
+    if n:
+        fast_launch(kernel_for(_squares_kernel, sq), (-(-n // _SQUARES_BLOCK),), x, sq, n, BLOCK=_SQUARES_BLOCK)
+    return torch.rsqrt(sq.mean(-1, keepdim=True) + eps).squeeze(-1)
+
+
+def hf_rstd_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`hf_rstd` of a contiguous (M, N) ``x``: by :func:`hf_rstd_squared` where that saves a
+    pass (a 2-byte ``x`` the kernels take, eager mode: a compiled graph fuses stock's expression
+    itself), else by stock's expression."""
+    if x.dtype not in (torch.float16, torch.bfloat16) or traced(x) or torch.compiler.is_compiling():
+        return hf_rstd(x, eps)
+    if x.is_contiguous() and use_kernel(x):
+        return hf_rstd_squared(x, eps)
+    return hf_rstd(x, eps)
+
+
 def hf_statistics(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str, batch_invariant: bool) -> torch.Tensor:
     """The statistics ``rms_norm_hf``'s kernel applies to a contiguous (M, N) ``x``: :func:`hf_rstd`
     (stock's bits), except in batch-invariant mode (``batch_invariant``: the mode the caller read) on
@@ -101,7 +132,7 @@ def hf_statistics(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str,
     stock's stay. (M,) fp32."""
     if kernel_statistics(x, batch_invariant):
         return rms_norm_hf_bi(x, weight, eps, style)[1]
-    return hf_rstd(x, eps)
+    return hf_rstd_rows(x, eps)
 
 
 def kernel_statistics(x: torch.Tensor, batch_invariant: bool) -> bool:
