@@ -171,3 +171,26 @@ def test_the_output_and_gradients_are_laid_out_as_the_inputs():
     assert_bitwise(out, ref, "output")
     for a, b in zip(grads, torch.autograd.grad(ref, (cq, ck, cv), do), strict=True):
         assert_bitwise(a, b, "gradient")
+
+
+def test_overlapping_inputs_get_outputs_the_kernels_can_write():
+    """A query whose heads overlap (strides (100, 1, 16, 1)): an output laid out as it would have a
+    last stride of 4, which the kernels (three strides and a unit last one) cannot write; such an
+    output is contiguous, forward and gradients right."""
+    from truefuse.ops.attention.attention import attention_ref, use_kernel
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1000, generator=g).as_strided((2, 4, 5, 16), (100, 1, 16, 1))
+    if not use_kernel(q):
+        pytest.skip("the kernels do not run here (TRITON_INTERPRET unset)")
+    kb = torch.randn(1000, generator=g, requires_grad=True)
+    k = kb.as_strided((2, 4, 5, 16), (100, 1, 16, 1))
+    v = torch.randn(2, 4, 5, 16, generator=g)
+    out = truefuse.attention(q, k, v)
+    ref = attention_ref(q.double(), k.double(), v.double())
+    assert out.stride()[-1] == 1
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    do = torch.randn(2, 4, 5, 16, generator=g)
+    (dk,) = torch.autograd.grad(out, kb, do)
+    (dk_ref,) = torch.autograd.grad(attention_ref(q.double(), k.double(), v.double()), kb, do.double())
+    torch.testing.assert_close(dk.double(), dk_ref.double(), atol=1e-5, rtol=1e-5)

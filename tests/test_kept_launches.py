@@ -964,3 +964,54 @@ def test_the_kept_zero_first_keys_are_not_served_across_modes():
     assert all(type(t) is torch.Tensor for t in A._NO_MASK.values())
     truefuse.attention(*(torch.randn(3, 4, 1, 16) for _ in range(3)))
     A._NO_MASK.clear()
+
+
+@needs_kernel
+def test_a_bi_norm_of_a_parameter_subclass_keeps_its_gradient(kept_norm):
+    """A weight of a Parameter subclass requiring grad: no kept launch takes it (not a plain
+    tensor), and the path records its graph (it took the no-gradient launch for a while)."""
+    from truefuse.autograd.norm import rms_norm_hf
+
+    class Weight(torch.nn.Parameter):
+        pass
+
+    w, x = Weight(torch.randn(32)), torch.randn(4, 32)
+    with batch_invariant():
+        y = rms_norm_hf(x, w, 1e-6)
+    assert y.grad_fn is not None
+    (dw,) = torch.autograd.grad(y.sum(), w)
+    assert dw.shape == (32,)
+
+
+def _leaked(shape):
+    """A tensor that outlived the ``torch.func.grad`` that made it (a functorch wrapper of type
+    torch.Tensor with no storage, which the ops' path unwraps)."""
+    box = {}
+
+    def f(x):
+        box["t"] = x * 1
+        return x.sum()
+
+    torch.func.grad(f)(torch.randn(*shape))
+    return box["t"]
+
+
+@needs_kernel
+def test_a_functorch_wrapper_takes_the_path_not_a_kept_launch(kept_norm_both, kept_gated_bwd):
+    from truefuse.autograd.norm import rms_norm_hf
+
+    w = torch.randn(32, requires_grad=True)
+    _norm_step(torch.randn(4, 32, requires_grad=True), w, torch.randn(4, 32), False)
+    rms_norm_hf(_leaked((4, 32)), w, 1e-6).sum().backward()
+    g, u = torch.randn(4, 24, requires_grad=True), torch.randn(4, 24, requires_grad=True)
+    _gated_step(g, u, torch.randn(4, 24))
+    gated_activation(_leaked((4, 24)), "swiglu", u).sum().backward()
+    assert u.grad is not None
+
+
+@needs_kernel
+def test_a_bi_norm_without_a_weight_raises_the_paths_error(kept_norm):
+    from truefuse.autograd.norm import rms_norm_hf
+
+    with torch.no_grad(), batch_invariant(), pytest.raises(ValueError, match="weight"):
+        rms_norm_hf(torch.randn(4, 32), None, 1e-6)

@@ -197,12 +197,13 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, sty
     if _stock_cheaper(x, weight, bi) or not use_kernel(x):  # the first, a decode step's, asks less
         return rms_norm_hf_ref(x, weight, eps, style=style)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if kernel_statistics(x, bi) and not torch.compiler.is_compiling() and (kept is not None or not grad):
+    recorded = _differentiated(x, weight)  # any tensor type (``grad`` above: the plain ones a kept launch takes)
+    if kernel_statistics(x, bi) and not torch.compiler.is_compiling() and (kept is not None or not recorded):
         with torch.no_grad():
             y2, rstd = rms_norm_hf_bi(x2, weight, eps, style)  # one launch
         if kept is not None:
             keep_hf(kept, x, x2, weight, y2, rstd, eps, style, bi)
-        if not grad:
+        if not recorded:
             return y2.view(x.shape)
         kept = None  # kept for the next call; this one's graph records the op below
     else:

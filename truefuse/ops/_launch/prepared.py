@@ -102,14 +102,20 @@ def replayable(*tensors, recording: bool = False) -> bool:
     """Whether a kept launch may serve a call on ``tensors`` (None entries skipped; the first on
     the device): plain tensors on CUDA, none requiring grad with grad mode on (``recording``: the
     caller records the graph itself, around kept launches of its forward and backward), not traced,
-    no dispatch mode or functorch transform (each of which must see the op's own path)."""
+    no dispatch mode, functorch transform or functorch wrapper (each of which must see the op's own
+    path)."""
     grad = torch.is_grad_enabled() and not recording
     for t in tensors:
         if t is not None and (type(t) not in PLAIN_TENSORS or (grad and t.requires_grad)):
             return False
     if not _on_device(tensors[0]) or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
-    return not torch._C._are_functorch_transforms_active()
+    if torch._C._are_functorch_transforms_active():
+        return False
+    for t in tensors:  # after the tracing check: Dynamo cannot trace this call
+        if t is not None and _wrapped(t):
+            return False
+    return True
 
 
 def specs(*ints: int) -> tuple | None:
@@ -122,6 +128,11 @@ def specs(*ints: int) -> tuple | None:
             return None
         out.append((v == 1, not v & 15))
     return tuple(out)
+
+
+#: a functorch wrapper (a transform's tensor, or one that outlived its transform: its type is
+#: torch.Tensor, it has no storage, and the path unwraps it, ``autograd/_eager_op.py``)
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def layout(t: torch.Tensor, address: int) -> tuple:

@@ -122,13 +122,20 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
     return out, lse
 
 
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor laid out as ``t`` (``empty_like``), or contiguous where that layout's
+    last stride is not 1 (an overlapping ``t``: the kernels take three strides and a unit last one)."""
+    out = torch.empty_like(t)
+    return out if out.stride(-1) == 1 else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 def fwd_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's (out, lse), uninitialised: out laid out as q (``empty_like``: a transformers
     query, ``(B, L, H, D)`` memory seen as ``(B, H, L, D)``, gives an output whose
     ``transpose(1, 2).contiguous()`` is no copy, as SDPA's flash kernels give; the gradients
     likewise), lse (B, Hq, Lq) fp32."""
     B, H, Lq, _ = q.shape
-    return torch.empty_like(q), torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    return _like(q), torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
 
 
 def fwd_chunk(q: torch.Tensor) -> int:
@@ -170,7 +177,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
 
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # laid out as the inputs (fwd_outputs)
+    dq, dk, dv = _like(q), _like(k), _like(v)  # laid out as the inputs (fwd_outputs)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     cfg, mask, ms, flags = _common(q, k, window, softcap, is_causal, attn_mask)
@@ -271,7 +278,7 @@ def attention_fwd_op(
 @attention_fwd_op.register_fake
 def _(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap):
     B, H, Lq, _ = q.shape
-    return torch.empty_like(q), q.new_empty(B, H, Lq, dtype=torch.float32)
+    return _like(q), q.new_empty(B, H, Lq, dtype=torch.float32)
 
 
 @custom_op("truefuse::attention_bwd", mutates_args=())
@@ -297,7 +304,7 @@ def attention_bwd_op(
 
 @attention_bwd_op.register_fake
 def _(do, q, k, v, out, lse, attn_mask, key_start, scale, is_causal, window, softcap):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _like(q), _like(k), _like(v)
 
 
 def _setup(ctx, inputs, output):

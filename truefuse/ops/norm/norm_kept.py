@@ -30,7 +30,7 @@ def kept_hf(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str, bi: b
     None: not plain CUDA tensors, tracing, a dispatch mode or functorch transform. An operand
     requiring grad may be served: the caller records the graph around the launch (``bi``: the mode
     the call read)."""
-    if not replayable(x, weight, recording=True) or type(eps) not in (float, int) or type(style) is not str:
+    if weight is None or not replayable(x, weight, recording=True) or type(eps) not in (float, int) or type(style) is not str:
         return None  # a bad eps or style: the path's checks name it (and a key must hash)
     key = (layout(x, x.data_ptr()), layout(weight, weight.data_ptr()), eps, style, get_tuning(), bi)  # the tuning knobs choose the path (max_kernel_n)
     kept = _KEPT.get(key)
