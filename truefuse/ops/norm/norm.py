@@ -100,7 +100,9 @@ def hf_rstd_squared(x: torch.Tensor, eps: float) -> torch.Tensor:
     the same fp32 tensor stock's ``x.to(float32).pow(2)`` gives (torch's fp32 ``pow(2)`` is ``x * x``),
     so the same reduction and bits. For a 2-byte ``x`` that is one pass fewer than stock's cast
     then square: 6 bytes an element read and written instead of 14, before the mean's 4 (issue 48.5:
-    the demo step's statistics ran ~2 ms of casts and squares on an H100)."""
+    the last H100 profile of the demo's eager step ran 1.83 ms of copies and 1.53 ms of 4-wide
+    elementwise kernels, docs/results/hf/hf_profile_compile_h100_2026-11-27.txt, of which these
+    casts and squares are likely most; not measured since)."""
     from truefuse.kernels.norm import _squares_kernel
 
     sq = torch.empty(x.shape, dtype=torch.float32, device=x.device)
