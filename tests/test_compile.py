@@ -297,12 +297,9 @@ def test_inductor_keeps_tma_staged_norm_opaque():
         torch.testing.assert_close(c, e, rtol=0, atol=0)
 
 
-def test_torch_sees_each_kernel_write_only_its_outputs():
-    """torch's mutation analysis of a traced launch (``wrap_triton``'s, Inductor's) on each kernel
-    finds it writing its outputs alone. A store whose address came back from a helper that took
-    input pointers made the analysis take those inputs as written (attention's dQ kernel: Q and DO),
-    and the compiled graph then wrote back into a leaf that requires grad (issue 47.4). In a process
-    without TRITON_INTERPRET, a Hopper target standing in for the driver (tests/_kernel_writes.py)."""
+def _traced_in_own_process(script: str):
+    """Run ``tests/<script>`` in a process without TRITON_INTERPRET (the interpreter's kernels
+    cannot be traced) and return the JSON its last line prints."""
     import json
     import os
     import subprocess
@@ -311,11 +308,18 @@ def test_torch_sees_each_kernel_write_only_its_outputs():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     here = os.path.dirname(__file__)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
-    out = subprocess.run(
-        [sys.executable, os.path.join(here, "_kernel_writes.py")], env=env, capture_output=True, text=True, timeout=300
-    )
+    out = subprocess.run([sys.executable, os.path.join(here, script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_torch_sees_each_kernel_write_only_its_outputs():
+    """torch's mutation analysis of a traced launch (``wrap_triton``'s, Inductor's) on each kernel
+    finds it writing its outputs alone. A store whose address came back from a helper that took
+    input pointers made the analysis take those inputs as written (attention's dQ kernel: Q and DO),
+    and the compiled graph then wrote back into a leaf that requires grad (issue 47.4). In a process
+    without TRITON_INTERPRET, a Hopper target standing in for the driver (tests/_kernel_writes.py)."""
+    got = _traced_in_own_process("_kernel_writes.py")
     assert got == [
         ["_attention_fwd_kernel", ["Lse", "Out"]],
         ["_attention_fwd_kernel", ["Part"]],  # decode: the keys split across programs
@@ -339,19 +343,7 @@ def test_inline_ops_trace_to_their_kernels():
     Inductor: "Incorrect number of arguments passed to kernel"); under dynamic shapes the grid is
     symbolic. On the CPU too: the trace runs no kernel. In a process without TRITON_INTERPRET
     (tests/_inline_trace.py)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    here = os.path.dirname(__file__)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
-    out = subprocess.run(
-        [sys.executable, os.path.join(here, "_inline_trace.py")], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = _traced_in_own_process("_inline_trace.py")
     expected = {
         "norm_fwd": ["_norm_fwd_kernel"],
         "layer_norm_fwd": ["_norm_fwd_kernel"],  # the pointer kernel: no Hopper here (the staged one stays opaque)
