@@ -640,7 +640,7 @@ def _static_launcher(kernel, dev, torch):
     names = list(kernel.src.signature)
     consts = {k[0] if isinstance(k, tuple) else (names.index(k) if isinstance(k, str) else k) for k in kernel.src.constants}
     types, runtime = "", []
-    for i, (name, ty) in enumerate(kernel.src.signature.items()):
+    for i, ty in enumerate(kernel.src.signature.values()):
         if ty == "constexpr" or i in consts:
             continue
         if ty.startswith("*"):

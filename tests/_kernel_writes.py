@@ -38,7 +38,7 @@ def main() -> None:
 
     def analysed(kernel, grid, *args, **kwargs):
         names = kernel.arg_names
-        bound = {**dict(zip(names, args)), **{n: v for n, v in kwargs.items() if n in names}}
+        bound = {**dict(zip(names, args, strict=False)), **{n: v for n, v in kwargs.items() if n in names}}
         for p in kernel.params[len(args) :]:
             bound.setdefault(p.name, p.default)
         idx, cidx = tkw.kernel_side_table.add_kernel(kernel), tkw.kernel_side_table.add_constant_args({})

@@ -41,6 +41,12 @@ def kept(monkeypatch):
     gk.clear()
 
 
+def _cuda_randn(seed: int):
+    """``randn(*shape)``: bf16 normal samples on CUDA from one generator seeded with ``seed``."""
+    g = torch.Generator("cuda").manual_seed(seed)
+    return lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+
 def _call(x, w, b=None):
     with torch.no_grad(), batch_invariant():
         return linear(x, w, b, state=_STATE)
@@ -219,11 +225,10 @@ def test_kept_launch_gives_the_paths_bits_on_cuda(rows, bias):
     from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
 
     gk.clear()
-    g = torch.Generator("cuda").manual_seed(rows)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2048, 1024, generator=g, **bf)
-    b = torch.randn(2048, generator=g, **bf) if bias else None
-    xs = [torch.randn(rows, 1, 1024, generator=g, **bf) for _ in range(4)]
+    randn = _cuda_randn(rows)
+    w = randn(2048, 1024)
+    b = randn(2048) if bias else None
+    xs = [randn(rows, 1, 1024) for _ in range(4)]
     with torch.no_grad():
         with batch_invariant(), eager_fast_launch(False):
             ref = [linear(x, w, b, state=_STATE) for x in xs]
@@ -245,35 +250,38 @@ def test_kept_products_of_a_training_step_give_the_paths_bits_on_cuda(rows):
     from truefuse.integrations.huggingface.batch_invariant import running_batch_invariant
 
     gk.clear()
-    g = torch.Generator("cuda").manual_seed(rows)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1024, 512, generator=g, **bf).requires_grad_()
-    steps = [
-        (torch.randn(rows, 512, generator=g, **bf).requires_grad_(), torch.randn(rows, 1024, generator=g, **bf)) for _ in range(3)
-    ]
+    randn = _cuda_randn(rows)
+    w = randn(1024, 512).requires_grad_()
+    steps = [(randn(rows, 512).requires_grad_(), randn(rows, 1024)) for _ in range(3)]
 
-    def run():
-        out = []
-        for x, dy in steps:
-            with running_batch_invariant():
-                y = F.linear(x, w)
-            out.append((y.detach(), *torch.autograd.grad(y, (x, w), dy)))
-        return out
+    def step(s):
+        x, dy = s
+        with running_batch_invariant():
+            y = F.linear(x, w)
+        return (y.detach(), *torch.autograd.grad(y, (x, w), dy))
 
-    with eager_fast_launch(False):
-        ref = run()
-    ours = run() + run()
-    kept = [type(v) is tuple for v in gk._KEPT.entries.values()]
-    if rows <= 256:
-        assert any(kept), "no launch was kept"
-    else:  # the last M bucket: the TMA kernel on Hopper, whose launch needs Triton's scratch allocator
+    _steps_give_the_paths_bits(step, steps, (), gk._KEPT if rows <= 256 else None)
+    if rows > 256:  # the last M bucket: the TMA kernel on Hopper, whose launch needs Triton's scratch allocator
         from truefuse.ops._launch.triton import hopper
 
-        assert not (hopper(w) and any(kept)), "a TMA launch was kept"
-    for i, got in enumerate(ours):
-        for a, b in zip(got, ref[i % 3], strict=True):
-            assert torch.equal(a, b), f"step {i} differs from the path's bits"
+        assert not (hopper(w) and any(type(v) is tuple for v in gk._KEPT.entries.values())), "a TMA launch was kept"
     gk.clear()
+
+
+def _steps_give_the_paths_bits(step, steps, tables, kept) -> None:
+    """Calls through kept launches (``step`` of each of ``steps``, run twice) against the same calls
+    with the fast launch off (no kept launch in any of ``tables``): the same bits, output by output
+    (a tensor or a tuple of them), and ``kept`` (unless None) holding a launch."""
+    with eager_fast_launch(False):
+        ref = [step(s) for s in steps]
+    assert not any(t.entries for t in tables), "kept with the fast launch off"
+    ours = [step(s) for s in steps * 2]
+    if kept is not None:
+        assert any(type(v) is tuple for v in kept.entries.values()), "no launch was kept"
+    for i, got in enumerate(ours):
+        want = ref[i % len(steps)]
+        for a, b in zip(*((t,) if isinstance(t, torch.Tensor) else t for t in (got, want)), strict=True):
+            assert torch.equal(a, b), f"step {i} differs from the path's bits"
 
 
 # -- the gated activation ----------------------------------------------------------------------------
@@ -355,7 +363,10 @@ def test_a_repeated_gated_training_call_replays_its_kept_launches_both_ways(kept
     launch, the second replays it (in the kept Function) and keeps the backward's, the third replays
     both, on that step's tensors into fresh outputs."""
     fwd, bwd = kept_gated_bwd
-    steps = [(torch.randn(2, 3, 24, requires_grad=True), torch.randn(2, 3, 24, requires_grad=True), torch.randn(2, 3, 24)) for _ in range(3)]
+    steps = [
+        (torch.randn(2, 3, 24, requires_grad=True), torch.randn(2, 3, 24, requires_grad=True), torch.randn(2, 3, 24))
+        for _ in range(3)
+    ]
     outs = [_gated_step(*s) for s in steps]
     assert "KeptGated" not in type(outs[0][0].grad_fn).__name__ and "KeptGated" in type(outs[1][0].grad_fn).__name__
     assert len(fwd) == 1 and len(bwd) == 1
@@ -411,19 +422,9 @@ def test_kept_gated_training_launches_give_the_paths_bits_on_cuda(rows):
     """A training step's gated activation, step after step, forward and both gradients: kept
     launches give the path's bits (the fast launch off: no kept launch at all)."""
     gak.clear()
-    g = torch.Generator("cuda").manual_seed(rows)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    steps = [
-        tuple(torch.randn(rows, 2816, generator=g, **bf).requires_grad_(i < 2) for i in range(3)) for _ in range(3)
-    ]
-    with eager_fast_launch(False):
-        ref = [_gated_step(*s) for s in steps]
-    assert not gak._KEPT.entries and not gak._KEPT_BWD.entries, "kept with the fast launch off"
-    ours = [_gated_step(*s) for s in steps * 2]
-    assert any(type(v) is tuple for v in gak._KEPT_BWD.entries.values()), "no backward launch was kept"
-    for i, got in enumerate(ours):
-        for a, b in zip(got, ref[i % 3], strict=True):
-            assert torch.equal(a, b), f"step {i} differs from the path's bits"
+    randn = _cuda_randn(rows)
+    steps = [tuple(randn(rows, 2816).requires_grad_(i < 2) for i in range(3)) for _ in range(3)]
+    _steps_give_the_paths_bits(lambda s: _gated_step(*s), steps, (gak._KEPT, gak._KEPT_BWD), gak._KEPT_BWD)
     gak.clear()
 
 
@@ -431,17 +432,10 @@ def test_kept_gated_training_launches_give_the_paths_bits_on_cuda(rows):
 @pytest.mark.parametrize("rows", [1, 4, 64])
 def test_kept_gated_launch_gives_the_paths_bits_on_cuda(rows):
     gak.clear()
-    g = torch.Generator("cuda").manual_seed(rows)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    pairs = [(torch.randn(rows, 1, 5632, generator=g, **bf), torch.randn(rows, 1, 5632, generator=g, **bf)) for _ in range(4)]
+    randn = _cuda_randn(rows)
+    pairs = [(randn(rows, 1, 5632), randn(rows, 1, 5632)) for _ in range(4)]
     with torch.no_grad():
-        with eager_fast_launch(False):
-            ref = [gated_activation(a, "swiglu", b) for a, b in pairs]
-        assert not gak._KEPT.entries, "kept with the fast launch off"
-        ours = [gated_activation(a, "swiglu", b) for a, b in pairs * 2]
-    assert any(type(v) is tuple for v in gak._KEPT.entries.values()), "no launch was kept"
-    for i, y in enumerate(ours):
-        assert torch.equal(y, ref[i % 4]), f"call {i} differs from the path's bits"
+        _steps_give_the_paths_bits(lambda p: gated_activation(p[0], "swiglu", p[1]), pairs, (gak._KEPT,), gak._KEPT)
     gak.clear()
 
 
@@ -552,7 +546,9 @@ def test_a_repeated_norm_training_call_replays_its_kept_launch(kept_norm_both, b
     assert "KeptNormHF" not in type(outs[0][0].grad_fn).__name__
     assert all("KeptNormHF" in type(o[0].grad_fn).__name__ for o in outs[1:])
     (go,) = kept_norm_both
-    assert [c[1:4] for c in go.calls] == [(x.data_ptr(), w.data_ptr(), o[0].data_ptr()) for (x, _), o in zip(steps[1:], outs[1:])]
+    assert [c[1:4] for c in go.calls] == [
+        (x.data_ptr(), w.data_ptr(), o[0].data_ptr()) for (x, _), o in zip(steps[1:], outs[1:], strict=True)
+    ]
     assert all(o[1].shape == (2, 3, 32) and o[2].shape == (32,) for o in outs)
 
 
@@ -588,18 +584,10 @@ def test_kept_norm_training_launches_give_the_paths_bits_on_cuda(rows, bi):
     """A training step's ``rms_norm_hf``, step after step, y and both gradients: kept launches give
     the path's bits (the fast launch off: none kept), in either mode."""
     nk.clear()
-    g = torch.Generator("cuda").manual_seed(rows)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2048, generator=g, **bf).requires_grad_()
-    steps = [(torch.randn(rows, 2048, generator=g, **bf).requires_grad_(), torch.randn(rows, 2048, generator=g, **bf)) for _ in range(3)]
-    with eager_fast_launch(False):
-        ref = [_norm_step(x, w, dy, bi) for x, dy in steps]
-    assert not nk._KEPT.entries, "kept with the fast launch off"
-    ours = [_norm_step(x, w, dy, bi) for x, dy in steps * 2]
-    assert any(type(v) is tuple for v in nk._KEPT.entries.values()), "no launch was kept"
-    for i, got in enumerate(ours):
-        for a, b in zip(got, ref[i % 3], strict=True):
-            assert torch.equal(a, b), f"step {i} differs from the path's bits"
+    randn = _cuda_randn(rows)
+    w = randn(2048).requires_grad_()
+    steps = [(randn(rows, 2048).requires_grad_(), randn(rows, 2048)) for _ in range(3)]
+    _steps_give_the_paths_bits(lambda s: _norm_step(s[0], w, s[1], bi), steps, (nk._KEPT,), nk._KEPT)
     nk.clear()
 
 
@@ -609,18 +597,11 @@ def test_kept_bi_norm_launch_gives_the_paths_bits_on_cuda(rows):
     from truefuse.autograd.norm import rms_norm_hf
 
     nk.clear()
-    g = torch.Generator("cuda").manual_seed(rows)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2048, generator=g, **bf)
-    xs = [torch.randn(rows, 1, 2048, generator=g, **bf) for _ in range(4)]
+    randn = _cuda_randn(rows)
+    w = randn(2048)
+    xs = [randn(rows, 1, 2048) for _ in range(4)]
     with torch.no_grad(), batch_invariant():
-        with eager_fast_launch(False):
-            ref = [rms_norm_hf(x, w, 1e-6) for x in xs]
-        assert not nk._KEPT.entries, "kept with the fast launch off"
-        ours = [rms_norm_hf(x, w, 1e-6) for x in xs * 2]
-    assert any(type(v) is tuple for v in nk._KEPT.entries.values()), "no launch was kept"
-    for i, y in enumerate(ours):
-        assert torch.equal(y, ref[i % 4]), f"call {i} differs from the path's bits"
+        _steps_give_the_paths_bits(lambda x: rms_norm_hf(x, w, 1e-6), xs, (nk._KEPT,), nk._KEPT)
     nk.clear()
 
 
@@ -691,14 +672,13 @@ def test_kept_rope_launches_give_the_paths_bits_on_cuda(batch):
     from truefuse.autograd.rope import apply_rotary_pos_emb
 
     rk.clear()
-    g = torch.Generator("cuda").manual_seed(batch)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
+    randn = _cuda_randn(batch)
     calls = [
         (
-            torch.randn(batch, 1, 16, 64, generator=g, **bf).transpose(1, 2),
-            torch.randn(batch, 1, 8, 64, generator=g, **bf).transpose(1, 2),
-            torch.randn(1, 1, 64, generator=g, **bf),
-            torch.randn(1, 1, 64, generator=g, **bf),
+            randn(batch, 1, 16, 64).transpose(1, 2),
+            randn(batch, 1, 8, 64).transpose(1, 2),
+            randn(1, 1, 64),
+            randn(1, 1, 64),
         )
         for _ in range(4)
     ]
@@ -834,10 +814,9 @@ def test_kept_attention_launches_give_the_paths_bits_on_cuda(B, mask):
     import truefuse.ops.attention.attention_kept as ak
 
     ak.clear()
-    g = torch.Generator("cuda").manual_seed(B)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    k0, v0 = (torch.randn(B, 8, 120, 128, generator=g, **bf) for _ in range(2))
-    qs = [torch.randn(B, 32, 1, 128, generator=g, **bf) for _ in range(20)]
+    randn = _cuda_randn(B)
+    k0, v0 = (randn(B, 8, 120, 128) for _ in range(2))
+    qs = [randn(B, 32, 1, 128) for _ in range(20)]
     pad = torch.ones(B, 1, 1, 140, device="cuda", dtype=torch.bool)
     pad[0, ..., :7] = False
 
@@ -864,10 +843,10 @@ def test_the_kept_attention_launches_vary_the_parameters_that_follow_the_key_len
     """``attention_kept``'s varying positions name the kernels' own parameters (k's, v's and the
     mask's strides, L_k; the merge's chunk count): a kernel whose parameters move fails here, not in
     a replay reading another argument."""
+    import inspect
+
     import truefuse.ops.attention.attention_kept as ak
     from truefuse.kernels.attention import _attention_fwd_kernel, _attention_fwd_merge_kernel
-
-    import inspect
 
     names = list(inspect.signature(_attention_fwd_kernel.fn).parameters)
     assert [names[i] for i in ak._FWD_VARYING] == ["skb", "skh", "skn", "svb", "svh", "svn", "smb", "smh", "smm", "smn", "L_k"]
@@ -946,9 +925,10 @@ def test_the_merges_chunk_count_is_in_the_key(kept_attention):
 def test_the_kept_zero_first_keys_are_not_served_across_modes():
     """The zero first keys kept for mask-less calls: not made in inference mode (a later training
     call saves them for its backward) or under a fake-tensor mode (a later real call gets a fake)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     import truefuse
     import truefuse.autograd.attention as A
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     A._NO_MASK.clear()
     q, k, v = (torch.randn(2, 4, 1, 16) for _ in range(3))

@@ -13,11 +13,11 @@ from truefuse.autograd._autocast import autocast_dtype, cast
 from truefuse.autograd._eager_op import call
 from truefuse.ops._launch.capture import host_may_wait
 from truefuse.ops._launch.dtensor import refuse_dtensor
+from truefuse.ops._launch.prepared import ToKeep
 from truefuse.ops.attention.attention import attention_fwd_op, attention_pytorch_op, use_kernel
 from truefuse.ops.attention.attention_blocked import attention_blocked
 from truefuse.ops.attention.attention_kept import kept_attention, run_and_keep
 from truefuse.ops.attention.attention_mask import first_valid_key
-from truefuse.ops._launch.prepared import ToKeep
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -202,7 +202,9 @@ def attention(
                 key_start=key_start,
             )
     # a decode step: the launches kept for this call but its key length (ops/attention/attention_kept.py)
-    kept = kept_attention(query, key, value, attn_mask, key_start, dropout_p, is_causal, scale, enable_gqa, softcap, window, _first_valid_key)
+    kept = kept_attention(
+        query, key, value, attn_mask, key_start, dropout_p, is_causal, scale, enable_gqa, softcap, window, _first_valid_key
+    )
     if kept is not None and type(kept) is not ToKeep:
         return kept
     refuse_dtensor("attention", query=query, key=key, value=value, attn_mask=attn_mask, key_start=key_start)

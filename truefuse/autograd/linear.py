@@ -185,7 +185,9 @@ def linear_kept(x, weight, bias) -> torch.Tensor | None:
     if type(x) not in _PLAIN:
         return None
     dtype = autocast_dtype(x.device)
-    if dtype is not None and (x.dtype is not dtype or weight.dtype is not dtype or (bias is not None and bias.dtype is not dtype)):
+    if dtype is not None and (
+        x.dtype is not dtype or weight.dtype is not dtype or (bias is not None and bias.dtype is not dtype)
+    ):
         return None
     return kept_linear_hit(x, weight, bias, Modes.now().batch_invariant)
 

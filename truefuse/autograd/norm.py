@@ -230,7 +230,7 @@ class _KeptNormHF(torch.autograd.Function):
         rstd = None if bi else hf_rstd_rows(x2, eps)
         out = launch_hf(entry, x2, weight, rstd)
         if out is None:  # an output not aligned as the kept launch's: the path's launches
-            rstd = hf_statistics(x2, weight, eps, style, bi)
+            rstd = hf_statistics(x2, weight, eps, style, bi) if rstd is None else rstd
             y2 = rms_norm_hf_fwd_op.body(x2, weight, rstd, style)
         else:
             y2, rstd = out
@@ -243,7 +243,9 @@ class _KeptNormHF(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         N = x.shape[-1]
-        dx, dw, _ = norm_bwd_op.body(dy.reshape(-1, N), x.view(-1, N), weight, None, rstd.new_empty(0), rstd, True, ctx.zero_centered_gamma)
+        dx, dw, _ = norm_bwd_op.body(
+            dy.reshape(-1, N), x.view(-1, N), weight, None, rstd.new_empty(0), rstd, True, ctx.zero_centered_gamma
+        )
         return dx.view(x.shape), dw, None, None, None, None
 
 

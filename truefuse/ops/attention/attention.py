@@ -114,12 +114,19 @@ def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window
     across programs and merges them in a second kernel. The choice follows the shapes and the
     GPU, and may: both ways run the same arithmetic per row (``kernels/attention.py``).
     """
+    return fwd_run(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap)[:2]
+
+
+def fwd_run(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap) -> tuple:
+    """:func:`attention_fwd_launch`'s ``(out, lse)`` and the launches that wrote them (``(kernel,
+    grid, args, kwargs)`` each, none for an empty output): ``attention_kept.py`` keeps them."""
     out, lse = fwd_outputs(q)
     if out.numel() == 0:
-        return out, lse.fill_(float("inf"))
-    for kernel, grid, args, kwargs in fwd_launches(q, k, v, attn_mask, key_start, out, lse, scale, is_causal, window, softcap):
+        return out, lse.fill_(float("inf")), []
+    launches = fwd_launches(q, k, v, attn_mask, key_start, out, lse, scale, is_causal, window, softcap)
+    for kernel, grid, args, kwargs in launches:
         fast_launch(kernel_for(kernel, out), grid, *args, **kwargs)
-    return out, lse
+    return out, lse, launches
 
 
 def _like(t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +153,7 @@ def fwd_chunk(q: torch.Tensor) -> int:
 def fwd_launches(q, k, v, attn_mask, key_start, out, lse, scale, is_causal, window, softcap) -> list[tuple]:
     """:func:`attention_fwd_launch`'s launches into ``out`` and ``lse`` (not empty), as ``(kernel,
     grid, args, kwargs)``: the forward, and where it splits the keys the merge (its partial states
-    allocated here). Also ``attention_kept.py``'s, which keeps them."""
+    allocated here), for :func:`fwd_run`."""
     from truefuse.kernels.attention import _attention_fwd_kernel, _attention_fwd_merge_kernel
 
     B, H, Lq, D = q.shape
@@ -162,11 +169,20 @@ def fwd_launches(q, k, v, attn_mask, key_start, out, lse, scale, is_causal, wind
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms,
         H, H // Hk, Lq, Lk, D, scale, softcap, window,
     )  # fmt: skip
-    kwargs = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, **flags, num_warps=warps, num_stages=cfg.fwd_stages)
+    kwargs = dict(
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, **flags, num_warps=warps, num_stages=cfg.fwd_stages
+    )
     launches = [(_attention_fwd_kernel, (_cdiv(Lq, block_m), B * H, n_chunks if split else 1), args, kwargs)]
     if split:
         merge = (part, out, lse, *out.stride()[:3], H, Lq, D, n_chunks)
-        launches.append((_attention_fwd_merge_kernel, (_cdiv(Lq, block_m), B * H), merge, dict(BLOCK_M=block_m, BLOCK_D=flags["BLOCK_D"], num_warps=warps)))
+        launches.append(
+            (
+                _attention_fwd_merge_kernel,
+                (_cdiv(Lq, block_m), B * H),
+                merge,
+                dict(BLOCK_M=block_m, BLOCK_D=flags["BLOCK_D"], num_warps=warps),
+            )
+        )
     return launches
 
 

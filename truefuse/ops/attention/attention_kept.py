@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from truefuse.ops._launch.prepared import NOT_NOW, KeptLaunches, ToKeep, launchable, layout, prepare, replayable, specs, stream
-from truefuse.ops.attention.attention import fwd_chunk, fwd_launches, fwd_outputs
+from truefuse.ops.attention.attention import fwd_chunk, fwd_outputs, fwd_run
 
 #: ``(go, merge go or None, the partial states' row width)`` by key
 _KEPT = KeptLaunches()
@@ -98,15 +98,9 @@ def run_and_keep(pending: ToKeep, q, k, v, mask, key_start, scale, is_causal, wi
     """The path's forward (``attention.attention_fwd_launch``'s launches on the checked, expanded
     ``mask`` and the first valid keys ``key_start``), keeping its launches under ``pending``. Where
     the keys split, the forward is kept only with its merge (alone it would leave the output unwritten)."""
-    from truefuse.ops._launch.fast_launch import fast_launch
-
-    out, lse = fwd_outputs(q)
-    if out.numel() == 0:
-        lse.fill_(float("inf"))
+    out, lse, launches = fwd_run(q, k, v, mask, key_start, scale, is_causal, window, softcap)
+    if not launches:
         return out
-    launches = fwd_launches(q, k, v, mask, key_start, out, lse, scale, is_causal, window, softcap)
-    for kernel, grid, args, kwargs in launches:
-        fast_launch(kernel, grid, *args, **kwargs)
     (kernel, grid, args, kwargs), *rest = launches
     part = args[7]
     slots = (q, k, v, key_start, out, lse, part) if mask is None else (q, k, v, mask, key_start, out, lse, part)

@@ -31,7 +31,8 @@ def kept_gated(gate: torch.Tensor, up: torch.Tensor, name: str, *, recording: bo
     :class:`ToKeep`); else None: not plain CUDA tensors, an operand requiring grad with grad mode on
     (unless ``recording``: the caller records the graph around :func:`launch` and
     :func:`kept_grads`), tracing, a dispatch mode or functorch transform."""
-    if not replayable(gate, up, recording=recording) or type(name) is not str:  # a bad name: the path names it (and a key must hash)
+    # a bad name: the path names it (and a key must hash)
+    if not replayable(gate, up, recording=recording) or type(name) is not str:
         return None
     key = (layout(gate, gate.data_ptr()), layout(up, up.data_ptr()), name)
     kept = _KEPT.get(key)

@@ -30,9 +30,12 @@ def kept_hf(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str, bi: b
     None: not plain CUDA tensors, tracing, a dispatch mode or functorch transform. An operand
     requiring grad may be served: the caller records the graph around the launch (``bi``: the mode
     the call read)."""
-    if weight is None or not replayable(x, weight, recording=True) or type(eps) not in (float, int) or type(style) is not str:
+    if weight is None or not replayable(x, weight, recording=True):
+        return None
+    if type(eps) not in (float, int) or type(style) is not str:
         return None  # a bad eps or style: the path's checks name it (and a key must hash)
-    key = (layout(x, x.data_ptr()), layout(weight, weight.data_ptr()), eps, style, get_tuning(), bi)  # the tuning knobs choose the path (max_kernel_n)
+    # the tuning knobs choose the path (max_kernel_n)
+    key = (layout(x, x.data_ptr()), layout(weight, weight.data_ptr()), eps, style, get_tuning(), bi)
     kept = _KEPT.get(key)
     if kept.__class__ is tuple:
         return kept if launchable(kept[0]) else None
