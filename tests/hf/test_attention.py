@@ -79,3 +79,64 @@ def test_static_cache_and_gradient_checkpointing(torch_paths):
 
     plain, ckpt = grads(False), grads(True)
     assert plain.keys() == ckpt.keys() and all(torch.equal(plain[n], ckpt[n]) for n in plain)
+
+
+def _as_while_capturing(monkeypatch):
+    """transformers' skip decision as some versions (5.17) take it while a CUDA stream captures:
+    never skip the causal mask, even with no padding mask to read."""
+    from transformers import masking_utils
+
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+
+
+def test_truefuse_mask_leaves_a_plain_causal_call_to_the_kernel_while_capturing(monkeypatch):
+    """The mask registered for ``"truefuse"`` returns None for a causal, unpadded call whatever
+    transformers decides (a whole step captured in a CUDA graph materialized the causal mask and
+    ran attention 2.6-5.8x longer on an H100), and transformers' own ``sdpa_mask`` everywhere the
+    mask holds data: padding, a static cache's tensor offset, a window, fewer queries than keys."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sdpa_mask
+
+    _as_while_capturing(monkeypatch)
+    ours = ALL_MASK_ATTENTION_FUNCTIONS["truefuse"]
+    base = dict(batch_size=2, q_length=5, kv_length=5, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+                attention_mask=None, allow_is_causal_skip=True, use_vmap=False, device="cpu")  # fmt: skip
+    assert isinstance(sdpa_mask(**base), torch.Tensor)  # what the capture got
+    assert ours(**base) is None
+    assert ours(**{**base, "q_length": 1, "kv_length": 9, "q_offset": 8}) is None  # a decode step, no padding
+    padded = torch.ones(2, 5, dtype=torch.bool)
+    padded[1, :2] = False
+    for change in (
+        {"attention_mask": padded},
+        {"q_offset": torch.tensor(0)},
+        {"local_size": 3},
+        {"q_length": 3, "kv_length": 5},
+        {"allow_is_causal_skip": False},
+        {"mask_function": lambda b, h, q, kv: kv <= q},
+    ):
+        want, got = sdpa_mask(**{**base, **change}), ours(**{**base, **change})
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), change
+
+
+def test_truefuse_model_gets_no_causal_mask_while_capturing(monkeypatch, torch_paths):
+    """Through a model: a tiny Llama on ``"truefuse"`` hands its attention no mask for an unpadded
+    batch where transformers would have built one, and the logits are the same bits."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import truefuse.integrations.huggingface.attention as hf_attention
+
+    model = tiny_model("llama", num_hidden_layers=2, attn_implementation="truefuse").eval()
+    ids = _batch()[0]
+    with torch.no_grad():
+        want = model(ids).logits
+    seen = []
+    real = hf_attention.attention_forward
+    monkeypatch.setitem(
+        ALL_ATTENTION_FUNCTIONS._global_mapping,
+        "truefuse",
+        lambda m, q, k, v, mask, **kw: seen.append(mask) or real(m, q, k, v, mask, **kw),
+    )
+    _as_while_capturing(monkeypatch)
+    with torch.no_grad():
+        got = model(ids).logits
+    assert seen and all(m is None for m in seen)
+    assert torch.equal(got, want)

@@ -3,7 +3,8 @@
 :func:`register` (run when ``truefuse.integrations.huggingface`` is imported with transformers
 installed) adds ``"truefuse"`` to transformers' ``AttentionInterface`` (the function below) and to
 its ``AttentionMaskInterface`` (transformers' own ``sdpa_mask``: a bool mask, True = attend, or
-None where the model is plainly causal, as SDPA gets it). A model then takes
+None where the model is plainly causal, as SDPA gets it, also while a CUDA graph is captured:
+``attention_mask.py``). A model then takes
 ``from_pretrained(..., attn_implementation="truefuse")``, ``model.set_attn_implementation("truefuse")``
 or ``apply_truefuse(model, attention=True)``.
 
@@ -79,10 +80,12 @@ def register() -> bool:
     """Register ``"truefuse"`` in transformers' attention and mask interfaces; False (nothing done)
     where transformers is not installed."""
     try:
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
         from transformers.modeling_utils import AttentionInterface
     except ImportError:
         return False
+    from truefuse.integrations.huggingface.attention_mask import causal_skip_mask
+
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, causal_skip_mask)
     return True
