@@ -10,8 +10,11 @@ For each candidate (``ops/attention/attention_config.py``'s tiles, replaced thro
 * forward: verify's bf16 bitwise cases (a sequence alone vs padded; decode vs prefill) and the
   prefill time at L=2048 and 4096; decode latency at B=1, 8, 32 and 2k / 8k cached keys;
 
-all against SDPA's flash backend in the same run, timed under CUDA graphs as
-``python -m truefuse bench attention`` times them (the heads repeated outside the timing).
+all against SDPA's flash and cuDNN backends in the same run (``vs_sdpa`` against the faster of the
+two: cuDNN's ran 2× our kernels in the demo's step on an H100, docs/benchmarks.md), timed under
+CUDA graphs as ``python -m truefuse bench attention`` times them (the heads repeated outside the
+timing). The forward candidates include a 128-key block (``block_n``: it orders every row's
+reduction, prefill and decode alike, so the bitwise cases decide whether it may replace 64).
 Run: ``PYTHONPATH=. python experiments/exp_attention_configs.py [OUT_DIR [BUDGET_S]]`` on one GPU.
 """
 
@@ -45,8 +48,11 @@ BWD = [
     ((64, 64, 4, 2), (128, 64, 8, 2)),
     ((64, 64, 4, 3), (64, 64, 4, 3)),
     ((64, 64, 8, 2), (64, 64, 8, 2)),  # the tiles before
+    ((64, 128, 8, 2), (128, 64, 8, 2)),
+    ((128, 64, 8, 2), (128, 128, 8, 2)),
 ]
-FWD = [(128, 8, 3), (64, 4, 3), (128, 8, 2), (128, 4, 3)]  # prefill forward tile (m, warps, stages)
+#: prefill forward tile (m, warps, stages, block_n)
+FWD = [(128, 8, 3, 64), (64, 4, 3, 64), (128, 8, 2, 64), (128, 4, 3, 64), (128, 8, 3, 128), (128, 8, 2, 128), (64, 4, 3, 128)]
 DECODE = [3, 2]  # stages of the 64-row decode tile
 
 
@@ -68,8 +74,12 @@ def _fwd_bwd(q, k, v, dy, fn):
     return lambda: torch.autograd.grad(fn(*leaves), leaves, dy)
 
 
-def _sdpa(q, k, v, causal=True):
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+#: SDPA's backends timed, by name (the faster one is each row's yardstick)
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def _sdpa(q, k, v, causal=True, backend="flash"):
+    with sdpa_kernel(BACKENDS[backend]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
@@ -134,15 +144,28 @@ def main():
     rep_dec = {key: (val[0], *(t.repeat_interleave(4, 1) for t in val[1:])) for key, val in dec.items()}
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
 
-    def sdpa_times():
-        return {
-            "fwd": {L: _t(lambda L=L: _sdpa(*rep[L])) for L in rep},
-            "fwd_bwd": _t(_fwd_bwd(*rep[4096], dy, _sdpa)),
-            "decode": {f"{b}x{n}": _t(lambda key=(b, n): _sdpa(*rep_dec[key], causal=False)) for b, n in dec},
-        }
+    def sdpa_times(backend):
+        def fn(*a, causal=True):
+            return _sdpa(*a, causal=causal, backend=backend)
 
-    sd = results["sdpa_before"] = sdpa_times()
-    print("sdpa_flash", json.dumps(sd), flush=True)
+        try:
+            return {
+                "fwd": {L: _t(lambda L=L: fn(*rep[L])) for L in rep},
+                "fwd_bwd": _t(_fwd_bwd(*rep[4096], dy, fn)),
+                "decode": {f"{b}x{n}": _t(lambda key=(b, n): fn(*rep_dec[key], causal=False)) for b, n in dec},
+            }
+        except RuntimeError as e:  # a backend this build or shape lacks
+            print(f"sdpa {backend}: {e}", flush=True)
+            return None
+
+    per = results["sdpa_before"] = {b: sdpa_times(b) for b in BACKENDS}
+    print("sdpa", json.dumps(per), flush=True)
+    timed = [t for t in per.values() if t]
+    sd = {  # the faster backend's time, entry by entry
+        "fwd": {L: min(t["fwd"][L] for t in timed) for L in rep},
+        "fwd_bwd": min(t["fwd_bwd"] for t in timed),
+        "decode": {k: min(t["decode"][k] for t in timed) for k in timed[0]["decode"]},
+    }
     rows = results["rows"] = []
 
     def record(row):
@@ -165,11 +188,11 @@ def main():
     for tile, dq in BWD:
         if time.time() - T0 < budget * 0.5:
             backward(tile, dq)
-    for m, warps, stages in FWD:
+    for m, warps, stages, block_n in FWD:
         if time.time() - T0 > budget * 0.8:
             break
-        _use(dataclasses.replace(BASE, block_m=m, fwd_warps=warps, fwd_stages=stages))
-        row = {"pass": "fwd", "tile": (m, warps, stages)}
+        _use(dataclasses.replace(BASE, block_m=m, fwd_warps=warps, fwd_stages=stages, block_n=block_n))
+        row = {"pass": "fwd", "tile": (m, warps, stages, block_n)}
         row["bitwise_fails"] = _fails(cases_attention._batch_invariant) + _fails(cases_attention._decode_vs_prefill)
         for L in train:
             ms = _t(lambda L=L: _ours(*train[L]))
@@ -184,8 +207,8 @@ def main():
             ms = _t(lambda key=(b, n): _ours(*dec[key], causal=False))
             row[f"{b}x{n}"] = [ms, ms / sd["decode"][f"{b}x{n}"]]
         record(row)
-    results["sdpa_after"] = sdpa_times()
-    print("sdpa_flash_after", json.dumps(results["sdpa_after"]), flush=True)
+    results["sdpa_after"] = {b: sdpa_times(b) for b in BACKENDS}
+    print("sdpa_after", json.dumps(results["sdpa_after"]), flush=True)
     if out_dir:
         with open(f"{out_dir}/sweep.json", "w") as f:
             json.dump(results, f, indent=1)
