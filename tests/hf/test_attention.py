@@ -115,6 +115,8 @@ def test_truefuse_mask_leaves_a_plain_causal_call_to_the_kernel_while_capturing(
     ):
         want, got = sdpa_mask(**{**base, **change}), ours(**{**base, **change})
         assert isinstance(got, torch.Tensor) and torch.equal(got, want), change
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # an export keeps transformers' choice
+    assert isinstance(ours(**base), torch.Tensor)
 
 
 def test_truefuse_model_gets_no_causal_mask_while_capturing(monkeypatch, torch_paths):

@@ -13,7 +13,9 @@ either way (the masked blocks add exact zeros; the graphed step matched eager bi
 
 The skip needs no data: no padding mask, the model's own causal mask function, no sliding or
 chunked window, no static cache's tensor offset, and one query or as many queries as keys (the
-cases transformers itself skips outside capture). Every other call is ``sdpa_mask``'s.
+cases transformers itself skips outside capture), not while exporting (where transformers refuses
+it too: an exported graph would keep the flag for other lengths). Every other call is
+``sdpa_mask``'s.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def causal_skip_mask(*args, **kwargs):
 
 def _plain_causal(kw: dict) -> bool:
     if kw.get("attention_mask") is not None or not kw.get("allow_is_causal_skip", True):
+        return False
+    if torch.compiler.is_exporting():  # as transformers: an exported graph would bake the causal flag in
         return False
     if kw.get("mask_function", _CAUSAL) is not _CAUSAL:  # packed sequences, bidirectional parts, windows
         return False
