@@ -946,6 +946,30 @@ def test_the_kept_zero_first_keys_are_not_served_across_modes():
     A._NO_MASK.clear()
 
 
+def test_the_kept_first_keys_are_kept_per_stream(monkeypatch):
+    """A kept first-keys tensor (the mask-less calls' zeros, a mask's first valid keys) is served
+    only on the stream that filled it: a call on another stream gets its own, so it never reads a
+    tensor whose fill, or whose free once the cache drops it, another stream orders. The CPU stands
+    in for a CUDA device here (the stream id and the fill stubbed)."""
+    import truefuse.autograd.attention as A
+
+    stream = [7]
+    monkeypatch.setattr(A, "_raw_stream", lambda index: stream[0])
+    monkeypatch.setattr(A, "first_valid_key", lambda mask, B, Lk, device: torch.zeros(B, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(A, "host_may_wait", lambda t: True)
+    dev = torch.device("cuda", 0)
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    A._NO_MASK.clear()
+    zeros, ks = A._no_mask_first_key(2, dev), A._first_valid_key(mask, 2, 5, dev)
+    assert A._no_mask_first_key(2, dev) is zeros and A._first_valid_key(mask, 2, 5, dev) is ks  # kept
+    stream[0] = 8
+    assert A._no_mask_first_key(2, dev) is not zeros and A._first_valid_key(mask, 2, 5, dev) is not ks
+    stream[0] = 7
+    assert A._no_mask_first_key(2, dev) is zeros
+    A._NO_MASK.clear()
+
+
 @needs_kernel
 def test_a_bi_norm_of_a_parameter_subclass_keeps_its_gradient(kept_norm):
     """A weight of a Parameter subclass requiring grad: no kept launch takes it (not a plain

@@ -102,7 +102,7 @@ def _first_valid_key(mask, B: int, Lk: int, device) -> torch.Tensor:
     if type(mask) is not torch.Tensor or not host_may_wait(mask):
         return first_valid_key(mask, B, Lk, device)
     try:
-        key = (mask._version, B, Lk, device)
+        key = (mask._version, B, Lk, device, _stream_of(device))
     except RuntimeError:  # an inference tensor keeps no version counter
         return first_valid_key(mask, B, Lk, device)
     kept = mask.__dict__.get("_truefuse_first_key")
@@ -113,8 +113,20 @@ def _first_valid_key(mask, B: int, Lk: int, device) -> torch.Tensor:
     return ks
 
 
-#: the first valid keys of a call without a mask (zeros) by (B, device): read, never written, by every such call
+#: the first valid keys of a call without a mask (zeros) by (B, device, stream): read, never written, by every such call
 _NO_MASK: dict = {}
+
+
+def _stream_of(device) -> int | None:
+    """The current stream of a CUDA ``device`` (None elsewhere): part of a kept first key's key, so
+    that a call on another stream never reads a tensor whose fill (or whose free, once the cache
+    drops it) another stream orders."""
+    if device.type != "cuda":
+        return None
+    return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda i: torch.cuda.current_stream(i).cuda_stream)
 
 
 def _no_mask_first_key(B: int, device) -> torch.Tensor:
@@ -122,7 +134,7 @@ def _no_mask_first_key(B: int, device) -> torch.Tensor:
     served only to plain eager calls: not traced or captured (a tensor made in a capture holds its
     zeros only once replayed), not under a dispatch mode or functorch (a fake tensor kept, or a
     real one served to fake mode), not in inference mode (an inference tensor cannot be saved for a
-    later training call's backward); at most 64 batch sizes."""
+    later training call's backward); at most 64 batch sizes and streams, one tensor per stream."""
     if (
         torch.compiler.is_compiling()
         or torch.is_inference_mode_enabled()
@@ -131,11 +143,12 @@ def _no_mask_first_key(B: int, device) -> torch.Tensor:
         or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
     ):
         return first_valid_key(None, B, 0, device)
-    ks = _NO_MASK.get((B, device))
+    key = (B, device, _stream_of(device))
+    ks = _NO_MASK.get(key)
     if ks is None:
         if len(_NO_MASK) >= 64:
             _NO_MASK.clear()
-        ks = _NO_MASK[B, device] = first_valid_key(None, B, 0, device)
+        ks = _NO_MASK[key] = first_valid_key(None, B, 0, device)
     return ks
 
 
