@@ -126,3 +126,47 @@ def test_arguments_checked():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="GraphedStep needs CUDA"):
             GraphedStep(lambda x: x)(torch.ones(2))
+
+
+class _NoGraph:
+    """``torch.cuda.CUDAGraph`` on the CPU: a capture that only runs the step."""
+
+    def replay(self):
+        pass
+
+
+def test_a_captured_step_keeps_the_eager_causal_mask_decision(monkeypatch):
+    """While ``GraphedStep`` captures, transformers' SDPA mask is decided as in the eager step: a
+    plainly causal, unpadded batch reaches attention with no mask (transformers 5.17 built the full
+    causal mask whenever a stream captured: SDPA's kernels 2.8x longer in a graphed demo step on an
+    H100); once the capture ends, transformers' own mask function is back. The CPU stands in for
+    the capture (the graph object and context stubbed; the stream-capture decision simulated)."""
+    import contextlib
+
+    from transformers import masking_utils
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import truefuse.integrations.cuda_graph as cg
+    from tests.hf.tiny import tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=1, attn_implementation="sdpa")
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    seen = []
+    real = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setitem(
+        ALL_ATTENTION_FUNCTIONS._global_mapping,
+        "sdpa",
+        lambda m, q, k, v, mask, **kw: seen.append(mask) or real(m, q, k, v, mask, **kw),
+    )
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *a, **k: False)  # as 5.17 while capturing
+    monkeypatch.setattr(cg.torch.cuda, "CUDAGraph", _NoGraph)
+    monkeypatch.setattr(cg.torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+
+    def step(x):
+        return model(input_ids=x, labels=x).loss
+
+    step(ids)
+    assert isinstance(seen.pop(), torch.Tensor)  # what a capture got without the eager decision
+    GraphedStep(step, warmup=1)._capture((ids,))
+    assert seen == [None]
+    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is masking_utils.sdpa_mask

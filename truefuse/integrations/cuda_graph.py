@@ -11,6 +11,8 @@ the graph's pool, at stable addresses; the optimizer is built with ``capturable=
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -80,7 +82,7 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         first: list[BaseException] = []
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with _as_eager(), torch.cuda.graph(graph, pool=self.pool):
                 try:
                     self._outputs = self.step(*self._inputs)
                 except BaseException as e:  # keep the step's own error: the capture's end raises another
@@ -110,6 +112,17 @@ class GraphedStep:
                 old.copy_(new)
             elif new != old:
                 raise ValueError(f"input {i}: captured as {old!r}, got {new!r} (a replay cannot change a Python value)")
+
+
+def _as_eager():
+    """What the capture runs under so that libraries decide as in the eager step: transformers'
+    SDPA mask (some versions build the full causal mask while a stream captures, which cost attention
+    2.6-5.8x in a graphed demo step on an H100: ``huggingface/attention_mask.py``)."""
+    if "transformers.masking_utils" not in sys.modules:
+        return contextlib.nullcontext()
+    from truefuse.integrations.huggingface.attention_mask import eager_mask_decisions
+
+    return eager_mask_decisions()
 
 
 def _check_cuda(inputs) -> None:

@@ -11,6 +11,10 @@ batch-invariant attention's kernels 2.6-5.8× longer than eager (H100, the demo'
 step against 20.4; docs/benchmarks.md, "A training step in one CUDA graph"). The bits are the same
 either way (the masked blocks add exact zeros; the graphed step matched eager bit for bit).
 
+The same decision is what :func:`eager_mask_decisions` gives transformers' ``"sdpa"`` models (stock
+and fast mode) while ``graph_step`` captures a step: the captured step then computes what the eager
+step computes.
+
 The skip needs no data: no padding mask, the model's own causal mask function, no sliding or
 chunked window, no static cache's tensor offset, and one query or as many queries as keys (the
 cases transformers itself skips outside capture), not while exporting (where transformers refuses
@@ -19,6 +23,8 @@ it too: an exported graph would keep the flag for other lengths). Every other ca
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from transformers.masking_utils import causal_mask_function, sdpa_mask  # imported by register() only
@@ -55,3 +61,22 @@ def _plain_causal(kw: dict) -> bool:
         return False
     kv_len = kw.get("kv_length")
     return isinstance(q_len, int) and isinstance(kv_len, int) and (q_len == 1 or q_len == kv_len)
+
+
+@contextlib.contextmanager
+def eager_mask_decisions():
+    """For the ``with`` block: transformers' ``"sdpa"`` mask decided by :func:`causal_skip_mask`, as
+    transformers decides it in eager mode (``integrations/cuda_graph.py`` wraps a capture in it). A
+    process-wide registration, restored on exit; nothing done where another mask function than
+    transformers' own is registered for ``"sdpa"``."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    mapping = getattr(AttentionMaskInterface, "_global_mapping", None)
+    if not isinstance(mapping, dict) or mapping.get("sdpa") is not sdpa_mask:
+        yield
+        return
+    mapping["sdpa"] = causal_skip_mask
+    try:
+        yield
+    finally:
+        mapping["sdpa"] = sdpa_mask
