@@ -867,12 +867,6 @@ def main() -> None:
     p.add_argument("--recipes", default="eager,graphed,compiled", help="of eager, static, graphed, compiled")
     p.add_argument("--compile-mode", default="reduce-overhead")
     p.add_argument("--deadline-s", type=float, default=0, help="past this many seconds no new block or round starts (0: none)")
-    p.add_argument(
-        "--sdpa-causal-skip",
-        action="store_true",
-        help="every run's SDPA mask decided as transformers 5.25 does under capture (no full causal mask for an "
-        "unpadded batch; truefuse's attention_mask.causal_skip_mask registered for 'sdpa'): stock's too",
-    )
     args = p.parse_args()
     if args.smoke:
         args.device, args.config, args.recipes = "cpu", "tiny", "eager,static"
@@ -898,12 +892,6 @@ def main() -> None:
         transformers.logging.set_verbosity_error()
     except Exception:  # noqa: BLE001
         pass
-    if args.sdpa_causal_skip:  # docs/cuda_graphs.md, "The causal mask under capture"
-        from transformers.masking_utils import AttentionMaskInterface
-
-        from truefuse.integrations.huggingface.attention_mask import causal_skip_mask
-
-        AttentionMaskInterface.register("sdpa", causal_skip_mask)
     ctx = Ctx(args)
     parts = [x for x in args.parts.split(",") if x]
     for part in parts:
