@@ -56,7 +56,8 @@ def build(patch):
 
 def prepared(name: str, fused: bool):
     """Run ``name``'s model (``+compile``: its decoder layers compiled; ``+adamw``: stepped with
-    ``truefuse.optim.AdamW``, else torch's), AdamW and a batch."""
+    ``truefuse.optim.AdamW``, else torch's; ``+resnorm``: the fused residual add + norm), AdamW and
+    a batch."""
     model = build(_patch(name))
     if "+compile" in name:
         from truefuse.integrations.huggingface import compile_layers
@@ -110,7 +111,8 @@ def _patch(name: str):
     if name.startswith("truefuse"):
         from truefuse.integrations.huggingface import apply_truefuse
 
-        return apply_truefuse
+        # +resnorm: each layer's post-attention add and norm as one op (issue 48.1, opt-in)
+        return (lambda m: apply_truefuse(m, fuse_residual_norm=True)) if "+resnorm" in name else apply_truefuse
     if name.startswith("liger"):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
