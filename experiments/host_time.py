@@ -35,6 +35,7 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -700,7 +701,11 @@ def _triton_version() -> str:
 def _launch_fwd_bwd(calls: int) -> list[str]:
     """``cmd_launch``'s second table: each op's eager forward + backward, host µs a call, stock /
     fast launch off / on (``gpu_host_us`` over ``calls``: few rows, so that each kernel's GPU time
-    stays below its launch's host time)."""
+    stays below its launch's host time). The backward runs on the calling thread
+    (``set_multithreading_enabled(False)``): with the autograd engine's hand-off to its CUDA device
+    thread, one stock expression measured 547.6 and 334.6 µs in two rows of one table (H100,
+    docs/results/bi/launch_host_h100_2026-12-07e.txt). Stock, off and on alternate over 3 rounds,
+    each row's median kept."""
     import torch
     import torch.nn.functional as F
 
@@ -738,13 +743,18 @@ def _launch_fwd_bwd(calls: int) -> list[str]:
 
         return run
 
-    lines = [f"{'fwd+bwd (grad)':<20} {'stock':>8} {'fast off':>9} {'fast on':>8} {'on/off':>7}  (host us a call)"]
-    for name, (stock, ours, inputs) in pairs.items():
-        s = gpu_host_us(fwd_bwd(stock, inputs), calls)
-        with eager_fast_launch(False):
-            off = gpu_host_us(fwd_bwd(ours, inputs), calls)
-        on = gpu_host_us(fwd_bwd(ours, inputs), calls)
-        lines.append(f"{name:<20} {s:8.1f} {off:9.1f} {on:8.1f} {on / off:7.2f}")
+    head = f"{'fwd+bwd (grad)':<20} {'stock':>8} {'fast off':>9} {'fast on':>8} {'on/off':>7} {'on/stock':>9}"
+    lines = [head + "  (host us a call)"]
+    with torch.autograd.set_multithreading_enabled(False):
+        for name, (stock, ours, inputs) in pairs.items():
+            rounds = []
+            for _ in range(3):
+                s = gpu_host_us(fwd_bwd(stock, inputs), calls)
+                with eager_fast_launch(False):
+                    off = gpu_host_us(fwd_bwd(ours, inputs), calls)
+                rounds.append((s, off, gpu_host_us(fwd_bwd(ours, inputs), calls)))
+            s, off, on = (statistics.median(r[i] for r in rounds) for i in range(3))
+            lines.append(f"{name:<20} {s:8.1f} {off:9.1f} {on:8.1f} {on / off:7.2f} {on / s:9.2f}")
     return lines
 
 
