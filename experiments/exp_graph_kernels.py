@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exp_bi_speed as bis  # noqa: E402
 import exp_graphs as eg  # noqa: E402
+from exp_hf_profile import category  # noqa: E402  (the kinds of docs/benchmarks.md's profile tables)
 
 from truefuse.integrations.cuda_graph import graph_step  # noqa: E402
 
@@ -71,6 +72,13 @@ def main() -> None:
         print(f"  {'eager':>8} {'graphed':>8} {'diff':>8}  launches  kernel")
         for k in sorted(set(te) | set(tg), key=lambda k: -abs(tg[k] - te[k]))[: args.top]:
             print(f"  {te[k]:8.2f} {tg[k]:8.2f} {tg[k] - te[k]:+8.2f}  {ne[k]:4.0f}/{ng[k]:<4.0f} {k}")
+        ke, kg = collections.Counter(), collections.Counter()
+        for src, dst in ((te, ke), (tg, kg)):
+            for k, ms in src.items():
+                dst[category(k)] += ms
+        print(f"  {'eager':>8} {'graphed':>8}  by kind")
+        for kind in sorted(set(ke) | set(kg), key=lambda k: -max(ke[k], kg[k])):
+            print(f"  {ke[kind]:8.2f} {kg[kind]:8.2f}  {kind}")
         del model, step, graphed
         torch.cuda.empty_cache()
 
