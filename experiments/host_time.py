@@ -262,8 +262,8 @@ def cmd_kept(args) -> None:
     noop = lambda *a: None  # noqa: E731  a kept launch that launches nothing (the stubbed launches' stand-in)
     for m in mods:
         m.launchable, m.stream = (lambda go: True), (lambda go: 0)
-    gemm_kept._prepared = gated_kept.fwd_prepared = norm_kept.hf_bi_prepared = rope_kept.rope_prepared = lambda *a: noop
-    gated_kept.bwd_prepared = norm_kept.hf_prepared = lambda *a: noop
+    gemm_kept._prepared = gated_kept.fwd_prepared = norm_kept.hf_prepared = rope_kept.rope_prepared = lambda *a: noop
+    gated_kept.bwd_prepared = lambda *a: noop
     attention_kept.prepare = lambda *a, **k: noop
     triton_backend.bi_segments_prepared = lambda *a: noop
     autograd_norm.kernel_statistics = lambda x, bi: bi  # the mode's statistics are the kernel's, as on CUDA

@@ -14,6 +14,7 @@ from truefuse.autograd._eager_op import call
 from truefuse.ops._launch.capture import host_may_wait
 from truefuse.ops._launch.dtensor import refuse_dtensor
 from truefuse.ops._launch.prepared import ToKeep
+from truefuse.ops._launch.triton import raw_stream as _raw_stream
 from truefuse.ops.attention.attention import attention_fwd_op, attention_pytorch_op, use_kernel
 from truefuse.ops.attention.attention_blocked import attention_blocked
 from truefuse.ops.attention.attention_kept import kept_attention, run_and_keep
@@ -124,9 +125,6 @@ def _stream_of(device) -> int | None:
     if device.type != "cuda":
         return None
     return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda i: torch.cuda.current_stream(i).cuda_stream)
 
 
 def _no_mask_first_key(B: int, device) -> torch.Tensor:

@@ -32,7 +32,7 @@ from operator import itemgetter
 import torch
 
 import truefuse.config as _config
-from truefuse.ops._launch.triton import PLAIN_TENSORS
+from truefuse.ops._launch.triton import PLAIN_TENSORS, raw_stream
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ def _setup() -> bool:
         _HOOKS, _runtime, _compilation = HookChain, knobs.runtime, knobs.compilation
         _stages_hook = hasattr(knobs.runtime, "add_stages_inspection_hook")
         _device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-        _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda d: torch.cuda.current_stream(d).cuda_stream)
+        _stream = raw_stream
     except Exception as e:  # an import or a source read that fails: Triton's path, not an error
         log.warning("truefuse: eager fast launch off: %s: %s", type(e).__name__, e)
         return False

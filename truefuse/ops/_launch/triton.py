@@ -15,6 +15,11 @@ def triton_runs(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and get_config().triton_interpret and x.dtype == torch.float32
 
 
+#: ``raw_stream(device_index)``: the current CUDA stream's handle as an int (torch's C call where it
+#: has one: no ``Stream`` object made)
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda d: torch.cuda.current_stream(d).cuda_stream)
+
+
 # Cached in plain dicts, not functools.cache: launchers ask in code torch.compile traces, where
 # Dynamo warns of every lru_cache wrapper it meets ("silent incorrectness") and traces through it;
 # a module dict it reads as a guarded constant (truefuse/config.py's get_config likewise).

@@ -72,13 +72,12 @@ def _linear_key(x, weight, bias, bi: bool) -> tuple | None:
         return None
     if weight.dtype is not x.dtype or (bias is not None and bias.dtype is not x.dtype):
         return None
-    bias_key = None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device())  # the path checks its shape
-    return ("linear", layout(x, x.data_ptr()), layout(weight, weight.data_ptr()), bias_key, plan_settings())
+    return ("linear", layout(x, x.data_ptr()), layout(weight, weight.data_ptr()), _bias_key(bias), plan_settings())
 
 
 def _replay(kept: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``kept``'s launch (a :func:`kept_linear` entry: ``go`` and the output's shape) on ``x`` and
-    ``weight`` into a fresh output, the bias added as the kept runner adds it (split:
+    """``kept``'s launch (an entry: ``go`` and the output's shape) on ``x`` and ``weight`` (or a
+    product's ``a`` and ``b``) into a fresh output, the bias added as the kept runner adds it (split:
     gemm_runners.py); None where it may not launch now."""
     go, shape = kept
     if not launchable(go):
@@ -99,33 +98,30 @@ def kept_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, bi
     through that path (the Linear Function's forward and input gradient)."""
     if not bi or not replayable(a, b, bias):
         return checked_plain_gemm(a, b, bias, a.dtype, bi)
-    return _product(a, b, bias, checked=True)
+    return _product(a, b, bias)
 
 
-def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, *, checked: bool) -> torch.Tensor:
-    """The batch-invariant product through its kept launch, else through its path, keeping its launch
-    (the plain batch-invariant Triton product). ``checked``: the caller checked what
-    ``checked_plain_gemm`` asks; else ``plain_gemm``'s checks run where no launch is kept."""
-    ap, bp = a.data_ptr(), b.data_ptr()
-    bias_key = None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device())  # the path checks its shape
-    key = (layout(a, ap), layout(b, bp), bias_key, plan_settings())
+def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The batch-invariant product through its kept launch, else through its path (the caller
+    checked what ``checked_plain_gemm`` asks), keeping its launch (the plain batch-invariant Triton
+    product)."""
+    key = (layout(a, a.data_ptr()), layout(b, b.data_ptr()), _bias_key(bias), plan_settings())
     kept = _KEPT.get(key)
     if kept.__class__ is tuple:
-        (go,) = kept
-        if launchable(go):
-            out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-            op = out.data_ptr()
-            if not op & 15:  # as kept (the caching allocator's blocks are 512-byte aligned)
-                go(stream(go), ap, bp, op)
-                if bias is not None:  # split, as the kept runner adds it (gemm_runners.py)
-                    out.add_(bias)
-                return out
+        out = _replay(kept, a, b, bias)
+        if out is not None:
+            return out
         kept = 0
-    out = checked_plain_gemm(a, b, bias, a.dtype, True) if checked else plain_gemm(a, b, bias, batch_invariant=True)
+    out = checked_plain_gemm(a, b, bias, a.dtype, True)
     if kept > 0:
         go = _prepared(a, b, out) if out.dtype is a.dtype and runs_bi_triton(a, b, bias is not None) else None
-        _KEPT.put(key, kept, go)
+        _KEPT.put(key, kept, go, out.shape)
     return out
+
+
+def _bias_key(bias: torch.Tensor | None) -> tuple | None:
+    """The bias's part of a key (the path checks its shape)."""
+    return None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device())
 
 
 def clear() -> None:

@@ -274,7 +274,7 @@ def _fwd_launch(
     x, weight, bias, y, mean, rstd, eps, rms, zero_centered_gamma, rstd_in, round_normed, hf_stats, residual, summed, pdl
 ) -> tuple:
     """The forward kernel (the register-row one), grid, arguments and keywords of :func:`norm_fwd`
-    (and :func:`hf_bi_prepared`)."""
+    (and :func:`hf_prepared`)."""
     from truefuse.kernels.norm import _norm_fwd_kernel
 
     M, N = x.shape
@@ -326,24 +326,16 @@ def _fwd_launch(
     return kernel_for(_norm_fwd_kernel, y), (programs,), args, kwargs
 
 
-def hf_bi_prepared(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, eps: float, style: str):
-    """The launch :func:`rms_norm_hf_bi` just made on a contiguous (M, N) ``x`` (M not 0) into ``y``
-    and ``rstd`` (the register-row kernel, RMSNorm's only one), kept whole: ``go(stream, x, weight,
-    y, rstd)`` (addresses), or what ``ops/_launch/prepared.py::prepare`` says instead."""
+def hf_prepared(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, eps: float, style: str, bi: bool):
+    """The launch ``rms_norm_hf`` just made on a contiguous (M, N) ``x`` (M not 0) into ``y``, kept
+    whole: ``go(stream, x, weight, y, rstd)`` (addresses), or what ``ops/_launch/prepared.py::prepare``
+    says instead. ``bi``: :func:`rms_norm_hf_bi`'s, which writes ``rstd`` too; else
+    ``rms_norm_hf_fwd_op``'s, which applies the given ``rstd`` (the register-row kernel either way,
+    RMSNorm's only one)."""
     kernel, grid, args, kwargs = _fwd_launch(
-        x, weight, None, y, None, rstd, eps, rms=True, zero_centered_gamma=style == "gemma", rstd_in=False,
-        round_normed=style == "llama", hf_stats=True, residual=None, summed=None, pdl=hopper(x) and not traced(x),
-    )  # fmt: skip
-    return prepare((x, weight, y, rstd), kernel, grid, *args, **kwargs)
-
-
-def hf_prepared(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, style: str):
-    """The launch ``rms_norm_hf_fwd_op`` just made (``norm_fwd`` applying the given ``rstd``) on a
-    contiguous (M, N) ``x`` (M not 0) into ``y``, kept whole: ``go(stream, x, weight, y, rstd)``
-    (addresses), or what ``ops/_launch/prepared.py::prepare`` says instead."""
-    kernel, grid, args, kwargs = _fwd_launch(
-        x, weight, None, y, None, rstd, 0.0, rms=True, zero_centered_gamma=style == "gemma", rstd_in=True,
-        round_normed=style == "llama", hf_stats=False, residual=None, summed=None, pdl=hopper(x) and not traced(x),
+        x, weight, None, y, None, rstd, eps if bi else 0.0, rms=True, zero_centered_gamma=style == "gemma",
+        rstd_in=not bi, round_normed=style == "llama", hf_stats=bi, residual=None, summed=None,
+        pdl=hopper(x) and not traced(x),
     )  # fmt: skip
     return prepare((x, weight, y, rstd), kernel, grid, *args, **kwargs)
 

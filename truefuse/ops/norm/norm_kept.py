@@ -18,7 +18,7 @@ import torch
 
 from truefuse.config import get_tuning
 from truefuse.ops._launch.prepared import KeptLaunches, ToKeep, launchable, layout, replayable, stream
-from truefuse.ops.norm.norm import hf_bi_prepared, hf_prepared
+from truefuse.ops.norm.norm import hf_prepared
 
 #: ``(go, y's dtype)`` by key
 _KEPT = KeptLaunches()
@@ -74,7 +74,7 @@ def keep(
     and M is not 0."""
     go = None
     if x2.data_ptr() == x.data_ptr() and y2.numel():
-        go = hf_bi_prepared(x2, weight, y2, rstd, eps, style) if bi else hf_prepared(x2, weight, y2, rstd, style)
+        go = hf_prepared(x2, weight, y2, rstd, eps, style, bi)
     _KEPT.keep(pending, go, y2.dtype)
 
 
