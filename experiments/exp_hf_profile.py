@@ -4,7 +4,8 @@ on the demo's GPU model (Llama 16 x 2048, vocabulary 128256, 4 x 2048 tokens, bf
 Each run: 4 warm-up steps, then 3 profiled steps (torch.profiler, CUDA kernels only); kernel time is
 summed by category from the kernel's name. Prints one table, ms per step per category and run.
 ``--runs`` picks them (``<run>+compile``: each decoder layer compiled, ``compile_layers``;
-``<run>+adamw``: ``truefuse.optim.AdamW`` instead of torch's, issue 48.4; Liger runs
+``<run>+adamw``: ``truefuse.optim.AdamW`` instead of torch's, issue 48.4; ``+resnorm``: the fused
+residual add + norm, 48.1; ``+siblings``: q/k/v and gate/up input gradients summed in the GEMMs, 48.5; Liger runs
 last: it patches transformers' Llama module process-wide); ``--fused`` uses torch's fused AdamW (the
 demo's).
 
@@ -111,8 +112,10 @@ def _patch(name: str):
     if name.startswith("truefuse"):
         from truefuse.integrations.huggingface import apply_truefuse
 
-        # +resnorm: each layer's post-attention add and norm as one op (issue 48.1, opt-in)
-        return (lambda m: apply_truefuse(m, fuse_residual_norm=True)) if "+resnorm" in name else apply_truefuse
+        # +resnorm: each layer's post-attention add and norm as one op (issue 48.1, opt-in);
+        # +siblings: q/k/v's and gate/up's input gradient summed in the GEMMs (48.5, opt-in)
+        kw = {"fuse_residual_norm": "+resnorm" in name, "fuse_sibling_grads": "+siblings" in name}
+        return lambda m: apply_truefuse(m, **kw)
     if name.startswith("liger"):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 

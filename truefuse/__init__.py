@@ -16,6 +16,8 @@ Public API (see README.md and docs/design.md):
 * :func:`rms_norm_hf`, :func:`apply_rotary_pos_emb`: transformers' RMSNorm and rotary embedding,
   bit for bit, fused (``truefuse.integrations.huggingface`` patches models with them);
   :func:`add_rms_norm_hf` a decoder layer's residual add and the norm after it (docs/add_norm.md).
+* :func:`sibling_linears` / :func:`sibling_linears_ref`: projections that read one input (q/k/v,
+  gate/up), their input gradient summed inside the GEMMs (docs/sibling_linears.md).
 * :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP`, :class:`GroupedLinear`,
   :class:`GroupedMLP`: modules with fp32 ``main_grad``
   accumulation and delayed weight gradients under one weight-gradient contract (docs/design.md §2).
@@ -28,6 +30,7 @@ from truefuse.autograd.linear_cross_entropy import linear_cross_entropy
 from truefuse.autograd.linear_log_probs import linear_log_probs
 from truefuse.autograd.norm import layer_norm, rms_norm, rms_norm_hf
 from truefuse.autograd.rope import apply_rotary_pos_emb
+from truefuse.autograd.sibling_linears import sibling_linears
 from truefuse.autograd.token_log_probs import token_log_probs
 from truefuse.config import batch_invariant, is_batch_invariant
 from truefuse.nn.grouped import GroupedLinear, GroupedMLP
@@ -39,6 +42,7 @@ from truefuse.nn.norm import RMSNorm
 from truefuse.ops.gated_activation.gated_activation import gated_activation_ref
 from truefuse.ops.gemm.gemm import GemmOutput, gemm, gemm_plan_for, gemm_ref
 from truefuse.ops.gemm.gemm_plan import Capability, GemmPlan, override_capabilities
+from truefuse.ops.gemm.siblings import sibling_linears_ref
 from truefuse.ops.linear import layernorm_linear_ref, layernorm_mlp_ref, linear_ref
 from truefuse.ops.lm_head.linear_cross_entropy import LinearCrossEntropyOutput, linear_cross_entropy_ref
 from truefuse.ops.lm_head.linear_log_probs import LinearLogProbsOutput, linear_log_probs_ref
@@ -88,6 +92,8 @@ __all__ = [
     "override_capabilities",
     "rms_norm",
     "rms_norm_ref",
+    "sibling_linears",
+    "sibling_linears_ref",
     "token_log_probs",
     "token_log_probs_ref",
 ]

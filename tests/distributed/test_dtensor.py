@@ -55,6 +55,7 @@ def _op_cases(mesh=None) -> dict:
         "attention": ("value", lambda: truefuse.attention(q, q, D(q), is_causal=True)),
         "add_rms_norm_hf": ("h", lambda: truefuse.add_rms_norm_hf(x, D(x), x[0])),
         "add_rms_norm": ("residual", lambda: truefuse.add_rms_norm(D(x), x, x[0])),
+        "sibling_linears": ("weights[1]", lambda: truefuse.sibling_linears(x, [W, R(W)])),
         "ops.scale_": ("tensor", lambda: scale_(D(x.clone()), torch.tensor(2.0))),
         "ops.adamw_": (
             "params[0]",

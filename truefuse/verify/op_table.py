@@ -474,6 +474,26 @@ _NO_COMPILE_GROUPED = "no public function: GroupedLinear's and GroupedMLP's samp
 
 OPS: tuple[OpDecl, ...] = (
     OpDecl(
+        name="sibling_linears",
+        stem="siblings",
+        custom_ops={},  # torch's own GEMMs (F.linear, mm, addmm_) in an autograd Function
+        ref="truefuse.ops.gemm.siblings:sibling_linears_ref",
+        verify=("sibling_linears",),
+        inline=False,
+        eager=False,
+        dtensor="refused",
+        # cuBLAS's GEMMs, as stock's F.linear: batch-invariant only where the caller routes them (it does not)
+        batch_invariant="switch-dependent",
+        double_backward="supported",
+        compile=lambda d: [
+            (
+                lambda x, a, b, c: truefuse_attr("sibling_linears")(x, [a, b], [c, None]),
+                tuple(_r(*s, device=d, seed=i, grad=True) for i, s in enumerate([(2, 3, 16), (8, 16), (4, 16), (8,)])),
+                (),
+            )
+        ],
+    ),
+    OpDecl(
         name="gemm",
         stem="gemm",
         custom_ops={

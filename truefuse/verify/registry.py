@@ -21,6 +21,7 @@ CaseFn = Callable[[torch.device], dict[str, Report]]
 #: Modules whose import registers cases, in the order verify runs them.
 CASE_MODULES: tuple[str, ...] = (
     "truefuse.verify.cases_gemm",
+    "truefuse.verify.cases_sibling_linears",
     "truefuse.verify.cases_norm",
     "truefuse.verify.cases_add_norm",
     "truefuse.verify.cases_gated_activation",

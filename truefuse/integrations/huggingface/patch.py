@@ -68,6 +68,7 @@ def apply_truefuse(
     attention: bool | None = None,
     loss_memory: str = "default",
     fuse_residual_norm: bool = False,
+    fuse_sibling_grads: bool = False,
 ) -> PatchReport:
     """Patch an instantiated transformers model in place.
 
@@ -108,6 +109,10 @@ def apply_truefuse(
             bits and speed on a GPU are not measured yet (docs/add_norm.md). Needs ``rms_norm=True``
             and ``stock_norm_bits=True`` (the layer's norm is then ``rms_norm_hf``, whose bits it
             keeps); llama-style layers only (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
+        fuse_sibling_grads: each attention's q/k/v projections and each MLP's gate/up run as one
+            ``truefuse.sibling_linears`` call while training: the stock forward bits and weight
+            gradients, the input gradient summed inside the GEMMs instead of by autograd's adds
+            (``sibling_grads.py``, docs/sibling_linears.md). Off by default: not measured on a GPU yet.
 
     Returns:
         A :class:`PatchReport`. Calling it again on a patched model changes nothing (an experts
@@ -173,6 +178,7 @@ def apply_truefuse(
                 report.left[(stock.__name__, "experts=False")] += 1
     if fuse_residual_norm:
         plan += _residual_norm_plan(model, arch, norm_cls, report)
+    siblings_patch = _siblings_patcher(model, report) if fuse_sibling_grads else None
     expert_patch = _experts_patcher(expert_mods, report, experts_backend) if expert_mods else None
     loss_patch = _loss_patcher(model, arch, linear_cross_entropy, report, loss_memory)
     bi_patch = _bi.patcher(model, report) if batch_invariant else None
@@ -189,7 +195,15 @@ def apply_truefuse(
         bi_patch()
     if attention_patch:
         attention_patch()
+    if siblings_patch:
+        siblings_patch()
     return report
+
+
+def _siblings_patcher(model: torch.nn.Module, report: PatchReport):
+    from truefuse.integrations.huggingface import sibling_grads
+
+    return sibling_grads.plan(model, report)
 
 
 def _residual_norm_plan(model: torch.nn.Module, arch: Architecture, norm_cls: type, report: PatchReport) -> list:
@@ -306,10 +320,11 @@ def _loss_patcher(model: torch.nn.Module, arch: Architecture, wanted: bool, repo
 
 def unpatch_truefuse(model: torch.nn.Module) -> None:
     """Give every patched module of ``model`` (and its forward) the stock code back."""
-    from truefuse.integrations.huggingface import loss
+    from truefuse.integrations.huggingface import loss, sibling_grads
 
     for m in model.modules():
         modules.unpatch(m)
+        sibling_grads.unpatch(m)
     loss.unpatch_loss(model)
     _bi.disable(model)
     if _STOCK_ATTN in model.__dict__:

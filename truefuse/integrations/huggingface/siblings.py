@@ -29,13 +29,19 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def find_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, ...]]:
     """The sibling groups of ``model``: plain ``nn.Linear`` children named as in :data:`GROUPS` of
-    one module (a wrapped one, e.g. a LoRA layer, is left out: its forward is more than the product)."""
+    one module (a wrapped one, e.g. a LoRA layer, is left out: its forward is more than the product;
+    truefuse's own member class, ``sibling_grads.py``'s, counts as plain)."""
+    return [g for _, g in find_groups_in(model)]
+
+
+def find_groups_in(model: torch.nn.Module) -> list[tuple[torch.nn.Module, tuple[torch.nn.Linear, ...]]]:
+    """:func:`find_groups` with each group's parent module: ``(parent, group)``."""
     groups = []
     for module in model.modules():
         for names in GROUPS:
             members = tuple(getattr(module, n, None) for n in names)
-            if all(type(m) is torch.nn.Linear for m in members):
-                groups.append(members)
+            if all(type(m) is torch.nn.Linear or getattr(type(m), "_truefuse_stock", None) is torch.nn.Linear for m in members):
+                groups.append((module, members))
     return groups
 
 

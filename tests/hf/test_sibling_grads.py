@@ -1,0 +1,156 @@
+"""``apply_truefuse(model, fuse_sibling_grads=True)``: each attention's q/k/v and each MLP's gate/up
+as one ``truefuse.sibling_linears`` call while training. The loss is the unfused patched model's
+bit for bit, weight gradients close, and the backward runs three adds over the hidden states fewer
+a decoder layer; no-grad calls, batch-invariant mode, gradient checkpointing, a LoRA model and a
+mismatched call keep the stock path's answer."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("transformers")
+
+from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
+from truefuse.integrations.huggingface import apply_truefuse, sibling_grads, unpatch_truefuse  # noqa: E402
+
+HIDDEN = 32
+
+
+def _ids(seed=1, shape=(2, 6)):
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _pair(model_type="llama", **kw):
+    plain = tiny_model(model_type)
+    fused = copy.deepcopy(plain)
+    apply_truefuse(plain, **kw)
+    report = apply_truefuse(fused, fuse_sibling_grads=True, **kw)
+    return plain, fused, report
+
+
+class _Adds(TorchDispatchMode):
+    """Adds (out of place or in place) over a (batch, seq, hidden) tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in ("add", "add_") and isinstance(args[0], torch.Tensor) and args[0].shape[-1] == HIDDEN and args[0].dim() == 3:
+            self.n[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step(model, ids, count=False):
+    model.zero_grad(set_to_none=True)
+    mode = _Adds()
+    with mode if count else torch.enable_grad():
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, sum(mode.n.values())
+
+
+def _close(ga, gb):
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_loss_bitwise_gradients_close_and_three_adds_fewer_a_layer(model_type):
+    plain, fused, report = _pair(model_type)
+    layers = len(fused.model.layers)
+    how = [(k, n) for k, n in report.replaced.items() if k[1].startswith("truefuse.sibling_linears")]
+    assert sorted(n for _, n in how) == [layers, layers], report
+    la, ga, adds_a = _step(plain, _ids(), count=True)
+    lb, gb, adds_b = _step(fused, _ids(), count=True)
+    assert torch.equal(la, lb)
+    assert adds_a - adds_b == 3 * layers, (adds_a, adds_b)
+    _close(ga, gb)
+    if model_type == "qwen2":  # q/k/v biases: their gradients are torch's own sums of the same output gradients
+        attn = fused.model.layers[-1].self_attn
+        assert attn.q_proj.bias is not None and gb["model.layers.1.self_attn.q_proj.bias"] is not None
+
+
+def test_no_grad_calls_run_f_linear_and_keep_nothing():
+    plain, fused, _ = _pair()
+    with torch.no_grad():
+        a = plain(_ids()).logits
+        b = fused(_ids()).logits
+    assert torch.equal(a, b)
+    members = [m for m in fused.modules() if type(m) is sibling_grads.member_class()]
+    assert members and not any(sibling_grads._KEPT in m.__dict__ for m in members)
+
+
+def test_a_call_that_does_not_match_the_kept_output_runs_its_own_product():
+    _, fused, _ = _pair()
+    attn = fused.model.layers[0].self_attn
+    x = torch.randn(2, 3, HIDDEN, requires_grad=True)
+    q = attn.q_proj(x)  # keeps k and v for x
+    other = torch.randn(2, 3, HIDDEN, requires_grad=True)
+    k = attn.k_proj(other)
+    torch.testing.assert_close(k, torch.nn.functional.linear(other, attn.k_proj.weight), rtol=0, atol=0)
+    with torch.no_grad():
+        x.mul_(2)  # a write since the group's call: v's kept output is stale
+    v = attn.v_proj(x)
+    assert torch.equal(v, torch.nn.functional.linear(x, attn.v_proj.weight))
+    assert q.shape[-1] == attn.q_proj.out_features
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    _, fused, _ = _pair()
+    ref = copy.deepcopy(fused)
+    fused.gradient_checkpointing_enable()
+    fused.train()
+    ref.train()
+    la, ga, _ = _step(ref, _ids())
+    lb, gb, _ = _step(fused, _ids())
+    assert torch.equal(la, lb)
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), n
+
+
+def test_batch_invariant_mode_keeps_its_routed_linears():
+    plain, fused, _ = _pair(batch_invariant=True, linear_cross_entropy=False)
+    with torch.no_grad():
+        assert torch.equal(plain(_ids()).logits, fused(_ids()).logits)
+    la, ga, _ = _step(plain, _ids())
+    lb, gb, _ = _step(fused, _ids())
+    assert torch.equal(la, lb)
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), n  # batch-invariant mode: nothing fused, the same bits
+
+
+def test_lora_after_the_patch_still_fuses_its_base_layers():
+    peft = pytest.importorskip("peft")
+    plain, fused, _ = _pair()
+    cfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    plain = peft.get_peft_model(plain, peft.LoraConfig(**cfg))
+    fused = peft.get_peft_model(fused, peft.LoraConfig(**cfg))
+    fused.load_state_dict(plain.state_dict())
+    la, ga, adds_a = _step(plain, _ids(), count=True)
+    lb, gb, adds_b = _step(fused, _ids(), count=True)
+    assert torch.equal(la, lb)
+    # the first layer's q/k/v input needs no gradient (frozen embedding and norm): nothing to sum there
+    assert adds_a - adds_b == 3 * len(plain.base_model.model.model.layers) - 2, (adds_a, adds_b)
+    _close(ga, gb)
+
+
+def test_unpatch_gives_the_stock_linear_back():
+    _, fused, _ = _pair()
+    unpatch_truefuse(fused)
+    proj = fused.model.layers[0].self_attn.q_proj
+    assert type(proj) is torch.nn.Linear and sibling_grads._GROUP not in proj.__dict__
+
+
+def test_a_second_patch_keeps_one_group_a_module():
+    _, fused, _ = _pair()
+    report = apply_truefuse(fused, fuse_sibling_grads=True)
+    assert sum(n for k, n in report.replaced.items() if k[1].startswith("truefuse.sibling_linears")) == 4
+    _step(fused, _ids())

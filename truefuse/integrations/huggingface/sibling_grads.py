@@ -1,0 +1,107 @@
+"""``apply_truefuse(model, fuse_sibling_grads=True)``: each attention's ``q_proj``/``k_proj``/``v_proj``
+and each MLP's ``gate_proj``/``up_proj`` as one ``truefuse.sibling_linears`` call while training, so
+their input gradient is summed inside the GEMMs instead of by autograd's adds
+(docs/sibling_linears.md; issue 48.5).
+
+Each member ``nn.Linear`` keeps its identity and parameters; its class becomes a subclass whose
+forward, when the group may fuse (a gradient to take, fast mode, plain tensors, eager), computes
+every member's output in one :func:`truefuse.sibling_linears` call and keeps the others' for their
+own calls, which follow with the same input tensor (the stock attention and MLP forwards call
+their members on one ``hidden_states`` / ``x``). A call that does not match the kept output (another
+input, an input or weight written since, another grad or autocast mode) runs ``F.linear`` as
+always, as does every call without a gradient, in batch-invariant mode (whose routed linears and
+decode siblings are ``batch_invariant.py``'s), or under ``torch.compile``. A member wrapped later
+(a PEFT LoRA layer whose ``base_layer`` it becomes) still fuses: the wrapper calls it with its input.
+The forward outputs are the stock calls' bits; so are the weight and bias gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from truefuse.autograd._autocast import autocast_dtype
+from truefuse.autograd._modes import Modes
+from truefuse.autograd.sibling_linears import sibling_linears
+from truefuse.integrations.huggingface import modules
+from truefuse.ops._launch.triton import PLAIN_TENSORS
+
+KIND = "sibling_grads"
+#: a member's group (a tuple of the member modules, itself included) and its kept output
+_GROUP, _KEPT = "_truefuse_siblings", "_truefuse_sibling_kept"
+
+
+def _state(x: torch.Tensor, module: torch.nn.Module) -> tuple:
+    """What a kept output was computed under, beside its input: versions (a write since) and modes."""
+    return x._version, module.weight._version, torch.is_grad_enabled(), autocast_dtype(x.device)
+
+
+def _member_forward(self, input):
+    if torch.compiler.is_compiling():  # Dynamo traces the stock call (and Inductor fuses the adds itself)
+        return F.linear(input, self.weight, self.bias)
+    kept = self.__dict__.pop(_KEPT, None)
+    if kept is not None and kept[0] is input and kept[1] == _state(input, self):
+        return kept[2]
+    group = self.__dict__.get(_GROUP)
+    if group is not None and _fusable(input, group):
+        outs = sibling_linears(input, [m.weight for m in group], [m.bias for m in group])
+        for m, y in zip(group, outs, strict=True):
+            if m is not self:
+                m.__dict__[_KEPT] = (input, _state(input, m), y)
+        return outs[group.index(self)]
+    return F.linear(input, self.weight, self.bias)
+
+
+def member_class() -> type:
+    """The truefuse subclass of ``nn.Linear`` a group's members get."""
+    return modules.truefuse_subclass(torch.nn.Linear, KIND, _member_forward, "Sibling")
+
+
+def _fusable(x: torch.Tensor, group: tuple) -> bool:
+    """Whether the group's call takes a gradient this fusion changes: grad mode on and something to
+    differentiate, fast mode, plain tensors of one dtype and device (after autocast's cast), no
+    functorch transform (whose calls must see each ``F.linear``)."""
+    if not torch.is_grad_enabled() or type(x) not in PLAIN_TENSORS or Modes.now().batch_invariant:
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    cls = member_class()
+    params = [p for m in group for p in (m.weight, m.bias) if p is not None]
+    if not (x.requires_grad or any(p.requires_grad for p in params)):
+        return False
+    dtype = autocast_dtype(x.device)
+    for m in group:
+        if type(m) is not cls or m.weight.dim() != 2 or m.weight.shape[1] != x.shape[-1]:
+            return False
+    for p in params:
+        if type(p) not in PLAIN_TENSORS or p.device != x.device or (dtype is None and p.dtype != x.dtype):
+            return False
+    return True
+
+
+def plan(model: torch.nn.Module, report) -> list:
+    """A ``patch()`` that gives every sibling group's members of ``model`` (``siblings.find_groups_in``:
+    plain ``nn.Linear`` members) the member class and their group; the report counts each group
+    under its parent's class."""
+    from truefuse.integrations.huggingface.siblings import find_groups_in
+
+    cls = member_class()
+    found = find_groups_in(model)
+    groups = [g for _, g in found]
+    for parent, g in found:
+        name = getattr(type(parent), "_truefuse_stock", type(parent)).__name__
+        report.replaced[(name, f"truefuse.sibling_linears ({len(g)} projections: x's gradient summed in the GEMMs)")] += 1
+
+    def patch():
+        for g in groups:
+            for m in g:
+                m.__class__ = cls
+                m.__dict__[_GROUP] = g
+
+    return patch
+
+
+def unpatch(module: torch.nn.Module) -> None:
+    """Drop a member's group and kept output (its class is ``modules.unpatch``'s)."""
+    module.__dict__.pop(_GROUP, None)
+    module.__dict__.pop(_KEPT, None)
