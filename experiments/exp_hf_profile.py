@@ -92,6 +92,16 @@ def profile_run(name: str, fused: bool, steps: int = 3, warmup: int = 4):
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):  # unprofiled: the step's wall time (one run after another, not round-robin)
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / steps
+    # MFU as exp_graphs.py's: (6 N T + 6 L S d T) / (t * 989.5 TFLOP/s), N less the input embedding
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    mfu = 100 * (6 * n * ids.numel() + 6 * 16 * 2048 * 2048 * ids.numel()) / (wall * 1e-3) / 989.5e12
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -105,6 +115,8 @@ def profile_run(name: str, fused: bool, steps: int = 3, warmup: int = 4):
         per[category(e.key)] += t
         top[e.key[:70]] += t
     release(model, opt)
+    per["step (wall)"] = wall
+    per["MFU %"] = mfu
     return per, top
 
 
@@ -141,13 +153,22 @@ def main() -> None:
     p.add_argument("--fused", action="store_true", help="torch's fused AdamW (the demo's)")
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
-    results = {n: profile_run(n, args.fused) for n in run_names(args.runs)}
+    results = {}
+    for n in run_names(args.runs):
+        try:
+            results[n] = profile_run(n, args.fused)
+        except Exception as e:  # one run's failure leaves the others' table
+            print(f"{n}: {type(e).__name__}: {e}", flush=True)
+            torch.cuda.empty_cache()
     cats = [c for c, _ in CATEGORIES] + ["other"]
     w = max(12, *(len(n) + 2 for n in results))
     print(f"{'ms / step':<16}" + "".join(f"{n:>{w}}" for n in results))
     for c in cats:
         print(f"{c:<16}" + "".join(f"{results[n][0][c]:>{w}.2f}" for n in results))
-    print(f"{'total':<16}" + "".join(f"{sum(results[n][0].values()):>{w}.2f}" for n in results))
+    total = {n: sum(v for c, v in results[n][0].items() if c not in ("step (wall)", "MFU %")) for n in results}
+    print(f"{'total':<16}" + "".join(f"{total[n]:>{w}.2f}" for n in results))
+    for row in ("step (wall)", "MFU %"):
+        print(f"{row:<16}" + "".join(f"{results[n][0][row]:>{w}.2f}" for n in results))
     for n, (_, top) in results.items():
         print(f"\n{n}: top kernels (ms / step)")
         for k, t in top.most_common(args.top):
