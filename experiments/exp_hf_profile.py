@@ -5,7 +5,8 @@ Each run: 4 warm-up steps, then 3 profiled steps (torch.profiler, CUDA kernels o
 summed by category from the kernel's name. Prints one table, ms per step per category and run.
 ``--runs`` picks them (``<run>+compile``: each decoder layer compiled, ``compile_layers``;
 ``<run>+adamw``: ``truefuse.optim.AdamW`` instead of torch's, issue 48.4; ``+resnorm``: the fused
-residual add + norm, 48.1; ``+siblings``: q/k/v and gate/up input gradients summed in the GEMMs, 48.5; Liger runs
+residual add + norm, 48.1; ``+siblings``: q/k/v and gate/up input gradients summed in the GEMMs, 48.5;
+``+bi``: batch-invariant mode, 48.6; Liger runs
 last: it patches transformers' Llama module process-wide); ``--fused`` uses torch's fused AdamW (the
 demo's).
 
@@ -126,7 +127,9 @@ def _patch(name: str):
 
         # +resnorm: each layer's post-attention add and norm as one op (issue 48.1, opt-in);
         # +siblings: q/k/v's and gate/up's input gradient summed in the GEMMs (48.5, opt-in)
-        kw = {"fuse_residual_norm": "+resnorm" in name, "fuse_sibling_grads": "+siblings" in name}
+        # +bi: batch-invariant mode (48.6: its GEMMs against fast mode's, by kind)
+        flags = {"fuse_residual_norm": "+resnorm", "fuse_sibling_grads": "+siblings", "batch_invariant": "+bi"}
+        kw = {k: tag in name for k, tag in flags.items()}
         return lambda m: apply_truefuse(m, **kw)
     if name.startswith("liger"):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
