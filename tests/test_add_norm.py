@@ -31,7 +31,7 @@ def _kernel_dtype(device) -> torch.dtype:
 
 def test_registered_cases(device):
     cases = all_cases(["add_rms_norm_hf"], device.type)
-    assert len(cases) == 18
+    assert len(cases) == 30
     for case in cases:
         for k, rep in case.fn(device).items():
             assert rep.passed, f"{case.name}/{k}: {rep}"
@@ -217,3 +217,69 @@ def test_batch_invariant_mode_keeps_the_norms_bits(device):
     assert_bitwise(sampler, want, "no grad")
     assert_bitwise(trainer.detach(), want, "with grad")
     assert_bitwise(summed.detach(), r + h, "summed")
+
+
+# ``residual=None``: a layer's first norm, the residual stream passing through the norm's node
+
+
+class _Adds(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.n = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("add", "add_") and tuple(args[0].shape) == self.shape:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_no_residual_is_the_norm_and_the_stream_through_one_node(style, device):
+    """The forward: ``rms_norm_hf``'s bits and ``h`` itself (a view of it); the backward: the
+    stream's gradient added inside the norm's kernel (no add over h's shape, autograd's unfused
+    path runs one), the gradients bounded against float64 with the stock expression the baseline."""
+    dtype = _kernel_dtype(device)
+    _, h, w = _inputs(dtype=dtype, device=device, style=style)
+    zc = style == "gemma"
+    hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
+    normed, summed = truefuse.add_rms_norm_hf(None, hl, wl, 1e-6, style=style)
+    assert_bitwise(normed, truefuse.rms_norm_hf(h, w, 1e-6, style=style), "normed")
+    assert summed._base is hl and torch.equal(summed, hl)
+    g = torch.Generator().manual_seed(2)
+    dn, ds = (torch.randn(h.shape, generator=g).to(device, dtype) for _ in range(2))
+    counts = []
+    for f in (
+        lambda h, w: truefuse.add_rms_norm_hf(None, h, w, 1e-6, style=style),
+        lambda h, w: (truefuse.rms_norm_hf(h, w, 1e-6, style=style), h),
+    ):
+        leaves = [t.clone().requires_grad_() for t in (h, w)]
+        outs = f(*leaves)
+        with _Adds(h.shape) as mode:
+            got = torch.autograd.grad(outs, leaves, (dn, ds))
+        counts.append(mode.n)
+    assert counts == [0, 1], counts
+    leaves = [t.clone().requires_grad_() for t in (h, w)]
+    base = torch.autograd.grad(add_rms_norm_hf_ref(None, *leaves, 1e-6, style=style), leaves, (dn, ds))
+    leaves64 = [t.detach().cpu().double().requires_grad_() for t in (h, w)]
+    ref = torch.autograd.grad(
+        (rms_norm_ref(leaves64[0], leaves64[1], 1e-6, zero_centered_gamma=zc), leaves64[0]),
+        leaves64,
+        (dn.cpu().double(), ds.cpu().double()),
+    )
+    leaves = [t.clone().requires_grad_() for t in (h, w)]
+    got = torch.autograd.grad(truefuse.add_rms_norm_hf(None, *leaves, 1e-6, style=style), leaves, (dn, ds))
+    for name, a, b, c in zip(("d_h", "d_weight"), got, base, ref, strict=True):
+        assert_bounded(a, c.to(a.device), b, name)
+
+
+def test_no_residual_with_only_the_stream_used_and_twice_differentiated(device):
+    dtype = _kernel_dtype(device)
+    _, h, w = _inputs(dtype=dtype, device=device)
+    hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
+    _, summed = truefuse.add_rms_norm_hf(None, hl, wl, 1e-6)
+    dh, dw = torch.autograd.grad(summed.sum(), (hl, wl), allow_unused=True)
+    assert torch.equal(dh, torch.ones_like(h)) and dw is None
+    normed, _ = truefuse.add_rms_norm_hf(None, hl, wl, 1e-6)
+    (g,) = torch.autograd.grad(normed.square().sum(), hl, create_graph=True)
+    with pytest.raises(RuntimeError, match="add_rms_norm_hf"):
+        g.sum().backward()

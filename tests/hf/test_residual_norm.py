@@ -73,7 +73,7 @@ def test_fused_model_with_the_loss_and_checkpointing():
         enable()
         m.train()
         calls = []
-        m.model.layers[0].input_layernorm.register_forward_hook(lambda *a, calls=calls: calls.append(1))
+        m.model.layers[0].self_attn.register_forward_hook(lambda *a, calls=calls: calls.append(1))
         labels = _ids(2)
         labels[0, :2] = -100
         runs.append(_step(m, _ids(), labels)[1:])
@@ -155,3 +155,40 @@ def test_fused_model_forward_is_the_unfused_bits_cuda():
     for name in ga:
         scale = ga[name].abs().max().float()
         assert (ga[name].float() - gb[name].float()).abs().max() <= 0.02 * scale, name
+
+
+class _Adds(torch.utils._python_dispatch.TorchDispatchMode):
+    """Adds over a (batch, seq, hidden) tensor."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.hidden, self.n = hidden, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        a = args[0] if args else None
+        if func.__name__.split(".")[0] in ("add", "add_") and isinstance(a, torch.Tensor) and a.dim() == 3:
+            self.n += a.shape[-1] == self.hidden
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_layer_runs_three_adds_fewer_and_hooked_norms_still_run():
+    """Three of the unfused step's adds over the hidden states a layer: the post-attention add
+    (forward) and both norms' residual-gradient adds (backward; the first norm's through
+    ``add_rms_norm_hf(None, ...)``). A hook on a norm module keeps its module call (and the unfused
+    statements)."""
+    unfused, fused, _ = _pair("llama", linear_cross_entropy=False)
+    counts = []
+    for m in (unfused, fused):
+        mode = _Adds(m.config.hidden_size)
+        with tuning(hf_norm_stock_numel=1), mode:
+            _step(m, _ids(), None)
+        counts.append(mode.n)
+    layers = len(fused.model.layers)
+    assert counts[0] - counts[1] == 3 * layers, counts  # forward: 1 a layer; backward: 2
+    calls = []
+    fused.model.layers[1].input_layernorm.register_forward_hook(lambda *a: calls.append("input"))
+    fused.model.layers[1].post_attention_layernorm.register_forward_pre_hook(lambda *a: calls.append("post"))
+    with tuning(hf_norm_stock_numel=1):
+        la, lb = _step(unfused, _ids(), None)[0], _step(fused, _ids(), None)[0]
+    assert calls == ["input", "post"]
+    assert torch.equal(la, lb)

@@ -6,12 +6,28 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.autograd._double_backward import refuses_double_backward
 from truefuse.autograd._eager_op import call
 from truefuse.autograd._modes import Modes
-from truefuse.autograd.norm import _check, _stock_cheaper
+from truefuse.autograd.norm import _check, _differentiated, _stock_cheaper, rms_norm_hf
 from truefuse.ops._launch.dtensor import refuse_dtensor
-from truefuse.ops.norm.add_norm import add_rms_norm_fwd_op, add_rms_norm_hf_fwd_op, add_rms_norm_hf_ref, add_rms_norm_ref
-from truefuse.ops.norm.norm import HF_NORM_STYLES, kernel_statistics, rms_norm_hf_pytorch_op, use_kernel
+from truefuse.ops._launch.triton import PLAIN_TENSORS
+from truefuse.ops.norm.add_norm import (
+    REF,
+    add_rms_norm_bwd_op,
+    add_rms_norm_fwd_op,
+    add_rms_norm_hf_fwd_op,
+    add_rms_norm_hf_ref,
+    add_rms_norm_ref,
+)
+from truefuse.ops.norm.norm import (
+    HF_NORM_STYLES,
+    hf_statistics,
+    kernel_statistics,
+    rms_norm_hf_fwd_op,
+    rms_norm_hf_pytorch_op,
+    use_kernel,
+)
 
 
 def _check_residual(residual, h, name: str = "h") -> None:
@@ -41,8 +57,13 @@ def add_rms_norm_hf(
     rounding, returned as the gradient of both ``residual`` and ``h`` (the same tensor, as
     autograd's add returns); the weight gradient summed from per-program partials (deterministic).
 
+    ``residual=None`` is a layer's first norm (``residual = h; h = norm(h)``): ``summed`` is ``h``
+    itself, returned through the norm's node, so the residual stream's gradient is added inside the
+    norm's backward kernel rather than by autograd's add (the forward is ``rms_norm_hf``'s).
+
     Args:
-        residual, h: (..., H), fp16 / bf16 / fp32, the same shape, dtype and device.
+        residual, h: (..., H), fp16 / bf16 / fp32, the same shape, dtype and device; ``residual``
+            may be None (above).
         weight: (H,), the norm's weight. eps: its ``variance_epsilon`` / ``eps``.
         style: ``llama`` or ``gemma`` (``ops.norm.norm.HF_NORM_STYLES``).
 
@@ -53,12 +74,15 @@ def add_rms_norm_hf(
     """
     _check(h, {"weight": weight}, eps, name="h")
     refuse_dtensor("add_rms_norm_hf", residual=residual, h=h, weight=weight)
-    _check_residual(residual, h)
+    if residual is not None:
+        _check_residual(residual, h)
     if style not in HF_NORM_STYLES:
         raise ValueError(f"style must be one of {HF_NORM_STYLES}, got {style!r}")
     if weight is None:
         raise ValueError("weight must be a tensor: the stock modules always scale")
     bi = Modes.now().batch_invariant  # read once: which statistics, for the whole call
+    if residual is None:
+        return _norm_keeping(h, weight, eps, style, bi)
     if bi and not h.is_cuda and torch.compiler.is_compiling():
         summed = residual + h  # the norm's PyTorch path as one opaque op, as rms_norm_hf's: eager's bits
         return rms_norm_hf_pytorch_op(summed, weight, float(eps), style), summed
@@ -70,6 +94,43 @@ def add_rms_norm_hf(
     kernel_stats = kernel_statistics(h, bi)
     normed, summed, _ = call(add_rms_norm_hf_fwd_op, r2, h2, weight, float(eps), style, kernel_stats)
     return normed.view(h.shape), summed.view(h.shape)
+
+
+def _norm_keeping(h, weight, eps, style: str, bi: bool):
+    """``add_rms_norm_hf(None, h, ...)``: the norm's node returns ``h`` too where a kernel backward
+    can take its gradient (eager, plain tensors, a gradient to take); else ``rms_norm_hf`` and ``h``
+    (autograd adds the two gradients, Inductor fuses that add under torch.compile)."""
+    plain = type(h) in PLAIN_TENSORS and type(weight) in PLAIN_TENSORS
+    if not (plain and _differentiated(h, weight) and use_kernel(h)) or torch.compiler.is_compiling():
+        return rms_norm_hf(h, weight, eps, style=style), h
+    return _NormKeeping.apply(h, weight, float(eps), style, bi)
+
+
+class _NormKeeping(torch.autograd.Function):
+    """``(rms_norm_hf(h), h)`` with one backward kernel for both: ``add_rms_norm_bwd``'s, the
+    residual stream's gradient added to dx before its one rounding. The forward is
+    ``rms_norm_hf``'s (its statistics, then ``rms_norm_hf_fwd_op`` applying them: the same bits)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, eps, style, bi):
+        h2 = h.reshape(-1, h.shape[-1]).contiguous()
+        rstd = hf_statistics(h2, weight, eps, style, bi)
+        normed = rms_norm_hf_fwd_op.body(h2, weight, rstd, style)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for an output nothing used
+        ctx.save_for_backward(h2, weight, rstd)
+        ctx.zero_centered_gamma = style == "gemma"
+        return normed.view(*h.shape[:-1], normed.shape[-1]), h  # h itself: autograd makes it this node's view
+
+    @staticmethod
+    @refuses_double_backward("add_rms_norm_hf", REF)
+    def backward(ctx, d_normed, d_summed):
+        h2, weight, rstd = ctx.saved_tensors
+        if d_normed is None:  # only the residual stream was used
+            return d_summed, None, None, None, None
+        shape = d_normed.shape
+        d_res = None if d_summed is None else d_summed.reshape(h2.shape)
+        d, dw = add_rms_norm_bwd_op.body(d_normed.reshape(h2.shape), d_res, h2, weight, rstd, ctx.zero_centered_gamma)
+        return d.view(shape), dw, None, None, None
 
 
 def add_rms_norm(

@@ -90,11 +90,43 @@ def _bwd_case(style: str, dtype):
     return case
 
 
+def _keep_fwd_case(style: str, dtype):
+    """``residual=None`` (a layer's first norm) with a gradient to take (the one-node path): normed
+    ``rms_norm_hf``'s bits, summed ``h``'s."""
+
+    def case(device):
+        _, h, w = _inputs(style, dtype, device)
+        hl = h.clone().requires_grad_()
+        normed, summed = add_rms_norm_hf(None, hl, w, _EPS, style=style)
+        return {
+            "normed": bitwise_report(normed.detach(), rms_norm_hf(h, w, _EPS, style=style)),
+            "summed": bitwise_report(summed.detach(), h),
+        }
+
+    return case
+
+
+def _keep_bwd_case(style: str, dtype):
+    def case(device):
+        _, h, w = _inputs(style, dtype, device)
+        zc = style == "gemma"
+        return fwd_bwd_reports(
+            lambda h, w: _pack(*add_rms_norm_hf(None, h, w, _EPS, style=style)),
+            lambda h, w: _pack(rms_norm_ref(h, w, _EPS, zero_centered_gamma=zc), h),
+            lambda h, w: _pack(*add_rms_norm_hf_ref(None, h, w, _EPS, style=style)),
+            {"h": h, "weight": w},
+        )
+
+    return case
+
+
 for _dn, _dt in _DTYPES.items():
     for _style in HF_NORM_STYLES:
         register("add_rms_norm_hf", f"fwd_{_style}_{_dn}", "bitwise")(_fwd_case(_style, _dt))
         register("add_rms_norm_hf", f"fwd_batch_invariant_{_style}_{_dn}", "bitwise")(_bi_case(_style, _dt))
         register("add_rms_norm_hf", f"fwd_bwd_{_style}_{_dn}", "bounded")(_bwd_case(_style, _dt))
+        register("add_rms_norm_hf", f"fwd_no_residual_{_style}_{_dn}", "bitwise")(_keep_fwd_case(_style, _dt))
+        register("add_rms_norm_hf", f"fwd_bwd_no_residual_{_style}_{_dn}", "bounded")(_keep_bwd_case(_style, _dt))
 
 
 # truefuse's own rounding: the sum torch's add, the normed rows truefuse.rms_norm's of it, bit for bit

@@ -105,7 +105,8 @@ def apply_truefuse(
             runs the default path.
         fuse_residual_norm: each decoder layer's post-attention residual add and
             ``post_attention_layernorm`` run as one ``truefuse.add_rms_norm_hf`` (the stock bits
-            forward, one backward kernel; ``residual_norm.py``). Off by default: its kernels' bf16
+            forward, one backward kernel), and its ``input_layernorm`` adds the residual stream's
+            gradient in its backward kernel (``residual_norm.py``). Off by default: its kernels' bf16
             bits and speed on a GPU are not measured yet (docs/add_norm.md). Needs ``rms_norm=True``
             and ``stock_norm_bits=True`` (the layer's norm is then ``rms_norm_hf``, whose bits it
             keeps); llama-style layers only (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral).

@@ -39,12 +39,14 @@ def add_rms_norm_hf_ref(
     inputs' dtype) and ``normed = rms_norm_hf_ref(summed, weight, eps, style=style)``.
 
     Args:
-        residual, h: (..., H), the same shape and dtype. weight: (H,). style: ``llama`` / ``gemma``.
+        residual, h: (..., H), the same shape and dtype; ``residual`` None for a layer's first
+            norm, whose input is the residual stream itself (``summed`` is then ``h``).
+        weight: (H,). style: ``llama`` / ``gemma``.
 
     Returns:
         ``(normed, summed)``: normed in ``rms_norm_hf_ref``'s dtype, summed in the inputs'.
     """
-    summed = residual + h
+    summed = h if residual is None else residual + h
     return rms_norm_hf_ref(summed, weight, eps, style=style), summed
 
 
