@@ -346,3 +346,25 @@ def test_cuda_graphs_capture_is_an_untimed_step(monkeypatch, cache_dir):
     result = run_demo(cfg, {}, cache_dir=str(cache_dir), quiet=True)
     assert captures and captures[0] < cfg.timing_warmup, f"captured at step {captures}, timed from {cfg.timing_warmup}"
     assert len(result.runs[0].step_s) == cfg.steps
+
+
+def test_fusions_run_keeps_stocks_curve(cache_dir):
+    """``--fusions``: truefuse with the residual add + norm and sibling-projection fusions and
+    truefuse's AdamW, its curve stock's within the demo's tolerance (fp32 on the CPU)."""
+    from truefuse.demo import cli
+    from truefuse.demo import train as demo_train
+    from truefuse.integrations.huggingface import sibling_grads
+
+    cfg = make_config("cpu", device="cpu", **{**TINY, "steps": 3})
+    seen = []
+
+    def fused(model):
+        report = cli._apply_truefuse_fusions(model)
+        seen.append(sum(1 for m in model.modules() if type(m) is sibling_grads.member_class()))
+        return report
+
+    fused.optimizer = cli._apply_truefuse_fusions.optimizer
+    result = demo_train.run_demo(cfg, {"truefuse fused": fused}, cache_dir=str(cache_dir), quiet=True)
+    stock, ours = result.runs
+    assert seen and seen[0] == 5 * cfg.layers  # q/k/v and gate/up of every layer
+    assert max(abs(a - b) for a, b in zip(stock.losses, ours.losses, strict=True)) <= cfg.tol

@@ -48,6 +48,17 @@ def _apply_truefuse_adamw(model):
 _apply_truefuse_adamw.optimizer = "truefuse"  # read by train.py's Trainer
 
 
+def _apply_truefuse_fusions(model):
+    """``apply_truefuse`` with issue 48's opt-in fusions (the residual add + norm, the sibling
+    projections' input gradient in the GEMMs), stepping with ``truefuse.optim.AdamW``."""
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    return apply_truefuse(model, fuse_residual_norm=True, fuse_sibling_grads=True)
+
+
+_apply_truefuse_fusions.optimizer = "truefuse"
+
+
 def stock_again(model):
     """The yardstick run: stock again, nothing patched (how far stock is from itself)."""
     return "nothing: stock run a second time (the yardstick of the loss columns)"
@@ -131,6 +142,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="add a run of truefuse stepping with truefuse.optim.AdamW instead of torch's fused AdamW (docs/optim.md)",
     )
     p.add_argument(
+        "--fusions",
+        action="store_true",
+        help="add a run of truefuse with the opt-in fusions (fuse_residual_norm, fuse_sibling_grads) and "
+        "truefuse.optim.AdamW (docs/add_norm.md, docs/sibling_linears.md)",
+    )
+    p.add_argument(
         "--batch-invariant",
         action="store_true",
         help="add a run of truefuse in batch-invariant mode, and stock run twice (how far stock is from itself)",
@@ -201,6 +218,8 @@ def main(args: argparse.Namespace) -> int:
         return _fail(f"truefuse.integrations.huggingface.apply_truefuse is not importable here ({e})")
     if getattr(args, "truefuse_adamw", False):
         peers["truefuse adamw"] = _apply_truefuse_adamw
+    if getattr(args, "fusions", False):
+        peers["truefuse fused"] = _apply_truefuse_fusions
     if getattr(args, "batch_invariant", False):
         peers["stock again"] = stock_again
         peers["truefuse BI"] = truefuse_bi_patch()
