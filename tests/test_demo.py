@@ -348,6 +348,26 @@ def test_cuda_graphs_capture_is_an_untimed_step(monkeypatch, cache_dir):
     assert len(result.runs[0].step_s) == cfg.steps
 
 
+def test_cli_adds_the_fusions_run(monkeypatch):
+    from truefuse.demo import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "truefuse_patch", lambda: identity)
+
+    def fake_run_demo(cfg, peers, apart=(), **kw):
+        seen.update(peers=peers)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("truefuse.demo.train.run_demo", fake_run_demo)
+    from truefuse.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--device", "cpu", "--fusions", "--steps", "1", "--quiet"])
+    assert list(seen["peers"]) == ["truefuse", "truefuse fused"]
+    assert seen["peers"]["truefuse fused"].optimizer == "truefuse"
+
+
+@pytest.mark.slow  # ~20 s on CI's 2 cores: the fusions' own tests are tests/hf/test_sibling_grads.py, test_residual_norm.py
 def test_fusions_run_keeps_stocks_curve(cache_dir):
     """``--fusions``: truefuse with the residual add + norm and sibling-projection fusions and
     truefuse's AdamW, its curve stock's within the demo's tolerance (fp32 on the CPU)."""
