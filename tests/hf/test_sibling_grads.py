@@ -154,3 +154,35 @@ def test_a_second_patch_keeps_one_group_a_module():
     report = apply_truefuse(fused, fuse_sibling_grads=True)
     assert sum(n for k, n in report.replaced.items() if k[1].startswith("truefuse.sibling_linears")) == 4
     _step(fused, _ids())
+
+
+def test_compiled_backward_sums_in_the_gemm_and_keeps_nothing():
+    """Under torch.compile (fullgraph, AOT autograd): the MLP's backward graph has an ``addmm``
+    where the unfused one has an ``add``, the gradients are eager's, and no output stays kept."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
+    ops = {}
+    for fuse in (False, True):
+        model = tiny_model("llama")
+        apply_truefuse(model, fuse_sibling_grads=fuse)
+        mlp = model.model.layers[0].mlp
+        x = torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        eager = torch.autograd.grad(mlp(x).square().sum(), [x, mlp.gate_proj.weight])
+        graphs.clear()
+        torch._dynamo.reset()
+        y = torch.compile(mlp, backend=backend, fullgraph=True)(x)
+        got = torch.autograd.grad(y.square().sum(), [x, mlp.gate_proj.weight])
+        for a, b in zip(got, eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        ops[fuse] = collections.Counter(str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function")
+        assert getattr(mlp.up_proj, sibling_grads._KEPT, None) is None
+    assert ops[False]["aten.add.Tensor"] == 1 and ops[False]["aten.addmm.default"] == 0, ops[False]
+    assert ops[True]["aten.add.Tensor"] == 0 and ops[True]["aten.addmm.default"] == 1, ops[True]

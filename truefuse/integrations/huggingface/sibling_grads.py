@@ -9,8 +9,10 @@ every member's output in one :func:`truefuse.sibling_linears` call and keeps the
 own calls, which follow with the same input tensor (the stock attention and MLP forwards call
 their members on one ``hidden_states`` / ``x``). A call that does not match the kept output (another
 input, an input or weight written since, another grad or autocast mode) runs ``F.linear`` as
-always, as does every call without a gradient, in batch-invariant mode (whose routed linears and
-decode siblings are ``batch_invariant.py``'s), or under ``torch.compile``. A member wrapped later
+always, as does every call without a gradient and in batch-invariant mode (whose routed linears
+and decode siblings are ``batch_invariant.py``'s). Under ``torch.compile`` (``compile_layers``)
+Dynamo traces the same group call: the compiled backward holds an ``addmm`` where autograd's
+graph held an ``add`` (tests/hf/test_sibling_grads.py). A member wrapped later
 (a PEFT LoRA layer whose ``base_layer`` it becomes) still fuses: the wrapper calls it with its input.
 The forward outputs are the stock calls' bits; so are the weight and bias gradients.
 """
@@ -37,17 +39,21 @@ def _state(x: torch.Tensor, module: torch.nn.Module) -> tuple:
 
 
 def _member_forward(self, input):
-    if torch.compiler.is_compiling():  # Dynamo traces the stock call (and Inductor fuses the adds itself)
-        return F.linear(input, self.weight, self.bias)
-    kept = self.__dict__.pop(_KEPT, None)
-    if kept is not None and kept[0] is input and kept[1] == _state(input, self):
-        return kept[2]
-    group = self.__dict__.get(_GROUP)
-    if group is not None and _fusable(input, group):
+    # eager: a kept output serves the call it was kept for, checked by identity, versions and modes;
+    # while Dynamo traces the layer it is a traced tensor of the same graph (put and taken within one
+    # trace: the identity is the check, and the attribute holds None again once the graph has run)
+    compiling = torch.compiler.is_compiling()
+    kept = getattr(self, _KEPT, None)
+    if kept is not None:
+        setattr(self, _KEPT, None)
+        if kept[0] is input and kept[1] == (None if compiling else _state(input, self)):
+            return kept[2]
+    group = getattr(self, _GROUP, None)
+    if group is not None and _fusable(input, group, compiling):
         outs = sibling_linears(input, [m.weight for m in group], [m.bias for m in group])
         for m, y in zip(group, outs, strict=True):
             if m is not self:
-                m.__dict__[_KEPT] = (input, _state(input, m), y)
+                setattr(m, _KEPT, (input, None if compiling else _state(input, m), y))
         return outs[group.index(self)]
     return F.linear(input, self.weight, self.bias)
 
@@ -57,13 +63,13 @@ def member_class() -> type:
     return modules.truefuse_subclass(torch.nn.Linear, KIND, _member_forward, "Sibling")
 
 
-def _fusable(x: torch.Tensor, group: tuple) -> bool:
+def _fusable(x: torch.Tensor, group: tuple, compiling: bool) -> bool:
     """Whether the group's call takes a gradient this fusion changes: grad mode on and something to
     differentiate, fast mode, plain tensors of one dtype and device (after autocast's cast), no
-    functorch transform (whose calls must see each ``F.linear``)."""
+    functorch transform in eager (whose calls must see each ``F.linear``)."""
     if not torch.is_grad_enabled() or type(x) not in PLAIN_TENSORS or Modes.now().batch_invariant:
         return False
-    if torch._C._are_functorch_transforms_active():
+    if not compiling and torch._C._are_functorch_transforms_active():
         return False
     cls = member_class()
     params = [p for m in group for p in (m.weight, m.bias) if p is not None]
