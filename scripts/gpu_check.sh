@@ -17,7 +17,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-BENCHES="${BENCHES-gemm linear rms_norm grouped linear_cross_entropy linear_log_probs adamw}"  # BENCHES="" runs none
+BENCHES="${BENCHES-gemm linear rms_norm grouped linear_cross_entropy linear_log_probs adamw sibling_linears}"  # BENCHES="" runs none
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"

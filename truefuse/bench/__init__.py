@@ -18,6 +18,7 @@ BENCHES = {
     "linear_log_probs": "truefuse.bench.bench_linear_log_probs",
     "attention": "truefuse.bench.bench_attention",
     "adamw": "truefuse.bench.bench_adamw",
+    "sibling_linears": "truefuse.bench.bench_sibling_linears",
 }
 
 
