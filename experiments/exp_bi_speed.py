@@ -80,6 +80,9 @@ def variant(base, name: str):
     m = copy.deepcopy(base)
     if name == "truefuse":
         apply_truefuse(m)
+    elif name == "truefuse fused":  # issue 48's opt-in fusions; exp_graphs steps it with truefuse.optim.AdamW
+        apply_truefuse(m, fuse_residual_norm=True, fuse_sibling_grads=True)
+        m._exp_truefuse_adamw = True
     elif name.startswith("truefuse BI"):
         apply_truefuse(m, batch_invariant=True)  # attention on truefuse.attention too
         if name == "truefuse BI 1by1":

@@ -99,7 +99,7 @@ CONFIGS = {
     "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256, batch=2, seq=64),
 }
 PEAK_TFLOPS = 989.5  # H100 / H200 SXM, dense bf16
-TRAIN_VARIANTS = ("stock", "truefuse", "truefuse BI", "liger", "liger nolce")
+TRAIN_VARIANTS = ("stock", "truefuse", "truefuse fused", "truefuse BI", "liger", "liger nolce")
 GEN_VARIANTS = ("stock", "truefuse", "truefuse BI")
 LIGER = ("liger", "liger nolce")
 T0 = time.perf_counter()
@@ -220,7 +220,12 @@ def make_step(model, ctx: Ctx):
     """docs/cuda_graphs.md's step, eager or to capture: the same function either way."""
     params = [p for p in model.parameters() if p.requires_grad]
     lr = torch.tensor(3e-4, device=ctx.device) if ctx.cuda else 3e-4  # a tensor: a replay reads it
-    opt = torch.optim.AdamW(params, lr=lr, fused=True, capturable=ctx.cuda)
+    if getattr(model, "_exp_truefuse_adamw", False):  # "truefuse fused" (exp_bi_speed.variant): always capturable
+        from truefuse.optim import AdamW
+
+        opt = AdamW(params, lr=lr)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr, fused=True, capturable=ctx.cuda)
 
     def step(ids):
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
