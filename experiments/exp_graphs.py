@@ -289,7 +289,7 @@ def train_bits(ctx: Ctx, base, names, batches, blockers) -> dict:
             if graphs:
                 from truefuse.integrations.cuda_graph import graph_step
 
-                step_g = graph_step(step_g, warmup=args.graph_warmup)
+                step_g = graph_step(step_g, warmup=args.graph_warmup, packed_sequences=False)
             row["against"] = "graphed" if graphs else "eager (no graph: " + (blockers.get(name) or "CPU") + ")"
             la, lb = [], []
             for i in range(args.bits_steps):
@@ -346,7 +346,7 @@ def train_speed(ctx: Ctx, base, names, batches, blockers) -> dict:
                 continue
             from truefuse.integrations.cuda_graph import graph_step
 
-            runs[(name, "graphed")] = (graph_step(step, warmup=args.graph_warmup, pool=pool), scope)
+            runs[(name, "graphed")] = (graph_step(step, warmup=args.graph_warmup, pool=pool, packed_sequences=False), scope)
         except Exception as e:  # noqa: BLE001
             errors[(name, "eager")] = err_line(e)
     warm = args.graph_warmup + 2 if ctx.cuda else 1

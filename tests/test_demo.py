@@ -331,7 +331,8 @@ def test_cuda_graphs_capture_is_an_untimed_step(monkeypatch, cache_dir):
     steps = [0]
 
     class _Stand:
-        def __init__(self, step, *, warmup, pool=None):
+        def __init__(self, step, *, warmup, pool=None, packed_sequences=True):
+            assert packed_sequences is False  # the demo feeds no position_ids: eager's causal skip under capture
             self.step, self.warmup, self.calls = step, warmup, 0
 
         def __call__(self, *inputs):

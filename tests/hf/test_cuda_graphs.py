@@ -170,3 +170,77 @@ def test_a_captured_step_keeps_the_eager_causal_mask_decision(monkeypatch):
     GraphedStep(step, warmup=1)._capture((ids,))
     assert seen == [None]
     assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is masking_utils.sdpa_mask
+
+
+def _capturing_stand_in(monkeypatch):
+    """The CPU's capture: the graph stubbed, and transformers told a stream captures while the
+    context is open (its ``is_tracing`` then answers as on a GPU under ``torch.cuda.graph``)."""
+    import contextlib
+
+    from transformers.utils import import_utils
+
+    import truefuse.integrations.cuda_graph as cg
+
+    state = {"on": False}
+    real = import_utils.is_cuda_stream_capturing
+    monkeypatch.setattr(import_utils, "is_cuda_stream_capturing", lambda: state["on"] or real())
+
+    @contextlib.contextmanager
+    def graph(graph, pool=None):
+        state["on"] = True
+        try:
+            yield
+        finally:
+            state["on"] = False
+
+    monkeypatch.setattr(cg.torch.cuda, "CUDAGraph", _NoGraph)
+    monkeypatch.setattr(cg.torch.cuda, "graph", graph)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "truefuse"])
+def test_unpacked_capture_keeps_the_causal_skip_and_packed_warmups_refuse(monkeypatch, attn):
+    """Under capture transformers cannot read whether position_ids pack sequences and keeps the
+    packed-sequence mask: the full mask reaches attention even for a plainly causal batch (H100,
+    transformers 5.17: BI attention 5.0 -> 29.0 ms a step graphed). ``packed_sequences=False``
+    answers as eager (no mask, the kernel's causal skip); a warm-up whose positions were packed
+    refuses the capture."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from tests.hf.tiny import tiny_model
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    model = tiny_model("llama", num_hidden_layers=1, attn_implementation="sdpa")
+    if attn == "truefuse":
+        apply_truefuse(model, batch_invariant=True, linear_cross_entropy=False)
+    name = model.config._attn_implementation
+    seen = []
+    real = ALL_ATTENTION_FUNCTIONS[name]
+
+    def spy(m, q, k, v, mask, **kw):
+        seen.append(mask)
+        return real(m, q, k, v, mask, **kw)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name, spy)
+    _capturing_stand_in(monkeypatch)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def step(x, positions=None):
+        return model(input_ids=x, position_ids=positions, use_cache=False).logits  # as training: no cache
+
+    GraphedStep(step, warmup=1)._capture((ids,))
+    assert isinstance(seen.pop(), torch.Tensor)  # transformers' safe answer while capturing
+    graphed = GraphedStep(step, warmup=1, packed_sequences=False)
+    graphed._packing.append(False)  # the warm-up's eager answer (its side stream needs CUDA)
+    graphed._capture((ids,))
+    assert seen.pop() is None
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)
+    from truefuse.integrations.huggingface.attention_mask import packing_seen
+
+    record = []
+    with packing_seen(record):
+        step(ids, packed)
+    assert record == [True]
+    refused = GraphedStep(step, warmup=1, packed_sequences=False)
+    refused._packing.extend(record)
+    with pytest.raises(ValueError, match="packed_sequences=False"):
+        refused._capture((ids, packed))

@@ -176,6 +176,10 @@ def test_each_layer_runs_three_adds_fewer_and_hooked_norms_still_run():
     (forward) and both norms' residual-gradient adds (backward; the first norm's through
     ``add_rms_norm_hf(None, ...)``). A hook on a norm module keeps its module call (and the unfused
     statements)."""
+    from truefuse.ops.norm.norm import use_kernel
+
+    if not use_kernel(torch.empty(1, 32)):  # a GPU machine runs this CPU model without the interpreter
+        pytest.skip("the norm kernels do not run on the CPU here (TRITON_INTERPRET unset): the reference path fuses nothing")
     unfused, fused, _ = _pair("llama", linear_cross_entropy=False)
     counts = []
     for m in (unfused, fused):

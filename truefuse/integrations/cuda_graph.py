@@ -34,6 +34,9 @@ class GraphedStep:
         warmup: eager steps before the capture (≥ 1: the first call compiles kernels and builds
             optimizer state, which a capture cannot do). TorchTitan warms up for 1-3 steps.
         pool: a memory pool to share with other graphs (``torch.cuda.graph_pool_handle()``).
+        packed_sequences: False where the step's transformers models never get position_ids that
+            pack several sequences (see :func:`graph_step`): the capture then keeps the causal
+            skip that eager attention takes; a warm-up that saw packing refuses the capture.
 
     A step that reads the host makes the capture fail: the ``RuntimeError`` names the step's own
     error. No eager check can find such reads beforehand: libraries branch on whether a capture
@@ -42,12 +45,14 @@ class GraphedStep:
     check of the last warm-up step refused stock and patched Llama steps that capture, H100).
     """
 
-    def __init__(self, step: Callable[..., Any], *, warmup: int = 3, pool=None):
+    def __init__(self, step: Callable[..., Any], *, warmup: int = 3, pool=None, packed_sequences: bool = True):
         if not callable(step):
             raise TypeError(f"step must be callable, got {type(step).__name__}")
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
             raise ValueError(f"warmup must be an int >= 1 (the first steps compile and build state), got {warmup!r}")
         self.step, self.warmup, self.pool = step, warmup, pool
+        self.packed_sequences = bool(packed_sequences)
+        self._packing: list[bool] = []  # the warm-up's packed-sequence answers (packed_sequences=False)
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self._inputs: tuple = ()
@@ -72,17 +77,22 @@ class GraphedStep:
         if self._side is None:
             self._side = torch.cuda.Stream()
         self._side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._side):
+        with torch.cuda.stream(self._side), _packing_recorded(self.packed_sequences, self._packing):
             out = self.step(*inputs)
         torch.cuda.current_stream().wait_stream(self._side)
         return out
 
     def _capture(self, inputs) -> None:
+        if not self.packed_sequences and any(self._packing):
+            raise ValueError(
+                "graph_step(packed_sequences=False): a warm-up step's position_ids packed several sequences "
+                "(transformers found packing); capture it with packed_sequences=True (the default)"
+            )
         self._inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
         graph = torch.cuda.CUDAGraph()
         first: list[BaseException] = []
         try:
-            with _as_eager(), torch.cuda.graph(graph, pool=self.pool):
+            with _as_eager(self.packed_sequences), torch.cuda.graph(graph, pool=self.pool):
                 try:
                     self._outputs = self.step(*self._inputs)
                 except BaseException as e:  # keep the step's own error: the capture's end raises another
@@ -114,15 +124,31 @@ class GraphedStep:
                 raise ValueError(f"input {i}: captured as {old!r}, got {new!r} (a replay cannot change a Python value)")
 
 
-def _as_eager():
+def _as_eager(packed_sequences: bool = True):
     """What the capture runs under so that libraries decide as in the eager step: transformers'
     SDPA mask (some versions build the full causal mask while a stream captures, which cost attention
-    2.6-5.8x in a graphed demo step on an H100: ``huggingface/attention_mask.py``)."""
+    2.6-5.8x in a graphed demo step on an H100: ``huggingface/attention_mask.py``), and with
+    ``packed_sequences=False`` its packed-sequence check (which every version answers "packed" while
+    capturing, building the full mask too)."""
     if "transformers.masking_utils" not in sys.modules:
         return contextlib.nullcontext()
-    from truefuse.integrations.huggingface.attention_mask import eager_mask_decisions
+    from truefuse.integrations.huggingface.attention_mask import eager_mask_decisions, unpacked_positions
 
-    return eager_mask_decisions()
+    stack = contextlib.ExitStack()
+    stack.enter_context(eager_mask_decisions())
+    if not packed_sequences:
+        stack.enter_context(unpacked_positions())
+    return stack
+
+
+def _packing_recorded(packed_sequences: bool, record: list):
+    """A warm-up step's context: with ``packed_sequences=False``, transformers' packed-sequence answers
+    recorded (a packed one refuses the capture)."""
+    if packed_sequences or "transformers.masking_utils" not in sys.modules:
+        return contextlib.nullcontext()
+    from truefuse.integrations.huggingface.attention_mask import packing_seen
+
+    return packing_seen(record)
 
 
 def _check_cuda(inputs) -> None:
@@ -133,6 +159,12 @@ def _check_cuda(inputs) -> None:
             raise ValueError(f"input {i} is on {x.device}: the inputs a captured step reads must be CUDA tensors")
 
 
-def graph_step(step: Callable[..., Any], *, warmup: int = 3, pool=None) -> GraphedStep:
-    """``step`` as a :class:`GraphedStep`: eager for ``warmup`` calls, then captured and replayed."""
-    return GraphedStep(step, warmup=warmup, pool=pool)
+def graph_step(step: Callable[..., Any], *, warmup: int = 3, pool=None, packed_sequences: bool = True) -> GraphedStep:
+    """``step`` as a :class:`GraphedStep`: eager for ``warmup`` calls, then captured and replayed.
+
+    ``packed_sequences=False``: the step's transformers models never get position_ids that pack
+    several sequences in a row (the models' own positions, no packing collator). Their packed-sequence
+    check is then answered as eagerly while capturing, so a plainly causal batch keeps attention's
+    causal skip (transformers otherwise builds the full mask under capture: attention 2-6x longer,
+    docs/cuda_graphs.md); a warm-up step that did see packed positions refuses the capture."""
+    return GraphedStep(step, warmup=warmup, pool=pool, packed_sequences=packed_sequences)

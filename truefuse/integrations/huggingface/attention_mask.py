@@ -15,6 +15,15 @@ The same decision is what :func:`eager_mask_decisions` gives transformers' ``"sd
 and fast mode) while ``graph_step`` captures a step: the captured step then computes what the eager
 step computes.
 
+A training forward also asks whether its ``position_ids`` pack several sequences
+(``find_packed_sequence_indices``): eagerly that reads a value on the host and answers "no" for the
+model's own positions, but while a stream captures transformers (5.17 and 5.25 alike) cannot read
+it and keeps the packed-sequence mask, so the full (B, 1, L, L) mask is built whatever the mask
+function. Only the caller knows its positions are never packed: :func:`unpacked_positions`
+answers "no" for a capture whose caller said so (``graph_step(..., packed_sequences=False)``) and
+:func:`packing_seen` records the eager answers of its warm-up steps, so that a warm-up which did see
+packed positions refuses the capture.
+
 The skip needs no data: no padding mask, the model's own causal mask function, no sliding or
 chunked window, no static cache's tensor offset, and one query or as many queries as keys (the
 cases transformers itself skips outside capture), not while exporting (where transformers refuses
@@ -61,6 +70,40 @@ def _plain_causal(kw: dict) -> bool:
         return False
     kv_len = kw.get("kv_length")
     return isinstance(q_len, int) and isinstance(kv_len, int) and (q_len == 1 or q_len == kv_len)
+
+
+@contextlib.contextmanager
+def unpacked_positions():
+    """For the ``with`` block: transformers' packed-sequence check answers "no packing" (None), as its
+    eager step answers for unpacked positions (module docstring); restored on exit."""
+    from transformers import masking_utils
+
+    real = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = real
+
+
+@contextlib.contextmanager
+def packing_seen(record: list):
+    """For the ``with`` block: each answer of transformers' packed-sequence check appended to
+    ``record`` (True where it found packed positions); the answers themselves unchanged."""
+    from transformers import masking_utils
+
+    real = masking_utils.find_packed_sequence_indices
+
+    def recorded(position_ids):
+        out = real(position_ids)
+        record.append(out is not None)
+        return out
+
+    masking_utils.find_packed_sequence_indices = recorded
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = real
 
 
 @contextlib.contextmanager
