@@ -71,10 +71,12 @@ def attention_config(block_d: int, dtype: torch.dtype, interpreted: bool) -> Att
     if block_d <= 128:
         # H100, B=4, 32/8 heads, causal, bf16 (docs/benchmarks.md, Attention): forward 128x64, 8
         # warps at 0.90x SDPA flash (64x64, 4 warps: 0.77x); decode 64 rows, 4 warps. dK/dV
-        # 64x64, 4 warps, 3 stages; dQ 128x64, 8 warps, 2 stages (dQ at 8 warps with 64 rows
-        # cost 2 ms of 10). A 32-row dK/dV tile is faster but its bf16 dK differed between two
-        # identical runs whenever num_stages > 1 (17% of elements at 3 stages)
-        return AttentionConfig(128, 8, 3, 64, 4, 64, 512, 64, 64, 4, 3, 128, 64, 8, 2)
+        # 64x64, 4 warps, 2 stages: fwd + bwd 6.81 ms against 7.73 at 3 stages, two runs bitwise
+        # equal (L=4096; experiments/exp_attention_configs.py, docs/results/attention/
+        # attention_configs_h100_2026-12-08.log); dQ 128x64, 8 warps, 2 stages (dQ at 8 warps with
+        # 64 rows cost 2 ms of 10). A 32-row dK/dV tile differed between two identical runs
+        # whenever num_stages > 1 (17% of bf16 dK elements at 3 stages)
+        return AttentionConfig(128, 8, 3, 64, 4, 64, 512, 64, 64, 4, 2, 128, 64, 8, 2)
     return AttentionConfig(64, 8, 2, 64, 8, 32, 512, 64, 32, 8, 1, 64, 32, 8, 1)
 
 
