@@ -89,7 +89,17 @@ def sibling_linears(x: torch.Tensor, weights, biases=None) -> tuple[torch.Tensor
     weights = tuple(weights)
     biases = (None,) * len(weights) if biases is None else tuple(biases)
     _check(x, weights, biases)
+    return checked_sibling_linears(x, weights, biases)
+
+
+def checked_sibling_linears(x: torch.Tensor, weights: tuple, biases: tuple) -> tuple[torch.Tensor, ...]:
+    """:func:`sibling_linears` on arguments already checked (plain tensors of matching shapes and
+    device: the Hugging Face members' call, ``integrations/huggingface/sibling_grads.py``)."""
     dtype = autocast_dtype(x.device)
     if dtype is not None:  # the casts autocast makes for F.linear, differentiable (``_autocast.py``)
         x, weights, biases = cast(x, dtype), tuple(cast(w, dtype) for w in weights), tuple(cast(b, dtype) for b in biases)
-    return SiblingLinears.apply(x, *weights, *biases)
+    return _apply(x, *weights, *biases)
+
+
+#: ``Function.apply`` without its Python layer (as ``autograd/_eager_op.py``'s: one ``forward``)
+_apply = super(torch.autograd.Function, SiblingLinears).apply

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from truefuse.autograd._autocast import autocast_dtype
 from truefuse.autograd._modes import Modes
-from truefuse.autograd.sibling_linears import sibling_linears
+from truefuse.autograd.sibling_linears import checked_sibling_linears
 from truefuse.integrations.huggingface import modules
 from truefuse.ops._launch.triton import PLAIN_TENSORS
 
@@ -33,27 +33,46 @@ KIND = "sibling_grads"
 _GROUP, _KEPT = "_truefuse_siblings", "_truefuse_sibling_kept"
 
 
-def _state(x: torch.Tensor, module: torch.nn.Module) -> tuple:
-    """What a kept output was computed under, beside its input: versions (a write since) and modes."""
-    return x._version, module.weight._version, torch.is_grad_enabled(), autocast_dtype(x.device)
+def _modes(x: torch.Tensor) -> tuple:
+    """The modes a kept output was computed under (grad mode, autocast's dtype)."""
+    return torch.is_grad_enabled(), autocast_dtype(x.device)
 
 
 def _member_forward(self, input):
-    # eager: a kept output serves the call it was kept for, checked by identity, versions and modes;
-    # while Dynamo traces the layer it is a traced tensor of the same graph (put and taken within one
-    # trace: the identity is the check, and the attribute holds None again once the graph has run)
-    compiling = torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        return _traced_forward(self, input)
+    # a kept output serves the call it was kept for: the same input tensor, neither it nor the
+    # weight written since (versions), the same modes
+    d = self.__dict__
+    kept = d.pop(_KEPT, None)
+    if kept is not None and kept[0] is input and kept[1] == (input._version, self.weight._version, *_modes(input)):
+        return kept[2]
+    group = d.get(_GROUP)
+    if group is not None and _fusable(input, group, False):
+        outs = checked_sibling_linears(input, tuple(m.weight for m in group), tuple(m.bias for m in group))
+        modes, version = _modes(input), input._version
+        for m, y in zip(group, outs, strict=True):
+            if m is not self:
+                m.__dict__[_KEPT] = (input, (version, m.weight._version, *modes), y)
+        return outs[group.index(self)]
+    return F.linear(input, self.weight, self.bias)
+
+
+def _traced_forward(self, input):
+    """The member's forward while Dynamo traces the layer: the kept output is a traced tensor of the
+    same graph, put and taken within one trace (the identity is the check; attribute access Dynamo
+    follows, and the attribute holds None again once the graph has run)."""
     kept = getattr(self, _KEPT, None)
     if kept is not None:
         setattr(self, _KEPT, None)
-        if kept[0] is input and kept[1] == (None if compiling else _state(input, self)):
+        if kept[0] is input and kept[1] is None:
             return kept[2]
     group = getattr(self, _GROUP, None)
-    if group is not None and _fusable(input, group, compiling):
-        outs = sibling_linears(input, [m.weight for m in group], [m.bias for m in group])
+    if group is not None and _fusable(input, group, True):
+        outs = checked_sibling_linears(input, tuple(m.weight for m in group), tuple(m.bias for m in group))
         for m, y in zip(group, outs, strict=True):
             if m is not self:
-                setattr(m, _KEPT, (input, None if compiling else _state(input, m), y))
+                setattr(m, _KEPT, (input, None, y))
         return outs[group.index(self)]
     return F.linear(input, self.weight, self.bias)
 
@@ -66,23 +85,31 @@ def member_class() -> type:
 def _fusable(x: torch.Tensor, group: tuple, compiling: bool) -> bool:
     """Whether the group's call takes a gradient this fusion changes: grad mode on and something to
     differentiate, fast mode, plain tensors of one dtype and device (after autocast's cast), no
-    functorch transform in eager (whose calls must see each ``F.linear``)."""
+    functorch transform in eager (whose calls must see each ``F.linear``). Each member's call runs
+    it: one pass over the members, no list built (host time: docs/sibling_linears.md)."""
     if not torch.is_grad_enabled() or type(x) not in PLAIN_TENSORS or Modes.now().batch_invariant:
         return False
     if not compiling and torch._C._are_functorch_transforms_active():
         return False
-    cls = member_class()
-    params = [p for m in group for p in (m.weight, m.bias) if p is not None]
-    if not (x.requires_grad or any(p.requires_grad for p in params)):
-        return False
-    dtype = autocast_dtype(x.device)
+    cls, k, dev = _MEMBER[0], x.shape[-1], x.device
+    same_dtype = autocast_dtype(dev) is None
+    grad = x.requires_grad
     for m in group:
-        if type(m) is not cls or m.weight.dim() != 2 or m.weight.shape[1] != x.shape[-1]:
+        w, b = m.weight, m.bias
+        if type(m) is not cls or type(w) not in PLAIN_TENSORS or w.dim() != 2 or w.shape[1] != k or w.device != dev:
             return False
-    for p in params:
-        if type(p) not in PLAIN_TENSORS or p.device != x.device or (dtype is None and p.dtype != x.dtype):
+        if same_dtype and w.dtype != x.dtype:
             return False
-    return True
+        grad = grad or w.requires_grad
+        if b is not None:
+            if type(b) not in PLAIN_TENSORS or b.device != dev or (same_dtype and b.dtype != x.dtype):
+                return False
+            grad = grad or b.requires_grad
+    return grad
+
+
+#: the member class, made once (``_fusable`` reads it every call)
+_MEMBER = [member_class()]
 
 
 def plan(model: torch.nn.Module, report) -> list:
