@@ -83,6 +83,10 @@ def variant(base, name: str):
     elif name == "truefuse fused":  # issue 48's opt-in fusions; exp_graphs steps it with truefuse.optim.AdamW
         apply_truefuse(m, fuse_residual_norm=True, fuse_sibling_grads=True)
         m._exp_truefuse_adamw = True
+    elif name == "truefuse siblings":  # each fusion alone, torch's AdamW (round-robin against "truefuse")
+        apply_truefuse(m, fuse_sibling_grads=True)
+    elif name == "truefuse resnorm":
+        apply_truefuse(m, fuse_residual_norm=True)
     elif name.startswith("truefuse BI"):
         apply_truefuse(m, batch_invariant=True)  # attention on truefuse.attention too
         if name == "truefuse BI 1by1":

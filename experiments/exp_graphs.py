@@ -99,7 +99,9 @@ CONFIGS = {
     "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256, batch=2, seq=64),
 }
 PEAK_TFLOPS = 989.5  # H100 / H200 SXM, dense bf16
-TRAIN_VARIANTS = ("stock", "truefuse", "truefuse fused", "truefuse BI", "liger", "liger nolce")
+TRAIN_VARIANTS = (
+    "stock", "truefuse", "truefuse fused", "truefuse siblings", "truefuse resnorm", "truefuse BI", "liger", "liger nolce"
+)  # fmt: skip
 GEN_VARIANTS = ("stock", "truefuse", "truefuse BI")
 LIGER = ("liger", "liger nolce")
 T0 = time.perf_counter()
