@@ -22,8 +22,9 @@ from truefuse.ops.norm.add_norm import (
 )
 from truefuse.ops.norm.norm import (
     HF_NORM_STYLES,
-    hf_statistics,
+    hf_rstd_rows,
     kernel_statistics,
+    rms_norm_hf_bi,
     rms_norm_hf_fwd_op,
     rms_norm_hf_pytorch_op,
     use_kernel,
@@ -109,13 +110,16 @@ def _norm_keeping(h, weight, eps, style: str, bi: bool):
 class _NormKeeping(torch.autograd.Function):
     """``(rms_norm_hf(h), h)`` with one backward kernel for both: ``add_rms_norm_bwd``'s, the
     residual stream's gradient added to dx before its one rounding. The forward is
-    ``rms_norm_hf``'s (its statistics, then ``rms_norm_hf_fwd_op`` applying them: the same bits)."""
+    ``rms_norm_hf``'s launches (the same bits)."""
 
     @staticmethod
     def forward(ctx, h, weight, eps, style, bi):
         h2 = h.reshape(-1, h.shape[-1]).contiguous()
-        rstd = hf_statistics(h2, weight, eps, style, bi)
-        normed = rms_norm_hf_fwd_op.body(h2, weight, rstd, style)
+        if kernel_statistics(h2, bi):  # batch-invariant on CUDA: one launch writes y and its statistics
+            normed, rstd = rms_norm_hf_bi(h2, weight, eps, style)  # y as applying them would (tests/test_norm.py)
+        else:
+            rstd = hf_rstd_rows(h2, eps)  # stock's statistics (torch's reduction), then the kernel applies them
+            normed = rms_norm_hf_fwd_op.body(h2, weight, rstd, style)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for an output nothing used
         ctx.save_for_backward(h2, weight, rstd)
         ctx.zero_centered_gamma = style == "gemma"

@@ -98,8 +98,10 @@ def checked_sibling_linears(x: torch.Tensor, weights: tuple, biases: tuple) -> t
     dtype = autocast_dtype(x.device)
     if dtype is not None:  # the casts autocast makes for F.linear, differentiable (``_autocast.py``)
         x, weights, biases = cast(x, dtype), tuple(cast(w, dtype) for w in weights), tuple(cast(b, dtype) for b in biases)
-    return _apply(x, *weights, *biases)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return SiblingLinears.apply(x, *weights, *biases)  # Dynamo's and torch.func's entry (the latter refuses)
+    return _apply_c(x, *weights, *biases)
 
 
-#: ``Function.apply`` without its Python layer (as ``autograd/_eager_op.py``'s: one ``forward``)
-_apply = super(torch.autograd.Function, SiblingLinears).apply
+#: ``Function.apply`` without its Python layer in plain eager calls (as ``autograd/_eager_op.py``'s)
+_apply_c = super(torch.autograd.Function, SiblingLinears).apply

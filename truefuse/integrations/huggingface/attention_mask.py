@@ -73,37 +73,37 @@ def _plain_causal(kw: dict) -> bool:
 
 
 @contextlib.contextmanager
-def unpacked_positions():
-    """For the ``with`` block: transformers' packed-sequence check answers "no packing" (None), as its
-    eager step answers for unpacked positions (module docstring); restored on exit."""
+def _packing_check(replace):
+    """For the ``with`` block: transformers' packed-sequence check is ``replace(real)``; restored on exit."""
     from transformers import masking_utils
 
     real = masking_utils.find_packed_sequence_indices
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    masking_utils.find_packed_sequence_indices = replace(real)
     try:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = real
 
 
-@contextlib.contextmanager
+def unpacked_positions():
+    """For the ``with`` block: transformers' packed-sequence check answers "no packing" (None), as its
+    eager step answers for unpacked positions (module docstring)."""
+    return _packing_check(lambda real: lambda position_ids: None)
+
+
 def packing_seen(record: list):
     """For the ``with`` block: each answer of transformers' packed-sequence check appended to
     ``record`` (True where it found packed positions); the answers themselves unchanged."""
-    from transformers import masking_utils
 
-    real = masking_utils.find_packed_sequence_indices
+    def recorded(real):
+        def check(position_ids):
+            out = real(position_ids)
+            record.append(out is not None)
+            return out
 
-    def recorded(position_ids):
-        out = real(position_ids)
-        record.append(out is not None)
-        return out
+        return check
 
-    masking_utils.find_packed_sequence_indices = recorded
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = real
+    return _packing_check(recorded)
 
 
 @contextlib.contextmanager

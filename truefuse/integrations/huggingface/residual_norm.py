@@ -34,6 +34,7 @@ import sys
 import textwrap
 
 import torch
+from torch.nn.modules import module as _nn_module
 
 from truefuse.autograd.add_norm import add_rms_norm_hf
 from truefuse.integrations.huggingface import modules
@@ -50,9 +51,8 @@ _KEEP_METHOD = "_truefuse_norm_keep"
 
 def _hooked(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` runs hooks (its own or global ones) that the fused call would skip."""
-    from torch.nn.modules import module as _m
-
-    return bool(module._forward_hooks or module._forward_pre_hooks or _m._global_forward_hooks or _m._global_forward_pre_hooks)
+    own = module._forward_hooks or module._forward_pre_hooks
+    return bool(own or _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
 
 
 def _add_norm(layer, residual, h):

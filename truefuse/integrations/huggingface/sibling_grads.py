@@ -33,48 +33,39 @@ KIND = "sibling_grads"
 _GROUP, _KEPT = "_truefuse_siblings", "_truefuse_sibling_kept"
 
 
-def _modes(x: torch.Tensor) -> tuple:
-    """The modes a kept output was computed under (grad mode, autocast's dtype)."""
-    return torch.is_grad_enabled(), autocast_dtype(x.device)
+def _stamp(x: torch.Tensor, member: torch.nn.Module, compiling: bool) -> tuple | None:
+    """What a kept output was computed under, beside its input tensor: eagerly the versions (a write
+    since) and the modes (grad, autocast's dtype); None while Dynamo traces, where the output is a
+    traced tensor put and taken within one trace (the identity is the check)."""
+    if compiling:
+        return None
+    return x._version, member.weight._version, torch.is_grad_enabled(), autocast_dtype(x.device)
 
 
 def _member_forward(self, input):
-    if torch.compiler.is_compiling():
-        return _traced_forward(self, input)
-    # a kept output serves the call it was kept for: the same input tensor, neither it nor the
-    # weight written since (versions), the same modes
-    d = self.__dict__
-    kept = d.pop(_KEPT, None)
-    if kept is not None and kept[0] is input and kept[1] == (input._version, self.weight._version, *_modes(input)):
+    # eagerly the kept output lives in the module's dict (no nn.Module.__setattr__ a call); while
+    # Dynamo traces, in attributes it follows (None again once the graph has run)
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        kept = getattr(self, _KEPT, None)
+        if kept is not None:
+            setattr(self, _KEPT, None)
+    else:
+        kept = self.__dict__.pop(_KEPT, None)
+    if kept is not None and kept[0] is input and kept[1] == _stamp(input, self, compiling):
         return kept[2]
-    group = d.get(_GROUP)
-    if group is not None and _fusable(input, group, False):
-        outs = checked_sibling_linears(input, tuple(m.weight for m in group), tuple(m.bias for m in group))
-        modes, version = _modes(input), input._version
-        for m, y in zip(group, outs, strict=True):
-            if m is not self:
-                m.__dict__[_KEPT] = (input, (version, m.weight._version, *modes), y)
-        return outs[group.index(self)]
-    return F.linear(input, self.weight, self.bias)
-
-
-def _traced_forward(self, input):
-    """The member's forward while Dynamo traces the layer: the kept output is a traced tensor of the
-    same graph, put and taken within one trace (the identity is the check; attribute access Dynamo
-    follows, and the attribute holds None again once the graph has run)."""
-    kept = getattr(self, _KEPT, None)
-    if kept is not None:
-        setattr(self, _KEPT, None)
-        if kept[0] is input and kept[1] is None:
-            return kept[2]
     group = getattr(self, _GROUP, None)
-    if group is not None and _fusable(input, group, True):
-        outs = checked_sibling_linears(input, tuple(m.weight for m in group), tuple(m.bias for m in group))
-        for m, y in zip(group, outs, strict=True):
-            if m is not self:
-                setattr(m, _KEPT, (input, None, y))
-        return outs[group.index(self)]
-    return F.linear(input, self.weight, self.bias)
+    if group is None or not _fusable(input, group, compiling):
+        return F.linear(input, self.weight, self.bias)
+    outs = checked_sibling_linears(input, tuple(m.weight for m in group), tuple(m.bias for m in group))
+    for m, y in zip(group, outs, strict=True):
+        if m is not self:
+            entry = (input, _stamp(input, m, compiling), y)
+            if compiling:
+                setattr(m, _KEPT, entry)
+            else:
+                m.__dict__[_KEPT] = entry
+    return outs[group.index(self)]
 
 
 def member_class() -> type:
@@ -91,7 +82,7 @@ def _fusable(x: torch.Tensor, group: tuple, compiling: bool) -> bool:
         return False
     if not compiling and torch._C._are_functorch_transforms_active():
         return False
-    cls, k, dev = _MEMBER[0], x.shape[-1], x.device
+    cls, k, dev = _MEMBER, x.shape[-1], x.device
     same_dtype = autocast_dtype(dev) is None
     grad = x.requires_grad
     for m in group:
@@ -109,7 +100,7 @@ def _fusable(x: torch.Tensor, group: tuple, compiling: bool) -> bool:
 
 
 #: the member class, made once (``_fusable`` reads it every call)
-_MEMBER = [member_class()]
+_MEMBER = member_class()
 
 
 def plan(model: torch.nn.Module, report) -> list:
