@@ -43,6 +43,7 @@ T0 = time.time()
 # removed: dK/dV as nested (head, rows) loops and with tl.trans of K and V, the forward as one
 # loop merging at chunk ends under an `if`
 BWD = [
+    ((64, 64, 4, 2), (128, 64, 8, 2, True)),  # dQ's fully seen key blocks unmasked (same bits)
     ((64, 64, 4, 3), (128, 64, 8, 2)),
     ((32, 64, 4, 3), (128, 64, 8, 2)),  # bf16 dK not reproducible
     ((32, 64, 4, 1), (128, 64, 8, 2)),
@@ -52,8 +53,12 @@ BWD = [
     ((64, 128, 8, 2), (128, 64, 8, 2)),
     ((128, 64, 8, 2), (128, 128, 8, 2)),
 ]
-#: prefill forward tile (m, warps, stages, block_n)
-FWD = [(128, 8, 3, 64), (64, 4, 3, 64), (128, 8, 2, 64), (128, 4, 3, 64), (128, 8, 3, 128), (128, 8, 2, 128), (64, 4, 3, 128)]
+#: prefill forward tile (m, warps, stages, block_n[, full_blocks]): full_blocks runs the key blocks every
+#: row sees whole without the mask (the same bits; attention_config.py)
+FWD = [
+    (128, 8, 3, 64), (128, 8, 3, 64, True), (64, 4, 3, 64), (64, 4, 3, 64, True), (128, 8, 2, 64), (128, 4, 3, 64),
+    (128, 8, 3, 128), (128, 8, 3, 128, True), (128, 8, 2, 128), (64, 4, 3, 128),
+]  # fmt: skip
 DECODE = [3, 2]  # stages of the 64-row decode tile
 
 
@@ -180,7 +185,8 @@ def main():
 
     def backward(tile, dq):
         cfg = dataclasses.replace(BASE, dkdv_m=tile[0], dkdv_n=tile[1], dkdv_warps=tile[2], dkdv_stages=tile[3])
-        _use(dataclasses.replace(cfg, dq_m=dq[0], dq_n=dq[1], dq_warps=dq[2], dq_stages=dq[3]))
+        full = dq[4] if len(dq) > 4 else False
+        _use(dataclasses.replace(cfg, dq_m=dq[0], dq_n=dq[1], dq_warps=dq[2], dq_stages=dq[3], full_blocks=full))
         row = {"pass": "bwd", "dkdv": tile, "dq": dq}
         try:
             row.update(_determinism(det))
@@ -193,11 +199,12 @@ def main():
     for tile, dq in BWD:
         if time.time() - T0 < budget * 0.5:
             backward(tile, dq)
-    for m, warps, stages, block_n in FWD:
+    for m, warps, stages, block_n, *full in FWD:
         if time.time() - T0 > budget * 0.8:
             break
-        _use(dataclasses.replace(BASE, block_m=m, fwd_warps=warps, fwd_stages=stages, block_n=block_n))
-        row = {"pass": "fwd", "tile": (m, warps, stages, block_n)}
+        full = bool(full and full[0])
+        _use(dataclasses.replace(BASE, block_m=m, fwd_warps=warps, fwd_stages=stages, block_n=block_n, full_blocks=full))
+        row = {"pass": "fwd", "tile": (m, warps, stages, block_n, full)}
         row["bitwise_fails"] = _fails(cases_attention._batch_invariant) + _fails(cases_attention._decode_vs_prefill)
         for L in train:
             ms = _t(lambda L=L: _ours(*train[L]))

@@ -194,3 +194,48 @@ def test_overlapping_inputs_get_outputs_the_kernels_can_write():
     (dk,) = torch.autograd.grad(out, kb, do)
     (dk_ref,) = torch.autograd.grad(attention_ref(q.double(), k.double(), v.double()), kb, do.double())
     torch.testing.assert_close(dk.double(), dk_ref.double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "Lq, Lk, causal, softcap",
+    [(37, 37, True, None), (37, 37, False, 20.0), (1, 37, False, None), (5, 37, False, None), (40, 40, True, 20.0)],
+)
+def test_full_blocks_unmasked_keep_the_bits(device, monkeypatch, Lq, Lk, causal, softcap, dtype):
+    """The launch table's ``full_blocks`` (forward and dQ run the key blocks every row sees whole in
+    an unmasked loop of their own, ``kernels/attention.py::_full_end``): the output, lse and every
+    gradient are the one masked loop's bits, causal or not, a sequence's keys starting past 0
+    (``key_start``), GQA, softcap, prefill and decode (the keys split across programs). Both
+    settings on the device's own tiles (the interpreter's on the CPU; bf16 on the GPU only, where it
+    runs the kernels and their tiles; on the GPU the sequences span two of its key chunks)."""
+    import dataclasses
+
+    import truefuse.ops.attention.attention as ops_attention
+    from truefuse.ops.attention import attention_kept
+    from truefuse.ops.attention.attention import use_kernel
+
+    if dtype is torch.bfloat16 and device.type != "cuda":
+        pytest.skip("bf16 runs the PyTorch path on the CPU")
+    scale = 1 if device.type == "cpu" else 15  # on the GPU 555-600 keys: 64-key blocks, 512-key chunks
+    Lq, Lk = (Lq if Lq == 1 else Lq * scale), Lk * scale
+    D = 16 if device.type == "cpu" else 128
+    q, k, v = _qkv(3, 4, 2, Lk, D, device, dtype, seed=9)
+    q = q[:, :, Lk - Lq :].contiguous()
+    if not use_kernel(q):
+        pytest.skip("the kernels do not run here (TRITON_INTERPRET unset)")
+    key_start = torch.tensor([0, 5, 13], dtype=torch.int32, device=device)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    base = ops_attention.attention_config
+    runs = {}
+    for full in (False, True):
+        cfg = dataclasses.replace(base(D, dtype, q.device.type == "cpu"), full_blocks=full)
+        monkeypatch.setattr(ops_attention, "attention_config", lambda *a, cfg=cfg: cfg)
+        attention_kept.clear()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = truefuse.attention(*leaves, is_causal=causal, enable_gqa=True, softcap=softcap, key_start=key_start)
+        runs[full] = (out, *torch.autograd.grad(out, leaves, do))
+        with torch.no_grad():  # the no-grad forward (decode's split and kept launches)
+            runs[full] += (truefuse.attention(q, k, v, is_causal=causal, enable_gqa=True, softcap=softcap, key_start=key_start),)
+    attention_kept.clear()
+    for name, a, b in zip(("output", "dq", "dk", "dv", "no-grad output"), runs[False], runs[True], strict=True):
+        assert_bitwise(b, a, f"{name}, full blocks vs one masked loop")

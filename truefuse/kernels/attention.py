@@ -10,7 +10,9 @@ rescale factor exp2(0) = 1, p = 0), so it does not matter whether a launch visit
 (causal, trailing blocks masked), a padded batch (the row's keys shifted by its left padding, the
 blocks shifted with them) and decode (one or a few rows against a cache, the last block cut at the
 cache's end) run the same arithmetic per row. Each output element of ``tl.dot`` reduces over the
-head dim in an order that does not depend on the other rows of the tile.
+head dim in an order that does not depend on the other rows of the tile. Conversely a block in which every row
+sees every key is unchanged by the mask, so with the launch table's ``full_blocks`` the forward and
+dQ run those blocks (a prefix of each row's key order, ``_full_end``) without it.
 
 Scores are fp32: s = (q · k) · scale, then ``softcap · tanh(s / softcap)``, then the mask (bool:
 False → −inf; float: added), then −inf outside [key_start, L_k), above the causal diagonal
@@ -87,28 +89,48 @@ def _scores(
     MASK_KIND: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    """(BM, BN) fp32 scores and, with softcap, tanh's value (for the backward's derivative)."""
+    """(BM, BN) fp32 scores and, with softcap, tanh's value (for the backward's derivative).
+    ``MASKED=False``: a block every row sees whole (``_full_end``; no mask tensor, no window), whose
+    masking would keep every score as it is."""
     s = _dot(q, kt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), PRECISION, INTERPRETED) * scale
     t = s
     if SOFTCAP:
         t = _tanh(s / softcap)
         s = softcap * t
-    in_m = offs_m < L_q
-    in_n = (offs_n < L_k) & (offs_n >= start)
-    if MASK_KIND == 1:
-        mv = tl.load(mask_row_ptr + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=in_m[:, None] & in_n[None, :], other=0)
-        s = tl.where(mv != 0, s, float("-inf"))
-    if MASK_KIND == 2:
-        mv = tl.load(mask_row_ptr + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=in_m[:, None] & in_n[None, :], other=0.0)
-        s = s + mv.to(tl.float32)
-    valid = in_n[None, :]
-    if CAUSAL:
-        valid = valid & (offs_n[None, :] <= offs_m[:, None])
-    if HAS_WINDOW:
-        valid = valid & ((offs_m[:, None] + (L_k - L_q) - offs_n[None, :]) < window)
-    s = tl.where(valid, s, float("-inf"))
+    if MASKED:
+        in_m = offs_m < L_q
+        in_n = (offs_n < L_k) & (offs_n >= start)
+        if MASK_KIND == 1:
+            mv = tl.load(
+                mask_row_ptr + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=in_m[:, None] & in_n[None, :], other=0
+            )
+            s = tl.where(mv != 0, s, float("-inf"))
+        if MASK_KIND == 2:
+            mv = tl.load(
+                mask_row_ptr + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=in_m[:, None] & in_n[None, :], other=0.0
+            )
+            s = s + mv.to(tl.float32)
+        valid = in_n[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        if HAS_WINDOW:
+            valid = valid & ((offs_m[:, None] + (L_k - L_q) - offs_n[None, :]) < window)
+        s = tl.where(valid, s, float("-inf"))
     return s, t
+
+
+@triton.jit
+def _full_end(start, m0, L_k, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """The end of the key blocks (on the grid start + j·BLOCK_N) that every row of [m0, m0 + BLOCK_M)
+    sees whole: a block before it lies in [start, L_k) and, causal, at or left of row m0's diagonal
+    (no mask tensor, no window: the caller's FULL_BLOCKS). These blocks come first in the key
+    order, so running them unmasked and the rest masked keeps each row's order and bits."""
+    e = L_k
+    if CAUSAL:
+        e = tl.minimum(e, m0 + 1)
+    return start + tl.maximum(e - start, 0) // BLOCK_N * BLOCK_N
 
 
 @triton.jit
@@ -186,6 +208,7 @@ def _block_step(
     MASK_KIND: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """The online softmax's step over the key block [n0, n0 + BLOCK_N) from the state (m, l, acc)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -211,6 +234,7 @@ def _block_step(
         MASK_KIND,
         PRECISION,
         INTERPRETED,
+        MASKED,
     )
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -238,6 +262,7 @@ def _row_state(
     start,
     lo,
     hi,
+    full,
     L_q,
     L_k,
     scale,
@@ -253,10 +278,12 @@ def _row_state(
     MASK_KIND: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    FULL_BLOCKS: tl.constexpr,
 ):
     """The rows' state over the key blocks [lo, hi) (on the grid start + j·BLOCK_N): the keys go in
     chunks of CHUNK from ``start``, each chunk's online softmax from the empty state, merged into
-    the rows' state at the chunk's end, in chunk order."""
+    the rows' state at the chunk's end, in chunk order. FULL_BLOCKS: the blocks before ``full``
+    (``_full_end``) skip the mask."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -266,37 +293,22 @@ def _row_state(
         m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_c = tl.zeros([BLOCK_M], tl.float32)
         acc_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(tl.maximum(c0, lo), tl.minimum(c0 + CHUNK, hi), BLOCK_N):
+        c_lo = tl.maximum(c0, lo)
+        c_hi = tl.minimum(c0 + CHUNK, hi)
+        if FULL_BLOCKS:  # the blocks every row sees whole first, unmasked (_full_end)
+            for n0 in range(c_lo, tl.minimum(c_hi, full), BLOCK_N):
+                m_c, l_c, acc_c = _block_step(
+                    q, k_base, v_base, skn, svn, n0, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start, L_q, L_k,
+                    scale, softcap, window, m_c, l_c, acc_c,
+                    BLOCK_N, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, False,
+                )  # fmt: skip
+            c_lo = tl.maximum(c_lo, full)
+        for n0 in range(c_lo, c_hi, BLOCK_N):
             m_c, l_c, acc_c = _block_step(
-                q,
-                k_base,
-                v_base,
-                skn,
-                svn,
-                n0,
-                offs_m,
-                offs_d,
-                in_d,
-                mask_row_ptr,
-                smm,
-                smn,
-                start,
-                L_q,
-                L_k,
-                scale,
-                softcap,
-                window,
-                m_c,
-                l_c,
-                acc_c,
-                BLOCK_N,
-                CAUSAL,
-                HAS_WINDOW,
-                SOFTCAP,
-                MASK_KIND,
-                PRECISION,
-                INTERPRETED,
-            )
+                q, k_base, v_base, skn, svn, n0, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start, L_q, L_k,
+                scale, softcap, window, m_c, l_c, acc_c,
+                BLOCK_N, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, True,
+            )  # fmt: skip
         m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c)
     return m_i, l_i, acc
 
@@ -359,6 +371,7 @@ def _attention_fwd_kernel(
     MASK_KIND: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    FULL_BLOCKS: tl.constexpr,
 ):
     """The forward (``_row_state``). SPLIT=False: one program takes every chunk of its rows
     (prefill). SPLIT=True (decode: too few query programs to fill the GPU): the grid's third axis
@@ -396,6 +409,7 @@ def _attention_fwd_kernel(
         start,
         lo,
         hi,
+        _full_end(start, m0, L_k, BLOCK_N, CAUSAL),
         L_q,
         L_k,
         scale,
@@ -411,6 +425,7 @@ def _attention_fwd_kernel(
         MASK_KIND,
         PRECISION,
         INTERPRETED,
+        FULL_BLOCKS,
     )
     if SPLIT:
         row = ((tl.program_id(2) * tl.num_programs(1) + bh).to(tl.int64) * L_q + offs_m) * (BLOCK_D + 2)
@@ -573,6 +588,7 @@ def _attention_bwd_dkdv_kernel(
             MASK_KIND,
             PRECISION,
             INTERPRETED,
+            True,
         )
         p = tl.exp2(s * LOG2E - lse2[:, None])
         dv = _dot(tl.trans(p.to(do.dtype)), do, dv, PRECISION, INTERPRETED)
@@ -593,6 +609,30 @@ def _attention_bwd_dkdv_kernel(
         dv.to(DV.dtype.element_ty),
         mask=kv_msk,
     )
+
+
+@triton.jit
+def _dq_step(
+    q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_d, in_d, mask_row_ptr, smm, smn,
+    start, L_q, L_k, scale, softcap, window, dq,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    MASK_KIND: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """dQ's step over the key block [n0, n0 + BLOCK_N): dq + (p · (dO·Vᵀ − delta)) · K, unscaled."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    in_n = offs_n < L_k
+    kt = _cols(k_base, offs_n, skn, offs_d, in_n, in_d)
+    vt = _cols(v_base, offs_n, svn, offs_d, in_n, in_d)
+    s, t = _scores(
+        q, kt, offs_m, offs_n, mask_row_ptr, smm, smn, start, L_q, L_k, scale, softcap, window,
+        CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, MASKED,
+    )  # fmt: skip
+    p = tl.exp2(s * LOG2E - lse2[:, None])
+    dp = _dot(do, vt, tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION, INTERPRETED)
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return _dot(ds.to(kt.dtype), tl.trans(kt), dq, PRECISION, INTERPRETED)
 
 
 @triton.jit
@@ -642,8 +682,10 @@ def _attention_bwd_dq_kernel(
     MASK_KIND: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    FULL_BLOCKS: tl.constexpr,
 ):
-    """One program per (query block, batch, head): dQ over the key blocks of the forward's grid."""
+    """One program per (query block, batch, head): dQ over the key blocks of the forward's grid
+    (FULL_BLOCKS: those every row sees whole first, unmasked)."""
     bh, b, h, hk, m0 = _query_program(H, GROUP, BLOCK_M)
     b64 = b.to(tl.int64)
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -657,38 +699,21 @@ def _attention_bwd_dq_kernel(
     start = tl.load(KeyStart + b)
     lo, hi = _key_range(start, m0, L_q, L_k, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if FULL_BLOCKS:  # the blocks every row sees whole first, unmasked (_full_end)
+        full = _full_end(start, m0, L_k, BLOCK_N, CAUSAL)
+        for n0 in range(lo, tl.minimum(hi, full), BLOCK_N):
+            dq = _dq_step(
+                q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_d, in_d, mask_row_ptr, smm, smn,
+                start, L_q, L_k, scale, softcap, window, dq,
+                BLOCK_N, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, False,
+            )  # fmt: skip
+        lo = tl.maximum(lo, full)
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_n = offs_n < L_k
-        kt = _cols(k_base, offs_n, skn, offs_d, in_n, in_d)
-        vt = _cols(v_base, offs_n, svn, offs_d, in_n, in_d)
-        s, t = _scores(
-            q,
-            kt,
-            offs_m,
-            offs_n,
-            mask_row_ptr,
-            smm,
-            smn,
-            start,
-            L_q,
-            L_k,
-            scale,
-            softcap,
-            window,
-            CAUSAL,
-            HAS_WINDOW,
-            SOFTCAP,
-            MASK_KIND,
-            PRECISION,
-            INTERPRETED,
-        )
-        p = tl.exp2(s * LOG2E - lse2[:, None])
-        dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION, INTERPRETED)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq, PRECISION, INTERPRETED)
+        dq = _dq_step(
+            q, do, lse2, delta, k_base, v_base, skn, svn, n0, offs_m, offs_d, in_d, mask_row_ptr, smm, smn,
+            start, L_q, L_k, scale, softcap, window, dq,
+            BLOCK_N, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, True,
+        )  # fmt: skip
     dq = dq * scale
     # the address from this kernel's own arange, not _tile_pair's offs_d: torch's mutation analysis of
     # a traced launch walks a store's address back through the call that returned it, to Q and DO,

@@ -106,6 +106,12 @@ def _common(q, k, window, softcap, is_causal, attn_mask):
     return cfg, mask, ms, flags
 
 
+def _full_blocks(cfg, flags: dict) -> bool:
+    """Whether the forward and dQ run their fully seen key blocks unmasked (the table's choice;
+    only where no mask tensor and no window decide what a block's rows see)."""
+    return cfg.full_blocks and flags["MASK_KIND"] == 0 and not flags["HAS_WINDOW"]
+
+
 def attention_fwd_launch(q, k, v, attn_mask, key_start, scale, is_causal, window, softcap):
     """The forward kernel: returns (B, Hq, Lq, D) output in q's dtype and (B, Hq, Lq) fp32 lse in
     base 2 (+inf on rows that see no key).
@@ -170,8 +176,9 @@ def fwd_launches(q, k, v, attn_mask, key_start, out, lse, scale, is_causal, wind
         H, H // Hk, Lq, Lk, D, scale, softcap, window,
     )  # fmt: skip
     kwargs = dict(
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, **flags, num_warps=warps, num_stages=cfg.fwd_stages
-    )
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, **flags, FULL_BLOCKS=_full_blocks(cfg, flags),
+        num_warps=warps, num_stages=cfg.fwd_stages,
+    )  # fmt: skip
     launches = [(_attention_fwd_kernel, (_cdiv(Lq, block_m), B * H, n_chunks if split else 1), args, kwargs)]
     if split:
         merge = (part, out, lse, *out.stride()[:3], H, Lq, D, n_chunks)
@@ -269,6 +276,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         BLOCK_M=cfg.dq_m,
         BLOCK_N=cfg.dq_n,
         **flags,
+        FULL_BLOCKS=_full_blocks(cfg, flags),
         num_warps=cfg.dq_warps,
         num_stages=cfg.dq_stages,
     )

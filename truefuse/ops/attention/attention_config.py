@@ -34,6 +34,11 @@ class AttentionConfig:
         dq_m, dq_n, dq_warps, dq_stages: the dQ pass's query rows per program, keys per step and
             launch (``dq_n`` orders dQ's reduction over the keys, so it too depends on the head
             dim and dtype only).
+        full_blocks: the forward and dQ run the key blocks every row of the program sees whole
+            (below the causal diagonal, inside the keys; no mask tensor, no window) in a loop of
+            their own without the mask's compares and selects, then the rest masked: the same
+            blocks in the same order, so the same bits either way (``kernels/attention.py``,
+            ``_full_end``), as the Triton tutorial's causal stages split them.
     """
 
     block_m: int
@@ -51,12 +56,14 @@ class AttentionConfig:
     dq_n: int
     dq_warps: int
     dq_stages: int
+    full_blocks: bool = False
 
 
 # The interpreter runs CI's small fp32 shapes: small tiles keep its per-program cost low; chunks
 # of two 8-key blocks so that CI's 18-key sequences merge chunks at a chunk's end, not at every
-# block's (and decode splits them).
-_INTERPRETED = AttentionConfig(16, 1, 1, 16, 1, 8, 16, 16, 16, 1, 1, 16, 16, 1, 1)
+# block's (and decode splits them). Full blocks on: CI runs both loops of the forward and dQ (and
+# tests/test_attention.py compares them with the one masked loop bit for bit).
+_INTERPRETED = AttentionConfig(16, 1, 1, 16, 1, 8, 16, 16, 16, 1, 1, 16, 16, 1, 1, True)
 
 
 def attention_config(block_d: int, dtype: torch.dtype, interpreted: bool) -> AttentionConfig:
