@@ -87,6 +87,9 @@ def variant(base, name: str):
         apply_truefuse(m, fuse_sibling_grads=True)
     elif name == "truefuse resnorm":
         apply_truefuse(m, fuse_residual_norm=True)
+    elif name == "truefuse BI fused":  # 48.6: batch-invariant mode with the same fusions and AdamW
+        apply_truefuse(m, batch_invariant=True, fuse_residual_norm=True, fuse_sibling_grads=True)
+        m._exp_truefuse_adamw = True
     elif name.startswith("truefuse BI"):
         apply_truefuse(m, batch_invariant=True)  # attention on truefuse.attention too
         if name == "truefuse BI 1by1":

@@ -100,7 +100,8 @@ CONFIGS = {
 }
 PEAK_TFLOPS = 989.5  # H100 / H200 SXM, dense bf16
 TRAIN_VARIANTS = (
-    "stock", "truefuse", "truefuse fused", "truefuse siblings", "truefuse resnorm", "truefuse BI", "liger", "liger nolce"
+    "stock", "truefuse", "truefuse fused", "truefuse siblings", "truefuse resnorm", "truefuse BI", "truefuse BI fused",
+    "liger", "liger nolce",
 )  # fmt: skip
 GEN_VARIANTS = ("stock", "truefuse", "truefuse BI")
 LIGER = ("liger", "liger nolce")
@@ -418,6 +419,9 @@ def train_ratios(rows: dict) -> dict:
         ("truefuse | graphed", "stock | graphed"),
         ("truefuse BI | graphed", "truefuse | graphed"),
         ("truefuse BI | eager", "truefuse | eager"),
+        ("truefuse BI fused | graphed", "truefuse fused | graphed"),
+        ("truefuse BI fused | eager", "truefuse fused | eager"),
+        ("truefuse fused | graphed", "stock | graphed"),
         ("truefuse | graphed", "stock | eager"),
         ("truefuse | eager", "liger | eager"),
         ("truefuse | graphed", "liger nolce | graphed"),

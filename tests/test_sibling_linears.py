@@ -126,3 +126,39 @@ def test_bad_arguments_are_named(call, match):
 
 def test_public_names():
     assert truefuse.sibling_linears is sibling_linears and truefuse.sibling_linears_ref is sibling_linears_ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_input_gradient_keeps_each_row_its_own(device, dtype):
+    """``summed_input_grad_bi`` (batch-invariant mode's group): a row's sum alone and among 64
+    rows is the same bits, through every product (the first and each accumulated one), and
+    within one rounding a product of the float64 sum. bf16 where the kernels run it (the GPU)."""
+    from truefuse.ops.gemm.siblings import summed_input_grad_bi
+
+    if dtype is torch.bfloat16 and device.type != "cuda":
+        pytest.skip("bf16 batch-invariant GEMMs are checked on the GPU")
+    g = torch.Generator().manual_seed(5)
+    K, ns = 256, (256, 128, 128)
+    weights = [(torch.randn(n, K, generator=g) / 16).to(device, dtype) for n in ns]
+    dys = [torch.randn(64, n, generator=g).to(device, dtype) for n in ns]
+    full = summed_input_grad_bi(dys, weights)
+    for i in (0, 17, 63):
+        alone = summed_input_grad_bi([d[i : i + 1] for d in dys], weights)
+        assert torch.equal(alone[0], full[i]), i
+    ref = sum(d.double() @ w.double() for d, w in zip(dys, weights, strict=True))
+    tol = 3 * len(ns) * torch.finfo(dtype).eps
+    torch.testing.assert_close(full.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    assert summed_input_grad_bi([None, dys[1], None], weights).equal(summed_input_grad_bi([dys[1]], weights[1:2]))
+
+
+def test_batch_invariant_mode_refuses_double_backward_by_name():
+    """The batch-invariant group's backward is GEMM launches, not autograd ops: differentiating its
+    gradient raises an error naming it (fast mode's is autograd's own, above)."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 8, generator=g, requires_grad=True)
+    ws = [torch.randn(4, 8, generator=g, requires_grad=True) for _ in range(2)]
+    with truefuse.batch_invariant():
+        outs = sibling_linears(x, ws)
+    (dx,) = torch.autograd.grad(sum(o.square().sum() for o in outs), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="sibling_linears"):
+        dx.sum().backward()

@@ -1,8 +1,9 @@
 """``apply_truefuse(model, fuse_sibling_grads=True)``: each attention's q/k/v and each MLP's gate/up
 as one ``truefuse.sibling_linears`` call while training. The loss is the unfused patched model's
 bit for bit, weight gradients close, and the backward runs three adds over the hidden states fewer
-a decoder layer; no-grad calls, batch-invariant mode, gradient checkpointing, a LoRA model and a
-mismatched call keep the stock path's answer."""
+a decoder layer; no-grad calls, gradient checkpointing, a LoRA model and a mismatched call keep
+the stock path's answer. In batch-invariant mode the group keeps the routed linears' outputs and
+each row's gradient its own."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers")
 
+import truefuse  # noqa: E402
 from tests.hf.tiny import VOCAB, tiny_model  # noqa: E402
 from truefuse.integrations.huggingface import apply_truefuse, sibling_grads, unpatch_truefuse  # noqa: E402
 
@@ -36,13 +38,15 @@ def _pair(model_type="llama", **kw):
 class _Adds(TorchDispatchMode):
     """Adds (out of place or in place) over a (batch, seq, hidden) tensor."""
 
-    def __init__(self):
+    def __init__(self, hidden=HIDDEN):
         super().__init__()
         self.n = collections.Counter()
+        self.hidden = hidden
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        if name in ("add", "add_") and isinstance(args[0], torch.Tensor) and args[0].shape[-1] == HIDDEN and args[0].dim() == 3:
+        t = args[0] if args else None
+        if name in ("add", "add_") and isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[-1] == self.hidden:
             self.n[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -116,15 +120,80 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         assert torch.equal(ga[n], gb[n]), n
 
 
-def test_batch_invariant_mode_keeps_its_routed_linears():
-    plain, fused, _ = _pair(batch_invariant=True, linear_cross_entropy=False)
+# hidden 128: this CPU's fp32 GEMMs give a row other bits at other row counts from hidden 64 up
+# (tests/hf/test_batch_invariant_models.py), so a sum that is not batch-invariant shows
+WIDE = {"num_hidden_layers": 1, "hidden_size": 128, "intermediate_size": 256}
+
+
+def _bi_pair():
+    plain = tiny_model("llama", **WIDE)
+    fused = copy.deepcopy(plain)
+    apply_truefuse(plain, batch_invariant=True, linear_cross_entropy=False)
+    apply_truefuse(fused, batch_invariant=True, linear_cross_entropy=False, fuse_sibling_grads=True)
+    return plain, fused
+
+
+def test_batch_invariant_mode_sums_in_its_gemms(torch_paths):
+    """Batch-invariant mode's group: the loss and every output the routed linears' bits, the MLP's
+    weight gradients of the last layer too (their output gradients and inputs are the same
+    tensors), three adds fewer a layer, the other gradients close."""
+    plain, fused = _bi_pair()
     with torch.no_grad():
         assert torch.equal(plain(_ids()).logits, fused(_ids()).logits)
-    la, ga, _ = _step(plain, _ids())
+    adds = {}
+    for name, model in (("plain", plain), ("fused", fused)):
+        model.zero_grad(set_to_none=True)
+        mode = _Adds(WIDE["hidden_size"])
+        with mode:
+            loss = model(_ids(), labels=_ids(), use_cache=False).loss
+            loss.backward()
+        adds[name] = (loss.detach(), sum(mode.n.values()))
+    assert torch.equal(adds["plain"][0], adds["fused"][0])
+    assert adds["plain"][1] - adds["fused"][1] == 3 * WIDE["num_hidden_layers"], adds
+    mlp_a, mlp_b = plain.model.layers[-1].mlp, fused.model.layers[-1].mlp
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert torch.equal(getattr(mlp_a, proj).weight.grad, getattr(mlp_b, proj).weight.grad), proj
+    ga = {n: p.grad for n, p in plain.named_parameters()}
+    gb = {n: p.grad for n, p in fused.named_parameters()}
+    _close(ga, gb)
+    with truefuse.batch_invariant():
+        y = fused.model.layers[0].self_attn.q_proj(torch.randn(1, 2, WIDE["hidden_size"], requires_grad=True))
+    assert type(y.grad_fn).__name__ == "BatchInvariantSiblingLinearsBackward"
+
+
+def test_batch_invariant_mode_keeps_a_sequence_gradient_its_own(torch_paths):
+    """The input gradient summed in batch-invariant GEMMs keeps each row's bits: a sequence's
+    embedding gradient alone and inside a batch of eight are equal bit for bit. One-token
+    sequences: this CPU's BLAS gives a one-row product other bits than the same row among 4 or
+    more (a vector product); with torch's ``mm``/``addmm_`` sum (fast mode's) the check fails."""
+    _, fused = _bi_pair()
+    emb = fused.get_input_embeddings()
+    ids = torch.randint(0, VOCAB, (8, 1), generator=torch.Generator().manual_seed(3))
+    g = torch.randn(8, 1, VOCAB, generator=torch.Generator().manual_seed(4))
+
+    def embeds_grad(rows):
+        x = emb(ids[rows]).detach().requires_grad_()
+        (fused(inputs_embeds=x, use_cache=False).logits * g[rows]).sum().backward()
+        return x.grad
+
+    batch = embeds_grad(slice(0, 8))
+    for i in range(3):
+        assert torch.equal(embeds_grad(slice(i, i + 1))[0], batch[i]), i
+
+
+def test_batch_invariant_mode_under_gradient_checkpointing_gives_the_same_gradients(torch_paths):
+    """TRL's default: the recomputed layer's group runs batch-invariant again (the mode read per
+    call), so the gradients are those without checkpointing, bit for bit."""
+    _, fused = _bi_pair()
+    ref = copy.deepcopy(fused)
+    fused.gradient_checkpointing_enable()
+    fused.train()
+    ref.train()
+    la, ga, _ = _step(ref, _ids())
     lb, gb, _ = _step(fused, _ids())
     assert torch.equal(la, lb)
     for n in ga:
-        assert torch.equal(ga[n], gb[n]), n  # batch-invariant mode: nothing fused, the same bits
+        assert torch.equal(ga[n], gb[n]), n
 
 
 def test_lora_after_the_patch_still_fuses_its_base_layers():

@@ -1,14 +1,17 @@
 """Contract cases of ``sibling_linears`` (docs/sibling_linears.md): the outputs bitwise the stock
 calls (``sibling_linears_ref``), the weight and bias gradients bitwise torch's linear backward's (the
 reference under autograd), ``x``'s gradient bounded against float64 with the reference under
-autograd (autograd's separate adds) as the baseline. Three projections of one input, as q/k/v:
-odd sizes, a bias on one, a (batch, sequence, hidden) input."""
+autograd (autograd's separate adds) as the baseline; in batch-invariant mode the routed Linear's
+bits and a sequence's rows its own. Three projections of one input, as q/k/v: odd sizes, a bias
+on one, a (batch, sequence, hidden) input."""
 
 from __future__ import annotations
 
 import torch
 
-from truefuse.autograd.sibling_linears import sibling_linears
+from truefuse.autograd.linear import linear
+from truefuse.autograd.sibling_linears import _BI_PLAIN, sibling_linears
+from truefuse.config import batch_invariant
 from truefuse.ops.gemm.siblings import sibling_linears_ref
 from truefuse.testing import bitwise_report, bounded_report
 from truefuse.verify.registry import register
@@ -69,3 +72,32 @@ def _dx_case(dtype):
 for _dn, _dt in _DTYPES.items():
     register("sibling_linears", f"fwd_wgrad_{_dn}", "bitwise")(_bits_case(_dt))
     register("sibling_linears", f"dx_{_dn}", "bounded")(_dx_case(_dt))
+
+
+def _bi_case(dtype):
+    """Batch-invariant mode (``truefuse.batch_invariant()``): each output, weight and bias gradient
+    the routed Linear's bits (``autograd/linear.py::linear``, a batch-invariant model's
+    ``F.linear``); a sequence alone and in the batch, its outputs and its rows of ``x``'s gradient
+    the same bits."""
+
+    def case(device):
+        x, *rest = _inputs(dtype, device)
+        ws, bs, dys = rest[:3], rest[3:6], rest[6:]
+        with batch_invariant():
+            got = _run(sibling_linears, x, ws, bs, dys)
+            routed = _run(
+                lambda x, ws, bs: [linear(x, w, b, state=_BI_PLAIN) for w, b in zip(ws, bs, strict=True)], x, ws, bs, dys
+            )
+            alone = _run(sibling_linears, x[1:2], ws, bs, [d[1:2] for d in dys])
+        (outs, (dx, *dparams)), (want_outs, (_, *want_dparams)) = got, routed
+        report = {f"out{i}": bitwise_report(o, w) for i, (o, w) in enumerate(zip(outs, want_outs, strict=True))}
+        names = [f"dweight{i}" for i in range(3)] + ["dbias0"]
+        report |= {n: bitwise_report(g, w) for n, g, w in zip(names, dparams, want_dparams, strict=True)}
+        report |= {f"alone_out{i}": bitwise_report(a[0], o[1]) for i, (a, o) in enumerate(zip(alone[0], outs, strict=True))}
+        return report | {"alone_dx": bitwise_report(alone[1][0][0], dx[1])}
+
+    return case
+
+
+for _dn, _dt in _DTYPES.items():
+    register("sibling_linears", f"batch_invariant_{_dn}", "bitwise")(_bi_case(_dt))

@@ -482,7 +482,8 @@ OPS: tuple[OpDecl, ...] = (
         inline=False,
         eager=False,
         dtensor="refused",
-        # cuBLAS's GEMMs, as stock's F.linear: batch-invariant only where the caller routes them (it does not)
+        # under truefuse.batch_invariant() the batch-invariant GEMMs (BatchInvariantSiblingLinears), else
+        # cuBLAS's as stock's F.linear; double backward is autograd's in fast mode, refused in batch-invariant
         batch_invariant="switch-dependent",
         double_backward="supported",
         compile=lambda d: [

@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from truefuse.ops.gemm.gemm import plain_gemm
+from truefuse.ops.gemm.gemm_kept import kept_product
+
 
 def sibling_linears_ref(x: torch.Tensor, weights, biases=None) -> tuple[torch.Tensor, ...]:
     """``tuple(F.linear(x, w, b))``: the stock calls, one a projection (autograd then sums ``x``'s
@@ -33,6 +36,23 @@ def summed_input_grad(dys, weights) -> torch.Tensor | None:
         if dy is None:
             continue
         dx = dy.mm(w) if dx is None else dx.addmm_(dy, w)
+    return dx
+
+
+def summed_input_grad_bi(dys, weights) -> torch.Tensor | None:
+    """:func:`summed_input_grad` in batch-invariant mode: the first product the routed Linear's own
+    input-gradient GEMM (``kept_product``, batch-invariant), each next one accumulated into it by
+    the batch-invariant GEMM (``accumulate``: the running sum read in fp32 in its epilogue on CUDA,
+    one rounding a product). Every GEMM keeps a row's bits independent of the other rows, so the
+    sum does too (docs/design.md §1)."""
+    dx = None
+    for dy, w in zip(dys, weights, strict=True):
+        if dy is None:
+            continue
+        if dx is None:
+            dx = kept_product(dy, w, None, True)
+        else:
+            plain_gemm(dy, w, out=dx, accumulate=True, batch_invariant=True)
     return dx
 
 
