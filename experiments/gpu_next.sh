@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU runs issues 47 and 48 wait for, each part one device call (under 10 minutes on one H100):
+#   bash experiments/gpu_next.sh graphs    # 47: the demo's step graphed and eager, fast and batch-invariant
+#                                          #     with issue 48's fusions, against stock; which kernels a replay runs longer
+#   bash experiments/gpu_next.sh kernels   # the CUDA tests of what changed without a GPU, verify on cuda,
+#                                          # the attention tile sweep (full_blocks and 128-key candidates)
+#   bash experiments/gpu_next.sh profile   # 48: the step's kernel time by kind, each fusion alone and together,
+#                                          #     fast and batch-invariant, stock compiled
+# Results under $OUT (the device tool's folder; ./gpu_next_out elsewhere), a short table printed last.
+# Runs with the machine's python3 (torch, triton, transformers there) on this checkout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_next_out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY="${PYTHON:-python3}"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  git rev-parse --short HEAD 2>/dev/null || cat COMMIT 2>/dev/null
+} > "$OUT/gpu.txt" 2>&1
+
+case "${1:-}" in
+graphs)
+  # three variants fit one H100 with --share-pool (four ran out of memory); the deadline keeps the call inside 10 minutes
+  timeout 420 $PY experiments/exp_graphs.py "$OUT" --config demo --parts train --share-pool --train-rounds 5 \
+    --variants "stock,truefuse fused,truefuse BI fused" --deadline-s 330 > "$OUT/graphs.log" 2>&1
+  echo "exp_graphs rc $?"
+  timeout 150 $PY experiments/exp_graph_kernels.py "truefuse BI fused,truefuse fused" --config demo > "$OUT/graph_kernels.txt" 2>&1
+  echo "exp_graph_kernels rc $?"
+  tail -n 25 "$OUT/graphs.log"; tail -n 30 "$OUT/graph_kernels.txt"
+  ;;
+kernels)
+  timeout 240 $PY -m pytest -q -n 8 -p no:cacheprovider tests/test_attention.py tests/test_sibling_linears.py \
+    tests/hf/test_sibling_grads.py tests/hf/test_cuda_graphs.py tests/test_add_norm.py tests/hf/test_residual_norm.py \
+    tests/test_kept_launches.py > "$OUT/pytest.log" 2>&1
+  echo "pytest rc $?"
+  $PY -m truefuse verify --device cuda --op sibling_linears --op attention --quiet > "$OUT/verify.log" 2>&1
+  echo "verify rc $?"
+  timeout 300 $PY experiments/exp_attention_configs.py "$OUT" 240 > "$OUT/attention_configs.log" 2>&1
+  echo "exp_attention_configs rc $?"
+  grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -20; tail -n 1 "$OUT/pytest.log"; tail -n 3 "$OUT/verify.log"
+  tail -n 22 "$OUT/attention_configs.log"
+  ;;
+profile)
+  timeout 560 $PY experiments/exp_hf_profile.py --fused --top 8 --runs \
+    "truefuse,truefuse+siblings,truefuse+resnorm,truefuse+resnorm+siblings+adamw,truefuse+bi,truefuse+bi+resnorm+siblings+adamw,stock+compile" \
+    > "$OUT/hf_profile.txt" 2>&1
+  echo "exp_hf_profile rc $?"
+  grep -A 16 "^ms / step" "$OUT/hf_profile.txt"
+  ;;
+*)
+  echo "usage: bash experiments/gpu_next.sh graphs|kernels|profile" >&2
+  exit 2
+  ;;
+esac
