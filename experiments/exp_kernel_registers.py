@@ -77,13 +77,14 @@ def rows():
         yield "fwd", (m, warps, stages, block_n, const["FULL_BLOCKS"]), compiled(ka._attention_fwd_kernel, const, warps, stages)
     seen = set()
     for (m, n, warps, stages), dq in BWD:
-        if (m, n, warps, stages) not in seen:
-            seen.add((m, n, warps, stages))
-            const = dict(_FLAGS, BLOCK_M=m, BLOCK_N=n)
-            yield "dkdv", (m, n, warps, stages), compiled(ka._attention_bwd_dkdv_kernel, const, warps, stages)
+        full = bool(dq[4]) if len(dq) > 4 else False
+        if (m, n, warps, stages, full) not in seen:
+            seen.add((m, n, warps, stages, full))
+            const = dict(_FLAGS, BLOCK_M=m, BLOCK_N=n, FULL_BLOCKS=full)
+            yield "dkdv", (m, n, warps, stages, full), compiled(ka._attention_bwd_dkdv_kernel, const, warps, stages)
         if tuple(dq) not in seen:
             seen.add(tuple(dq))
-            const = dict(_FLAGS, BLOCK_M=dq[0], BLOCK_N=dq[1], FULL_BLOCKS=bool(dq[4]) if len(dq) > 4 else False)
+            const = dict(_FLAGS, BLOCK_M=dq[0], BLOCK_N=dq[1], FULL_BLOCKS=full)
             yield "dq", tuple(dq), compiled(ka._attention_bwd_dq_kernel, const, dq[2], dq[3])
 
 

@@ -528,9 +528,12 @@ def _attention_bwd_dkdv_kernel(
     MASK_KIND: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    FULL_BLOCKS: tl.constexpr,
 ):
     """One program per (key block, batch, kv head): dK and dV summed over the group's query heads
-    in head order, then over the query blocks in row order (deterministic)."""
+    in head order, then over the query blocks in row order (deterministic). FULL_BLOCKS: a query
+    block whose every row sees every key of the block (inside [start, L_k), causal at or below the
+    diagonal) takes its scores unmasked, in the same order."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HK
@@ -554,6 +557,7 @@ def _attention_bwd_dkdv_kernel(
         m_hi = tl.minimum(L_q, tl.maximum(n0 + BLOCK_N - 1 + window - (L_k - L_q), 0))
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    keys_whole = (n0 >= start) & (n0 + BLOCK_N <= L_k)  # FULL_BLOCKS: no key of the block is masked out
     # one loop over (head, query block), head-major: the order of the nested loops, without the
     # software pipeline draining at every head
     n_m = tl.cdiv(tl.maximum(m_hi - m_lo, 0), BLOCK_M)
@@ -568,28 +572,25 @@ def _attention_bwd_dkdv_kernel(
         do = _rows(DO + b64 * sdb + h64 * sdh, offs_m, sdm, offs_d, in_m[:, None] & in_d[None, :])
         lse2 = tl.load(Lse + bh * L_q + offs_m, mask=in_m, other=float("inf"))
         delta = tl.load(Delta + bh * L_q + offs_m, mask=in_m, other=0.0)
-        s, t = _scores(
-            q,
-            kt,
-            offs_m,
-            offs_n,
-            Mask + b64 * smb + h64 * smh,
-            smm,
-            smn,
-            start,
-            L_q,
-            L_k,
-            scale,
-            softcap,
-            window,
-            CAUSAL,
-            HAS_WINDOW,
-            SOFTCAP,
-            MASK_KIND,
-            PRECISION,
-            INTERPRETED,
-            True,
-        )
+        if FULL_BLOCKS:
+            whole = keys_whole
+            if CAUSAL:
+                whole = whole & (m_lo + (it - g * n_m) * BLOCK_M >= n0 + BLOCK_N - 1)
+            if whole:
+                s, t = _scores(
+                    q, kt, offs_m, offs_n, Mask + b64 * smb + h64 * smh, smm, smn, start, L_q, L_k, scale, softcap, window,
+                    CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, False,
+                )  # fmt: skip
+            else:
+                s, t = _scores(
+                    q, kt, offs_m, offs_n, Mask + b64 * smb + h64 * smh, smm, smn, start, L_q, L_k, scale, softcap, window,
+                    CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, True,
+                )  # fmt: skip
+        else:
+            s, t = _scores(
+                q, kt, offs_m, offs_n, Mask + b64 * smb + h64 * smh, smm, smn, start, L_q, L_k, scale, softcap, window,
+                CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, True,
+            )  # fmt: skip
         p = tl.exp2(s * LOG2E - lse2[:, None])
         dv = _dot(tl.trans(p.to(do.dtype)), do, dv, PRECISION, INTERPRETED)
         dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION, INTERPRETED)

@@ -107,8 +107,8 @@ def _common(q, k, window, softcap, is_causal, attn_mask):
 
 
 def _full_blocks(cfg, flags: dict) -> bool:
-    """Whether the forward and dQ run their fully seen key blocks unmasked (the table's choice;
-    only where no mask tensor and no window decide what a block's rows see)."""
+    """Whether the three passes skip the mask on the blocks every row sees whole (the table's
+    choice; only where no mask tensor and no window decide what a block's rows see)."""
     return cfg.full_blocks and flags["MASK_KIND"] == 0 and not flags["HAS_WINDOW"]
 
 
@@ -248,6 +248,7 @@ def attention_bwd_launch(do, q, k, v, out, lse, attn_mask, key_start, scale, is_
         BLOCK_M=cfg.dkdv_m,
         BLOCK_N=cfg.dkdv_n,
         **flags,
+        FULL_BLOCKS=_full_blocks(cfg, flags),
         num_warps=cfg.dkdv_warps,
         num_stages=cfg.dkdv_stages,
     )

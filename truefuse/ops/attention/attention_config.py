@@ -36,9 +36,10 @@ class AttentionConfig:
             dim and dtype only).
         full_blocks: the forward and dQ run the key blocks every row of the program sees whole
             (below the causal diagonal, inside the keys; no mask tensor, no window) in a loop of
-            their own without the mask's compares and selects, then the rest masked: the same
-            blocks in the same order, so the same bits either way (``kernels/attention.py``,
-            ``_full_end``), as the Triton tutorial's causal stages split them.
+            their own without the mask's compares and selects, then the rest masked, and dK/dV
+            takes such a (query block, key block) pair's scores unmasked: the same blocks in the
+            same order, so the same bits either way (``kernels/attention.py``, ``_full_end``), as
+            the Triton tutorial's causal stages split them.
     """
 
     block_m: int
