@@ -54,11 +54,15 @@ BWD = [
     ((64, 128, 8, 2), (128, 64, 8, 2)),
     ((128, 64, 8, 2), (128, 128, 8, 2)),
 ]
-#: prefill forward tile (m, warps, stages, block_n[, full_blocks]): full_blocks runs the key blocks every
-#: row sees whole without the mask (the same bits; attention_config.py)
+#: prefill forward tile (m, warps, stages, block_n[, full_blocks[, state_in_memory]]): full_blocks runs the
+#: key blocks every row sees whole without the mask, state_in_memory keeps the rows' accumulator in
+#: memory between key chunks (the same bits either way; attention_config.py). 128-key blocks spill
+#: in registers unless the state is in memory (experiments/exp_kernel_registers.py)
 FWD = [
-    (128, 8, 3, 64), (128, 8, 3, 64, True), (64, 4, 3, 64), (64, 4, 3, 64, True), (128, 8, 2, 64), (128, 4, 3, 64),
-    (128, 8, 3, 128), (128, 8, 3, 128, True), (128, 8, 2, 128), (64, 4, 3, 128),
+    (128, 8, 3, 64), (128, 8, 3, 64, True), (128, 8, 3, 64, False, True), (128, 8, 3, 64, True, True),
+    (64, 4, 3, 64), (64, 4, 3, 64, True), (128, 8, 2, 64), (128, 4, 3, 64),
+    (128, 8, 3, 128), (128, 8, 3, 128, False, True), (128, 8, 3, 128, True, True), (128, 8, 2, 128, True, True),
+    (64, 4, 3, 128, False, True),
 ]  # fmt: skip
 DECODE = [3, 2]  # stages of the 64-row decode tile
 
@@ -200,12 +204,13 @@ def main():
     for tile, dq in BWD:
         if time.time() - T0 < budget * 0.5:
             backward(tile, dq)
-    for m, warps, stages, block_n, *full in FWD:
+    for m, warps, stages, block_n, *switches in FWD:
         if time.time() - T0 > budget * 0.8:
             break
-        full = bool(full and full[0])
-        _use(dataclasses.replace(BASE, block_m=m, fwd_warps=warps, fwd_stages=stages, block_n=block_n, full_blocks=full))
-        row = {"pass": "fwd", "tile": (m, warps, stages, block_n, full)}
+        full, in_memory = (*map(bool, switches), False, False)[:2]
+        tiles = dict(block_m=m, fwd_warps=warps, fwd_stages=stages, block_n=block_n)
+        _use(dataclasses.replace(BASE, **tiles, full_blocks=full, state_in_memory=in_memory))
+        row = {"pass": "fwd", "tile": (m, warps, stages, block_n, full, in_memory)}
         row["bitwise_fails"] = _fails(cases_attention._batch_invariant) + _fails(cases_attention._decode_vs_prefill)
         for L in train:
             ms = _t(lambda L=L: _ours(*train[L]))

@@ -72,9 +72,11 @@ def compiled(kernel, const: dict, warps: int, stages: int) -> tuple:
 
 def rows():
     """(pass, candidate, stats) for the forward candidates, then the backward's (dK/dV, dQ)."""
-    for m, warps, stages, block_n, *full in FWD:
-        const = dict(_FLAGS, BLOCK_M=m, BLOCK_N=block_n, CHUNK=BASE.chunk, SPLIT=False, FULL_BLOCKS=bool(full and full[0]))
-        yield "fwd", (m, warps, stages, block_n, const["FULL_BLOCKS"]), compiled(ka._attention_fwd_kernel, const, warps, stages)
+    for m, warps, stages, block_n, *switches in FWD:
+        full, in_memory = (*map(bool, switches), False, False)[:2]
+        tiles = dict(BLOCK_M=m, BLOCK_N=block_n, CHUNK=BASE.chunk)
+        const = dict(_FLAGS, **tiles, SPLIT=False, FULL_BLOCKS=full, STATE_IN_MEMORY=in_memory)
+        yield "fwd", (m, warps, stages, block_n, full, in_memory), compiled(ka._attention_fwd_kernel, const, warps, stages)
     seen = set()
     for (m, n, warps, stages), dq in BWD:
         full = bool(dq[4]) if len(dq) > 4 else False

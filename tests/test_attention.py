@@ -201,12 +201,13 @@ def test_overlapping_inputs_get_outputs_the_kernels_can_write():
     "Lq, Lk, causal, softcap",
     [(37, 37, True, None), (37, 37, False, 20.0), (1, 37, False, None), (5, 37, False, None), (40, 40, True, 20.0)],
 )
-def test_full_blocks_unmasked_keep_the_bits(device, monkeypatch, Lq, Lk, causal, softcap, dtype):
-    """The launch table's ``full_blocks`` (forward and dQ run the key blocks every row sees whole in
-    an unmasked loop of their own, ``kernels/attention.py::_full_end``): the output, lse and every
-    gradient are the one masked loop's bits, causal or not, a sequence's keys starting past 0
-    (``key_start``), GQA, softcap, prefill and decode (the keys split across programs). Both
-    settings on the device's own tiles (the interpreter's on the CPU; bf16 on the GPU only, where it
+def test_launch_table_switches_keep_the_bits(device, monkeypatch, Lq, Lk, causal, softcap, dtype):
+    """The launch table's switches that change how, not what, the kernels compute: ``full_blocks``
+    (every pass skips the mask on the blocks every row sees whole, ``kernels/attention.py::_full_end``)
+    and ``state_in_memory`` (the prefill forward's accumulator in memory between key chunks): the
+    output and every gradient are the default's bits with either and both, causal or not, a
+    sequence's keys starting past 0 (``key_start``), GQA, softcap, prefill and decode (the keys
+    split across programs). Each setting on the device's own tiles (the interpreter's on the CPU; bf16 on the GPU only, where it
     runs the kernels and their tiles; on the GPU the sequences span two of its key chunks)."""
     import dataclasses
 
@@ -227,15 +228,17 @@ def test_full_blocks_unmasked_keep_the_bits(device, monkeypatch, Lq, Lk, causal,
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     base = ops_attention.attention_config
     runs = {}
-    for full in (False, True):
-        cfg = dataclasses.replace(base(D, dtype, q.device.type == "cpu"), full_blocks=full)
+    for full, in_memory in ((False, False), (True, False), (False, True), (True, True)):
+        cfg = dataclasses.replace(base(D, dtype, q.device.type == "cpu"), full_blocks=full, state_in_memory=in_memory)
         monkeypatch.setattr(ops_attention, "attention_config", lambda *a, cfg=cfg: cfg)
         attention_kept.clear()
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = truefuse.attention(*leaves, is_causal=causal, enable_gqa=True, softcap=softcap, key_start=key_start)
-        runs[full] = (out, *torch.autograd.grad(out, leaves, do))
+        run = (out, *torch.autograd.grad(out, leaves, do))
         with torch.no_grad():  # the no-grad forward (decode's split and kept launches)
-            runs[full] += (truefuse.attention(q, k, v, is_causal=causal, enable_gqa=True, softcap=softcap, key_start=key_start),)
+            run += (truefuse.attention(q, k, v, is_causal=causal, enable_gqa=True, softcap=softcap, key_start=key_start),)
+        runs[full, in_memory] = run
     attention_kept.clear()
-    for name, a, b in zip(("output", "dq", "dk", "dv", "no-grad output"), runs[False], runs[True], strict=True):
-        assert_bitwise(b, a, f"{name}, full blocks vs one masked loop")
+    for switches, run in runs.items():
+        for name, a, b in zip(("output", "dq", "dk", "dv", "no-grad output"), runs[False, False], run, strict=True):
+            assert_bitwise(b, a, f"{name}, (full_blocks, state_in_memory) = {switches} vs the default")

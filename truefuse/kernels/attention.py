@@ -247,68 +247,73 @@ def _block_step(
 
 
 @triton.jit
-def _row_state(
-    q,
-    k_base,
-    v_base,
-    skn,
-    svn,
-    offs_m,
-    offs_d,
-    in_d,
-    mask_row_ptr,
-    smm,
-    smn,
-    start,
-    lo,
-    hi,
-    full,
-    L_q,
-    L_k,
-    scale,
-    softcap,
-    window,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    MASK_KIND: tl.constexpr,
-    PRECISION: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    FULL_BLOCKS: tl.constexpr,
-):
-    """The rows' state over the key blocks [lo, hi) (on the grid start + j·BLOCK_N): the keys go in
-    chunks of CHUNK from ``start``, each chunk's online softmax from the empty state, merged into
-    the rows' state at the chunk's end, in chunk order. FULL_BLOCKS: the blocks before ``full``
-    (``_full_end``) skip the mask."""
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # one loop per chunk: a single loop over the blocks that merges at chunk ends under an `if`
-    # ran 1.2x slower (H100, L=4096, docs/benchmarks.md "Attention")
-    for c0 in range(start + (lo - start) // CHUNK * CHUNK, hi, CHUNK):
-        m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_c = tl.zeros([BLOCK_M], tl.float32)
-        acc_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        c_lo = tl.maximum(c0, lo)
-        c_hi = tl.minimum(c0 + CHUNK, hi)
-        if FULL_BLOCKS:  # the blocks every row sees whole first, unmasked (_full_end)
-            for n0 in range(c_lo, tl.minimum(c_hi, full), BLOCK_N):
-                m_c, l_c, acc_c = _block_step(
-                    q, k_base, v_base, skn, svn, n0, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start, L_q, L_k,
-                    scale, softcap, window, m_c, l_c, acc_c,
-                    BLOCK_N, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, False,
-                )  # fmt: skip
-            c_lo = tl.maximum(c_lo, full)
-        for n0 in range(c_lo, c_hi, BLOCK_N):
+def _chunk_state(
+    q, k_base, v_base, skn, svn, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start, c0, lo, hi, full,
+    L_q, L_k, scale, softcap, window,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, FULL_BLOCKS: tl.constexpr,
+):  # fmt: skip
+    """The online softmax of the chunk [c0, c0 + CHUNK)'s blocks within [lo, hi), from the empty
+    state. FULL_BLOCKS: the blocks before ``full`` (``_full_end``) skip the mask."""
+    m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_c = tl.zeros([BLOCK_M], tl.float32)
+    acc_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    c_lo = tl.maximum(c0, lo)
+    c_hi = tl.minimum(c0 + CHUNK, hi)
+    if FULL_BLOCKS:  # the blocks every row sees whole first, unmasked (_full_end)
+        for n0 in range(c_lo, tl.minimum(c_hi, full), BLOCK_N):
             m_c, l_c, acc_c = _block_step(
                 q, k_base, v_base, skn, svn, n0, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start, L_q, L_k,
                 scale, softcap, window, m_c, l_c, acc_c,
-                BLOCK_N, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, True,
+                BLOCK_N, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, False,
             )  # fmt: skip
+        c_lo = tl.maximum(c_lo, full)
+    for n0 in range(c_lo, c_hi, BLOCK_N):
+        m_c, l_c, acc_c = _block_step(
+            q, k_base, v_base, skn, svn, n0, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start, L_q, L_k,
+            scale, softcap, window, m_c, l_c, acc_c,
+            BLOCK_N, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, True,
+        )  # fmt: skip
+    return m_c, l_c, acc_c
+
+
+@triton.jit
+def _row_state(
+    q, k_base, v_base, skn, svn, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start, lo, hi, full,
+    L_q, L_k, scale, softcap, window, state,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, FULL_BLOCKS: tl.constexpr, STATE_IN_MEMORY: tl.constexpr,
+):  # fmt: skip
+    """The rows' state over the key blocks [lo, hi) (on the grid start + j·BLOCK_N): the keys go in
+    chunks of CHUNK from ``start``, each chunk's online softmax from the empty state
+    (``_chunk_state``), merged into the rows' state at the chunk's end, in chunk order.
+
+    STATE_IN_MEMORY: between chunks the rows' accumulator waits in ``state`` (this program's
+    (BLOCK_M, BLOCK_D) fp32 tile of global memory) instead of registers, so that one accumulator,
+    not two, is live through the key loop (254 registers a thread against 188 for the 128 x 64
+    forward, experiments/exp_kernel_registers.py); the same merges of the same values in the same
+    order, so the same bits."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    c_first = start + (lo - start) // CHUNK * CHUNK
+    tile = state + tl.arange(0, BLOCK_M)[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+    # one loop per chunk: a single loop over the blocks that merges at chunk ends under an `if`
+    # ran 1.2x slower (H100, L=4096, docs/benchmarks.md "Attention")
+    for c0 in range(c_first, hi, CHUNK):
+        if STATE_IN_MEMORY:  # the rows' state out of registers while the chunk runs (none yet at the first)
+            later = tl.zeros([BLOCK_M, BLOCK_D], tl.int32) < c0 - c_first
+            tl.store(tile, acc, mask=later)
+            tl.debug_barrier()  # the merge's threads read what others wrote
+        m_c, l_c, acc_c = _chunk_state(
+            q, k_base, v_base, skn, svn, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start, c0, lo, hi, full,
+            L_q, L_k, scale, softcap, window,
+            BLOCK_M, BLOCK_N, BLOCK_D, CHUNK, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED, FULL_BLOCKS,
+        )  # fmt: skip
+        if STATE_IN_MEMORY:
+            acc = tl.load(tile, mask=later, other=0.0)
         m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c)
     return m_i, l_i, acc
 
@@ -372,13 +377,16 @@ def _attention_fwd_kernel(
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     FULL_BLOCKS: tl.constexpr,
+    STATE_IN_MEMORY: tl.constexpr,
 ):
     """The forward (``_row_state``). SPLIT=False: one program takes every chunk of its rows
     (prefill). SPLIT=True (decode: too few query programs to fill the GPU): the grid's third axis
     is the chunk; each program writes its chunk's state, merged into the empty state as prefill
     merges its first chunk, to ``Part`` (n_chunks, B·H, L_q, BLOCK_D + 2), and
     ``_attention_fwd_merge_kernel`` merges them in the same order with the same ``_merge``
-    (merging into the empty state twice gives the bits of once), so both give the same bits."""
+    (merging into the empty state twice gives the bits of once), so both give the same bits.
+    STATE_IN_MEMORY (prefill): ``Part`` is the programs' (BLOCK_M, BLOCK_D) fp32 tiles, where the
+    rows' accumulator waits between chunks (``_row_state``)."""
     bh, b, h, hk, m0 = _query_program(H, GROUP, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -394,39 +402,13 @@ def _attention_fwd_kernel(
         c0 = start + tl.program_id(2) * CHUNK
         lo = tl.maximum(c0, lo)
         hi = tl.minimum(c0 + CHUNK, hi)
+    state = Part + ((tl.program_id(0) * tl.num_programs(1) + bh).to(tl.int64) * BLOCK_M * BLOCK_D)
     m_i, l_i, acc = _row_state(
-        q,
-        k_base,
-        v_base,
-        skn,
-        svn,
-        offs_m,
-        offs_d,
-        in_d,
-        mask_row_ptr,
-        smm,
-        smn,
-        start,
-        lo,
-        hi,
-        _full_end(start, m0, L_k, BLOCK_N, CAUSAL),
-        L_q,
-        L_k,
-        scale,
-        softcap,
-        window,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_D,
-        CHUNK,
-        CAUSAL,
-        HAS_WINDOW,
-        SOFTCAP,
-        MASK_KIND,
-        PRECISION,
-        INTERPRETED,
-        FULL_BLOCKS,
-    )
+        q, k_base, v_base, skn, svn, offs_m, offs_d, in_d, mask_row_ptr, smm, smn, start, lo, hi,
+        _full_end(start, m0, L_k, BLOCK_N, CAUSAL), L_q, L_k, scale, softcap, window, state,
+        BLOCK_M, BLOCK_N, BLOCK_D, CHUNK, CAUSAL, HAS_WINDOW, SOFTCAP, MASK_KIND, PRECISION, INTERPRETED,
+        FULL_BLOCKS, STATE_IN_MEMORY,
+    )  # fmt: skip
     if SPLIT:
         row = ((tl.program_id(2) * tl.num_programs(1) + bh).to(tl.int64) * L_q + offs_m) * (BLOCK_D + 2)
         in_m = offs_m < L_q

@@ -169,7 +169,12 @@ def fwd_launches(q, k, v, attn_mask, key_start, out, lse, scale, is_causal, wind
     block_m, warps = forward_tile(cfg, Lq)
     programs = _cdiv(Lq, block_m) * B * H
     split = n_chunks > 1 and Lq <= block_m and (flags["INTERPRETED"] or programs < sm_count(q.device.index or 0))
-    part = q.new_empty((n_chunks, B * H, Lq, flags["BLOCK_D"] + 2) if split else (1,), dtype=torch.float32)
+    # prefill's accumulator between chunks in a (BLOCK_M, BLOCK_D) tile a program (attention_config.py)
+    in_memory = cfg.state_in_memory and not split and n_chunks > 1 and Lq > cfg.small_m
+    if split:
+        part = q.new_empty((n_chunks, B * H, Lq, flags["BLOCK_D"] + 2), dtype=torch.float32)
+    else:
+        part = q.new_empty((programs * block_m * flags["BLOCK_D"],) if in_memory else (1,), dtype=torch.float32)
     args = (
         q, k, v, mask, key_start, out, lse, part,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *ms,
@@ -177,7 +182,7 @@ def fwd_launches(q, k, v, attn_mask, key_start, out, lse, scale, is_causal, wind
     )  # fmt: skip
     kwargs = dict(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, **flags, FULL_BLOCKS=_full_blocks(cfg, flags),
-        num_warps=warps, num_stages=cfg.fwd_stages,
+        STATE_IN_MEMORY=in_memory, num_warps=warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
     launches = [(_attention_fwd_kernel, (_cdiv(Lq, block_m), B * H, n_chunks if split else 1), args, kwargs)]
     if split:

@@ -40,6 +40,10 @@ class AttentionConfig:
             takes such a (query block, key block) pair's scores unmasked: the same blocks in the
             same order, so the same bits either way (``kernels/attention.py``, ``_full_end``), as
             the Triton tutorial's causal stages split them.
+        state_in_memory: the prefill forward keeps its rows' accumulator in a global-memory tile
+            between key chunks instead of in registers beside the chunk's own (one accumulator
+            live through the key loop, not two: the same merges, the same bits;
+            ``kernels/attention.py::_row_state``); decode's calls keep it in registers.
     """
 
     block_m: int
@@ -58,13 +62,14 @@ class AttentionConfig:
     dq_warps: int
     dq_stages: int
     full_blocks: bool = False
+    state_in_memory: bool = False
 
 
 # The interpreter runs CI's small fp32 shapes: small tiles keep its per-program cost low; chunks
 # of two 8-key blocks so that CI's 18-key sequences merge chunks at a chunk's end, not at every
-# block's (and decode splits them). Full blocks on: CI runs both loops of the forward and dQ (and
-# tests/test_attention.py compares them with the one masked loop bit for bit).
-_INTERPRETED = AttentionConfig(16, 1, 1, 16, 1, 8, 16, 16, 16, 1, 1, 16, 16, 1, 1, True)
+# block's (and decode splits them). Full blocks and the state in memory on: CI runs those paths
+# (tests/test_attention.py compares each with the default's bits).
+_INTERPRETED = AttentionConfig(16, 1, 1, 16, 1, 8, 16, 16, 16, 1, 1, 16, 16, 1, 1, True, True)
 
 
 def attention_config(block_d: int, dtype: torch.dtype, interpreted: bool) -> AttentionConfig:

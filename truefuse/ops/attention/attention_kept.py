@@ -102,6 +102,9 @@ def run_and_keep(pending: ToKeep, q, k, v, mask, key_start, scale, is_causal, wi
     if not launches:
         return out
     (kernel, grid, args, kwargs), *rest = launches
+    if kwargs["STATE_IN_MEMORY"]:  # its state tiles are no output a replay allocates: not kept
+        _KEPT.keep(pending, None, None, 0)
+        return out
     part = args[7]
     slots = (q, k, v, key_start, out, lse, part) if mask is None else (q, k, v, mask, key_start, out, lse, part)
     go = prepare(slots, kernel, grid, *args, varying=_FWD_VARYING, varying_grid=(2,), **kwargs)
