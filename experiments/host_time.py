@@ -205,9 +205,10 @@ def cmd_bi_stubbed(args) -> None:
                 print(cprofile_text(fn, args.profile, rows=30, calls=calls))
 
 
-def _tiny_llama(run: str):
+def _tiny_llama(run: str, **fusions):
     """A 2-layer Llama, stock (``run="stock"``) or under ``apply_truefuse`` (``"fast"``) or
-    ``apply_truefuse(batch_invariant=True)`` (``"BI"``); None without transformers."""
+    ``apply_truefuse(batch_invariant=True)`` (``"BI"``), with ``fusions`` (``apply_truefuse``'s
+    opt-in flags); None without transformers."""
     try:
         import transformers as tf
     except ImportError:
@@ -221,8 +222,68 @@ def _tiny_llama(run: str):
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(cfg)
     if run != "stock":
-        apply_truefuse(model, batch_invariant=run == "BI")
+        apply_truefuse(model, batch_invariant=run == "BI", **fusions)
     return model
+
+
+# --------------------------------------------------------------------------------------------------
+# fusions
+
+
+def cmd_fusions(args) -> None:
+    """The host cost of issue 48's opt-in fusions (``fuse_sibling_grads``, ``fuse_residual_norm``)
+    on the CPU with every Triton launch stubbed: the tiny Llama of ``kept`` (2 layers, hidden 64), a
+    training step's forward + backward (4 x 32 tokens) and one attention's q/k/v calls + backward,
+    fast and batch-invariant mode, each fusion alone and both; µs of host a call, the minimum over
+    ``--rounds`` interleaved rounds of ``--calls`` (``time.thread_time``). Their kernel time is the
+    GPU's question (``exp_hf_profile.py``); this is what their Python adds where the host decides."""
+    import torch
+
+    from truefuse.integrations.huggingface.batch_invariant import model_mode
+    from truefuse.ops.lm_head.linear_cross_entropy import targets_checked
+
+    stub_launches()
+    torch.set_num_threads(1)
+    runs = {
+        f"{mode}{tag}": _tiny_llama(mode, **kw)
+        for mode in ("fast", "BI")
+        for tag, kw in (
+            ("", {}),
+            (" +siblings", {"fuse_sibling_grads": True}),
+            (" +resnorm", {"fuse_residual_norm": True}),
+            (" +both", {"fuse_sibling_grads": True, "fuse_residual_norm": True}),
+        )
+    }
+    if runs["fast"] is None:
+        print("fusions: needs transformers")
+        return
+    ids = torch.randint(1, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, 32, 64, requires_grad=True)
+
+    def step(model):
+        with targets_checked():  # the loss's label check reads a flag its (stubbed) kernel never wrote
+            model(input_ids=ids, labels=ids).loss.backward()
+
+    def qkv(model):
+        attn = model.model.layers[0].self_attn
+        with model_mode(model):
+            outs = (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    res: dict = {}
+    for _ in range(args.rounds):
+        for run, model in runs.items():
+            model.train()
+            for what, fn in (("train step", step), ("q/k/v fwd+bwd", qkv)):
+                for _ in range(2):
+                    fn(model)
+                t = time.thread_time()
+                for _ in range(args.calls):
+                    fn(model)
+                res.setdefault((what, run), []).append((time.thread_time() - t) / args.calls * 1e6)
+    print(f"{'host us (min of rounds)':26}" + "".join(f"{r:>15}" for r in runs))
+    for what in ("train step", "q/k/v fwd+bwd"):
+        print(f"{what:26}" + "".join(f"{min(res[what, r]):15.1f}" for r in runs))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1152,6 +1213,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--rounds", type=int, default=7)
     s.add_argument("--hidden", type=int, default=64, help="K = N of the GEMMs (host time does not depend on it)")
     s.add_argument("--profile", default=None, help="a row name: print cProfile's top functions for it")
+    s = add("fusions", cmd_fusions, "CPU: issue 48's opt-in fusions' host cost, the tiny Llama, stubbed")
+    s.add_argument("--calls", type=int, default=10)
+    s.add_argument("--rounds", type=int, default=7)
     s = add("kept", cmd_kept, "CPU: kept launches off / on, the tiny Llama's generate and training step, stubbed")
     s.add_argument("--calls", type=int, default=10)
     s.add_argument("--rounds", type=int, default=5)
@@ -1185,7 +1249,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
-    if args.cmd in ("bi-stubbed", "eager", "kept"):
+    if args.cmd in ("bi-stubbed", "eager", "kept", "fusions"):
         os.environ["TRITON_INTERPRET"] = "1"  # before truefuse's kernels import: their launches are stubbed
     args.fn(args)
 

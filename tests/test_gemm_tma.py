@@ -43,6 +43,17 @@ def test_tma_kernel_same_bits_as_the_plain_kernel_interpreted(layout):
     torch.testing.assert_close(out, want, rtol=2e-6, atol=2e-6)
     if layout == "nn":
         assert torch.equal(out, want)
+    # accumulated (C += A·B, one rounding of the fp32 sum): the plain kernel's epilogue
+    c = torch.randn(M, N, generator=torch.Generator().manual_seed(3))
+    acc = c.clone()
+    with T._tma_scratch("cpu"):
+        _gemm_tma_kernel[(3,)](
+            a, w, acc, M, N, K, K, w.shape[1], N, B_NK=layout == "nt", BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, IEEE=True,
+            ACCUMULATE=True,
+        )  # fmt: skip
+    torch.testing.assert_close(acc, out + c, rtol=2e-6, atol=4e-6)
+    if layout == "nn":
+        assert torch.equal(acc, out + c)  # fp32: the epilogue's one addition
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not hopper(torch.empty(0, device="cuda")), reason="needs a Hopper GPU")
@@ -55,6 +66,16 @@ def test_bi_launch_takes_tma_same_bits_gpu(layout, M):
     T.bi_launch(a, b, out)
     assert torch.equal(out, T.run_tiles(a, b, (128, 128, 8, 4)))
     assert torch.equal(out[:16], T.run_tiles(a[:16], b, (16, 64, 4, 4)))
+    # accumulated (the batch-invariant siblings' input gradient): the plain kernel's epilogue's bits
+    c = torch.randn(M, b.shape[1], device="cuda").to(torch.bfloat16)
+    tma, plain = c.clone(), c.clone()
+    T.bi_launch(a, b, tma, accumulate=True)
+    meta = T._bi_meta(a.dtype, M, layout, b.shape[1])
+    from truefuse.kernels.activation import ACT_CODES
+    from truefuse.kernels.gemm import _gemm_kernel
+
+    T._launch(_gemm_kernel, T._bi_grid(M, b.shape[1], meta), a, b, plain, a, plain, True, ACT_CODES[None], False, meta)
+    assert torch.equal(tma, plain)
     # a row slice off TMA's alignment takes the plain kernel: the same rows' bits
     part = torch.empty(M - 1, b.shape[1], device="cuda", dtype=torch.bfloat16)
     T.bi_launch(a[1:], b, part)

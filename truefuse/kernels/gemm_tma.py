@@ -39,6 +39,7 @@ def _gemm_tma_kernel(
     GROUP_M: tl.constexpr,
     WS: tl.constexpr = False,
     IEEE: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = False,
 ):
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
     if B_NK:  # the weight as stored, (N, K) or (K, N), stride_bw its row stride
@@ -69,4 +70,7 @@ def _gemm_tma_kernel(
         rm = (m0 + rm_tile).to(tl.int64)
         rn = n0 + rn_tile
         c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+        c_mask = (rm < M)[:, None] & (rn < N)[None, :]
+        if ACCUMULATE:  # C += A·B: the plain kernel's epilogue (one rounding of the fp32 sum)
+            acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)

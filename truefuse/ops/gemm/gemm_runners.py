@@ -61,15 +61,17 @@ def _runner(chosen: GemmPlan):
         chosen.backend == "triton"
         and "batch_invariant" in chosen.fused
         and set(chosen.split) <= {"bias"}
-        and not {"accumulate", "bias"} & set(chosen.fused)
+        and "bias" not in chosen.fused
     ):
         return general
     from truefuse.ops.gemm.gemm_backends.triton import bi_launch
 
     def triton_bi(a, b, out, odt, accumulate, bias):
-        if accumulate or a.dtype is not chosen.compute_dtype or a.shape[0] == 0 or b.shape[1] == 0:
+        if a.dtype is not chosen.compute_dtype or a.shape[0] == 0 or b.shape[1] == 0:
             return general(a, b, out, odt, accumulate, bias)
-        bi_launch(a, b, out)
+        if accumulate and (out.dtype is not a.dtype or bias is not None or "accumulate" not in chosen.fused):
+            return general(a, b, out, odt, accumulate, bias)
+        bi_launch(a, b, out, accumulate)  # accumulated: the running sum added in the epilogue (siblings' dx)
         if bias is not None:  # split (the plan fuses none): added as gemm_exec._run_one adds it
             out.add_(bias.to(out.dtype))
         return out

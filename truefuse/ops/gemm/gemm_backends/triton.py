@@ -133,8 +133,8 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
     if "batch_invariant" in fused:
         from truefuse.kernels.gemm import _gemm_kernel
 
-        if not beta1 and grad_act is None and gb is None:
-            bi_launch(a, b, target)  # a bare product: the plain call's launch (TMA where it fits)
+        if grad_act is None and gb is None:
+            bi_launch(a, b, target, beta1)  # a bare product, or accumulated: the plain call's launch (TMA where it fits)
             return
         meta = _bi_meta(a.dtype, M, layout(b), N)
         kernel, grid = _gemm_kernel, _bi_grid(M, N, meta)
@@ -147,9 +147,10 @@ def product(args: GemmArgs, a: torch.Tensor, b: torch.Tensor, fused: tuple[str, 
         gb.copy_(gb_target)
 
 
-def bi_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> None:
+def bi_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor, accumulate: bool = False) -> None:
     """:func:`product`'s batch-invariant launch for a bare product (no derivative prologue, no
-    bias-gradient, not accumulated; M and N not 0): the plain call's runner
+    bias-gradient; M and N not 0), into ``target`` or added to it (``accumulate``: the fp32 sum
+    rounded once, in either kernel's epilogue): the plain call's runner
     (``ops/gemm/gemm_runners.py::_runner``) launches it without the plan's executor around it."""
     from truefuse.kernels.activation import ACT_CODES
     from truefuse.kernels.gemm import _gemm_kernel
@@ -157,10 +158,10 @@ def bi_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> None:
     M, N = a.shape[0], b.shape[1]
     form = layout(b)
     if _tma_fits(a, b, target, form):
-        _bi_tma_launch(a, b, target, form)
+        _bi_tma_launch(a, b, target, form, accumulate)
         return
     meta = _bi_meta(a.dtype, M, form, N)
-    _launch(_gemm_kernel, _bi_grid(M, N, meta), a, b, target, a, target, False, ACT_CODES[None], False, meta)
+    _launch(_gemm_kernel, _bi_grid(M, N, meta), a, b, target, a, target, accumulate, ACT_CODES[None], False, meta)
 
 
 def bi_prepared(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor):
@@ -196,7 +197,7 @@ def _tma_fits(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor, form: str)
     return target.stride(1) == 1
 
 
-def _bi_tma_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor, form: str) -> None:
+def _bi_tma_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor, form: str, accumulate: bool = False) -> None:
     from truefuse.kernels.gemm_tma import _gemm_tma_kernel
 
     (M, K), N = a.shape, b.shape[1]
@@ -221,6 +222,7 @@ def _bi_tma_launch(a: torch.Tensor, b: torch.Tensor, target: torch.Tensor, form:
             BLOCK_N=bn,
             BLOCK_K=BI_BLOCK_K[group(a.dtype)],
             GROUP_M=GROUP_M,
+            ACCUMULATE=accumulate,
             num_warps=warps,
             num_stages=stages,
         )
