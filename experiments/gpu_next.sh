@@ -2,8 +2,9 @@
 # The GPU runs issues 47 and 48 wait for, each part one device call (under 10 minutes on one H100):
 #   bash experiments/gpu_next.sh graphs    # 47: the demo's step graphed and eager, fast and batch-invariant
 #                                          #     with issue 48's fusions, against stock; which kernels a replay runs longer
-#   bash experiments/gpu_next.sh kernels   # the CUDA tests of what changed without a GPU, verify on cuda,
-#                                          # the attention tile sweep (full_blocks and 128-key candidates)
+#   bash experiments/gpu_next.sh kernels   # the CUDA tests of what changed without a GPU, verify on cuda
+#   bash experiments/gpu_next.sh attention # the attention tile sweep (full_blocks, state_in_memory, 128-key candidates)
+#   bash experiments/gpu_next.sh defaults  # 48: each opt-in fusion alone against truefuse, round-robin
 #   bash experiments/gpu_next.sh profile   # 48: the step's kernel time by kind, each fusion alone and together,
 #                                          #     fast and batch-invariant, stock compiled
 # Results under $OUT (the device tool's folder; ./gpu_next_out elsewhere), a short table printed last.
@@ -36,12 +37,22 @@ kernels)
     tests/hf/test_sibling_grads.py tests/hf/test_cuda_graphs.py tests/test_add_norm.py tests/hf/test_residual_norm.py \
     tests/test_kept_launches.py > "$OUT/pytest.log" 2>&1
   echo "pytest rc $?"
-  $PY -m truefuse verify --device cuda --op sibling_linears --op attention --quiet > "$OUT/verify.log" 2>&1
+  timeout 240 $PY -m truefuse verify --device cuda --op sibling_linears --op attention --op gemm --quiet > "$OUT/verify.log" 2>&1
   echo "verify rc $?"
-  timeout 300 $PY experiments/exp_attention_configs.py "$OUT" 240 > "$OUT/attention_configs.log" 2>&1
+  grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -20; tail -n 1 "$OUT/pytest.log"; grep -E "FAIL" "$OUT/verify.log" | head; tail -n 2 "$OUT/verify.log"
+  ;;
+attention)
+  # each candidate's bits (two backward runs, verify's bitwise cases) and time against SDPA's faster backend
+  timeout 560 $PY experiments/exp_attention_configs.py "$OUT" 420 > "$OUT/attention_configs.log" 2>&1
   echo "exp_attention_configs rc $?"
-  grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -20; tail -n 1 "$OUT/pytest.log"; tail -n 3 "$OUT/verify.log"
-  tail -n 22 "$OUT/attention_configs.log"
+  tail -n 30 "$OUT/attention_configs.log"
+  ;;
+defaults)
+  # 48: each opt-in fusion alone against truefuse, round-robin, eager and graphed (whether to make them the default)
+  timeout 560 $PY experiments/exp_graphs.py "$OUT" --config demo --parts train --share-pool --train-rounds 6 \
+    --variants "truefuse,truefuse siblings,truefuse resnorm" --deadline-s 450 > "$OUT/graphs_defaults.log" 2>&1
+  echo "exp_graphs rc $?"
+  tail -n 25 "$OUT/graphs_defaults.log"
   ;;
 profile)
   timeout 560 $PY experiments/exp_hf_profile.py --fused --top 8 --runs \
@@ -51,7 +62,7 @@ profile)
   grep -A 16 "^ms / step" "$OUT/hf_profile.txt"
   ;;
 *)
-  echo "usage: bash experiments/gpu_next.sh graphs|kernels|profile" >&2
+  echo "usage: bash experiments/gpu_next.sh graphs|kernels|attention|defaults|profile" >&2
   exit 2
   ;;
 esac
