@@ -68,11 +68,14 @@ def _step(model, ids):
     return out.loss
 
 
-@pytest.mark.parametrize("mode", ["fast", "bi", "lean"])
+@pytest.mark.parametrize("mode", ["fast", "bi", "lean", "fast fused", "bi fused"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_captured_step_reads_nothing_on_the_host(model_type, mode, monkeypatch):
+    """Each mode, and with issue 48's opt-in fusions (the sibling groups, fast and batch-invariant,
+    and the fused residual norms)."""
     model = tiny_model(model_type, num_hidden_layers=1).train()
-    apply_truefuse(model, batch_invariant=mode == "bi", loss_memory="lean" if mode == "lean" else "default")
+    fused = dict(fuse_sibling_grads=True, fuse_residual_norm=True) if mode.endswith("fused") else {}
+    apply_truefuse(model, batch_invariant=mode.startswith("bi"), loss_memory="lean" if mode == "lean" else "default", **fused)
     ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     eager = _step(tiny_model(model_type, num_hidden_layers=1).train(), ids)  # stock: a finite loss to compare
     monkeypatch.setattr(_capture, "capturing", lambda t: True)
