@@ -211,6 +211,31 @@ def test_lora_after_the_patch_still_fuses_its_base_layers():
     _close(ga, gb)
 
 
+def test_batch_invariant_lora_fuses_its_base_layers(torch_paths):
+    """TRL's RL recipe: a batch-invariant model, then PEFT's LoRA on q/v/up. The base layers' group
+    runs batch-invariant (the loss the unfused BI model's bits), the adapters' F.linear stay
+    routed, the adapters' gradients close to the unfused run's."""
+    peft = pytest.importorskip("peft")
+    plain, fused = _bi_pair()
+    cfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    plain = peft.get_peft_model(plain, peft.LoraConfig(**cfg))
+    fused = peft.get_peft_model(fused, peft.LoraConfig(**cfg))
+    fused.load_state_dict(plain.state_dict())
+    la, ga, _ = _step(plain, _ids())
+    lb, gb, _ = _step(fused, _ids())
+    assert torch.equal(la, lb)
+    assert ga and ga.keys() == gb.keys() and all("lora_" in n for n in gb)
+    _close(ga, gb)
+    seen = []
+    base = fused.base_model.model.model.layers[0].mlp.up_proj.base_layer
+    handle = base.register_forward_hook(lambda m, a, out: seen.append(type(out.grad_fn).__name__))
+    try:
+        _step(fused, _ids())
+    finally:
+        handle.remove()
+    assert seen == ["BatchInvariantSiblingLinearsBackward"], seen
+
+
 def test_unpatch_gives_the_stock_linear_back():
     _, fused, _ = _pair()
     unpatch_truefuse(fused)
