@@ -64,7 +64,7 @@ FWD = [
     (128, 8, 3, 128), (128, 8, 3, 128, False, True), (128, 8, 3, 128, True, True), (128, 8, 2, 128, True, True),
     (64, 4, 3, 128, False, True),
 ]  # fmt: skip
-DECODE = [3, 2]  # stages of the 64-row decode tile
+DECODE = [(3, False), (2, False), (3, True)]  # (stages, full_blocks) of the 64-row decode tile
 
 
 def _t(fn):
@@ -216,11 +216,11 @@ def main():
             ms = _t(lambda L=L: _ours(*train[L]))
             row[f"L{L}_ms"], row[f"L{L}_vs_sdpa"] = ms, sd["fwd"][L] / ms
         record(row)
-    for stages in DECODE:
+    for stages, full in DECODE:
         if time.time() - T0 > budget:
             break
-        _use(dataclasses.replace(BASE, fwd_stages=stages))
-        row = {"pass": "decode", "stages": stages}
+        _use(dataclasses.replace(BASE, fwd_stages=stages, full_blocks=full))
+        row = {"pass": "decode", "stages": stages, "full_blocks": full}
         for b, n in dec:
             ms = _t(lambda key=(b, n): _ours(*dec[key], causal=False))
             row[f"{b}x{n}"] = [ms, ms / sd["decode"][f"{b}x{n}"]]
@@ -232,7 +232,7 @@ def main():
             json.dump(results, f, indent=1)
     print(f"\n{'candidate':52} {'result'}")
     for r in rows:
-        name = " ".join(f"{k}={r[k]}" for k in ("pass", "dkdv", "dq", "tile", "stages") if k in r)
+        name = " ".join(f"{k}={r[k]}" for k in ("pass", "dkdv", "dq", "tile", "stages", "full_blocks") if k in r)
         keys = ("rand_frac", "ones_diff", "fwd_bwd_ms", "vs_sdpa", "bitwise_fails", "L2048_vs_sdpa", "L4096_vs_sdpa", "error")
         res = {k: (round(r[k], 3) if isinstance(r[k], float) else r[k]) for k in keys if k in r}
         if r["pass"] == "decode":

@@ -366,6 +366,10 @@ def test_cli_adds_the_fusions_run(monkeypatch):
         main(["demo", "--device", "cpu", "--fusions", "--steps", "1", "--quiet"])
     assert list(seen["peers"]) == ["truefuse", "truefuse fused"]
     assert seen["peers"]["truefuse fused"].optimizer == "truefuse"
+    with pytest.raises(SystemExit):  # with --batch-invariant: the fusions in that mode too
+        main(["demo", "--device", "cpu", "--fusions", "--batch-invariant", "--steps", "1", "--quiet"])
+    assert list(seen["peers"]) == ["truefuse", "truefuse fused", "stock again", "truefuse BI", "truefuse BI fused"]
+    assert seen["peers"]["truefuse BI fused"].optimizer == "truefuse"
 
 
 @pytest.mark.slow  # ~20 s on CI's 2 cores: the fusions' own tests are tests/hf/test_sibling_grads.py, test_residual_norm.py

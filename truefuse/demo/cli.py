@@ -59,6 +59,16 @@ def _apply_truefuse_fusions(model):
 _apply_truefuse_fusions.optimizer = "truefuse"
 
 
+def _apply_truefuse_bi_fusions(model):
+    """The same fusions in batch-invariant mode (issue 48.6), stepping with ``truefuse.optim.AdamW``."""
+    from truefuse.integrations.huggingface import apply_truefuse
+
+    return apply_truefuse(model, batch_invariant=True, fuse_residual_norm=True, fuse_sibling_grads=True)
+
+
+_apply_truefuse_bi_fusions.optimizer = "truefuse"
+
+
 def stock_again(model):
     """The yardstick run: stock again, nothing patched (how far stock is from itself)."""
     return "nothing: stock run a second time (the yardstick of the loss columns)"
@@ -145,7 +155,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--fusions",
         action="store_true",
         help="add a run of truefuse with the opt-in fusions (fuse_residual_norm, fuse_sibling_grads) and "
-        "truefuse.optim.AdamW (docs/add_norm.md, docs/sibling_linears.md)",
+        "truefuse.optim.AdamW (docs/add_norm.md, docs/sibling_linears.md); with --batch-invariant one in that mode too",
     )
     p.add_argument(
         "--batch-invariant",
@@ -223,6 +233,8 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "batch_invariant", False):
         peers["stock again"] = stock_again
         peers["truefuse BI"] = truefuse_bi_patch()
+        if getattr(args, "fusions", False):
+            peers["truefuse BI fused"] = _apply_truefuse_bi_fusions
     if args.peer == "liger":
         try:
             peers["liger"] = liger_patch()
