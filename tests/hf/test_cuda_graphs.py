@@ -23,8 +23,10 @@ def _trainer(arch: str, mode: str):
     model = build(arch, 2, 256, 32000, torch.bfloat16, torch.device("cuda"), 0).train()
     model.config._attn_implementation = "sdpa"  # HF's default; its eager mask copies a CPU scalar
     if mode != "stock":
-        # "lean": the fused loss's low-memory form (vocabulary slices; fast mode only)
-        apply_truefuse(model, batch_invariant=mode == "bi", loss_memory="lean" if mode == "lean" else "default")
+        # "lean": the fused loss's low-memory form (vocabulary slices; fast mode only); "... fused":
+        # issue 48's opt-in fusions (the residual norms, the sibling groups)
+        fused = dict(fuse_residual_norm=True, fuse_sibling_grads=True) if mode.endswith("fused") else {}
+        apply_truefuse(model, batch_invariant=mode.startswith("bi"), loss_memory="lean" if mode == "lean" else "default", **fused)
     params = [p for p in model.parameters() if p.requires_grad]
     lr = torch.tensor(1e-3, device="cuda")  # a tensor: a scheduler may change it between replays
     opt = torch.optim.AdamW(params, lr=lr, fused=True, capturable=True)
@@ -41,7 +43,7 @@ def _trainer(arch: str, mode: str):
 
 
 @requires_cuda
-@pytest.mark.parametrize("mode", ["stock", "fast", "bi", "lean"])
+@pytest.mark.parametrize("mode", ["stock", "fast", "bi", "lean", "fast fused", "bi fused"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_graphed_steps_equal_eager_steps(arch, mode):
     g = torch.Generator().manual_seed(0)
