@@ -43,7 +43,8 @@ class AttentionConfig:
         state_in_memory: the prefill forward keeps its rows' accumulator in a global-memory tile
             between key chunks instead of in registers beside the chunk's own (one accumulator
             live through the key loop, not two: the same merges, the same bits;
-            ``kernels/attention.py::_row_state``); decode's calls keep it in registers.
+            ``kernels/attention.py::_row_state``); decode's calls keep it in registers. The tiles
+            are a transient (B·H·L_q, head dim) fp32 buffer: twice a bf16 q's bytes.
     """
 
     block_m: int
