@@ -490,6 +490,71 @@ def cmd_eager(args) -> None:
         print(f"{name:12s} eager {e:7.1f} us  dispatcher {d:7.1f} us  (saved {d - e:+.1f} us, {e / d:.2f}x)")
 
 
+def cmd_function_floor(args) -> None:
+    """Issue 47.3's per-op host goal against what a Python autograd Function costs doing nothing: on
+    the CPU, tiny fp32 tensors (1 x 8: the compute is noise), forward + ``torch.autograd.grad``,
+    µs a call, the minimum over ``--rounds`` interleaved rounds of 500. Rows: stock's two-op swiglu
+    (``F.silu(g) * u``: C++ nodes both ways); a Function whose forward and backward only allocate
+    their outputs, through ``Function.apply`` and through the raw C ``apply`` truefuse's eager ops
+    use (``autograd/_eager_op.py``): the floor of any one-kernel op written as a Python Function;
+    and truefuse's swiglu, launches stubbed, its kept launches off and on (on: the CPU standing in for
+    CUDA as in ``kept``, the kept launches no-ops: the GPU's path)."""
+    import torch
+    import torch.nn.functional as F
+
+    import truefuse.autograd.gated_activation as ag
+    import truefuse.ops._launch.prepared as prepared
+    import truefuse.ops.gated_activation.gated_kept as gated_kept
+
+    stub_launches()
+    torch.set_num_threads(1)
+    noop = lambda *a: None  # noqa: E731
+    gated_kept.launchable, gated_kept.stream = (lambda go: True), (lambda go: 0)
+    gated_kept.fwd_prepared = gated_kept.bwd_prepared = lambda *a: noop
+    real = prepared._on_device
+
+    def swiglu(on: bool):
+        def run():
+            prepared._on_device = (lambda x: True) if on else real
+            try:
+                return torch.autograd.grad(ag.gated_activation(g, "swiglu", u), (g, u), dy)
+            finally:
+                prepared._on_device = real
+
+        return run
+
+    class Empty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, g, u):
+            return torch.empty_like(g)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return torch.empty_like(dy), torch.empty_like(dy)
+
+    raw = super(torch.autograd.Function, Empty).apply
+    g, u, dy = torch.randn(1, 8, requires_grad=True), torch.randn(1, 8, requires_grad=True), torch.randn(1, 8)
+    rows = {
+        "stock silu(g) * u": lambda: torch.autograd.grad(F.silu(g) * u, (g, u), dy),
+        "empty Function, apply": lambda: torch.autograd.grad(Empty.apply(g, u), (g, u), dy),
+        "empty Function, raw C apply": lambda: torch.autograd.grad(raw(g, u), (g, u), dy),
+        "truefuse swiglu, stubbed": swiglu(False),
+        "truefuse swiglu, kept": swiglu(True),
+    }
+    res: dict = {}
+    for _ in range(args.rounds):
+        for name, fn in rows.items():
+            for _ in range(20):
+                fn()
+            t = time.thread_time()
+            for _ in range(500):
+                fn()
+            res.setdefault(name, []).append((time.thread_time() - t) / 500 * 1e6)
+    stock = min(res["stock silu(g) * u"])
+    for name in rows:
+        print(f"{name:30s} {min(res[name]):7.1f} us  {min(res[name]) / stock:5.2f}x stock")
+
+
 # --------------------------------------------------------------------------------------------------
 # launch
 
@@ -1213,6 +1278,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--rounds", type=int, default=7)
     s.add_argument("--hidden", type=int, default=64, help="K = N of the GEMMs (host time does not depend on it)")
     s.add_argument("--profile", default=None, help="a row name: print cProfile's top functions for it")
+    s = add("function-floor", cmd_function_floor, "CPU: a do-nothing Python autograd Function against stock's swiglu")
+    s.add_argument("--rounds", type=int, default=9)
     s = add("fusions", cmd_fusions, "CPU: issue 48's opt-in fusions' host cost, the tiny Llama, stubbed")
     s.add_argument("--calls", type=int, default=10)
     s.add_argument("--rounds", type=int, default=7)
@@ -1249,7 +1316,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
-    if args.cmd in ("bi-stubbed", "eager", "kept", "fusions"):
+    if args.cmd in ("bi-stubbed", "eager", "kept", "fusions", "function-floor"):
         os.environ["TRITON_INTERPRET"] = "1"  # before truefuse's kernels import: their launches are stubbed
     args.fn(args)
 

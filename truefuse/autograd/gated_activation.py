@@ -36,7 +36,7 @@ def gated_activation(x: torch.Tensor, name: str, up: torch.Tensor | None = None)
     if kept is not None and type(kept) is not ToKeep:
         if torch.is_grad_enabled() and (x.requires_grad or up.requires_grad):
             return _apply_kept(x, up, kept, name)
-        y = launch(kept, x, up)
+        y = launch(kept[0], x, up)
         if y is not None:
             return y
         kept = None
@@ -85,7 +85,8 @@ class _KeptGated(torch.autograd.Function):
     box (launches stubbed). The same kernels and arguments: the same bits."""
 
     @staticmethod
-    def forward(ctx, gate, up, go, name):
+    def forward(ctx, gate, up, kept, name):
+        go, ctx.key = kept  # the forward's key: the backward's is the incoming gradient's layout and it
         y = launch(go, gate, up)
         if y is None:  # an output not aligned as the kept launch's: the op's own launch
             y = gated2_fwd_op.body(gate, up, name)
@@ -97,7 +98,7 @@ class _KeptGated(torch.autograd.Function):
     @refuses_double_backward("gated_activation", "truefuse.ops.gated_activation.gated_activation.gated_activation_ref")
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        dg, du = kept_grads(dy, gate, up, ctx.name)
+        dg, du = kept_grads(dy, gate, up, ctx.name, ctx.key)
         return dg, du, None, None
 
 

@@ -26,7 +26,8 @@ _KEPT_BWD = KeptLaunches()
 
 
 def kept_gated(gate: torch.Tensor, up: torch.Tensor, name: str, *, recording: bool = False):
-    """The forward launch kept for this call's key (``go``, a callable: :func:`launch` it); else,
+    """The forward launch kept for this call's key (``(go, key)``: :func:`launch` ``go``, hand
+    ``key`` to :func:`kept_grads`); else,
     where the call may be kept, the key to hand :func:`keep` after the caller's path ran (a
     :class:`ToKeep`); else None: not plain CUDA tensors, an operand requiring grad with grad mode on
     (unless ``recording``: the caller records the graph around :func:`launch` and
@@ -37,7 +38,7 @@ def kept_gated(gate: torch.Tensor, up: torch.Tensor, name: str, *, recording: bo
     key = (layout(gate, gate.data_ptr()), layout(up, up.data_ptr()), name)
     kept = _KEPT.get(key)
     if kept.__class__ is tuple:
-        return kept[0] if launchable(kept[0]) else None
+        return kept if launchable(kept[0]) else None
     return ToKeep(key, kept) if kept > 0 else None
 
 
@@ -65,16 +66,17 @@ def keep(
     same = g2.data_ptr() == gate.data_ptr() and u2.data_ptr() == up.data_ptr() and g is gate and u is up
     if same and y2.numel():
         go = fwd_prepared(g2, u2, y2, name)
-    _KEPT.keep(pending, go)
+    _KEPT.keep(pending, go, pending.key)  # the key again: the backward's key holds it (kept_grads)
 
 
-def kept_grads(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_grads(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, name: str, fwd_key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``gate`` and ``up`` (the forward's operands, row-contiguous as
     :func:`kept_gated` keeps them) for the output's gradient ``dy``: ``gated2_bwd_op``'s, through the
-    launch kept for this call's key, else through that op's body, keeping its launch where it may."""
+    launch kept for this call's key, else through that op's body, keeping its launch where it may.
+    ``fwd_key``: the forward's (:func:`kept_gated`'s: the operands' layouts and the name, read then)."""
     key = None
     if type(dy) is torch.Tensor and dy.dtype is gate.dtype and dy.shape == gate.shape:
-        key = (layout(dy, dy.data_ptr()), layout(gate, gate.data_ptr()), layout(up, up.data_ptr()), name)
+        key = (layout(dy, dy.data_ptr()), fwd_key)
     kept = _KEPT_BWD.get(key) if key is not None else 0
     if kept.__class__ is tuple:
         (go,) = kept
