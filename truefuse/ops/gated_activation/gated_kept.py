@@ -69,7 +69,9 @@ def keep(
     _KEPT.keep(pending, go, pending.key)  # the key again: the backward's key holds it (kept_grads)
 
 
-def kept_grads(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, name: str, fwd_key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_grads(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, name: str, fwd_key: tuple
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``gate`` and ``up`` (the forward's operands, row-contiguous as
     :func:`kept_gated` keeps them) for the output's gradient ``dy``: ``gated2_bwd_op``'s, through the
     launch kept for this call's key, else through that op's body, keeping its launch where it may.
