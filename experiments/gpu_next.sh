@@ -33,11 +33,12 @@ graphs)
   tail -n 25 "$OUT/graphs.log"; tail -n 30 "$OUT/graph_kernels.txt"
   ;;
 kernels)
-  timeout 240 $PY -m pytest -q -n 8 -p no:cacheprovider tests/test_attention.py tests/test_sibling_linears.py \
+  timeout 300 $PY -m pytest -q -n 8 -p no:cacheprovider tests/test_attention.py tests/test_sibling_linears.py \
     tests/hf/test_sibling_grads.py tests/hf/test_cuda_graphs.py tests/test_add_norm.py tests/hf/test_residual_norm.py \
-    tests/test_kept_launches.py > "$OUT/pytest.log" 2>&1
+    tests/test_kept_launches.py tests/test_gated_activation.py tests/test_gemm_tma.py tests/test_batch_invariant.py \
+    > "$OUT/pytest.log" 2>&1
   echo "pytest rc $?"
-  timeout 240 $PY -m truefuse verify --device cuda --op sibling_linears --op attention --op gemm --quiet > "$OUT/verify.log" 2>&1
+  timeout 200 $PY -m truefuse verify --device cuda --op sibling_linears --op attention --op gemm --op gated_activation --quiet > "$OUT/verify.log" 2>&1
   echo "verify rc $?"
   grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -20; tail -n 1 "$OUT/pytest.log"; grep -E "FAIL" "$OUT/verify.log" | head; tail -n 2 "$OUT/verify.log"
   ;;
