@@ -53,6 +53,17 @@ def stub_launches() -> None:
     interpreter.InterpretedFunction.run = lambda self, *a, **k: None
 
 
+def thread_us(fn, calls: int, warmup: int = 2) -> float:
+    """µs of this thread's CPU time per ``fn()`` over ``calls`` calls after ``warmup`` (the CPU
+    subcommands' one round: ``time.thread_time``, so other processes on a loaded box count less)."""
+    for _ in range(warmup):
+        fn()
+    t = time.thread_time()
+    for _ in range(calls):
+        fn()
+    return (time.thread_time() - t) / calls * 1e6
+
+
 def gpu_host_us(fn, calls: int, warmup: int = 20) -> float:
     """µs of host per ``fn()`` on CUDA: the best of 5 rounds of ``calls`` calls, no synchronisation
     inside a round (the GPU work queued, so the wall time is the host's wherever the host is slower).
@@ -186,12 +197,7 @@ def cmd_bi_stubbed(args) -> None:
             for name, (in_mode, fn) in rows.items():
                 calls = args.calls if in_mode is not None else max(1, args.calls // 20)
                 with torch.set_grad_enabled(name in grads), scope(in_mode):
-                    for _ in range(2):
-                        fn()
-                    t = time.thread_time()
-                    for _ in range(calls):
-                        fn()
-                    res.setdefault(name, []).append((time.thread_time() - t) / calls * 1e6)
+                    res.setdefault(name, []).append(thread_us(fn, calls))
         for name in rows:
             print(f"{name:24s} {min(res[name]):8.1f} us")
         if "generate tiny BI" in res:
@@ -275,12 +281,7 @@ def cmd_fusions(args) -> None:
         for run, model in runs.items():
             model.train()
             for what, fn in (("train step", step), ("q/k/v fwd+bwd", qkv)):
-                for _ in range(2):
-                    fn(model)
-                t = time.thread_time()
-                for _ in range(args.calls):
-                    fn(model)
-                res.setdefault((what, run), []).append((time.thread_time() - t) / args.calls * 1e6)
+                res.setdefault((what, run), []).append(thread_us(lambda fn=fn, m=model: fn(m), args.calls))
     print(f"{'host us (min of rounds)':26}" + "".join(f"{r:>15}" for r in runs))
     for what in ("train step", "q/k/v fwd+bwd"):
         print(f"{what:26}" + "".join(f"{min(res[what, r]):15.1f}" for r in runs))
@@ -360,23 +361,13 @@ def cmd_kept(args) -> None:
                 for on in (False, True):
                     kept(on)
                     for what, fn in (("generate", generate), ("train step", train_step)):
-                        for _ in range(2):
-                            fn(model)
-                        t = time.thread_time()
-                        for _ in range(args.calls):
-                            fn(model)
-                        res.setdefault((what, run, on), []).append((time.thread_time() - t) / args.calls * 1e6)
+                        res.setdefault((what, run, on), []).append(thread_us(lambda fn=fn, m=model: fn(m), args.calls))
         ops = _kept_ops(torch)
         for _ in range(args.rounds):
             for on in (False, True):
                 kept(on)
                 for name, fn in ops.items():
-                    for _ in range(3):
-                        fn()
-                    t = time.thread_time()
-                    for _ in range(100 * args.calls):
-                        fn()
-                    res.setdefault((name, on), []).append((time.thread_time() - t) / (100 * args.calls) * 1e6)
+                    res.setdefault((name, on), []).append(thread_us(fn, 100 * args.calls, warmup=3))
     kept(False)
     best = {k: min(v) for k, v in res.items()}
     print(f"{'tiny Llama, host us':<24} {'kept off':>10} {'kept on':>10} {'on/off':>7}   vs stock (kept on)")
@@ -544,12 +535,7 @@ def cmd_function_floor(args) -> None:
     res: dict = {}
     for _ in range(args.rounds):
         for name, fn in rows.items():
-            for _ in range(20):
-                fn()
-            t = time.thread_time()
-            for _ in range(500):
-                fn()
-            res.setdefault(name, []).append((time.thread_time() - t) / 500 * 1e6)
+            res.setdefault(name, []).append(thread_us(fn, 500, warmup=20))
     stock = min(res["stock silu(g) * u"])
     for name in rows:
         print(f"{name:30s} {min(res[name]):7.1f} us  {min(res[name]) / stock:5.2f}x stock")

@@ -183,3 +183,9 @@ def _bi_fusable(x, weights, biases, cast_to) -> bool:
 #: ``Function.apply`` without its Python layer in plain eager calls (as ``autograd/_eager_op.py``'s)
 _apply_c = super(torch.autograd.Function, SiblingLinears).apply
 _apply_bi = super(torch.autograd.Function, BatchInvariantSiblingLinears).apply
+
+
+def checked_bi_sibling_linears(x: torch.Tensor, weights: tuple, biases: tuple) -> tuple[torch.Tensor, ...]:
+    """:class:`BatchInvariantSiblingLinears` on arguments whose caller checked what it asks (eager,
+    plain tensors of one dtype that autocast does not cast: the Hugging Face members' call)."""
+    return _apply_bi(x, *weights, *biases)

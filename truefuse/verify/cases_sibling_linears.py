@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from truefuse.autograd._wgrad import WgradState
 from truefuse.autograd.linear import linear
-from truefuse.autograd.sibling_linears import _BI_PLAIN, sibling_linears
+from truefuse.autograd.sibling_linears import sibling_linears
 from truefuse.config import batch_invariant
 from truefuse.ops.gemm.siblings import sibling_linears_ref
 from truefuse.testing import bitwise_report, bounded_report
@@ -85,9 +86,8 @@ def _bi_case(dtype):
         ws, bs, dys = rest[:3], rest[3:6], rest[6:]
         with batch_invariant():
             got = _run(sibling_linears, x, ws, bs, dys)
-            routed = _run(
-                lambda x, ws, bs: [linear(x, w, b, state=_BI_PLAIN) for w, b in zip(ws, bs, strict=True)], x, ws, bs, dys
-            )
+            state = WgradState(owner="verify")  # plain: autograd's .grad, as the routed F.linear's
+            routed = _run(lambda x, ws, bs: [linear(x, w, b, state=state) for w, b in zip(ws, bs, strict=True)], x, ws, bs, dys)
             alone = _run(sibling_linears, x[1:2], ws, bs, [d[1:2] for d in dys])
         (outs, (dx, *dparams)), (want_outs, (_, *want_dparams)) = got, routed
         report = {f"out{i}": bitwise_report(o, w) for i, (o, w) in enumerate(zip(outs, want_outs, strict=True))}

@@ -106,14 +106,16 @@ def apply_truefuse(
         fuse_residual_norm: each decoder layer's post-attention residual add and
             ``post_attention_layernorm`` run as one ``truefuse.add_rms_norm_hf`` (the stock bits
             forward, one backward kernel), and its ``input_layernorm`` adds the residual stream's
-            gradient in its backward kernel (``residual_norm.py``). Off by default: its kernels' bf16
-            bits and speed on a GPU are not measured yet (docs/add_norm.md). Needs ``rms_norm=True``
+            gradient in its backward kernel (``residual_norm.py``). Off by default until it is timed
+            alone against the unfused step on a GPU (its kernels: docs/add_norm.md). Needs ``rms_norm=True``
             and ``stock_norm_bits=True`` (the layer's norm is then ``rms_norm_hf``, whose bits it
             keeps); llama-style layers only (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
         fuse_sibling_grads: each attention's q/k/v projections and each MLP's gate/up run as one
             ``truefuse.sibling_linears`` call while training: the stock forward bits and weight
             gradients, the input gradient summed inside the GEMMs instead of by autograd's adds
-            (``sibling_grads.py``, docs/sibling_linears.md). Off by default: not measured on a GPU yet.
+            (``sibling_grads.py``, docs/sibling_linears.md); in batch-invariant mode the group is
+            batch-invariant too. Off by default until it is timed alone against the unfused step on a
+            GPU (the op alone: 0.91-0.98x stock's on an H100, docs/benchmarks.md).
 
     Returns:
         A :class:`PatchReport`. Calling it again on a patched model changes nothing (an experts

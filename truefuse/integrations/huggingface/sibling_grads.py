@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from truefuse.autograd._autocast import autocast_dtype
 from truefuse.autograd._modes import Modes
-from truefuse.autograd.sibling_linears import checked_sibling_linears
+from truefuse.autograd.sibling_linears import checked_bi_sibling_linears, checked_sibling_linears
 from truefuse.integrations.huggingface import modules
 from truefuse.ops._launch.triton import PLAIN_TENSORS
 
@@ -62,7 +62,9 @@ def _member_forward(self, input):
     mode = None if group is None else _fusable(input, group, compiling)
     if mode is None:
         return F.linear(input, self.weight, self.bias)
-    outs = checked_sibling_linears(input, tuple(m.weight for m in group), tuple(m.bias for m in group), mode)
+    weights, biases = tuple(m.weight for m in group), tuple(m.bias for m in group)
+    # batch-invariant: _fusable checked what its Function asks (no second look at the modes)
+    outs = checked_bi_sibling_linears(input, weights, biases) if mode else checked_sibling_linears(input, weights, biases)
     for m, y in zip(group, outs, strict=True):
         if m is not self:
             entry = (input, _stamp(input, m, compiling), y)
